@@ -1,0 +1,117 @@
+//! Configuration: TOML text → raw serde form → validated, typed [`Config`] in which every
+//! limit is explicit (DESIGN §3, invariant 7).
+//!
+//! Durations and sizes are strings (`"250ms"`, `"7d"`, `"512MiB"`). An unknown key, a wrong
+//! type or an impossible value is a [`ConfigError`] naming the file, the key and its line.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::pipeline::spec::PipelineSpec;
+
+mod parse;
+pub use parse::{ConfigError, Problem, load, parse_str};
+
+/// The whole, validated configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// The file it was read from (for messages).
+    pub source: PathBuf,
+    pub mqtt: MqttConfig,
+    pub storage: StorageConfig,
+    pub log: LogConfig,
+    pub checkpoint: CheckpointConfig,
+    pub outbox: OutboxConfig,
+    pub metrics: MetricsConfig,
+    pub savepoint: SavepointConfig,
+    pub pipelines: Vec<PipelineSpec>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct TlsConfig {
+    pub ca_file: PathBuf,
+    pub cert_file: Option<PathBuf>,
+    pub key_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct MqttConfig {
+    pub host: String,
+    pub port: u16,
+    /// Stable: the broker keeps the persistent session under it.
+    pub client_id: String,
+    pub keep_alive: Duration,
+    pub username: Option<String>,
+    pub password_file: Option<PathBuf>,
+    pub tls: Option<TlsConfig>,
+    /// Group commit size for ingest: at most this many received messages wait for one
+    /// fsync. Must not exceed the broker's inflight window (mosquitto default 20).
+    pub ingest_batch: usize,
+    /// Bounded exponential reconnect backoff.
+    pub reconnect_min: Duration,
+    pub reconnect_max: Duration,
+    /// Capacity of rumqttc's request channel and of our event channel.
+    pub channel_capacity: usize,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct StorageConfig {
+    /// `log/` and `store/` live below it.
+    pub data_dir: PathBuf,
+    /// sled `cache_capacity` in bytes.
+    pub cache_size: u64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct LogConfig {
+    pub segment_size: u64,
+    /// Full ⇒ stop acking (backpressure), never drop.
+    pub max_size: u64,
+    /// Keep processed segments this long.
+    pub retention: Duration,
+    /// Group commit interval.
+    pub commit_interval: Duration,
+    pub max_payload: u64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct CheckpointConfig {
+    pub interval: Duration,
+    pub max_records: u64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutboxConfig {
+    /// Above this many entries, ingest stops acking until the publisher catches up.
+    pub max_entries: u64,
+    /// Unacknowledged outgoing publishes at once.
+    pub inflight: u16,
+    /// On shutdown, how long the publisher may keep draining.
+    pub drain_timeout: Duration,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct MetricsConfig {
+    /// Loopback address for Prometheus text, e.g. `127.0.0.1:9108`; `None` disables it.
+    pub listen: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SavepointConfig {
+    /// Take a savepoint this often; `None` disables periodic savepoints.
+    pub interval: Option<Duration>,
+    /// Keep this many newest savepoints.
+    pub keep: usize,
+}
+
+impl Config {
+    pub fn log_dir(&self) -> PathBuf {
+        self.storage.data_dir.join("log")
+    }
+    pub fn store_dir(&self) -> PathBuf {
+        self.storage.data_dir.join("store")
+    }
+    pub fn savepoint_dir(&self) -> PathBuf {
+        self.storage.data_dir.join("savepoints")
+    }
+}

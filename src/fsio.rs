@@ -1,0 +1,118 @@
+//! The durability seam: every fsync, fdatasync and directory fsync in Cairn goes through a
+//! [`Durability`] value, so that a test can count, fail or drop them (and issue 5's
+//! failpoints can hook them) without touching the code that calls them.
+
+use std::fs::File;
+use std::io;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+/// What a sync call is for; lets a test fail or drop one kind only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyncKind {
+    /// `fdatasync` of a log segment after appends.
+    LogData,
+    /// `fsync` of a directory after an entry was created, renamed or removed.
+    Dir,
+    /// `fsync` of a store file after `sled::Db::flush()`.
+    Store,
+    /// `fsync` of any other file (savepoints, repaired segments).
+    File,
+}
+
+/// Where durability calls go. The production value is [`RealSync`].
+pub trait SyncSeam: Send + Sync + std::fmt::Debug {
+    /// Make the file's data (and, unless `data_only`, its metadata) durable.
+    fn sync_file(
+        &self,
+        kind: SyncKind,
+        file: &File,
+        path: &Path,
+        data_only: bool,
+    ) -> io::Result<()>;
+    /// Make the directory's entries durable.
+    fn sync_dir(&self, path: &Path) -> io::Result<()>;
+}
+
+pub type Durability = Arc<dyn SyncSeam>;
+
+/// The real thing: `fdatasync`/`fsync` on the file, `fsync` on an opened directory.
+#[derive(Debug, Default)]
+pub struct RealSync;
+
+impl SyncSeam for RealSync {
+    fn sync_file(
+        &self,
+        _kind: SyncKind,
+        file: &File,
+        _path: &Path,
+        data_only: bool,
+    ) -> io::Result<()> {
+        if data_only {
+            file.sync_data()
+        } else {
+            file.sync_all()
+        }
+    }
+    fn sync_dir(&self, path: &Path) -> io::Result<()> {
+        File::open(path)?.sync_all()
+    }
+}
+
+pub fn real() -> Durability {
+    Arc::new(RealSync)
+}
+
+/// A seam for tests: performs real syncs (unless told to drop them), counts them, and can
+/// be told to fail the next ones with an I/O error.
+#[derive(Debug, Default)]
+pub struct TestSync {
+    pub file_syncs: AtomicU64,
+    pub dir_syncs: AtomicU64,
+    pub fail: AtomicBool,
+    pub drop_syncs: AtomicBool,
+}
+
+impl TestSync {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+    pub fn file_syncs(&self) -> u64 {
+        self.file_syncs.load(Ordering::SeqCst)
+    }
+    pub fn dir_syncs(&self) -> u64 {
+        self.dir_syncs.load(Ordering::SeqCst)
+    }
+    fn check(&self) -> io::Result<()> {
+        if self.fail.load(Ordering::SeqCst) {
+            return Err(io::Error::other("injected fsync failure"));
+        }
+        Ok(())
+    }
+}
+
+impl SyncSeam for TestSync {
+    fn sync_file(
+        &self,
+        kind: SyncKind,
+        file: &File,
+        path: &Path,
+        data_only: bool,
+    ) -> io::Result<()> {
+        self.check()?;
+        self.file_syncs.fetch_add(1, Ordering::SeqCst);
+        if self.drop_syncs.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        RealSync.sync_file(kind, file, path, data_only)
+    }
+    fn sync_dir(&self, path: &Path) -> io::Result<()> {
+        self.check()?;
+        self.dir_syncs.fetch_add(1, Ordering::SeqCst);
+        if self.drop_syncs.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        RealSync.sync_dir(path)
+    }
+}

@@ -1,0 +1,12 @@
+//! # Cairn
+//!
+//! (architecture overview: filled in as modules land)
+
+pub mod cli;
+pub mod config;
+pub mod fsio;
+pub mod log;
+pub mod model;
+pub mod mqtt;
+pub mod pipeline;
+pub mod store;

@@ -1,0 +1,1 @@
+//! The durable replay log (being written).

@@ -1,0 +1,1 @@
+//! MQTT (being written).

@@ -1,0 +1,2 @@
+//! Pipelines: parse, dedup, aggregate, window. Pure: no IO, no clock.
+pub mod spec;

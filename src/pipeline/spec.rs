@@ -1,0 +1,198 @@
+//! The typed definition of a pipeline, as validated from the config. Pure data.
+
+use serde::{Deserialize, Serialize};
+
+/// Payload format of a pipeline's input.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Format {
+    /// A JSON document; fields are addressed by JSON pointer (`/account`).
+    Json,
+    /// Text split on `separator` (e.g. `E2/A/35000` with `/`); fields by position `"0"`, `"1"`.
+    Delimited { separator: String },
+}
+
+/// One part of an event-ID template such as `{/device}-{/seq}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TemplatePart {
+    Literal(String),
+    Field(Field),
+}
+
+/// Where a value comes from in a payload.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Field {
+    /// JSON pointer (RFC 6901), e.g. `/account` or `/meta/id`.
+    Pointer(String),
+    /// Position in a delimited payload, counted from 0.
+    Index(usize),
+    /// Concatenation of literals and fields, e.g. `{/device}-{/seq}`.
+    Template(Vec<TemplatePart>),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Aggregate {
+    Sum,
+    Count,
+    Min,
+    Max,
+    Avg,
+    Last,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Emit {
+    /// One output per touched key (and window) per checkpoint: the latest version.
+    Upsert,
+    /// One output per applied event.
+    Changelog,
+}
+
+/// A tumbling event-time window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WindowSpec {
+    pub size_ms: u64,
+    pub allowed_lateness_ms: u64,
+}
+
+/// A validated pipeline definition.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PipelineSpec {
+    pub name: String,
+    /// MQTT topic filters (`+` and `#` wildcards).
+    pub topics: Vec<String>,
+    pub format: Format,
+    pub event_id: Field,
+    pub key: Field,
+    /// Absent only for `count`, which counts events.
+    pub value: Option<Field>,
+    /// Event time in ms since the epoch (a number, or an RFC 3339 string). Absent: the
+    /// record's `received_at_ms` is the event time.
+    pub event_time: Option<Field>,
+    pub aggregate: Aggregate,
+    pub window: Option<WindowSpec>,
+    /// Event IDs are remembered this long, measured in record time.
+    pub dedup_window_ms: u64,
+    /// Output topic template; `{key}` (and `{window_start}` when windowed) are replaced.
+    pub output_topic: String,
+    pub retain: bool,
+    pub emit: Emit,
+    /// Longest key accepted, in bytes; longer keys are dead letters.
+    pub max_key_len: usize,
+    /// Most distinct keys (per window when windowed) held in state; an event for a new key
+    /// beyond it is a dead letter with reason `key_limit`.
+    pub max_keys: u64,
+}
+
+impl Field {
+    /// Parse a field reference for the given format: a JSON pointer (`/a/b`), a position
+    /// (`"2"`, delimited only), or a template containing `{...}` parts.
+    pub fn parse(text: &str, format: &Format) -> Result<Field, String> {
+        if text.contains('{') || text.contains('}') {
+            return parse_template(text, format);
+        }
+        parse_simple(text, format)
+    }
+}
+
+fn parse_simple(text: &str, format: &Format) -> Result<Field, String> {
+    match format {
+        Format::Json => {
+            if !text.starts_with('/') {
+                return Err(format!(
+                    "`{text}` is not a JSON pointer: it must start with `/`, e.g. `/id`"
+                ));
+            }
+            let mut chars = text.chars().peekable();
+            while let Some(c) = chars.next() {
+                if c == '~' && !matches!(chars.peek(), Some('0') | Some('1')) {
+                    return Err(format!(
+                        "`{text}` is not a valid JSON pointer: `~` must be followed by 0 or 1"
+                    ));
+                }
+            }
+            Ok(Field::Pointer(text.to_string()))
+        }
+        Format::Delimited { .. } => text.parse::<usize>().map(Field::Index).map_err(|_| {
+            format!(
+                "`{text}` is not a field position: delimited fields are numbered from 0, e.g. \"1\""
+            )
+        }),
+    }
+}
+
+fn parse_template(text: &str, format: &Format) -> Result<Field, String> {
+    let mut parts = Vec::new();
+    let mut rest = text;
+    while !rest.is_empty() {
+        match rest.find(['{', '}']) {
+            None => {
+                parts.push(TemplatePart::Literal(rest.to_string()));
+                break;
+            }
+            Some(i) => {
+                if rest.as_bytes()[i] == b'}' {
+                    return Err(format!("`{text}`: unmatched `}}`"));
+                }
+                if i > 0 {
+                    parts.push(TemplatePart::Literal(rest[..i].to_string()));
+                }
+                let after = &rest[i + 1..];
+                let close = after
+                    .find('}')
+                    .ok_or_else(|| format!("`{text}`: unclosed `{{`"))?;
+                let inner = &after[..close];
+                if inner.contains('{') {
+                    return Err(format!("`{text}`: nested `{{`"));
+                }
+                parts.push(TemplatePart::Field(parse_simple(inner, format)?));
+                rest = &after[close + 1..];
+            }
+        }
+    }
+    if !parts.iter().any(|p| matches!(p, TemplatePart::Field(_))) {
+        return Err(format!(
+            "`{text}`: a template needs at least one `{{field}}`"
+        ));
+    }
+    Ok(Field::Template(parts))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_pointer_and_template_parse() {
+        assert_eq!(
+            Field::parse("/id", &Format::Json),
+            Ok(Field::Pointer("/id".into()))
+        );
+        assert!(Field::parse("id", &Format::Json).is_err());
+        assert!(Field::parse("/a~2", &Format::Json).is_err());
+        let t = Field::parse("{/device}-{/seq}", &Format::Json).unwrap();
+        assert_eq!(
+            t,
+            Field::Template(vec![
+                TemplatePart::Field(Field::Pointer("/device".into())),
+                TemplatePart::Literal("-".into()),
+                TemplatePart::Field(Field::Pointer("/seq".into())),
+            ])
+        );
+        assert!(Field::parse("{/a", &Format::Json).is_err());
+        assert!(Field::parse("a}", &Format::Json).is_err());
+        assert!(Field::parse("plain{}", &Format::Json).is_err());
+    }
+
+    #[test]
+    fn delimited_positions_parse() {
+        let f = Format::Delimited {
+            separator: "/".into(),
+        };
+        assert_eq!(Field::parse("2", &f), Ok(Field::Index(2)));
+        assert!(Field::parse("/x", &f).is_err());
+        assert!(matches!(
+            Field::parse("{0}-{1}", &f),
+            Ok(Field::Template(_))
+        ));
+    }
+}

@@ -1,0 +1,1 @@
+//! The checkpoint store (being written).
