@@ -10,7 +10,7 @@ use std::time::Duration;
 use crate::pipeline::spec::PipelineSpec;
 
 mod parse;
-pub use parse::{ConfigError, Problem, load, parse_str};
+pub use parse::{ConfigError, Problem, load, parse_str, summary};
 
 /// The whole, validated configuration.
 #[derive(Debug, Clone, PartialEq)]

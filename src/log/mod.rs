@@ -1,1 +1,734 @@
-//! The durable replay log (being written).
+//! The durable replay log: every accepted input, in order, surviving a power cut at any byte.
+//!
+//! # Guarantees
+//!
+//! - **Committed means durable.** When [`Log::commit`] returns `Ok`, every record appended
+//!   before it is on stable storage: its segment was `fdatasync`ed and, if the segment is
+//!   new, the directory was fsynced before any record went into it. The agent PUBACKs only
+//!   after this (DESIGN invariant 1).
+//! - **A crash only loses what was never committed.** After a power cut at any byte, [`Log::open`]
+//!   recovers every committed record, in order, possibly followed by some records of the
+//!   commit that was in flight (in order, a prefix of it), and nothing else: no garbage, no
+//!   reordering, no holes. Appends continue at the next offset (invariant 4).
+//! - **Corruption stops the process, loudly.** Damage that a crash cannot produce (a bad
+//!   frame followed by a good one, a bad frame in a sealed segment, missing or overlapping
+//!   offsets) makes `open` refuse with [`LogError::Corrupt`] naming the segment, offset and
+//!   byte. [`repair_dir`] moves damaged bytes aside (never deletes them) and keeps the valid
+//!   prefix (invariant 8: only a corrupt store stops the process).
+//! - **Bounded.** Appends beyond `max_size` are refused with [`LogError::Full`]
+//!   (backpressure), payloads beyond `max_payload` with [`LogError::PayloadTooLarge`]; both
+//!   leave the log unchanged. Memory holds only what was appended and not yet committed;
+//!   readers use a window bounded by one frame (invariant 7).
+//! - **A failed commit poisons the log.** If a write or fsync fails, the kernel may have
+//!   dropped the dirty pages and marked them clean, so a retried fsync could "succeed" over
+//!   lost data. The log therefore answers [`LogError::Failed`] to every later call; the
+//!   process must exit and restart so recovery re-reads what is really on disk.
+//!
+//! # Mechanism
+//!
+//! Segment files in one directory are named by their first offset,
+//! `00000000000000000000.log`. Each holds frames
+//! `[len u32 LE][crc32 u32 LE over len bytes + body][body = postcard(Record)]`
+//! (see [`frame`]); the record carries its own offset. Offsets are dense `u64`s starting at 0.
+//!
+//! Write path: `append` encodes the frame and decides in memory which segment it goes to
+//! (rolling when the frame would push the active segment past `segment_size`). `commit`
+//! then, for each buffered chunk in order: if it starts a new segment, `fdatasync`s the
+//! segment being sealed (if this commit wrote to it), creates the new file and fsyncs the
+//! directory; then writes the chunk (checking every frame's CRC right before the write).
+//! Last, it `fdatasync`s the active segment. Hence one data sync per touched segment and one
+//! directory sync per created segment, and at every instant only the last segment can hold
+//! unsynced bytes, and a segment exists on disk only after everything before it is durable.
+//!
+//! Recovery (`open`) scans every segment: CRC, decode, consecutive offsets starting at the
+//! file name's. The first bad frame of the *last* segment with no valid frame anywhere
+//! after it is a torn tail: it is truncated (`ftruncate` + sync) and logged with the bytes
+//! and records dropped. Anything else bad is corruption. `open` then syncs the last segment
+//! and the directory once, so whatever it recovered is durable before anyone reads it.
+//! Every sync goes through the [`Durability`] seam.
+//!
+//! # Invariants and the tests that guard them
+//!
+//! 1. Committed records survive any crash; recovery yields committed ++ a prefix of the
+//!    in-flight commit, nothing else: `tests/log_crash.rs`
+//!    `a_crash_keeps_every_committed_record_and_only_a_prefix_of_the_rest`.
+//! 2. One data sync per touched segment per commit; a directory sync only when a segment is
+//!    created or removed: `tests/log_corruption.rs`
+//!    `commit_syncs_each_touched_segment_once_and_the_dir_only_when_a_segment_is_created`,
+//!    `truncate_before_removes_whole_sealed_segments_and_syncs_the_dir_once`.
+//! 3. A failed sync poisons the log: `a_failing_sync_poisons_the_log_until_reopened`.
+//! 4. A torn tail is truncated and counted, never refused:
+//!    `a_torn_tail_is_truncated_counted_and_made_durable` (and the crash property).
+//! 5. A bad frame followed by a good one, or in a non-last segment, is refused naming the
+//!    segment and offset: `a_flipped_byte_followed_by_good_frames_is_refused_naming_segment_and_offset`,
+//!    `damage_in_a_sealed_segment_is_refused_even_at_its_tail`,
+//!    `a_missing_middle_segment_is_refused`.
+//! 6. Repair never deletes bytes and leaves an openable log with the valid prefix; offsets
+//!    never repeat after it: `repair_moves_the_damaged_segment_aside_byte_identical_and_keeps_the_valid_prefix`,
+//!    `repair_of_the_last_segment_never_reuses_an_offset`.
+//! 7. Refusals (`Full`, `PayloadTooLarge`) leave the log unchanged:
+//!    `full_and_too_large_refusals_leave_the_log_unchanged` (unit test below).
+//! 8. Frames: roundtrip, CRC mismatch, short frames and zero fill are detected:
+//!    `frame::tests`.
+//! 9. `verify_dir` and `read_dir` never modify the directory; `read_dir` shows only valid
+//!    prefixes and reports damage after the records before it:
+//!    `read_dir_shows_the_valid_prefix_without_touching_the_files`.
+//!
+//! The crash property runs 1200 cases by default; `CAIRN_LOG_CRASH_CASES` raises it.
+
+pub mod frame;
+mod reader;
+mod scan;
+mod verify;
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+use crate::fsio::{Durability, SyncKind};
+use crate::model::{Offset, Record};
+
+pub use reader::LogReader;
+pub use verify::{
+    CorruptionReport, GapReport, RepairReport, RepairedSegment, SegmentReport, TornTailReport,
+    VerifyReport, repair_dir, verify_dir,
+};
+
+use reader::SegmentExtent;
+use scan::segment_file_name;
+
+/// Limits and location. All sizes in bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogOptions {
+    pub dir: PathBuf,
+    /// Roll to a new segment when a frame would push the active one past this. A single
+    /// frame larger than this gets a segment of its own.
+    pub segment_size: u64,
+    /// Bytes on disk plus buffered; an append beyond it is refused with [`LogError::Full`].
+    pub max_size: u64,
+    /// Largest payload accepted; at most [`frame::MAX_PAYLOAD_LIMIT`].
+    pub max_payload: u64,
+}
+
+/// What `open` found and did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recovery {
+    pub segments: usize,
+    pub records: u64,
+    pub torn_bytes_dropped: u64,
+    /// Frames in the dropped tail whose length header was complete.
+    pub torn_records_dropped: u64,
+    pub first_offset: Offset,
+    pub next_offset: Offset,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SegmentInfo {
+    pub path: PathBuf,
+    pub first_offset: Offset,
+    /// One past the last durable record in the segment.
+    pub next_offset: Offset,
+    /// Durable bytes.
+    pub bytes: u64,
+    /// Highest `received_at_ms` in the segment (0 if empty): retention decides on it.
+    pub max_received_at_ms: u64,
+}
+
+/// Errors of the log. `Io` and `Failed` are operational; `Corrupt` needs an operator.
+#[derive(thiserror::Error, Debug)]
+pub enum LogError {
+    /// A filesystem call failed.
+    #[error("log: cannot {op} {}: {source}", .path.display())]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// The append would take the log past `max_size`; the log is unchanged. Apply
+    /// backpressure until `truncate_before` frees space.
+    #[error("log full: {size} bytes held, limit {max}")]
+    Full { size: u64, max: u64 },
+    /// The payload exceeds `max_payload`; the log is unchanged.
+    #[error("payload of {len} bytes exceeds the log limit of {max}")]
+    PayloadTooLarge { len: u64, max: u64 },
+    /// The topic exceeds the MQTT limit; the log is unchanged.
+    #[error("topic of {len} bytes exceeds the limit of {max}")]
+    TopicTooLong { len: u64, max: u64 },
+    /// Damage a crash cannot produce. `open` refuses to start.
+    #[error(
+        "log segment {} is corrupt at byte {byte_pos}{}: {reason}. The log will not open; run `cairn verify --repair` to move the damaged segment aside (its bytes are kept) and keep its valid prefix",
+        .segment.display(),
+        at_offset(.offset)
+    )]
+    Corrupt {
+        segment: PathBuf,
+        offset: Option<Offset>,
+        byte_pos: u64,
+        reason: String,
+    },
+    /// An earlier write or fsync failed; the page cache can no longer be trusted. Restart
+    /// the process so `open` recovers from what is on disk.
+    #[error(
+        "log poisoned by an earlier failed write or fsync: restart so recovery re-reads the disk"
+    )]
+    Failed,
+    /// `read_from` asked for records that `truncate_before` already deleted.
+    #[error("offset {from} is no longer in the log; the oldest record held is {first}")]
+    Truncated { from: Offset, first: Offset },
+    #[error("invalid log options: {0}")]
+    InvalidOptions(String),
+}
+
+fn at_offset(offset: &Option<Offset>) -> String {
+    offset.map(|o| format!(" (offset {o})")).unwrap_or_default()
+}
+
+fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> LogError + 'a {
+    move |source| LogError::Io {
+        op,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Segment {
+    path: PathBuf,
+    first_offset: Offset,
+    next_offset: Offset,
+    bytes: u64,
+    max_received_at_ms: u64,
+}
+
+/// Frames appended but not committed, all bound for one segment.
+#[derive(Debug)]
+struct Chunk {
+    /// Create the segment (named `first_offset`) before writing.
+    new_segment: bool,
+    first_offset: Offset,
+    next_offset: Offset,
+    buf: Vec<u8>,
+    max_received_at_ms: u64,
+}
+
+/// The replay log. Single writer; see the module docs for guarantees.
+#[derive(Debug)]
+pub struct Log {
+    opts: LogOptions,
+    sync: Durability,
+    /// On-disk segments in offset order; the last is the active one.
+    segments: Vec<Segment>,
+    /// Append handle to the last segment.
+    active: Option<File>,
+    pending: Vec<Chunk>,
+    pending_records: usize,
+    pending_bytes: u64,
+    disk_bytes: u64,
+    next_offset: Offset,
+    durable_next: Offset,
+    failed: bool,
+}
+
+impl Log {
+    /// Open (creating the directory if missing) and recover. See the module docs.
+    pub fn open(opts: LogOptions, sync: Durability) -> Result<(Log, Recovery), LogError> {
+        validate(&opts)?;
+        let dir = opts.dir.clone();
+        if !dir.exists() {
+            fs::create_dir_all(&dir).map_err(io_err("create log directory", &dir))?;
+            // The new directory's own entry must survive a crash too.
+            let parent = match dir.parent() {
+                Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+                _ => PathBuf::from("."),
+            };
+            sync.sync_dir(&parent)
+                .map_err(io_err("fsync parent of log directory", &parent))?;
+        }
+        let listed = scan::list_segments(&dir).map_err(io_err("list log directory", &dir))?;
+        let mut scans = Vec::with_capacity(listed.len());
+        for (first, path) in &listed {
+            scans.push(scan::scan_segment(path, *first).map_err(io_err("scan segment", path))?);
+        }
+        let findings = scan::classify(&dir, &scans);
+        if let Some(p) = findings.problems.first() {
+            return Err(LogError::Corrupt {
+                segment: p.segment.clone(),
+                offset: p.offset,
+                byte_pos: p.byte_pos,
+                reason: p.reason.clone(),
+            });
+        }
+        for (prev, from, to) in &findings.repaired_gaps {
+            log::warn!(
+                "log: offsets {from}..{to} after {} were lost in an earlier repair (see {}/)",
+                prev.display(),
+                scan::DAMAGED_DIR
+            );
+        }
+
+        let mut torn_bytes_dropped = 0;
+        let mut torn_records_dropped = 0;
+        let mut active = None;
+        if let Some(last) = scans.last_mut() {
+            let file = OpenOptions::new()
+                .append(true)
+                .open(&last.path)
+                .map_err(io_err("open active segment", &last.path))?;
+            if findings.torn_tail {
+                let damage = last.damage.take().expect("torn tail has damage");
+                torn_bytes_dropped = last.file_len - last.valid_end;
+                torn_records_dropped = damage.torn_records;
+                file.set_len(last.valid_end)
+                    .map_err(io_err("truncate torn tail of", &last.path))?;
+                log::warn!(
+                    "log: dropped a torn tail of {torn_bytes_dropped} bytes ({torn_records_dropped} records) at byte {} of {} (offset {}): {}",
+                    last.valid_end,
+                    last.path.display(),
+                    damage.offset,
+                    damage.reason
+                );
+                last.file_len = last.valid_end;
+            }
+            // Make what we recovered durable even if it was only in the page cache (a
+            // SIGKILL keeps it), so that nothing we hand out can vanish in a later crash.
+            sync.sync_file(SyncKind::LogData, &file, &last.path, true)
+                .map_err(io_err("fdatasync active segment", &last.path))?;
+            active = Some(file);
+        }
+        // The last segment's entry may have been created without a directory sync by a
+        // process that crashed right after; make it durable before appending to it.
+        sync.sync_dir(&dir)
+            .map_err(io_err("fsync log directory", &dir))?;
+
+        let segments: Vec<Segment> = scans
+            .iter()
+            .map(|s| Segment {
+                path: s.path.clone(),
+                first_offset: s.first_offset,
+                next_offset: s.next_offset(),
+                bytes: s.valid_end,
+                max_received_at_ms: s.max_received_at_ms,
+            })
+            .collect();
+        let next_offset = segments.last().map_or(0, |s| s.next_offset);
+        let first_offset = segments.first().map_or(next_offset, |s| s.first_offset);
+        let recovery = Recovery {
+            segments: segments.len(),
+            records: scans.iter().map(|s| s.records).sum(),
+            torn_bytes_dropped,
+            torn_records_dropped,
+            first_offset,
+            next_offset,
+        };
+        let disk_bytes = segments.iter().map(|s| s.bytes).sum();
+        let log = Log {
+            opts,
+            sync,
+            segments,
+            active,
+            pending: Vec::new(),
+            pending_records: 0,
+            pending_bytes: 0,
+            disk_bytes,
+            next_offset,
+            durable_next: next_offset,
+            failed: false,
+        };
+        Ok((log, recovery))
+    }
+
+    /// Buffer one record in memory and return its offset. Nothing reaches the disk until
+    /// [`Log::commit`]. Refusals (`Full`, `PayloadTooLarge`, `TopicTooLong`) leave the log
+    /// unchanged.
+    pub fn append(
+        &mut self,
+        received_at_ms: u64,
+        topic: &str,
+        payload: &[u8],
+        qos: u8,
+        retain: bool,
+    ) -> Result<Offset, LogError> {
+        self.check_usable()?;
+        if payload.len() as u64 > self.opts.max_payload {
+            return Err(LogError::PayloadTooLarge {
+                len: payload.len() as u64,
+                max: self.opts.max_payload,
+            });
+        }
+        if topic.len() as u64 > frame::MAX_TOPIC_LEN {
+            return Err(LogError::TopicTooLong {
+                len: topic.len() as u64,
+                max: frame::MAX_TOPIC_LEN,
+            });
+        }
+        let offset = self.next_offset;
+        let bytes = frame::encode(&Record {
+            offset,
+            received_at_ms,
+            topic: topic.to_string(),
+            payload: payload.to_vec(),
+            qos,
+            retain,
+        });
+        let frame_len = bytes.len() as u64;
+        let size = self.size_bytes();
+        if size + frame_len > self.opts.max_size {
+            return Err(LogError::Full {
+                size,
+                max: self.opts.max_size,
+            });
+        }
+
+        // Bytes the frame's segment would already hold: buffered for it plus, when the
+        // buffer targets the existing active segment, what that segment has on disk.
+        let tail = match self.pending.last() {
+            Some(c) if c.new_segment => Some(c.buf.len() as u64),
+            Some(c) => Some(c.buf.len() as u64 + self.segments.last().map_or(0, |s| s.bytes)),
+            None => self.segments.last().map(|s| s.bytes),
+        };
+        let roll = match tail {
+            None => true,
+            Some(t) => t > 0 && t + frame_len > self.opts.segment_size,
+        };
+        if roll || self.pending.is_empty() {
+            self.pending.push(Chunk {
+                new_segment: roll,
+                first_offset: offset,
+                next_offset: offset,
+                buf: Vec::new(),
+                max_received_at_ms: 0,
+            });
+        }
+        let chunk = self.pending.last_mut().expect("chunk pushed above");
+        chunk.buf.extend_from_slice(&bytes);
+        chunk.next_offset = offset + 1;
+        chunk.max_received_at_ms = chunk.max_received_at_ms.max(received_at_ms);
+        self.pending_records += 1;
+        self.pending_bytes += frame_len;
+        self.next_offset = offset + 1;
+        Ok(offset)
+    }
+
+    /// Write everything appended so far and make it durable (see the module docs for the
+    /// order of writes and syncs). Returns the highest durable offset, or `None` if no
+    /// record was ever made durable. On failure the log is poisoned.
+    pub fn commit(&mut self) -> Result<Option<Offset>, LogError> {
+        self.check_usable()?;
+        if !self.pending.is_empty() {
+            if let Err(e) = self.write_pending() {
+                self.failed = true;
+                return Err(e);
+            }
+            self.durable_next = self.next_offset;
+        }
+        Ok(self.durable_next.checked_sub(1))
+    }
+
+    fn write_pending(&mut self) -> Result<(), LogError> {
+        let chunks = std::mem::take(&mut self.pending);
+        self.pending_records = 0;
+        self.pending_bytes = 0;
+        let mut dirty = false;
+        for chunk in chunks {
+            if chunk.new_segment {
+                if dirty {
+                    // Seal the old segment before the new one exists: a crash then never
+                    // leaves a torn segment that is not the last.
+                    self.sync_active()?;
+                }
+                self.create_segment(chunk.first_offset)?;
+            }
+            let seg = self
+                .segments
+                .last_mut()
+                .expect("a segment exists to write to");
+            assert_eq!(
+                seg.next_offset, chunk.first_offset,
+                "buffered chunk does not continue its segment"
+            );
+            // The check right before writing: the bytes we built are the bytes we write.
+            let frames = frame::assert_frames(&chunk.buf);
+            assert_eq!(frames, chunk.next_offset - chunk.first_offset);
+            let file = self.active.as_mut().expect("active segment is open");
+            file.write_all(&chunk.buf)
+                .map_err(io_err("write segment", &seg.path))?;
+            seg.bytes += chunk.buf.len() as u64;
+            seg.next_offset = chunk.next_offset;
+            seg.max_received_at_ms = seg.max_received_at_ms.max(chunk.max_received_at_ms);
+            self.disk_bytes += chunk.buf.len() as u64;
+            dirty = true;
+        }
+        if dirty {
+            self.sync_active()?;
+        }
+        Ok(())
+    }
+
+    fn sync_active(&self) -> Result<(), LogError> {
+        let seg = self.segments.last().expect("active segment exists");
+        let file = self.active.as_ref().expect("active segment is open");
+        self.sync
+            .sync_file(SyncKind::LogData, file, &seg.path, true)
+            .map_err(io_err("fdatasync segment", &seg.path))
+    }
+
+    fn create_segment(&mut self, first_offset: Offset) -> Result<(), LogError> {
+        let path = self.opts.dir.join(segment_file_name(first_offset));
+        let file = OpenOptions::new()
+            .append(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(io_err("create segment", &path))?;
+        // The entry must be durable before any record in it is acknowledged, and before a
+        // later segment can exist (recovery relies on segments never vanishing mid-log).
+        self.sync
+            .sync_dir(&self.opts.dir)
+            .map_err(io_err("fsync log directory", &self.opts.dir))?;
+        self.segments.push(Segment {
+            path,
+            first_offset,
+            next_offset: first_offset,
+            bytes: 0,
+            max_received_at_ms: 0,
+        });
+        self.active = Some(file);
+        Ok(())
+    }
+
+    /// Offset the next append gets.
+    pub fn next_offset(&self) -> Offset {
+        self.next_offset
+    }
+
+    /// One past the highest durable offset.
+    pub fn durable_next(&self) -> Offset {
+        self.durable_next
+    }
+
+    /// Oldest offset still held: the first segment's; with no segment yet, the offset the
+    /// first durable record will have.
+    pub fn first_offset(&self) -> Offset {
+        self.segments
+            .first()
+            .map_or(self.durable_next, |s| s.first_offset)
+    }
+
+    /// Records appended but not yet committed.
+    pub fn pending(&self) -> usize {
+        self.pending_records
+    }
+
+    /// Bytes on disk plus bytes buffered.
+    pub fn size_bytes(&self) -> u64 {
+        self.disk_bytes + self.pending_bytes
+    }
+
+    /// Durable segments, oldest first; the last is the active one.
+    pub fn segments(&self) -> Vec<SegmentInfo> {
+        self.segments
+            .iter()
+            .map(|s| SegmentInfo {
+                path: s.path.clone(),
+                first_offset: s.first_offset,
+                next_offset: s.next_offset,
+                bytes: s.bytes,
+                max_received_at_ms: s.max_received_at_ms,
+            })
+            .collect()
+    }
+
+    /// Durable records with offset `>= from`, in order, read from the files. Asking for an
+    /// offset below [`Log::first_offset`] while the log holds records is an error
+    /// ([`LogError::Truncated`]) rather than a silent skip.
+    pub fn read_from(&self, from: Offset) -> Result<LogReader, LogError> {
+        self.check_usable()?;
+        let first = self.first_offset();
+        if from < first && self.durable_next > first {
+            return Err(LogError::Truncated { from, first });
+        }
+        let extents = self
+            .segments
+            .iter()
+            .filter(|s| s.next_offset > from && s.bytes > 0)
+            .map(|s| SegmentExtent {
+                path: s.path.clone(),
+                first_offset: s.first_offset,
+                next_offset: s.next_offset,
+                bytes: s.bytes,
+            })
+            .collect();
+        Ok(LogReader::new(extents, from))
+    }
+
+    /// Delete whole segments whose records all lie below `offset`, oldest first, never the
+    /// active one; then fsync the directory once. Returns how many were removed. The caller
+    /// (the agent) decides `offset` from the durable checkpoint and retention.
+    pub fn truncate_before(&mut self, offset: Offset) -> Result<usize, LogError> {
+        self.check_usable()?;
+        let removable = self
+            .segments
+            .iter()
+            .take(self.segments.len().saturating_sub(1))
+            .take_while(|s| s.next_offset <= offset)
+            .count();
+        let mut removed = 0;
+        let mut result = Ok(());
+        for seg in &self.segments[..removable] {
+            if let Err(e) = fs::remove_file(&seg.path) {
+                result = Err(io_err("remove segment", &seg.path)(e));
+                break;
+            }
+            removed += 1;
+        }
+        for seg in self.segments.drain(..removed) {
+            self.disk_bytes -= seg.bytes;
+        }
+        if removed > 0 {
+            if let Err(e) = self.sync.sync_dir(&self.opts.dir) {
+                self.failed = true;
+                return Err(io_err("fsync log directory", &self.opts.dir)(e));
+            }
+        }
+        result.map(|()| removed)
+    }
+
+    /// Options the log was opened with.
+    pub fn options(&self) -> &LogOptions {
+        &self.opts
+    }
+
+    fn check_usable(&self) -> Result<(), LogError> {
+        if self.failed {
+            Err(LogError::Failed)
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// Read the valid records of a log directory without opening it for writing (safe while
+/// an agent runs, e.g. `cairn inspect log`); see [`LogReader::open_dir`].
+pub fn read_dir(dir: &Path, from: Offset) -> Result<LogReader, LogError> {
+    LogReader::open_dir(dir, from)
+}
+
+fn validate(opts: &LogOptions) -> Result<(), LogError> {
+    if opts.segment_size == 0 {
+        return Err(LogError::InvalidOptions("segment_size must be > 0".into()));
+    }
+    if opts.max_size == 0 {
+        return Err(LogError::InvalidOptions("max_size must be > 0".into()));
+    }
+    if opts.max_payload > frame::MAX_PAYLOAD_LIMIT {
+        return Err(LogError::InvalidOptions(format!(
+            "max_payload {} exceeds the frame limit {}",
+            opts.max_payload,
+            frame::MAX_PAYLOAD_LIMIT
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fsio::TestSync;
+
+    fn opts(dir: &Path, segment_size: u64, max_size: u64) -> LogOptions {
+        LogOptions {
+            dir: dir.join("log"),
+            segment_size,
+            max_size,
+            max_payload: 1024,
+        }
+    }
+
+    #[test]
+    fn an_empty_directory_opens_empty_and_records_roundtrip_in_order() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (mut log, rec) = Log::open(opts(tmp.path(), 200, 1 << 20), TestSync::new()).unwrap();
+        assert_eq!((rec.records, rec.next_offset, rec.segments), (0, 0, 0));
+        assert_eq!(log.commit().unwrap(), None);
+        for i in 0..20u64 {
+            assert_eq!(
+                log.append(i, "t/x", &[i as u8; 30], 1, i % 2 == 0).unwrap(),
+                i
+            );
+        }
+        assert_eq!(log.pending(), 20);
+        assert_eq!(
+            log.read_from(0).unwrap().count(),
+            0,
+            "reads see only durable records"
+        );
+        assert_eq!(log.commit().unwrap(), Some(19));
+        assert!(log.segments().len() > 1, "small segments roll");
+        let got: Vec<Record> = log.read_from(5).unwrap().map(Result::unwrap).collect();
+        assert_eq!(
+            got.iter().map(|r| r.offset).collect::<Vec<_>>(),
+            (5..20).collect::<Vec<_>>()
+        );
+        assert_eq!(got[0].payload, vec![5u8; 30]);
+        drop(log);
+        let (log, rec) = Log::open(opts(tmp.path(), 200, 1 << 20), TestSync::new()).unwrap();
+        assert_eq!(
+            (rec.records, rec.next_offset, rec.torn_bytes_dropped),
+            (20, 20, 0)
+        );
+        assert_eq!(log.read_from(0).unwrap().count(), 20);
+    }
+
+    #[test]
+    fn full_and_too_large_refusals_leave_the_log_unchanged() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (mut log, _) = Log::open(opts(tmp.path(), 1000, 300), TestSync::new()).unwrap();
+        log.append(1, "t", &[0; 100], 0, false).unwrap();
+        let before = (log.next_offset(), log.size_bytes(), log.pending());
+        assert!(matches!(
+            log.append(1, "t", &[0; 2000], 0, false),
+            Err(LogError::PayloadTooLarge {
+                len: 2000,
+                max: 1024
+            })
+        ));
+        log.append(1, "t", &[0; 100], 0, false).unwrap();
+        let before_full = (log.next_offset(), log.size_bytes(), log.pending());
+        assert_ne!(before, before_full);
+        assert!(matches!(
+            log.append(1, "t", &[0; 100], 0, false),
+            Err(LogError::Full { max: 300, .. })
+        ));
+        assert_eq!(
+            before_full,
+            (log.next_offset(), log.size_bytes(), log.pending())
+        );
+        assert_eq!(log.commit().unwrap(), Some(1));
+    }
+
+    #[test]
+    fn reading_below_the_first_held_offset_is_an_error() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (mut log, _) = Log::open(opts(tmp.path(), 100, 1 << 20), TestSync::new()).unwrap();
+        for _ in 0..10 {
+            log.append(1, "t", &[0; 40], 0, false).unwrap();
+        }
+        log.commit().unwrap();
+        assert!(log.truncate_before(6).unwrap() > 0);
+        let first = log.first_offset();
+        assert!(first > 0 && first <= 6);
+        assert!(matches!(log.read_from(0), Err(LogError::Truncated { .. })));
+        assert_eq!(log.read_from(first).unwrap().count() as u64, 10 - first);
+    }
+
+    #[test]
+    fn invalid_options_are_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut o = opts(tmp.path(), 100, 100);
+        o.max_payload = frame::MAX_PAYLOAD_LIMIT + 1;
+        assert!(matches!(
+            Log::open(o, TestSync::new()),
+            Err(LogError::InvalidOptions(_))
+        ));
+    }
+}
