@@ -9,4 +9,5 @@ pub mod log;
 pub mod model;
 pub mod mqtt;
 pub mod pipeline;
+pub mod processor;
 pub mod store;

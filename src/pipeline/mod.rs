@@ -1,2 +1,19 @@
-//! Pipelines: parse, dedup, aggregate, window. Pure: no IO, no clock.
+//! Pipelines: parse, dedup, aggregate, window. Pure: this module never sees sled, rumqttc,
+//! tokio, the file system or the clock. `Engine::apply(base, record)` is a function of the
+//! last checkpoint and the record, so replay recomputes exactly what a crash lost
+//! (invariant 3; guarded by `tests/model.rs`).
+
+pub mod engine;
+pub mod memory;
+pub mod parse;
 pub mod spec;
+pub mod time;
+pub mod topic;
+pub mod value;
+
+pub use engine::{
+    Batch, Checkpoint, Counters, DeadLetter, DedupWrite, Engine, Outcome, Output, PipelineProgress,
+    Progress, ReadError, ReadState,
+};
+pub use spec::{Aggregate, Emit, Field, Format, PipelineSpec, WindowSpec};
+pub use value::{Agg, KeyState, Num};

@@ -1,0 +1,543 @@
+//! The processor core: `apply(record)` over a read-only view of the last checkpoint plus
+//! an in-memory overlay of everything applied since. Pure and deterministic: the same
+//! checkpoint and the same log records give the same write set, byte for byte.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::parse::{Refusal, parse};
+use super::spec::{Emit, PipelineSpec};
+use super::topic::{escape_key, matches};
+use super::value::KeyState;
+use crate::model::{Offset, Record};
+
+/// Longest payload prefix kept in a dead letter.
+pub const DEAD_LETTER_PAYLOAD_MAX: usize = 1024;
+/// Most expired dedup entries removed in one checkpoint (bounds the transaction).
+pub const DEDUP_PRUNE_MAX: usize = 10_000;
+
+/// A failure to read the checkpointed state (an I/O or corruption error in the store).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("reading checkpointed state: {0}")]
+pub struct ReadError(pub String);
+
+/// Read-only access to the last durable checkpoint. The store implements it over sled; the
+/// model tests over a `BTreeMap`.
+pub trait ReadState {
+    fn state(&self, pipeline: &str, skey: &[u8]) -> Result<Option<KeyState>, ReadError>;
+    /// Record time (ms) at which `event_id` was first accepted, if it is in the ledger.
+    fn dedup(&self, pipeline: &str, event_id: &str) -> Result<Option<u64>, ReadError>;
+    /// State keys of a windowed pipeline whose window start lies in `[from, to)`.
+    fn window_keys(&self, pipeline: &str, from: u64, to: u64) -> Result<Vec<Vec<u8>>, ReadError>;
+    /// Up to `limit` ledger entries first seen before `before_ms`, oldest first.
+    fn dedup_expired(
+        &self,
+        pipeline: &str,
+        before_ms: u64,
+        limit: usize,
+    ) -> Result<Vec<(u64, String)>, ReadError>;
+}
+
+/// Counters that live in the checkpoint, so replay recomputes them exactly.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Counters {
+    pub applied: u64,
+    pub duplicates: u64,
+    pub dead_letters: u64,
+    pub outputs: u64,
+}
+
+/// Per-pipeline progress, checkpointed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PipelineProgress {
+    pub name: String,
+    /// Greatest event time applied; the watermark is this minus the allowed lateness.
+    pub max_event_time_ms: u64,
+    /// Windows starting before this were closed and evicted.
+    pub evicted_below: u64,
+    /// Live state entries (keys, or key-windows).
+    pub keys: u64,
+    pub dedup_entries: u64,
+    pub counters: Counters,
+    /// The definition that wrote this state (see [`definition`]).
+    pub definition: String,
+}
+
+/// Everything besides the trees that a checkpoint records.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Progress {
+    /// The first log offset not yet reflected in the checkpoint.
+    pub next_offset: Offset,
+    pub checkpoint_id: u64,
+    /// Greatest `received_at_ms` seen: the clock the dedup window is measured with. It
+    /// never goes back, even if the box's clock does.
+    pub log_clock_ms: u64,
+    /// Records read (matching a pipeline or not).
+    pub records: u64,
+    /// Records that matched no pipeline.
+    pub unmatched: u64,
+    /// Next outbox sequence number.
+    pub outbox_seq: u64,
+    pub pipelines: Vec<PipelineProgress>,
+}
+
+/// One result bound for the broker.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Output {
+    /// `pipeline/key[/window_start]/version`, the key escaped: stable across replays.
+    pub id: String,
+    pub topic: String,
+    pub payload: Vec<u8>,
+    pub retain: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeadLetter {
+    pub offset: Offset,
+    pub pipeline: String,
+    pub topic: String,
+    pub reason: String,
+    pub detail: String,
+    pub received_at_ms: u64,
+    /// At most [`DEAD_LETTER_PAYLOAD_MAX`] bytes of the payload.
+    pub payload: Vec<u8>,
+}
+
+/// The write set of one checkpoint, in a deterministic order.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Batch {
+    /// `None` deletes (an evicted window).
+    pub state: BTreeMap<(String, Vec<u8>), Option<KeyState>>,
+    /// Ledger changes per (pipeline, event ID): record it, or forget an expired one.
+    pub dedup: BTreeMap<(String, String), DedupWrite>,
+    pub outputs: Vec<(u64, Output)>,
+    pub dead_letters: Vec<DeadLetter>,
+    /// Records applied into this batch.
+    pub records: u64,
+}
+
+/// One ledger change. `old_seen_ms` lets the store remove the entry's old place in the
+/// expiry index; `new_seen_ms` is `None` when an expired entry is forgotten.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DedupWrite {
+    pub old_seen_ms: Option<u64>,
+    pub new_seen_ms: Option<u64>,
+}
+
+/// A complete checkpoint: the progress after it, and the writes that reach it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Checkpoint {
+    pub progress: Progress,
+    pub batch: Batch,
+}
+
+/// The parts of a definition that give stored state its meaning. A change to any of them
+/// would misread what is stored.
+pub fn definition(spec: &PipelineSpec) -> String {
+    serde_json::json!({
+        "format": spec.format, "event_id": spec.event_id, "key": spec.key, "value": spec.value,
+        "event_time": spec.event_time, "aggregate": spec.aggregate, "window": spec.window,
+    })
+    .to_string()
+}
+
+/// What became of one record in one pipeline.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Applied { key: String, version: u64 },
+    Duplicate,
+    DeadLetter { reason: &'static str },
+}
+
+pub struct Engine {
+    specs: Vec<PipelineSpec>,
+    progress: Progress,
+    batch: Batch,
+    /// Upsert mode: the latest state of each key touched since the last checkpoint.
+    touched: BTreeMap<(usize, Vec<u8>), KeyState>,
+}
+
+impl Engine {
+    /// Start from a checkpoint's progress. Pipelines new to the checkpoint start empty.
+    pub fn new(specs: Vec<PipelineSpec>, mut progress: Progress) -> Engine {
+        let mut pipelines = Vec::with_capacity(specs.len());
+        for spec in &specs {
+            let p = progress
+                .pipelines
+                .iter()
+                .find(|p| p.name == spec.name)
+                .cloned()
+                .unwrap_or_else(|| PipelineProgress {
+                    name: spec.name.clone(),
+                    definition: definition(spec),
+                    ..Default::default()
+                });
+            pipelines.push(p);
+        }
+        progress.pipelines = pipelines;
+        Engine {
+            specs,
+            progress,
+            batch: Batch::default(),
+            touched: BTreeMap::new(),
+        }
+    }
+
+    pub fn progress(&self) -> &Progress {
+        &self.progress
+    }
+
+    pub fn specs(&self) -> &[PipelineSpec] {
+        &self.specs
+    }
+
+    /// Records applied since the last checkpoint.
+    pub fn pending_records(&self) -> u64 {
+        self.batch.records
+    }
+
+    /// Apply one log record to every pipeline whose topic filter matches it. The record must
+    /// be the next one in the log: `record.offset >= progress.next_offset` (gaps are allowed
+    /// only where a repair removed records).
+    pub fn apply<R: ReadState>(
+        &mut self,
+        base: &R,
+        rec: &Record,
+    ) -> Result<Vec<Outcome>, ReadError> {
+        assert!(
+            rec.offset >= self.progress.next_offset,
+            "record {} applied twice (next is {})",
+            rec.offset,
+            self.progress.next_offset
+        );
+        self.progress.next_offset = rec.offset + 1;
+        self.progress.records += 1;
+        self.progress.log_clock_ms = self.progress.log_clock_ms.max(rec.received_at_ms);
+        self.batch.records += 1;
+        let mut outcomes = Vec::new();
+        for i in 0..self.specs.len() {
+            if self.specs[i].topics.iter().any(|f| matches(f, &rec.topic)) {
+                let o = self.apply_one(base, i, rec)?;
+                outcomes.push(o);
+            }
+        }
+        if outcomes.is_empty() {
+            self.progress.unmatched += 1;
+        }
+        Ok(outcomes)
+    }
+
+    fn dead(&mut self, p: usize, rec: &Record, r: Refusal) -> Outcome {
+        let name = self.specs[p].name.clone();
+        self.progress.pipelines[p].counters.dead_letters += 1;
+        self.batch.dead_letters.push(DeadLetter {
+            offset: rec.offset,
+            pipeline: name,
+            topic: rec.topic.clone(),
+            reason: r.reason.to_string(),
+            detail: r.detail,
+            received_at_ms: rec.received_at_ms,
+            payload: rec.payload[..rec.payload.len().min(DEAD_LETTER_PAYLOAD_MAX)].to_vec(),
+        });
+        Outcome::DeadLetter { reason: r.reason }
+    }
+
+    fn apply_one<R: ReadState>(
+        &mut self,
+        base: &R,
+        p: usize,
+        rec: &Record,
+    ) -> Result<Outcome, ReadError> {
+        let spec = &self.specs[p];
+        let ev = match parse(spec, &rec.payload) {
+            Ok(ev) => ev,
+            Err(r) => return Ok(self.dead(p, rec, r)),
+        };
+        let now = self.progress.log_clock_ms;
+        let name = spec.name.clone();
+
+        if ev.key.is_empty() {
+            return Ok(self.dead(
+                p,
+                rec,
+                Refusal {
+                    reason: "bad_key",
+                    detail: "the key is empty".into(),
+                },
+            ));
+        }
+        if ev.key.len() > spec.max_key_len {
+            let detail = format!(
+                "key is {} bytes, the limit is {}",
+                ev.key.len(),
+                spec.max_key_len
+            );
+            return Ok(self.dead(
+                p,
+                rec,
+                Refusal {
+                    reason: "key_too_long",
+                    detail,
+                },
+            ));
+        }
+        if ev.key.chars().any(char::is_control) {
+            let detail = "the key contains a control character (NUL, newline, ...)".to_string();
+            return Ok(self.dead(
+                p,
+                rec,
+                Refusal {
+                    reason: "bad_key",
+                    detail,
+                },
+            ));
+        }
+
+        // Invariant 5: an event ID seen within the window (in record time) is skipped.
+        let seen = self.dedup_get(base, &name, &ev.event_id)?;
+        if let Some(seen_ms) = seen {
+            if now.saturating_sub(seen_ms) < spec.dedup_window_ms {
+                self.progress.pipelines[p].counters.duplicates += 1;
+                return Ok(Outcome::Duplicate);
+            }
+        }
+
+        let time_ms = ev.event_time_ms.unwrap_or(rec.received_at_ms);
+        let mut skey = Vec::with_capacity(8 + ev.key.len());
+        let window = spec.window;
+        if let Some(w) = window {
+            let start = time_ms - time_ms % w.size_ms;
+            let watermark = self.progress.pipelines[p]
+                .max_event_time_ms
+                .saturating_sub(w.allowed_lateness_ms);
+            let close_bound = watermark - watermark % w.size_ms;
+            if start < close_bound {
+                let detail = format!(
+                    "event time {time_ms} falls in window [{start}, {}), closed at watermark {watermark}",
+                    start + w.size_ms
+                );
+                return Ok(self.dead(
+                    p,
+                    rec,
+                    Refusal {
+                        reason: "late",
+                        detail,
+                    },
+                ));
+            }
+            skey.extend_from_slice(&start.to_be_bytes());
+        }
+        skey.extend_from_slice(ev.key.as_bytes());
+
+        let old = self.state_get(base, &name, &skey)?;
+        let new = match old {
+            None => {
+                if self.progress.pipelines[p].keys >= spec.max_keys {
+                    let detail = format!(
+                        "{} keys held, the limit is {}",
+                        self.progress.pipelines[p].keys, spec.max_keys
+                    );
+                    return Ok(self.dead(
+                        p,
+                        rec,
+                        Refusal {
+                            reason: "key_limit",
+                            detail,
+                        },
+                    ));
+                }
+                self.progress.pipelines[p].keys += 1;
+                KeyState::first(spec.aggregate, ev.value, time_ms)
+            }
+            Some(old) => match old.apply(ev.value, time_ms) {
+                Ok(s) => s,
+                Err(_) => {
+                    let detail = format!("adding {:?} overflows the 64-bit aggregate", ev.value);
+                    return Ok(self.dead(
+                        p,
+                        rec,
+                        Refusal {
+                            reason: "overflow",
+                            detail,
+                        },
+                    ));
+                }
+            },
+        };
+
+        // Accepted: remember the ID, store the state, emit.
+        let pp = &mut self.progress.pipelines[p];
+        pp.counters.applied += 1;
+        pp.max_event_time_ms = pp.max_event_time_ms.max(time_ms);
+        if seen.is_none() {
+            pp.dedup_entries += 1;
+        }
+        let entry = self
+            .batch
+            .dedup
+            .entry((name.clone(), ev.event_id.clone()))
+            .or_insert(DedupWrite {
+                old_seen_ms: seen,
+                new_seen_ms: None,
+            });
+        entry.new_seen_ms = Some(now);
+        self.batch
+            .state
+            .insert((name.clone(), skey.clone()), Some(new));
+        match self.specs[p].emit {
+            Emit::Changelog => self.emit(p, &skey, &new),
+            Emit::Upsert => {
+                self.touched.insert((p, skey.clone()), new);
+            }
+        }
+        if window.is_some() {
+            self.evict_closed(base, p)?;
+        }
+        Ok(Outcome::Applied {
+            key: ev.key,
+            version: new.version,
+        })
+    }
+
+    /// Drop windows the watermark has closed: no event can change them any more.
+    fn evict_closed<R: ReadState>(&mut self, base: &R, p: usize) -> Result<(), ReadError> {
+        let w = self.specs[p].window.expect("windowed");
+        let pp = &self.progress.pipelines[p];
+        let watermark = pp.max_event_time_ms.saturating_sub(w.allowed_lateness_ms);
+        let close_bound = watermark - watermark % w.size_ms;
+        if close_bound <= pp.evicted_below {
+            return Ok(());
+        }
+        let from = pp.evicted_below;
+        let name = self.specs[p].name.clone();
+        let mut keys = base.window_keys(&name, from, close_bound)?;
+        let lo = (name.clone(), from.to_be_bytes().to_vec());
+        for ((pn, k), v) in self.batch.state.range(lo..) {
+            if *pn != name || k.len() < 8 || start_of(k) >= close_bound {
+                break;
+            }
+            if v.is_some() {
+                keys.push(k.clone());
+            }
+        }
+        keys.sort();
+        keys.dedup();
+        for k in keys {
+            if self.state_get(base, &name, &k)?.is_some() {
+                self.batch.state.insert((name.clone(), k), None);
+                self.progress.pipelines[p].keys -= 1;
+            }
+        }
+        self.progress.pipelines[p].evicted_below = close_bound;
+        Ok(())
+    }
+
+    fn emit(&mut self, p: usize, skey: &[u8], st: &KeyState) {
+        let spec = &self.specs[p];
+        let (window, key) = match spec.window {
+            Some(w) => (Some((start_of(skey), w.size_ms)), &skey[8..]),
+            None => (None, skey),
+        };
+        let key = String::from_utf8_lossy(key);
+        let ek = escape_key(&key);
+        let id = match window {
+            Some((start, _)) => format!("{}/{}/{}/{}", spec.name, ek, start, st.version),
+            None => format!("{}/{}/{}", spec.name, ek, st.version),
+        };
+        let mut topic = spec.output_topic.replace("{key}", &ek);
+        let mut body = serde_json::json!({
+            "id": id, "pipeline": spec.name, "key": key, "version": st.version,
+            "value": st.value_json(), "count": st.count,
+        });
+        if let Some((start, size)) = window {
+            topic = topic.replace("{window_start}", &start.to_string());
+            body["window_start"] = start.into();
+            body["window_end"] = (start + size).into();
+        }
+        let seq = self.progress.outbox_seq;
+        self.progress.outbox_seq += 1;
+        self.progress.pipelines[p].counters.outputs += 1;
+        let out = Output {
+            id,
+            topic,
+            payload: body.to_string().into_bytes(),
+            retain: spec.retain,
+        };
+        self.batch.outputs.push((seq, out));
+    }
+
+    fn state_get<R: ReadState>(
+        &self,
+        base: &R,
+        p: &str,
+        skey: &[u8],
+    ) -> Result<Option<KeyState>, ReadError> {
+        match self.batch.state.get(&(p.to_string(), skey.to_vec())) {
+            Some(v) => Ok(*v),
+            None => base.state(p, skey),
+        }
+    }
+
+    fn dedup_get<R: ReadState>(
+        &self,
+        base: &R,
+        p: &str,
+        id: &str,
+    ) -> Result<Option<u64>, ReadError> {
+        match self.batch.dedup.get(&(p.to_string(), id.to_string())) {
+            Some(w) => Ok(w.new_seen_ms),
+            None => base.dedup(p, id),
+        }
+    }
+
+    /// Close the batch: emit upserts, prune expired dedup entries, and hand over everything
+    /// the checkpoint must write. The engine's progress is already the checkpoint's; if the
+    /// commit then fails, the engine is stale and the process must restart from the store.
+    pub fn take_checkpoint<R: ReadState>(&mut self, base: &R) -> Result<Checkpoint, ReadError> {
+        let touched = std::mem::take(&mut self.touched);
+        for ((p, skey), st) in &touched {
+            self.emit(*p, skey, st);
+        }
+        let now = self.progress.log_clock_ms;
+        for p in 0..self.specs.len() {
+            let window = self.specs[p].dedup_window_ms;
+            let Some(before) = now.checked_sub(window) else {
+                continue;
+            };
+            let name = self.specs[p].name.clone();
+            for (seen, id) in
+                base.dedup_expired(&name, before.saturating_add(1), DEDUP_PRUNE_MAX)?
+            {
+                let key = (name.clone(), id);
+                if self.batch.dedup.contains_key(&key) {
+                    continue; // re-seen in this batch: the write already replaces it
+                }
+                self.batch.dedup.insert(
+                    key,
+                    DedupWrite {
+                        old_seen_ms: Some(seen),
+                        new_seen_ms: None,
+                    },
+                );
+                self.progress.pipelines[p].dedup_entries -= 1;
+            }
+        }
+        self.progress.checkpoint_id += 1;
+        Ok(Checkpoint {
+            progress: self.progress.clone(),
+            batch: std::mem::take(&mut self.batch),
+        })
+    }
+}
+
+fn start_of(skey: &[u8]) -> u64 {
+    u64::from_be_bytes(skey[..8].try_into().expect("windowed key has 8-byte start"))
+}
+
+/// Encode a key the way windowed state stores it: the window start, then the key.
+pub fn window_skey(start: u64, key: &str) -> Vec<u8> {
+    let mut v = start.to_be_bytes().to_vec();
+    v.extend_from_slice(key.as_bytes());
+    v
+}

@@ -1,0 +1,245 @@
+//! Payload → event fields, or the reason it is a dead letter.
+
+use serde_json::Value;
+
+use super::spec::{Field, Format, PipelineSpec, TemplatePart};
+use super::time::parse_rfc3339_ms;
+use super::value::{MAX_EXACT_FLOAT, Num};
+
+/// The fields of one event, before dedup and aggregation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Parsed {
+    pub event_id: String,
+    pub key: String,
+    /// `Int(1)` for `count` pipelines, which have no value field.
+    pub value: Num,
+    /// From the payload, or `None` when the pipeline has no event-time field.
+    pub event_time_ms: Option<u64>,
+}
+
+/// Why a payload was refused. `reason` is a stable, greppable word; `detail` says more.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub reason: &'static str,
+    pub detail: String,
+}
+
+fn refuse(reason: &'static str, detail: impl Into<String>) -> Refusal {
+    Refusal {
+        reason,
+        detail: detail.into(),
+    }
+}
+
+/// A scalar pulled out of a payload, before it is given a role.
+enum Scalar<'a> {
+    Text(std::borrow::Cow<'a, str>),
+    Json(&'a Value),
+}
+
+enum Doc<'a> {
+    Json(Value),
+    Fields(Vec<&'a str>),
+}
+
+pub fn parse(spec: &PipelineSpec, payload: &[u8]) -> Result<Parsed, Refusal> {
+    if payload.is_empty() {
+        return Err(refuse("empty", "the payload is empty"));
+    }
+    let text = std::str::from_utf8(payload).map_err(|e| {
+        refuse(
+            "not_utf8",
+            format!("payload is not UTF-8 (byte {})", e.valid_up_to()),
+        )
+    })?;
+    let doc = match &spec.format {
+        Format::Json => Doc::Json(
+            serde_json::from_str(text)
+                .map_err(|e| refuse("not_json", format!("payload is not JSON: {e}")))?,
+        ),
+        Format::Delimited { separator } => Doc::Fields(
+            text.trim_end_matches(['\r', '\n'])
+                .split(separator.as_str())
+                .collect(),
+        ),
+    };
+    let event_id = text_of(&doc, &spec.event_id, "event_id")?;
+    let key = text_of(&doc, &spec.key, "key")?;
+    let value = match &spec.value {
+        None => Num::Int(1),
+        Some(f) => number_of(&doc, f)?,
+    };
+    let event_time_ms = match &spec.event_time {
+        None => None,
+        Some(f) => Some(time_of(&doc, f)?),
+    };
+    if event_id.is_empty() {
+        return Err(refuse("empty_id", "the event ID is empty"));
+    }
+    Ok(Parsed {
+        event_id,
+        key,
+        value,
+        event_time_ms,
+    })
+}
+
+fn lookup<'a>(doc: &'a Doc<'a>, field: &Field) -> Result<Scalar<'a>, Refusal> {
+    match (doc, field) {
+        (Doc::Json(v), Field::Pointer(p)) => match v.pointer(p) {
+            Some(Value::Null) | None => Err(refuse("missing_field", format!("no value at {p}"))),
+            Some(x) => Ok(Scalar::Json(x)),
+        },
+        (Doc::Fields(f), Field::Index(i)) => match f.get(*i) {
+            Some(s) => Ok(Scalar::Text((*s).into())),
+            None => Err(refuse(
+                "missing_field",
+                format!("no field {i} (the payload has {})", f.len()),
+            )),
+        },
+        (doc, Field::Template(parts)) => {
+            let mut out = String::new();
+            for part in parts {
+                match part {
+                    TemplatePart::Literal(l) => out.push_str(l),
+                    TemplatePart::Field(f) => out.push_str(&scalar_text(lookup(doc, f)?, f)?),
+                }
+            }
+            Ok(Scalar::Text(out.into()))
+        }
+        // Field::parse never pairs a pointer with delimited text or an index with JSON.
+        _ => Err(refuse(
+            "missing_field",
+            "field kind does not fit the format",
+        )),
+    }
+}
+
+fn scalar_text(s: Scalar<'_>, field: &Field) -> Result<String, Refusal> {
+    match s {
+        Scalar::Text(t) => Ok(t.into_owned()),
+        Scalar::Json(Value::String(t)) => Ok(t.clone()),
+        Scalar::Json(Value::Number(n)) if n.is_i64() || n.is_u64() => Ok(n.to_string()),
+        Scalar::Json(other) => Err(refuse(
+            "wrong_type",
+            format!(
+                "{} is {}, expected a string or an integer",
+                describe(field),
+                kind(other)
+            ),
+        )),
+    }
+}
+
+fn text_of(doc: &Doc<'_>, field: &Field, _role: &str) -> Result<String, Refusal> {
+    scalar_text(lookup(doc, field)?, field)
+}
+
+fn number_of(doc: &Doc<'_>, field: &Field) -> Result<Num, Refusal> {
+    let n = match lookup(doc, field)? {
+        Scalar::Json(Value::Number(n)) => {
+            if let Some(i) = n.as_i64() {
+                Num::Int(i)
+            } else if n.is_u64() {
+                return Err(refuse(
+                    "out_of_range",
+                    format!("{n} does not fit a signed 64-bit integer"),
+                ));
+            } else {
+                Num::Float(n.as_f64().unwrap_or(f64::NAN))
+            }
+        }
+        Scalar::Json(other) => {
+            return Err(refuse(
+                "wrong_type",
+                format!("{} is {}, expected a number", describe(field), kind(other)),
+            ));
+        }
+        Scalar::Text(t) => {
+            let t = t.trim();
+            if let Ok(i) = t.parse::<i64>() {
+                Num::Int(i)
+            } else if t
+                .bytes()
+                .all(|c| c.is_ascii_digit() || c == b'-' || c == b'+')
+                && !t.is_empty()
+            {
+                return Err(refuse(
+                    "out_of_range",
+                    format!("{t} does not fit a signed 64-bit integer"),
+                ));
+            } else {
+                match t.parse::<f64>() {
+                    Ok(f)
+                        if !t.eq_ignore_ascii_case("nan")
+                            && !t.to_ascii_lowercase().contains("inf") =>
+                    {
+                        Num::Float(f)
+                    }
+                    _ => return Err(refuse("wrong_type", format!("`{t}` is not a number"))),
+                }
+            }
+        }
+    };
+    if let Num::Float(f) = n {
+        if !f.is_finite() || f.abs() >= MAX_EXACT_FLOAT {
+            return Err(refuse(
+                "out_of_range",
+                format!("{f} is not a finite number below 2^53"),
+            ));
+        }
+    }
+    Ok(n)
+}
+
+fn time_of(doc: &Doc<'_>, field: &Field) -> Result<u64, Refusal> {
+    match lookup(doc, field)? {
+        Scalar::Json(Value::Number(n)) => n.as_u64().ok_or_else(|| {
+            refuse(
+                "bad_event_time",
+                format!("{n} is not milliseconds since the epoch"),
+            )
+        }),
+        Scalar::Json(Value::String(s)) => rfc3339_or_ms(s),
+        Scalar::Text(t) => rfc3339_or_ms(&t),
+        Scalar::Json(other) => Err(refuse(
+            "bad_event_time",
+            format!(
+                "event time is {}, expected ms since the epoch or RFC 3339",
+                kind(other)
+            ),
+        )),
+    }
+}
+
+fn rfc3339_or_ms(s: &str) -> Result<u64, Refusal> {
+    let s = s.trim();
+    s.parse::<u64>()
+        .ok()
+        .or_else(|| parse_rfc3339_ms(s))
+        .ok_or_else(|| {
+            refuse(
+                "bad_event_time",
+                format!("`{s}` is neither ms since the epoch nor RFC 3339"),
+            )
+        })
+}
+
+fn describe(field: &Field) -> String {
+    match field {
+        Field::Pointer(p) => p.clone(),
+        Field::Index(i) => format!("field {i}"),
+        Field::Template(_) => "template field".into(),
+    }
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a non-integer number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}

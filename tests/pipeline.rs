@@ -1,0 +1,315 @@
+//! The pure pipeline engine over an in-memory checkpoint: parsing, dead letters, dedup,
+//! windows and output IDs. No disk, no broker.
+
+use cairn::model::Record;
+use cairn::pipeline::engine::{Engine, Outcome};
+use cairn::pipeline::memory::MemState;
+use cairn::pipeline::spec::*;
+
+fn json_spec(aggregate: Aggregate) -> PipelineSpec {
+    let f = Format::Json;
+    PipelineSpec {
+        name: "balances".into(),
+        topics: vec!["payments/#".into()],
+        event_id: Field::parse("/id", &f).unwrap(),
+        key: Field::parse("/account", &f).unwrap(),
+        value: Some(Field::parse("/amount", &f).unwrap()),
+        format: f,
+        event_time: None,
+        aggregate,
+        window: None,
+        dedup_window_ms: 7 * 86_400_000,
+        output_topic: "balances/{key}".into(),
+        retain: true,
+        emit: Emit::Upsert,
+        max_key_len: 32,
+        max_keys: 3,
+    }
+}
+
+struct Harness {
+    engine: Engine,
+    mem: MemState,
+    offset: u64,
+}
+
+impl Harness {
+    fn new(specs: Vec<PipelineSpec>) -> Harness {
+        Harness {
+            engine: Engine::new(specs, Default::default()),
+            mem: MemState::default(),
+            offset: 0,
+        }
+    }
+    fn feed_at(&mut self, payload: &[u8], received_at_ms: u64) -> Vec<Outcome> {
+        let rec = Record {
+            offset: self.offset,
+            received_at_ms,
+            topic: "payments/eu".into(),
+            payload: payload.to_vec(),
+            qos: 1,
+            retain: false,
+        };
+        self.offset += 1;
+        self.engine.apply(&self.mem, &rec).unwrap()
+    }
+    fn feed(&mut self, payload: &str) -> Vec<Outcome> {
+        let t = 1_000 + self.offset;
+        self.feed_at(payload.as_bytes(), t)
+    }
+    fn checkpoint(&mut self) {
+        let cp = self.engine.take_checkpoint(&self.mem).unwrap();
+        self.mem.commit(&cp);
+    }
+    fn value(&self, key: &str) -> Option<serde_json::Value> {
+        self.mem
+            .state
+            .get(&("balances".to_string(), key.as_bytes().to_vec()))
+            .map(|s| s.value_json())
+    }
+}
+
+fn dead(reason: &'static str) -> Vec<Outcome> {
+    vec![Outcome::DeadLetter { reason }]
+}
+
+#[test]
+fn bad_payloads_of_every_kind_become_dead_letters_and_processing_goes_on() {
+    let mut h = Harness::new(vec![json_spec(Aggregate::Sum)]);
+    assert_eq!(h.feed("not json"), dead("not_json"));
+    assert_eq!(h.feed(r#"{"id":"E1","amount":5}"#), dead("missing_field"));
+    assert_eq!(
+        h.feed(r#"{"id":"E1","account":"A","amount":"5"}"#),
+        dead("wrong_type")
+    );
+    assert_eq!(
+        h.feed(r#"{"id":"E1","account":"A","amount":true}"#),
+        dead("wrong_type")
+    );
+    assert_eq!(
+        h.feed(r#"{"id":"E1","account":"A","amount":null}"#),
+        dead("missing_field")
+    );
+    assert_eq!(
+        h.feed(r#"{"id":"E1","account":{"x":1},"amount":1}"#),
+        dead("wrong_type")
+    );
+    assert_eq!(
+        h.feed(r#"{"id":"E1","account":"A","amount":18446744073709551615}"#),
+        dead("out_of_range")
+    );
+    assert_eq!(
+        h.feed(r#"{"id":"E1","account":"A","amount":1e300}"#),
+        dead("out_of_range")
+    );
+    assert_eq!(
+        h.feed(r#"{"id":"E1","account":"A","amount":123456789012345678901234567890}"#),
+        dead("out_of_range")
+    );
+    assert_eq!(h.feed(""), dead("empty"));
+    assert_eq!(h.feed_at(&[0xff, 0x00, 0xc3, 0x28], 1), dead("not_utf8"));
+    let long = format!(r#"{{"id":"E1","account":"{}","amount":1}}"#, "k".repeat(33));
+    assert_eq!(h.feed(&long), dead("key_too_long"));
+    assert_eq!(
+        h.feed(r#"{"id":"E1","account":"","amount":1}"#),
+        dead("bad_key")
+    );
+    assert_eq!(
+        h.feed(r#"{"id":"E1","account":"a\u0000b","amount":1}"#),
+        dead("bad_key")
+    );
+    assert_eq!(
+        h.feed(r#"{"id":"","account":"A","amount":1}"#),
+        dead("empty_id")
+    );
+    // ...and the next good event is applied as if nothing happened.
+    assert_eq!(
+        h.feed(r#"{"id":"E1","account":"A","amount":5}"#),
+        vec![Outcome::Applied {
+            key: "A".into(),
+            version: 1
+        }]
+    );
+    h.checkpoint();
+    assert_eq!(h.value("A"), Some(serde_json::json!(5)));
+    assert_eq!(h.mem.dead.len(), 15);
+    let reasons: Vec<_> = h.mem.dead.values().map(|d| d.reason.as_str()).collect();
+    assert!(reasons.contains(&"not_utf8"));
+    assert!(h.mem.dead.values().all(|d| !d.detail.is_empty()));
+}
+
+#[test]
+fn integer_overflow_is_a_dead_letter_not_a_wrap() {
+    let mut h = Harness::new(vec![json_spec(Aggregate::Sum)]);
+    h.feed(&format!(
+        r#"{{"id":"E1","account":"A","amount":{}}}"#,
+        i64::MAX
+    ));
+    assert_eq!(
+        h.feed(r#"{"id":"E2","account":"A","amount":1}"#),
+        dead("overflow")
+    );
+    h.checkpoint();
+    assert_eq!(h.value("A"), Some(serde_json::json!(i64::MAX)));
+}
+
+#[test]
+fn the_key_limit_refuses_new_keys_but_updates_old_ones() {
+    let mut h = Harness::new(vec![json_spec(Aggregate::Count)]);
+    for (i, k) in ["A", "B", "C"].iter().enumerate() {
+        h.feed(&format!(r#"{{"id":"E{i}","account":"{k}","amount":1}}"#));
+    }
+    assert_eq!(
+        h.feed(r#"{"id":"E9","account":"D","amount":1}"#),
+        dead("key_limit")
+    );
+    assert_eq!(
+        h.feed(r#"{"id":"E10","account":"A","amount":1}"#),
+        vec![Outcome::Applied {
+            key: "A".into(),
+            version: 2
+        }]
+    );
+}
+
+#[test]
+fn event_id_templates_and_delimited_payloads() {
+    let f = Format::Delimited {
+        separator: "/".into(),
+    };
+    let mut spec = json_spec(Aggregate::Sum);
+    spec.format = f.clone();
+    spec.event_id = Field::parse("{0}-{1}", &f).unwrap();
+    spec.key = Field::parse("1", &f).unwrap();
+    spec.value = Some(Field::parse("2", &f).unwrap());
+    let mut h = Harness::new(vec![spec]);
+    h.feed("E2/A/35000");
+    assert_eq!(h.feed("E2/A/35000"), vec![Outcome::Duplicate]);
+    h.feed("E2/B/1"); // a different template value: E2-B
+    assert_eq!(h.feed("E3/A/x"), dead("wrong_type"));
+    assert_eq!(h.feed("E3/A"), dead("missing_field"));
+    assert_eq!(h.feed("E3/A/99999999999999999999"), dead("out_of_range"));
+    assert_eq!(
+        h.feed("E4/A/2.5"),
+        vec![Outcome::Applied {
+            key: "A".into(),
+            version: 2
+        }]
+    );
+    h.checkpoint();
+    assert_eq!(h.value("A"), Some(serde_json::json!(35002.5)));
+    assert_eq!(h.value("B"), Some(serde_json::json!(1)));
+}
+
+#[test]
+fn hostile_keys_are_escaped_in_topics_and_ids() {
+    let mut h = Harness::new(vec![json_spec(Aggregate::Sum)]);
+    h.feed(r##"{"id":"E1","account":"a/+#%","amount":1}"##);
+    h.checkpoint();
+    let out = h.mem.outbox.values().next().unwrap();
+    assert_eq!(out.topic, "balances/a%2F%2B%23%25");
+    assert_eq!(out.id, "balances/a%2F%2B%23%25/1");
+    let v: serde_json::Value = serde_json::from_slice(&out.payload).unwrap();
+    assert_eq!(v["key"], "a/+#%");
+}
+
+#[test]
+fn the_dedup_window_is_measured_in_record_time() {
+    let mut spec = json_spec(Aggregate::Sum);
+    spec.dedup_window_ms = 1_000;
+    let mut h = Harness::new(vec![spec]);
+    let e = br#"{"id":"E1","account":"A","amount":5}"#;
+    h.feed_at(e, 10_000);
+    assert_eq!(h.feed_at(e, 10_999), vec![Outcome::Duplicate]);
+    // The box's clock jumping back does not reopen the window: the log clock never goes back.
+    assert_eq!(h.feed_at(e, 5_000), vec![Outcome::Duplicate]);
+    h.checkpoint();
+    assert_eq!(
+        h.feed_at(e, 11_000),
+        vec![Outcome::Applied {
+            key: "A".into(),
+            version: 2
+        }]
+    );
+    // Expired entries are pruned at the next checkpoint, and only expired ones.
+    h.feed_at(br#"{"id":"E2","account":"A","amount":1}"#, 11_500);
+    h.checkpoint();
+    assert_eq!(h.mem.dedup.len(), 2);
+    h.feed_at(br#"{"id":"E3","account":"A","amount":1}"#, 12_200);
+    h.checkpoint();
+    let ids: Vec<_> = h.mem.dedup.keys().map(|(_, id)| id.as_str()).collect();
+    assert_eq!(ids, ["E2", "E3"]);
+    assert_eq!(h.engine.progress().pipelines[0].dedup_entries, 2);
+}
+
+#[test]
+fn late_events_within_lateness_update_their_window_beyond_it_are_dead_letters() {
+    let mut spec = json_spec(Aggregate::Sum);
+    spec.event_time = Some(Field::parse("/ts", &Format::Json).unwrap());
+    spec.window = Some(WindowSpec {
+        size_ms: 60_000,
+        allowed_lateness_ms: 30_000,
+    });
+    spec.output_topic = "balances/{key}/{window_start}".into();
+    spec.emit = Emit::Changelog;
+    let mut h = Harness::new(vec![spec]);
+    let ev = |id: &str, amount: i64, ts: &str| {
+        format!(r#"{{"id":"{id}","account":"A","amount":{amount},"ts":{ts}}}"#)
+    };
+    h.feed(&ev("E1", 1, "0"));
+    h.feed(&ev("E2", 2, "\"1970-01-01T00:01:10Z\"")); // window 60000, watermark 40000
+    // Window 0 is still open (watermark 40000 < 60000): the late event updates it.
+    assert_eq!(
+        h.feed(&ev("E3", 4, "59999")),
+        vec![Outcome::Applied {
+            key: "A".into(),
+            version: 2
+        }]
+    );
+    h.feed(&ev("E4", 8, "95000")); // watermark 65000 closes window 0
+    assert_eq!(h.feed(&ev("E5", 16, "1000")), dead("late"));
+    assert_eq!(
+        h.feed(&ev("E6", 1, "\"yesterday\"")),
+        dead("bad_event_time")
+    );
+    h.checkpoint();
+    let outs: Vec<(String, serde_json::Value)> = h
+        .mem
+        .outbox
+        .values()
+        .map(|o| (o.id.clone(), serde_json::from_slice(&o.payload).unwrap()))
+        .collect();
+    let ids: Vec<&str> = outs.iter().map(|(id, _)| id.as_str()).collect();
+    assert_eq!(
+        ids,
+        [
+            "balances/A/0/1",
+            "balances/A/60000/1",
+            "balances/A/0/2",
+            "balances/A/60000/2"
+        ]
+    );
+    let last = &outs[2].1;
+    assert_eq!(
+        (
+            last["value"].as_i64(),
+            last["window_start"].as_u64(),
+            last["window_end"].as_u64()
+        ),
+        (Some(5), Some(0), Some(60_000))
+    );
+    // The closed window was evicted from state; the open one is there.
+    assert_eq!(h.mem.state.len(), 1);
+}
+
+#[test]
+fn upsert_emits_one_output_per_touched_key_per_checkpoint() {
+    let mut h = Harness::new(vec![json_spec(Aggregate::Sum)]);
+    for i in 0..5 {
+        h.feed(&format!(r#"{{"id":"E{i}","account":"A","amount":10}}"#));
+    }
+    h.feed(r#"{"id":"E9","account":"B","amount":1}"#);
+    h.checkpoint();
+    let ids: Vec<_> = h.mem.outbox.values().map(|o| o.id.as_str()).collect();
+    assert_eq!(ids, ["balances/A/5", "balances/B/1"]);
+}
