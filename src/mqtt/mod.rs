@@ -1,1 +1,334 @@
-//! MQTT (being written).
+//! MQTT: the only module that imports rumqttc. A small, blocking-friendly facade for the
+//! single-threaded agent loop: received messages and publish acknowledgements come out of one
+//! bounded [`Receiver<Event>`]; [`Mqtt::ack`] and [`Mqtt::publish`] never block.
+//!
+//! # Guarantees
+//!
+//! - **No message is acknowledged behind the caller's back.** Manual acks: a PUBACK goes out
+//!   only for a token passed to [`Mqtt::ack`], in call order (the caller acks in receipt order,
+//!   after its fsync, invariant 1).
+//! - **A stale ack is dropped, never sent.** An ack for a message received on an earlier
+//!   connection, or queued while disconnected, is dropped; the broker redelivers that message
+//!   with DUP=1 (persistent session) and the agent dedups it by event ID (invariant 5). Sending
+//!   it could acknowledge a different message that reused the packet id.
+//! - **Every [`Mqtt::publish`] ends in exactly one [`Event::PubAcked`]** while the process lives
+//!   and the module runs, with the caller's `output_id`: packet ids are bound in publish order
+//!   and retransmissions do not consume the binding FIFO (see `binding.rs`). If the broker lost
+//!   our session, the unacknowledged publishes are re-sent here, in order; a restart loses them
+//!   all, which is why the outbox re-sends everything it still holds.
+//! - **Nothing blocks forever and nothing spins.** [`Mqtt::publish`] refuses when
+//!   `publish_inflight` publishes are unacknowledged ([`MqttError::InflightFull`]); the agent
+//!   waits for a `PubAcked`. Reconnects use bounded, jittered exponential backoff.
+//!
+//! # Mechanism
+//!
+//! One std thread runs a tokio current-thread runtime with two tasks: the rumqttc event loop
+//! (polled only there: polling and publishing from one task deadlocks, DESIGN §4), and a pump
+//! that moves the caller's queued publishes and acks into rumqttc's request channel with
+//! `try_*` calls. The caller never touches rumqttc: it edits a small mutex-guarded queue and
+//! wakes the pump. Because both tasks share one thread, nothing reaches rumqttc's request
+//! channel between a connection error (when rumqttc drains that channel into its
+//! retransmission queue) and the moment we mark the connection down; this is what makes the
+//! packet-id binding exact across reconnects.
+//!
+//! Deadlock freedom: the caller only does non-blocking queue operations; the pump only uses
+//! `try_*` and retries after the next event-loop event (every request rumqttc takes produces
+//! one); the event loop waits on the caller only when the event channel is full, and then
+//! sleeps in 1 ms steps, checking for shutdown. The request channel is sized to
+//! `max(channel_capacity, publish_inflight + ingest_batch + 16)`, so in steady state neither
+//! publishes nor acks wait for room.
+
+mod binding;
+mod options;
+mod worker;
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, sync_channel};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+use rumqttc::AsyncClient;
+
+use crate::config::MqttConfig;
+use binding::Publishes;
+
+/// Room in rumqttc's request channel beyond one full publish window and one ingest batch of
+/// acks (subscribe, disconnect, a few retries).
+const REQUEST_CHANNEL_MARGIN: usize = 16;
+
+/// Errors of this module. Connection problems are not errors: they are
+/// [`Event::Disconnected`] events and the module keeps reconnecting.
+#[derive(Debug, thiserror::Error)]
+pub enum MqttError {
+    /// A setting cannot work (empty client id, password without user name, ...).
+    #[error("MQTT configuration: {0}")]
+    Config(String),
+    /// A file named in the configuration cannot be read.
+    #[error("cannot read MQTT {what} file {}: {source}", path.display())]
+    File {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// A TLS file was read but is not usable.
+    #[error("MQTT TLS {what} file {}: {problem}", path.display())]
+    Tls {
+        what: &'static str,
+        path: PathBuf,
+        problem: String,
+    },
+    /// A subscription filter is not a valid MQTT topic filter.
+    #[error("invalid MQTT topic filter {0:?}")]
+    InvalidFilter(String),
+    /// A publish topic is empty, has wildcards or a NUL, or is too long.
+    #[error("invalid MQTT publish topic {0:?}")]
+    InvalidTopic(String),
+    /// `publish_inflight` publishes await their PUBACK: wait for [`Event::PubAcked`].
+    #[error("{limit} publishes are already awaiting their PUBACK")]
+    InflightFull { limit: usize },
+    /// More acks are queued than the request channel holds: the caller is acking far ahead
+    /// of the connection. Retry after the next event.
+    #[error("{limit} acks are already queued")]
+    AckQueueFull { limit: usize },
+    /// The MQTT thread has stopped (the event receiver was dropped).
+    #[error("the MQTT thread has stopped")]
+    Stopped,
+    /// The runtime or thread could not be created.
+    #[error("cannot start the MQTT thread: {0}")]
+    Start(std::io::Error),
+}
+
+/// Identifies one received message for [`Mqtt::ack`]. Opaque, neither `Clone` nor `Copy`:
+/// a message is acked once.
+#[derive(Debug)]
+pub struct AckToken {
+    /// The connection the message came on; acks for another connection are dropped.
+    epoch: u64,
+    pkid: u16,
+    qos: u8,
+}
+
+/// A message received from the broker.
+#[derive(Debug)]
+pub struct Incoming {
+    pub topic: String,
+    pub payload: Vec<u8>,
+    pub qos: u8,
+    pub retain: bool,
+    /// Redelivery after a reconnect: may already be in the log; dedup by event ID, never by
+    /// this flag or the packet id.
+    pub dup: bool,
+    pub token: AckToken,
+}
+
+#[derive(Debug)]
+pub enum Event {
+    /// A CONNACK was accepted. `session_present == false` means the broker kept nothing:
+    /// subscriptions were (re)made, and our unacknowledged publishes are being re-sent.
+    Connected {
+        session_present: bool,
+    },
+    /// The connection is down, or the first attempt failed. Once per state change, not per
+    /// retry; the reason of the latest failure is also logged.
+    Disconnected {
+        reason: String,
+    },
+    Message(Incoming),
+    /// The broker acknowledged the publish with this output ID.
+    PubAcked {
+        output_id: String,
+    },
+}
+
+/// A subscription; always QoS 1.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Subscription {
+    pub filter: String,
+}
+
+/// State shared between the caller and the MQTT thread.
+struct Inner {
+    queues: Mutex<Queues>,
+    /// Wakes the pump task (new publish or ack).
+    wake: tokio::sync::Notify,
+    /// Wakes the event-loop task to look at `stop`.
+    stop_wake: tokio::sync::Notify,
+    stop: AtomicBool,
+}
+
+struct Queues {
+    pubs: Publishes,
+    acks: VecDeque<AckToken>,
+    /// Epoch of the live connection, `None` while down.
+    live: Option<u64>,
+    /// The thread has ended.
+    stopped: bool,
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, Queues> {
+        // A panic while holding this lock is a bug in this module; the queues are still
+        // structurally sound, so keep going rather than poison every later call.
+        self.queues.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+pub struct Mqtt {
+    inner: Arc<Inner>,
+    thread: Option<JoinHandle<()>>,
+    publish_limit: usize,
+    ack_limit: usize,
+    subscriptions: Vec<Subscription>,
+}
+
+impl Mqtt {
+    /// Validates the configuration, reads the password and TLS files, and starts the MQTT
+    /// thread, which connects (and reconnects) in the background. `publish_inflight` bounds
+    /// our unacknowledged publishes (rumqttc's inflight window and [`Mqtt::publish`]'s limit).
+    pub fn start(
+        cfg: &MqttConfig,
+        subscriptions: Vec<String>,
+        publish_inflight: u16,
+    ) -> Result<(Mqtt, Receiver<Event>), MqttError> {
+        for filter in &subscriptions {
+            if !rumqttc::valid_filter(filter) || filter.contains('\0') {
+                return Err(MqttError::InvalidFilter(filter.clone()));
+            }
+        }
+        let opts = options::build(cfg, publish_inflight)?;
+        let request_capacity = cfg
+            .channel_capacity
+            .max(publish_inflight as usize + cfg.ingest_batch + REQUEST_CHANNEL_MARGIN);
+        let (client, eventloop) = AsyncClient::new(opts, request_capacity);
+        let (events_tx, events_rx) = sync_channel(cfg.channel_capacity.max(1));
+
+        let inner = Arc::new(Inner {
+            queues: Mutex::new(Queues {
+                pubs: Publishes::default(),
+                acks: VecDeque::new(),
+                live: None,
+                stopped: false,
+            }),
+            wake: tokio::sync::Notify::new(),
+            stop_wake: tokio::sync::Notify::new(),
+            stop: AtomicBool::new(false),
+        });
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .enable_time()
+            .build()
+            .map_err(MqttError::Start)?;
+        let worker = worker::Worker::new(
+            cfg,
+            eventloop,
+            client,
+            inner.clone(),
+            events_tx,
+            subscriptions.clone(),
+        );
+        let thread = std::thread::Builder::new()
+            .name("mqtt".into())
+            .spawn(move || runtime.block_on(worker.run()))
+            .map_err(MqttError::Start)?;
+
+        let mqtt = Mqtt {
+            inner,
+            thread: Some(thread),
+            publish_limit: publish_inflight as usize,
+            ack_limit: request_capacity,
+            subscriptions: subscriptions
+                .into_iter()
+                .map(|filter| Subscription { filter })
+                .collect(),
+        };
+        Ok((mqtt, events_rx))
+    }
+
+    /// Queues the PUBACK for a received message. Call in receipt order. Returns at once; the
+    /// ack is dropped if the connection it belongs to is gone (the broker redelivers).
+    pub fn ack(&self, token: AckToken) -> Result<(), MqttError> {
+        if token.qos == 0 {
+            return Ok(()); // QoS 0 has nothing to acknowledge
+        }
+        let mut q = self.inner.lock();
+        if q.stopped {
+            return Err(MqttError::Stopped);
+        }
+        if q.acks.len() >= self.ack_limit {
+            return Err(MqttError::AckQueueFull {
+                limit: self.ack_limit,
+            });
+        }
+        q.acks.push_back(token);
+        drop(q);
+        self.inner.wake.notify_one();
+        Ok(())
+    }
+
+    /// Queues a QoS 1 publish; its [`Event::PubAcked`] carries `output_id`. Returns at once:
+    /// [`MqttError::InflightFull`] when `publish_inflight` publishes await their PUBACK.
+    /// Publishes go out in call order, also across a lost session.
+    pub fn publish(
+        &self,
+        output_id: String,
+        topic: &str,
+        payload: Vec<u8>,
+        retain: bool,
+    ) -> Result<(), MqttError> {
+        if !valid_publish_topic(topic) {
+            return Err(MqttError::InvalidTopic(topic.to_owned()));
+        }
+        let mut q = self.inner.lock();
+        if q.stopped {
+            return Err(MqttError::Stopped);
+        }
+        if q.pubs.len() >= self.publish_limit {
+            return Err(MqttError::InflightFull {
+                limit: self.publish_limit,
+            });
+        }
+        q.pubs.accept(output_id, topic.to_owned(), payload, retain);
+        drop(q);
+        self.inner.wake.notify_one();
+        Ok(())
+    }
+
+    /// Our publishes not yet acknowledged (queued, on the wire, or being re-sent after a lost
+    /// session). A lost session does not lower it: those publishes are re-sent and each still
+    /// ends in one `PubAcked`.
+    pub fn inflight(&self) -> usize {
+        self.inner.lock().pubs.len()
+    }
+
+    /// The filters subscribed (QoS 1) whenever the broker has no session for us.
+    pub fn subscriptions(&self) -> &[Subscription] {
+        &self.subscriptions
+    }
+
+    /// Sends DISCONNECT if connected (after the acks already queued), waits up to a second for
+    /// it to go out, and joins the thread. Unacknowledged publishes are abandoned: the outbox
+    /// still has them.
+    pub fn shutdown(self) {
+        drop(self);
+    }
+}
+
+impl Drop for Mqtt {
+    fn drop(&mut self) {
+        self.inner.stop.store(true, Ordering::SeqCst);
+        self.inner.stop_wake.notify_one();
+        self.inner.wake.notify_one();
+        if let Some(thread) = self.thread.take()
+            && thread.join().is_err()
+        {
+            log::error!("the MQTT thread panicked");
+        }
+    }
+}
+
+/// A topic we may publish to: not empty, no wildcards, no NUL, at most 65,535 bytes.
+fn valid_publish_topic(topic: &str) -> bool {
+    !topic.is_empty() && topic.len() <= u16::MAX as usize && !topic.contains(['+', '#', '\0'])
+}

@@ -1,0 +1,225 @@
+//! Packet-id binding for our own QoS 1 publishes: a pure state machine, no IO.
+//!
+//! rumqttc's `publish()` does not return the packet id it will use (DESIGN §4). The event
+//! loop tells us afterwards, in order: `Outgoing::Publish(pkid)` when a PUBLISH goes on the
+//! wire, `Incoming::PubAck(pkid)` when the broker acknowledges it. So we keep our output IDs
+//! in the order we handed them to rumqttc, and the next *new* `Outgoing::Publish` binds the
+//! front one.
+//!
+//! The guarantees, each checked by a unit test below:
+//! - An output ID is bound to at most one pkid, and resolved (returned by [`Publishes::on_puback`])
+//!   at most once (`a_retransmit_does_not_consume_the_fifo`).
+//! - A retransmission (`Outgoing::Publish` for a pkid that is still bound) never consumes the
+//!   FIFO (`a_retransmit_does_not_consume_the_fifo`).
+//! - When the broker lost our session, every publish that rumqttc held is queued again, in the
+//!   original order, ahead of anything not yet handed over (`a_lost_session_requeues_in_order`).
+//!   Nothing is dropped while the process lives; [`Publishes::len`] is unchanged by it.
+//! - A collision (rumqttc's `AwaitAck`, only possible if a broker acks out of order) parks the
+//!   front entry until rumqttc sends it under that pkid (`a_collision_binds_the_parked_entry`).
+
+use std::collections::{HashMap, VecDeque};
+
+/// One of our publishes, kept until the broker acknowledges it (so it can be re-sent).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct OutPublish {
+    /// Position in `publish()` order; restores that order after a lost session.
+    pub seq: u64,
+    pub output_id: String,
+    pub topic: String,
+    pub payload: Vec<u8>,
+    pub retain: bool,
+}
+
+/// What an `Outgoing::Publish(pkid)` meant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Sent {
+    /// A first transmission: the pkid now names this output ID.
+    Bound(String),
+    /// rumqttc re-sent a pkid that is still bound (after a reconnect with a session).
+    Retransmit,
+    /// Nothing was waiting for a pkid: a bug in this module or in rumqttc.
+    Unexpected,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Publishes {
+    next_seq: u64,
+    /// Accepted by `publish()`, not yet handed to rumqttc.
+    to_send: VecDeque<OutPublish>,
+    /// Handed to rumqttc, no pkid seen yet; front = oldest.
+    unbound: VecDeque<OutPublish>,
+    /// Taken by rumqttc but parked on a pkid collision (`Outgoing::AwaitAck(pkid)`).
+    collided: Option<(u16, OutPublish)>,
+    /// On the wire (or queued for retransmission inside rumqttc), awaiting PUBACK.
+    bound: HashMap<u16, OutPublish>,
+}
+
+impl Publishes {
+    /// Publishes accepted and not yet acknowledged, wherever they are.
+    pub fn len(&self) -> usize {
+        self.to_send.len()
+            + self.unbound.len()
+            + self.bound.len()
+            + self.collided.is_some() as usize
+    }
+
+    pub fn accept(&mut self, output_id: String, topic: String, payload: Vec<u8>, retain: bool) {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.to_send.push_back(OutPublish {
+            seq,
+            output_id,
+            topic,
+            payload,
+            retain,
+        });
+    }
+
+    /// The next publish to hand to rumqttc, if any.
+    pub fn next_to_hand(&self) -> Option<&OutPublish> {
+        self.to_send.front()
+    }
+
+    /// rumqttc accepted [`Self::next_to_hand`] into its request channel.
+    pub fn handed(&mut self) {
+        if let Some(p) = self.to_send.pop_front() {
+            self.unbound.push_back(p);
+        }
+    }
+
+    /// rumqttc wrote a PUBLISH with this pkid.
+    pub fn on_outgoing(&mut self, pkid: u16) -> Sent {
+        if self.bound.contains_key(&pkid) {
+            return Sent::Retransmit;
+        }
+        let next = match self.collided.take() {
+            Some((parked, p)) if parked == pkid => Some(p),
+            other => {
+                self.collided = other;
+                self.unbound.pop_front()
+            }
+        };
+        match next {
+            Some(p) => {
+                let id = p.output_id.clone();
+                self.bound.insert(pkid, p);
+                Sent::Bound(id)
+            }
+            None => Sent::Unexpected,
+        }
+    }
+
+    /// rumqttc took the front publish but parked it: `pkid` is still in use.
+    pub fn on_await_ack(&mut self, pkid: u16) {
+        if self.collided.is_none()
+            && let Some(p) = self.unbound.pop_front()
+        {
+            self.collided = Some((pkid, p));
+        }
+    }
+
+    /// The broker acknowledged `pkid`; returns the output ID it carried.
+    pub fn on_puback(&mut self, pkid: u16) -> Option<String> {
+        self.bound.remove(&pkid).map(|p| p.output_id)
+    }
+
+    /// The broker has no session for us: it forgot every publish rumqttc held, and rumqttc
+    /// dropped its own retransmission queue. Queue them all again, oldest first, ahead of
+    /// those not handed over yet. Returns how many.
+    pub fn on_session_lost(&mut self) -> usize {
+        let mut lost: Vec<OutPublish> = self.bound.drain().map(|(_, p)| p).collect();
+        lost.extend(self.unbound.drain(..));
+        lost.extend(self.collided.take().map(|(_, p)| p));
+        lost.sort_by_key(|p| p.seq);
+        let n = lost.len();
+        for p in lost.into_iter().rev() {
+            self.to_send.push_front(p);
+        }
+        n
+    }
+
+    /// Publishes inside rumqttc that were never given a pkid (for a consistency check).
+    pub fn unbound_len(&self) -> usize {
+        self.unbound.len() + self.collided.is_some() as usize
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(n: usize) -> Publishes {
+        let mut p = Publishes::default();
+        for i in 0..n {
+            p.accept(format!("o{i}"), "t".into(), vec![], false);
+        }
+        p
+    }
+
+    fn hand_all(p: &mut Publishes) {
+        while p.next_to_hand().is_some() {
+            p.handed();
+        }
+    }
+
+    #[test]
+    fn binds_in_publish_order_and_resolves_once() {
+        let mut p = with(3);
+        hand_all(&mut p);
+        assert_eq!(p.on_outgoing(7), Sent::Bound("o0".into()));
+        assert_eq!(p.on_outgoing(8), Sent::Bound("o1".into()));
+        assert_eq!(p.on_puback(7).as_deref(), Some("o0"));
+        assert_eq!(p.on_puback(7), None);
+        assert_eq!(p.on_outgoing(7), Sent::Bound("o2".into()));
+        assert_eq!(p.len(), 2);
+    }
+
+    #[test]
+    fn a_retransmit_does_not_consume_the_fifo() {
+        let mut p = with(3);
+        hand_all(&mut p);
+        assert_eq!(p.on_outgoing(1), Sent::Bound("o0".into()));
+        assert_eq!(p.on_outgoing(2), Sent::Bound("o1".into()));
+        // reconnect with session: rumqttc re-sends 1 and 2, then the new one
+        assert_eq!(p.on_outgoing(1), Sent::Retransmit);
+        assert_eq!(p.on_outgoing(2), Sent::Retransmit);
+        assert_eq!(p.on_outgoing(3), Sent::Bound("o2".into()));
+        assert_eq!(p.on_puback(2).as_deref(), Some("o1"));
+        assert_eq!(p.on_puback(1).as_deref(), Some("o0"));
+        assert_eq!(p.on_puback(3).as_deref(), Some("o2"));
+        assert_eq!(p.len(), 0);
+        assert_eq!(p.on_outgoing(4), Sent::Unexpected);
+    }
+
+    #[test]
+    fn a_lost_session_requeues_in_order() {
+        let mut p = with(5);
+        for _ in 0..4 {
+            p.handed();
+        }
+        assert_eq!(p.on_outgoing(9), Sent::Bound("o0".into()));
+        assert_eq!(p.on_outgoing(10), Sent::Bound("o1".into()));
+        assert_eq!(p.on_puback(9).as_deref(), Some("o0"));
+        // o1 bound, o2 and o3 handed but unbound, o4 not handed
+        assert_eq!(p.on_session_lost(), 3);
+        assert_eq!(p.len(), 4);
+        let order: Vec<_> = p.to_send.iter().map(|x| x.output_id.clone()).collect();
+        assert_eq!(order, ["o1", "o2", "o3", "o4"]);
+        hand_all(&mut p);
+        assert_eq!(p.on_outgoing(1), Sent::Bound("o1".into()));
+        assert_eq!(p.on_puback(10), None, "the old pkid means nothing any more");
+    }
+
+    #[test]
+    fn a_collision_binds_the_parked_entry() {
+        let mut p = with(3);
+        hand_all(&mut p);
+        assert_eq!(p.on_outgoing(1), Sent::Bound("o0".into()));
+        assert_eq!(p.on_outgoing(2), Sent::Bound("o1".into()));
+        p.on_await_ack(1); // o2 wants pkid 1, still in use
+        assert_eq!(p.unbound_len(), 1);
+        assert_eq!(p.on_puback(1).as_deref(), Some("o0"));
+        assert_eq!(p.on_outgoing(1), Sent::Bound("o2".into()));
+        assert_eq!(p.len(), 2);
+    }
+}

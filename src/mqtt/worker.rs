@@ -1,0 +1,443 @@
+//! The MQTT thread: polls rumqttc's event loop, binds packet ids, reconnects with backoff,
+//! and pumps the caller's queued publishes and acks into rumqttc.
+//!
+//! Everything here runs on one current-thread runtime. That matters: when a poll fails,
+//! rumqttc drains its request channel into its retransmission queue, and the handler below
+//! marks the connection down before any other task can run. So the pump never adds a request
+//! that would survive into the next connection unaccounted for.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{SyncSender, TrySendError};
+use std::time::Duration;
+
+use log::{debug, error, info, warn};
+use rumqttc::{
+    AsyncClient, ConnectReturnCode, ConnectionError, EventLoop, Outgoing, Packet, QoS, Request,
+    SubscribeFilter, SubscribeReasonCode,
+};
+
+use super::binding::Sent;
+use super::{AckToken, Event, Incoming, Inner};
+use crate::config::MqttConfig;
+
+/// Floor for the reconnect backoff, so that a zero in the config cannot make a tight loop.
+const BACKOFF_FLOOR: Duration = Duration::from_millis(10);
+/// How long shutdown waits for DISCONNECT to be written.
+const DISCONNECT_GRACE: Duration = Duration::from_secs(1);
+/// Step while the caller's event channel is full.
+const EVENT_FULL_WAIT: Duration = Duration::from_millis(1);
+
+pub(crate) struct Worker {
+    eventloop: EventLoop,
+    client: AsyncClient,
+    inner: Arc<Inner>,
+    events: SyncSender<Event>,
+    filters: Vec<String>,
+    endpoint: String,
+    backoff_min: Duration,
+    backoff_max: Duration,
+    backoff: Duration,
+    rng: u64,
+    /// Epoch of the current (or last) connection; 0 never names one.
+    epoch: u64,
+    connected: bool,
+    ever_connected: bool,
+    /// Set once `Disconnected` was emitted for the current down period.
+    down_announced: bool,
+    last_reason: Option<String>,
+    /// Failed connect attempts since the connection was last up.
+    attempts: u32,
+}
+
+impl Worker {
+    pub(crate) fn new(
+        cfg: &MqttConfig,
+        eventloop: EventLoop,
+        client: AsyncClient,
+        inner: Arc<Inner>,
+        events: SyncSender<Event>,
+        filters: Vec<String>,
+    ) -> Worker {
+        let backoff_min = cfg.reconnect_min.max(BACKOFF_FLOOR);
+        Worker {
+            eventloop,
+            client,
+            inner,
+            events,
+            filters,
+            endpoint: format!("{}:{} as {:?}", cfg.host, cfg.port, cfg.client_id),
+            backoff_min,
+            backoff_max: cfg.reconnect_max.max(backoff_min),
+            backoff: backoff_min,
+            rng: seed(),
+            epoch: 0,
+            connected: false,
+            ever_connected: false,
+            down_announced: false,
+            last_reason: None,
+            attempts: 0,
+        }
+    }
+
+    pub(crate) async fn run(mut self) {
+        let pump = tokio::spawn(pump_task(self.client.clone(), self.inner.clone()));
+        while !self.stopping() {
+            let polled = tokio::select! {
+                // Only at shutdown do we abandon a poll half way; its state no longer matters.
+                _ = self.inner.stop_wake.notified() => continue,
+                polled = self.eventloop.poll() => polled,
+            };
+            match polled {
+                Ok(event) => self.on_event(event, false).await,
+                Err(e) => self.on_error(e).await,
+            }
+            pump_once(&self.client, &self.inner);
+        }
+        self.disconnect().await;
+        pump.abort();
+        let mut q = self.inner.lock();
+        q.stopped = true;
+        q.live = None;
+    }
+
+    fn stopping(&self) -> bool {
+        self.inner.stop.load(Ordering::SeqCst)
+    }
+
+    /// `stale`: the event was buffered by rumqttc on a connection that has since failed.
+    async fn on_event(&mut self, event: rumqttc::Event, stale: bool) {
+        match event {
+            rumqttc::Event::Incoming(Packet::ConnAck(ack)) => {
+                self.on_connack(ack.session_present).await
+            }
+            rumqttc::Event::Incoming(Packet::Publish(p)) => {
+                let qos = match p.qos {
+                    QoS::AtMostOnce => 0,
+                    QoS::AtLeastOnce => 1,
+                    QoS::ExactlyOnce => 2,
+                };
+                let token = AckToken {
+                    // A message from the previous connection gets an epoch that is never
+                    // live, so its ack is dropped and the broker redelivers it.
+                    epoch: if stale { 0 } else { self.epoch },
+                    pkid: p.pkid,
+                    qos,
+                };
+                let msg = Incoming {
+                    topic: p.topic,
+                    payload: p.payload.to_vec(),
+                    qos,
+                    retain: p.retain,
+                    dup: p.dup,
+                    token,
+                };
+                self.emit(Event::Message(msg)).await;
+            }
+            rumqttc::Event::Incoming(Packet::PubAck(ack)) => {
+                let resolved = self.inner.lock().pubs.on_puback(ack.pkid);
+                match resolved {
+                    Some(output_id) => self.emit(Event::PubAcked { output_id }).await,
+                    None => error!("PUBACK for packet id {} that names no publish", ack.pkid),
+                }
+            }
+            rumqttc::Event::Incoming(Packet::SubAck(ack)) => {
+                for (filter, code) in self.filters.iter().zip(&ack.return_codes) {
+                    if *code == SubscribeReasonCode::Failure {
+                        error!(
+                            "broker {} refused the subscription {filter:?}",
+                            self.endpoint
+                        );
+                    }
+                }
+            }
+            rumqttc::Event::Outgoing(Outgoing::Publish(pkid)) => {
+                let sent = self.inner.lock().pubs.on_outgoing(pkid);
+                match sent {
+                    Sent::Bound(id) => debug!("packet id {pkid} is output {id}"),
+                    Sent::Retransmit => debug!("packet id {pkid} retransmitted"),
+                    Sent::Unexpected => {
+                        error!("PUBLISH with packet id {pkid} that we did not queue")
+                    }
+                }
+            }
+            rumqttc::Event::Outgoing(Outgoing::AwaitAck(pkid)) => {
+                warn!("broker acked out of order: publish waits for packet id {pkid}");
+                self.inner.lock().pubs.on_await_ack(pkid);
+            }
+            _ => {}
+        }
+    }
+
+    async fn on_connack(&mut self, session_present: bool) {
+        self.epoch += 1;
+        self.connected = true;
+        let requeued = {
+            let mut q = self.inner.lock();
+            q.live = Some(self.epoch);
+            if session_present {
+                0
+            } else {
+                // rumqttc has just cleared its retransmission queue, but not a parked
+                // collision, which would then wait for an ack that never comes.
+                self.eventloop.state.collision = None;
+                q.pubs.on_session_lost()
+            }
+        };
+        if requeued > 0 {
+            warn!(
+                "broker {} had no session for us: re-sending {requeued} unacknowledged publishes",
+                self.endpoint
+            );
+        }
+        if !session_present && !self.filters.is_empty() {
+            let filters = self
+                .filters
+                .iter()
+                .map(|f| SubscribeFilter::new(f.clone(), QoS::AtLeastOnce));
+            // The request channel is empty here: the pump adds nothing while disconnected and
+            // rumqttc drained it when the previous connection failed.
+            if let Err(e) = self.client.try_subscribe_many(filters) {
+                error!("cannot queue SUBSCRIBE to {}: {e}", self.endpoint);
+            }
+        }
+        if self.ever_connected || self.attempts > 0 {
+            info!(
+                "connected to {} again after {} attempt(s) (session present: {session_present})",
+                self.endpoint,
+                self.attempts + 1
+            );
+        } else {
+            info!(
+                "connected to {} (session present: {session_present})",
+                self.endpoint
+            );
+        }
+        self.ever_connected = true;
+        self.down_announced = false;
+        self.last_reason = None;
+        self.attempts = 0;
+        self.backoff = self.backoff_min;
+        self.emit(Event::Connected { session_present }).await;
+    }
+
+    async fn on_error(&mut self, e: ConnectionError) {
+        let reason = describe(&e);
+        if self.connected {
+            self.connected = false;
+            // Synchronously after rumqttc's cleanup: see the module comment.
+            self.inner.lock().live = None;
+            // rumqttc would hand us these after the next CONNACK, mixed up with the new
+            // connection (a PUBLISH whose ack must not go out on it, an `Outgoing::Publish`
+            // that must bind before a lost session re-queues everything). Take them now.
+            let buffered: Vec<_> = self.eventloop.state.events.drain(..).collect();
+            for event in buffered {
+                self.on_event(event, true).await;
+            }
+            self.check_unbound();
+            warn!(
+                "lost connection to {}: {reason}; reconnecting with backoff {:?}..{:?}",
+                self.endpoint, self.backoff_min, self.backoff_max
+            );
+        } else {
+            self.attempts += 1;
+            if self.last_reason.as_deref() == Some(reason.as_str()) {
+                debug!(
+                    "connect attempt {} to {} failed: {reason}",
+                    self.attempts, self.endpoint
+                );
+            } else if matches!(e, ConnectionError::ConnectionRefused(_)) {
+                error!("{reason} ({}); retrying with backoff", self.endpoint);
+            } else {
+                warn!(
+                    "cannot connect to {}: {reason}; retrying with backoff",
+                    self.endpoint
+                );
+            }
+        }
+        self.last_reason = Some(reason.clone());
+        if !self.down_announced {
+            self.down_announced = true;
+            self.emit(Event::Disconnected { reason }).await;
+        }
+        let delay = self.next_delay();
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = self.inner.stop_wake.notified() => {}
+        }
+    }
+
+    /// After rumqttc's cleanup, every publish it took without a packet id sits in its
+    /// retransmission queue with pkid 0 (or is the parked collision), and our unbound FIFO
+    /// must hold exactly those. A mismatch is a bug that would shift the binding.
+    fn check_unbound(&self) {
+        let in_rumqttc = self
+            .eventloop
+            .pending
+            .iter()
+            .filter(|r| matches!(r, Request::Publish(p) if p.pkid == 0))
+            .count()
+            + usize::from(self.eventloop.state.collision.is_some());
+        let ours = self.inner.lock().pubs.unbound_len();
+        if in_rumqttc != ours {
+            error!("bug: {ours} publishes await a packet id, rumqttc holds {in_rumqttc}");
+        }
+    }
+
+    /// Equal jitter: a uniform delay in `[b/2, b]`, then `b` doubles up to the maximum.
+    fn next_delay(&mut self) -> Duration {
+        let base = self.backoff;
+        self.backoff = (base * 2).min(self.backoff_max);
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        let frac = (self.rng % 1024) as f64 / 1024.0;
+        base.mul_f64(0.5 + 0.5 * frac)
+    }
+
+    /// Hands an event to the caller, waiting while its channel is full (that is the
+    /// backpressure: we stop reading from the broker). Gives up at shutdown.
+    async fn emit(&mut self, mut event: Event) {
+        loop {
+            match self.events.try_send(event) {
+                Ok(()) => return,
+                Err(TrySendError::Full(back)) => {
+                    if self.stopping() {
+                        return;
+                    }
+                    event = back;
+                    tokio::time::sleep(EVENT_FULL_WAIT).await;
+                }
+                Err(TrySendError::Disconnected(_)) => {
+                    debug!("event receiver dropped: stopping the MQTT thread");
+                    self.inner.stop.store(true, Ordering::SeqCst);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Best effort: queued acks first, then DISCONNECT, then poll until it is written.
+    async fn disconnect(&mut self) {
+        if !self.connected {
+            return;
+        }
+        pump_once(&self.client, &self.inner);
+        if self.client.try_disconnect().is_err() {
+            return;
+        }
+        let deadline = tokio::time::sleep(DISCONNECT_GRACE);
+        tokio::pin!(deadline);
+        loop {
+            tokio::select! {
+                _ = &mut deadline => {
+                    warn!("DISCONNECT to {} not written within {DISCONNECT_GRACE:?}", self.endpoint);
+                    return;
+                }
+                polled = self.eventloop.poll() => match polled {
+                    Ok(rumqttc::Event::Outgoing(Outgoing::Disconnect)) => {
+                        info!("disconnected from {}", self.endpoint);
+                        return;
+                    }
+                    Ok(rumqttc::Event::Incoming(Packet::PubAck(ack))) => {
+                        let resolved = self.inner.lock().pubs.on_puback(ack.pkid);
+                        if let Some(output_id) = resolved {
+                            let _ = self.events.try_send(Event::PubAcked { output_id });
+                        }
+                    }
+                    Ok(rumqttc::Event::Outgoing(Outgoing::Publish(pkid))) => {
+                        self.inner.lock().pubs.on_outgoing(pkid);
+                    }
+                    Ok(_) => {}
+                    Err(_) => return,
+                },
+            }
+        }
+    }
+}
+
+/// Wakes on every new publish or ack from the caller.
+async fn pump_task(client: AsyncClient, inner: Arc<Inner>) {
+    loop {
+        inner.wake.notified().await;
+        pump_once(&client, &inner);
+    }
+}
+
+/// Moves queued acks and publishes into rumqttc's request channel, as far as it has room.
+/// Never awaits (so it cannot interleave with the event loop's error handling) and never
+/// blocks; what does not fit waits for the next event-loop event, which every request rumqttc
+/// takes produces.
+fn pump_once(client: &AsyncClient, inner: &Inner) {
+    let mut q = inner.lock();
+    let Some(live) = q.live else {
+        let dropped = q.acks.len();
+        if dropped > 0 {
+            q.acks.clear();
+            debug!("dropped {dropped} acks queued while disconnected; the broker redelivers");
+        }
+        return;
+    };
+    while let Some(token) = q.acks.front() {
+        if token.epoch == live {
+            let qos = if token.qos >= 2 {
+                QoS::ExactlyOnce
+            } else {
+                QoS::AtLeastOnce
+            };
+            let mut publish = rumqttc::Publish::new("", qos, Vec::new());
+            publish.pkid = token.pkid;
+            if client.try_ack(&publish).is_err() {
+                break;
+            }
+        } else {
+            debug!(
+                "dropped an ack for packet id {} from an earlier connection",
+                token.pkid
+            );
+        }
+        q.acks.pop_front();
+    }
+    while let Some(p) = q.pubs.next_to_hand() {
+        let handed = client.try_publish(
+            p.topic.clone(),
+            QoS::AtLeastOnce,
+            p.retain,
+            p.payload.clone(),
+        );
+        if handed.is_err() {
+            break;
+        }
+        q.pubs.handed();
+    }
+}
+
+fn describe(e: &ConnectionError) -> String {
+    match e {
+        ConnectionError::ConnectionRefused(code) => {
+            let why = match code {
+                ConnectReturnCode::BadUserNamePassword => {
+                    "bad user name or password (check username and password_file)"
+                }
+                ConnectReturnCode::NotAuthorized => {
+                    "not authorized (check username, password_file and the broker's ACL)"
+                }
+                ConnectReturnCode::BadClientId => "client id rejected",
+                ConnectReturnCode::ServiceUnavailable => "service unavailable",
+                ConnectReturnCode::RefusedProtocolVersion => "MQTT 3.1.1 not supported",
+                ConnectReturnCode::Success => "success code in a refusal",
+            };
+            format!("broker refused the connection: {why}")
+        }
+        other => other.to_string(),
+    }
+}
+
+/// Jitter only has to differ between agents restarting together, not be unpredictable.
+fn seed() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    (nanos ^ (u64::from(std::process::id()) << 32)) | 1
+}
