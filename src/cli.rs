@@ -1,4 +1,413 @@
-//! Command line: argument parsing, config loading, exit codes (0 ok, 1 runtime, 2 usage/config).
+//! Command line: argument parsing, config loading, exit codes.
+//!
+//! Exit codes: 0 ok, 1 runtime failure, 2 usage or config error (DESIGN §3).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use clap::{Args, Parser, Subcommand};
+use serde_json::json;
+
+use crate::config::{self, Config, ConfigError};
+use crate::pipeline::spec::PipelineSpec;
+use crate::store::Store;
+
+pub const EXIT_OK: i32 = 0;
+pub const EXIT_RUNTIME: i32 = 1;
+pub const EXIT_USAGE: i32 = 2;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "cairn",
+    version,
+    about = "Exactly-once MQTT aggregation for edge boxes"
+)]
+pub struct Cli {
+    /// Configuration file.
+    #[arg(
+        long,
+        short,
+        global = true,
+        env = "CAIRN_CONFIG",
+        default_value = "/etc/cairn/cairn.toml"
+    )]
+    pub config: PathBuf,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run the agent in the foreground until SIGINT/SIGTERM (drains, exits 0).
+    Run,
+    /// Check the configuration; print every problem (exit 2) or a summary (exit 0).
+    Validate,
+    /// Look inside the log or the store (the store only while the agent is stopped).
+    Inspect {
+        #[command(subcommand)]
+        what: Inspect,
+    },
+    /// Check the log (and the store against it); `--repair` moves damaged log segments aside.
+    Verify {
+        /// Move damaged segments aside (never deleting them) so the log opens again.
+        #[arg(long)]
+        repair: bool,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct Filter {
+    /// Only this pipeline.
+    #[arg(long)]
+    pub pipeline: Option<String>,
+    /// Only this key.
+    #[arg(long)]
+    pub key: Option<String>,
+    /// At most this many lines.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// One JSON object per line.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Inspect {
+    /// Records in the replay log.
+    Log {
+        /// First offset to show.
+        #[arg(long, default_value_t = 0)]
+        from: u64,
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Per-key aggregate state.
+    State(Filter),
+    /// The event-ID dedup ledger.
+    Dedup(Filter),
+    /// Results waiting for the broker's PUBACK.
+    Outbox(Filter),
+    /// Checkpoint history, newest last.
+    Checkpoints(Filter),
+    /// Refused inputs with offset, topic and reason.
+    DeadLetters(Filter),
+}
+
+/// A failure with its exit code and message, for `main` to print.
+#[derive(Debug)]
+pub struct Failure {
+    pub code: i32,
+    pub message: String,
+}
+
+impl Failure {
+    pub fn runtime(message: impl std::fmt::Display) -> Failure {
+        Failure {
+            code: EXIT_RUNTIME,
+            message: message.to_string(),
+        }
+    }
+    pub fn usage(message: impl std::fmt::Display) -> Failure {
+        Failure {
+            code: EXIT_USAGE,
+            message: message.to_string(),
+        }
+    }
+}
+
 pub fn main() -> i32 {
-    0
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { EXIT_USAGE } else { EXIT_OK };
+        }
+    };
+    init_logging();
+    match dispatch(cli) {
+        Ok(()) => EXIT_OK,
+        Err(f) => {
+            if !f.message.is_empty() {
+                eprintln!("cairn: {}", f.message);
+            }
+            f.code
+        }
+    }
+}
+
+fn init_logging() {
+    let mut b = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"));
+    b.target(env_logger::Target::Stderr);
+    let _ = b.try_init();
+}
+
+pub fn load_config(path: &Path) -> Result<Config, Failure> {
+    config::load(path).map_err(|e| match e {
+        ConfigError::Invalid { problems, .. } => {
+            let lines: Vec<String> = problems.iter().map(|p| p.to_string()).collect();
+            Failure::usage(lines.join("\n"))
+        }
+        other => Failure::usage(other),
+    })
+}
+
+fn dispatch(cli: Cli) -> Result<(), Failure> {
+    if let Command::Validate = cli.command {
+        return match config::load(&cli.config) {
+            Ok(cfg) => {
+                println!("{}", config::summary(&cfg));
+                Ok(())
+            }
+            Err(ConfigError::Invalid { problems, file }) => {
+                for p in &problems {
+                    println!("{p}");
+                }
+                Err(Failure::usage(format!(
+                    "{file}: {} problem(s)",
+                    problems.len()
+                )))
+            }
+            Err(e) => Err(Failure::usage(e)),
+        };
+    }
+    let cfg = load_config(&cli.config)?;
+    match cli.command {
+        Command::Validate => unreachable!(),
+        Command::Run => run(cfg),
+        Command::Inspect { what } => inspect(&cfg, what),
+        Command::Verify { repair, json } => verify(&cfg, repair, json),
+    }
+}
+
+fn out() -> std::io::StdoutLock<'static> {
+    std::io::stdout().lock()
+}
+
+/// Print one line; a closed pipe (`| head`) ends the command quietly.
+fn emit(line: &str) -> Result<(), Failure> {
+    writeln!(out(), "{line}").map_err(|_| Failure {
+        code: EXIT_OK,
+        message: String::new(),
+    })
+}
+
+fn payload_json(payload: &[u8]) -> serde_json::Value {
+    match std::str::from_utf8(payload) {
+        Ok(s) => json!(s),
+        Err(_) => json!({ "hex": payload.iter().map(|b| format!("{b:02x}")).collect::<String>() }),
+    }
+}
+
+fn open_store_readonly(cfg: &Config) -> Result<Store, Failure> {
+    let dir = cfg.store_dir();
+    if !dir.join("db").exists() {
+        return Err(Failure::runtime(format!(
+            "no store at {} yet (the agent has not run with this data_dir)",
+            dir.display()
+        )));
+    }
+    Store::open(&dir, cfg.storage.cache_size, crate::fsio::real()).map_err(|e| match e {
+        crate::store::StoreError::Locked { .. } => {
+            Failure::runtime(format!("{e}: stop it first, or use `cairn status`"))
+        }
+        e => Failure::runtime(e),
+    })
+}
+
+fn spec_of<'a>(cfg: &'a Config, name: &str) -> Option<&'a PipelineSpec> {
+    cfg.pipelines.iter().find(|p| p.name == name)
+}
+
+/// Split a stored key into (key, window bounds) using the pipeline's definition.
+fn decode_skey(spec: Option<&PipelineSpec>, skey: &[u8]) -> (String, Option<(u64, u64)>) {
+    match spec.and_then(|s| s.window) {
+        Some(w) if skey.len() >= 8 => {
+            let start = u64::from_be_bytes(skey[..8].try_into().expect("8 bytes"));
+            (
+                String::from_utf8_lossy(&skey[8..]).into_owned(),
+                Some((start, start + w.size_ms)),
+            )
+        }
+        _ => (String::from_utf8_lossy(skey).into_owned(), None),
+    }
+}
+
+fn inspect(cfg: &Config, what: Inspect) -> Result<(), Failure> {
+    if let Inspect::Log { from, limit, json } = what {
+        return inspect_log(cfg, from, limit, json);
+    }
+    let store = open_store_readonly(cfg)?;
+    let rt = |e: crate::store::StoreError| Failure::runtime(e);
+    let keep = |f: &Filter, p: &str, k: Option<&str>| {
+        f.pipeline.as_deref().is_none_or(|x| x == p) && (f.key.is_none() || f.key.as_deref() == k)
+    };
+    match what {
+        Inspect::Log { .. } => unreachable!(),
+        Inspect::State(f) => {
+            let mut n = 0;
+            for r in store.states(f.pipeline.as_deref()) {
+                let (p, skey, st) = r.map_err(rt)?;
+                let (key, window) = decode_skey(spec_of(cfg, &p), &skey);
+                if !keep(&f, &p, Some(&key)) || f.limit.is_some_and(|l| n >= l) {
+                    continue;
+                }
+                n += 1;
+                let mut v = json!({"pipeline": p, "key": key, "value": st.value_json(),
+                                   "count": st.count, "version": st.version});
+                if let Some((s, e)) = window {
+                    v["window_start"] = s.into();
+                    v["window_end"] = e.into();
+                }
+                if f.json {
+                    emit(&v.to_string())?;
+                } else {
+                    let w = window
+                        .map(|(s, e)| format!(" window=[{s},{e})"))
+                        .unwrap_or_default();
+                    emit(&format!(
+                        "{p}\t{key}{w}\tvalue={}\tcount={}\tversion={}",
+                        v["value"], st.count, st.version
+                    ))?;
+                }
+            }
+        }
+        Inspect::Dedup(f) => {
+            let mut n = 0;
+            for r in store.dedup_entries(f.pipeline.as_deref()) {
+                let (p, id, seen) = r.map_err(rt)?;
+                if !keep(&f, &p, None) || f.limit.is_some_and(|l| n >= l) {
+                    continue;
+                }
+                n += 1;
+                if f.json {
+                    emit(&json!({"pipeline": p, "event_id": id, "seen_ms": seen}).to_string())?;
+                } else {
+                    emit(&format!("{p}\t{id}\tseen_ms={seen}"))?;
+                }
+            }
+        }
+        Inspect::Outbox(f) => {
+            let mut n = 0;
+            for r in store.outbox_from(0) {
+                let (seq, o) = r.map_err(rt)?;
+                let p = o.id.split('/').next().unwrap_or("").to_string();
+                if !keep(&f, &p, None) || f.limit.is_some_and(|l| n >= l) {
+                    continue;
+                }
+                n += 1;
+                if f.json {
+                    emit(
+                        &json!({"seq": seq, "id": o.id, "topic": o.topic, "retain": o.retain,
+                                 "payload": payload_json(&o.payload)})
+                        .to_string(),
+                    )?;
+                } else {
+                    emit(&format!(
+                        "{seq}\t{}\t{}\t{}",
+                        o.id,
+                        o.topic,
+                        String::from_utf8_lossy(&o.payload)
+                    ))?;
+                }
+            }
+        }
+        Inspect::Checkpoints(f) => {
+            let all: Vec<_> = store.checkpoints().collect::<Result<_, _>>().map_err(rt)?;
+            let skip = f.limit.map(|l| all.len().saturating_sub(l)).unwrap_or(0);
+            for c in &all[skip..] {
+                if f.json {
+                    emit(&json!({"id": c.id, "prev_offset": c.prev_offset, "next_offset": c.next_offset,
+                                 "records": c.records, "outputs": c.outputs, "dead_letters": c.dead_letters,
+                                 "committed_at_ms": c.committed_at_ms}).to_string())?;
+                } else {
+                    emit(&format!(
+                        "#{}\toffsets [{}, {})\trecords={}\toutputs={}\tdead_letters={}\tat_ms={}",
+                        c.id,
+                        c.prev_offset,
+                        c.next_offset,
+                        c.records,
+                        c.outputs,
+                        c.dead_letters,
+                        c.committed_at_ms
+                    ))?;
+                }
+            }
+        }
+        Inspect::DeadLetters(f) => {
+            let mut n = 0;
+            for r in store.dead_letters() {
+                let d = r.map_err(rt)?;
+                if !keep(&f, &d.pipeline, None) || f.limit.is_some_and(|l| n >= l) {
+                    continue;
+                }
+                n += 1;
+                if f.json {
+                    emit(&json!({"offset": d.offset, "pipeline": d.pipeline, "topic": d.topic,
+                                 "reason": d.reason, "detail": d.detail, "received_at_ms": d.received_at_ms,
+                                 "payload": payload_json(&d.payload)}).to_string())?;
+                } else {
+                    emit(&format!(
+                        "{}\t{}\t{}\t{}\t{}",
+                        d.offset, d.pipeline, d.topic, d.reason, d.detail
+                    ))?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn inspect_log(cfg: &Config, from: u64, limit: usize, json: bool) -> Result<(), Failure> {
+    let dir = cfg.log_dir();
+    if !dir.exists() {
+        return Err(Failure::runtime(format!("no log at {} yet", dir.display())));
+    }
+    let reader = crate::log::read_dir(&dir, from).map_err(Failure::runtime)?;
+    for rec in reader.take(limit) {
+        let r = rec.map_err(Failure::runtime)?;
+        if json {
+            emit(
+                &json!({"offset": r.offset, "received_at_ms": r.received_at_ms, "topic": r.topic,
+                         "qos": r.qos, "retain": r.retain, "payload": payload_json(&r.payload)})
+                .to_string(),
+            )?;
+        } else {
+            emit(&format!(
+                "{}\t{}\t{}\tq{}{}\t{}",
+                r.offset,
+                r.received_at_ms,
+                r.topic,
+                r.qos,
+                if r.retain { " retain" } else { "" },
+                String::from_utf8_lossy(&r.payload)
+            ))?;
+        }
+    }
+    Ok(())
+}
+
+fn verify(cfg: &Config, repair: bool, json: bool) -> Result<(), Failure> {
+    crate::verify::run(cfg, repair, json)
+}
+
+fn run(cfg: Config) -> Result<(), Failure> {
+    use crate::agent::{Agent, Shutdown};
+    let shutdown = Shutdown::new();
+    let on_signal = shutdown.clone();
+    ctrlc::set_handler(move || {
+        if on_signal.request() >= 2 {
+            // Everything acknowledged is already durable; exiting here is a crash we recover
+            // from by replay, so it is safe to leave at once.
+            log::warn!("second signal: exiting now");
+            std::process::exit(EXIT_OK);
+        }
+        log::info!("signal: draining; send it again to exit at once");
+    })
+    .map_err(|e| Failure::runtime(format!("cannot install the signal handler: {e}")))?;
+    let agent = Agent::start(cfg, crate::fsio::real()).map_err(Failure::runtime)?;
+    agent.run(&shutdown).map_err(Failure::runtime)
 }

@@ -2,6 +2,7 @@
 //!
 //! (architecture overview: filled in as modules land)
 
+pub mod agent;
 pub mod cli;
 pub mod config;
 pub mod fsio;
@@ -11,3 +12,4 @@ pub mod mqtt;
 pub mod pipeline;
 pub mod processor;
 pub mod store;
+pub mod verify;
