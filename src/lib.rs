@@ -5,6 +5,7 @@
 pub mod agent;
 pub mod cli;
 pub mod config;
+pub mod failpoint;
 pub mod fsio;
 pub mod log;
 pub mod model;

@@ -106,7 +106,16 @@ impl Processor {
             return Ok(None);
         }
         let cp = self.engine.take_checkpoint(&self.store)?;
-        Ok(Some(self.store.commit(&cp, now_ms)?))
+        let fp = |name| {
+            crate::failpoint::hit(name).map_err(|source| StoreError::Io {
+                path: self.store.dir().to_path_buf(),
+                source,
+            })
+        };
+        fp("checkpoint.before_commit")?;
+        let info = self.store.commit(&cp, now_ms)?;
+        fp("checkpoint.after_commit")?;
+        Ok(Some(info))
     }
 
     /// Re-apply every durable record from the checkpoint's `next_offset`, committing every

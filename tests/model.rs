@@ -132,18 +132,29 @@ struct Oracle {
 fn oracle(inputs: &[Input]) -> Oracle {
     let mut o = Oracle::default();
     let mut seen = [HashSet::new(), HashSet::new()];
+    // Refused inputs are identified by their bytes: the same bad payload twice is one dead
+    // letter and one duplicate.
+    let mut refused: [HashSet<Vec<u8>>; 2] = [HashSet::new(), HashSet::new()];
     let mut max_time = 0u64;
+    let names = ["sums", "windows"];
     for (off, inp) in inputs.iter().enumerate() {
         let off = off as u64;
+        let mut dead = |o: &mut Oracle, p: usize| {
+            if refused[p].insert(inp.payload()) {
+                o.dead.insert((off, names[p]), ());
+            } else {
+                o.duplicates[p] += 1;
+            }
+        };
         match inp {
             Input::Binary | Input::Short { .. } | Input::LongKey { .. } => {
-                o.dead.insert((off, "sums"), ());
-                o.dead.insert((off, "windows"), ());
+                dead(&mut o, 0);
+                dead(&mut o, 1);
             }
             Input::Good { id, key, time, .. } | Input::BadValue { id, key, time } => {
                 // A payload that does not parse is a dead letter whatever its ID.
                 if !matches!(inp, Input::Good { .. }) {
-                    o.dead.insert((off, "sums"), ());
+                    dead(&mut o, 0);
                 } else if seen[0].contains(id) {
                     o.duplicates[0] += 1;
                 } else {
@@ -160,7 +171,7 @@ fn oracle(inputs: &[Input]) -> Oracle {
                     let wm = max_time.saturating_sub(LATENESS);
                     let start = time - time % WINDOW;
                     if start < wm - wm % WINDOW {
-                        o.dead.insert((off, "windows"), ());
+                        dead(&mut o, 1);
                     } else {
                         seen[1].insert(*id);
                         max_time = max_time.max(*time);

@@ -313,3 +313,24 @@ fn upsert_emits_one_output_per_touched_key_per_checkpoint() {
     let ids: Vec<_> = h.mem.outbox.values().map(|o| o.id.as_str()).collect();
     assert_eq!(ids, ["balances/A/5", "balances/B/1"]);
 }
+
+#[test]
+fn the_same_bad_payload_twice_is_one_dead_letter_and_one_duplicate() {
+    let mut h = Harness::new(vec![json_spec(Aggregate::Sum)]);
+    assert_eq!(h.feed("garbage"), dead("not_json"));
+    // A broker redelivery after a crash, or the same bad message published again.
+    assert_eq!(h.feed("garbage"), vec![Outcome::Duplicate]);
+    // A corrected message is accepted, even under an ID a refused copy carried.
+    let bad = r#"{"id":"E1","account":"A","amount":"x"}"#;
+    assert_eq!(h.feed(bad), dead("wrong_type"));
+    assert_eq!(
+        h.feed(r#"{"id":"E1","account":"A","amount":1}"#),
+        vec![Outcome::Applied {
+            key: "A".into(),
+            version: 1
+        }]
+    );
+    h.checkpoint();
+    assert_eq!(h.mem.dead.len(), 2);
+    assert_eq!(h.engine.progress().pipelines[0].counters.duplicates, 1);
+}

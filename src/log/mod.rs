@@ -85,6 +85,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
+use crate::failpoint;
 use crate::fsio::{Durability, SyncKind};
 use crate::model::{Offset, Record};
 
@@ -468,9 +469,13 @@ impl Log {
     fn sync_active(&self) -> Result<(), LogError> {
         let seg = self.segments.last().expect("active segment exists");
         let file = self.active.as_ref().expect("active segment is open");
-        self.sync
-            .sync_file(SyncKind::LogData, file, &seg.path, true)
-            .map_err(io_err("fdatasync segment", &seg.path))
+        let fsync = || {
+            failpoint::hit("log.before_fsync")?;
+            self.sync
+                .sync_file(SyncKind::LogData, file, &seg.path, true)?;
+            failpoint::hit("log.after_fsync")
+        };
+        fsync().map_err(io_err("fdatasync segment", &seg.path))
     }
 
     fn create_segment(&mut self, first_offset: Offset) -> Result<(), LogError> {
@@ -480,6 +485,7 @@ impl Log {
             .create_new(true)
             .open(&path)
             .map_err(io_err("create segment", &path))?;
+        failpoint::hit("log.segment_roll").map_err(io_err("create segment", &path))?;
         // The entry must be durable before any record in it is acknowledged, and before a
         // later segment can exist (recovery relies on segments never vanishing mid-log).
         self.sync
@@ -585,7 +591,9 @@ impl Log {
             self.disk_bytes -= seg.bytes;
         }
         if removed > 0 {
-            if let Err(e) = self.sync.sync_dir(&self.opts.dir) {
+            let synced = failpoint::hit("log.segment_delete")
+                .and_then(|()| self.sync.sync_dir(&self.opts.dir));
+            if let Err(e) = synced {
                 self.failed = true;
                 return Err(io_err("fsync log directory", &self.opts.dir)(e));
             }

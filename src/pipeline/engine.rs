@@ -228,8 +228,26 @@ impl Engine {
         Ok(outcomes)
     }
 
-    fn dead(&mut self, p: usize, rec: &Record, r: Refusal) -> Outcome {
+    /// Record a refusal as a dead letter, once: a copy with the same topic and payload
+    /// within the dedup window (a broker redelivery after a crash, or the same bad message
+    /// published twice) is counted as a duplicate instead. Refused inputs may have no
+    /// trustworthy event ID, so their identity is a hash of their bytes.
+    fn dead<R: ReadState>(
+        &mut self,
+        base: &R,
+        p: usize,
+        rec: &Record,
+        r: Refusal,
+    ) -> Result<Outcome, ReadError> {
         let name = self.specs[p].name.clone();
+        let content_id = dead_letter_id(&rec.topic, &rec.payload);
+        let seen = self.dedup_get(base, &name, &content_id)?;
+        let now = self.progress.log_clock_ms;
+        if seen.is_some_and(|t| now.saturating_sub(t) < self.specs[p].dedup_window_ms) {
+            self.progress.pipelines[p].counters.duplicates += 1;
+            return Ok(Outcome::Duplicate);
+        }
+        self.remember(&name, p, content_id, seen, now);
         self.progress.pipelines[p].counters.dead_letters += 1;
         self.batch.dead_letters.push(DeadLetter {
             offset: rec.offset,
@@ -240,7 +258,23 @@ impl Engine {
             received_at_ms: rec.received_at_ms,
             payload: rec.payload[..rec.payload.len().min(DEAD_LETTER_PAYLOAD_MAX)].to_vec(),
         });
-        Outcome::DeadLetter { reason: r.reason }
+        Ok(Outcome::DeadLetter { reason: r.reason })
+    }
+
+    /// Put an ID in the dedup ledger at record time `now`.
+    fn remember(&mut self, name: &str, p: usize, id: String, seen: Option<u64>, now: u64) {
+        if seen.is_none() {
+            self.progress.pipelines[p].dedup_entries += 1;
+        }
+        let entry = self
+            .batch
+            .dedup
+            .entry((name.to_string(), id))
+            .or_insert(DedupWrite {
+                old_seen_ms: seen,
+                new_seen_ms: None,
+            });
+        entry.new_seen_ms = Some(now);
     }
 
     fn apply_one<R: ReadState>(
@@ -252,20 +286,21 @@ impl Engine {
         let spec = &self.specs[p];
         let ev = match parse(spec, &rec.payload) {
             Ok(ev) => ev,
-            Err(r) => return Ok(self.dead(p, rec, r)),
+            Err(r) => return self.dead(base, p, rec, r),
         };
         let now = self.progress.log_clock_ms;
         let name = spec.name.clone();
 
         if ev.key.is_empty() {
-            return Ok(self.dead(
+            return self.dead(
+                base,
                 p,
                 rec,
                 Refusal {
                     reason: "bad_key",
                     detail: "the key is empty".into(),
                 },
-            ));
+            );
         }
         if ev.key.len() > spec.max_key_len {
             let detail = format!(
@@ -273,25 +308,27 @@ impl Engine {
                 ev.key.len(),
                 spec.max_key_len
             );
-            return Ok(self.dead(
+            return self.dead(
+                base,
                 p,
                 rec,
                 Refusal {
                     reason: "key_too_long",
                     detail,
                 },
-            ));
+            );
         }
         if ev.key.chars().any(char::is_control) {
             let detail = "the key contains a control character (NUL, newline, ...)".to_string();
-            return Ok(self.dead(
+            return self.dead(
+                base,
                 p,
                 rec,
                 Refusal {
                     reason: "bad_key",
                     detail,
                 },
-            ));
+            );
         }
 
         // Invariant 5: an event ID seen within the window (in record time) is skipped.
@@ -317,14 +354,15 @@ impl Engine {
                     "event time {time_ms} falls in window [{start}, {}), closed at watermark {watermark}",
                     start + w.size_ms
                 );
-                return Ok(self.dead(
+                return self.dead(
+                    base,
                     p,
                     rec,
                     Refusal {
                         reason: "late",
                         detail,
                     },
-                ));
+                );
             }
             skey.extend_from_slice(&start.to_be_bytes());
         }
@@ -338,14 +376,15 @@ impl Engine {
                         "{} keys held, the limit is {}",
                         self.progress.pipelines[p].keys, spec.max_keys
                     );
-                    return Ok(self.dead(
+                    return self.dead(
+                        base,
                         p,
                         rec,
                         Refusal {
                             reason: "key_limit",
                             detail,
                         },
-                    ));
+                    );
                 }
                 self.progress.pipelines[p].keys += 1;
                 KeyState::first(spec.aggregate, ev.value, time_ms)
@@ -354,14 +393,15 @@ impl Engine {
                 Ok(s) => s,
                 Err(_) => {
                     let detail = format!("adding {:?} overflows the 64-bit aggregate", ev.value);
-                    return Ok(self.dead(
+                    return self.dead(
+                        base,
                         p,
                         rec,
                         Refusal {
                             reason: "overflow",
                             detail,
                         },
-                    ));
+                    );
                 }
             },
         };
@@ -370,18 +410,7 @@ impl Engine {
         let pp = &mut self.progress.pipelines[p];
         pp.counters.applied += 1;
         pp.max_event_time_ms = pp.max_event_time_ms.max(time_ms);
-        if seen.is_none() {
-            pp.dedup_entries += 1;
-        }
-        let entry = self
-            .batch
-            .dedup
-            .entry((name.clone(), ev.event_id.clone()))
-            .or_insert(DedupWrite {
-                old_seen_ms: seen,
-                new_seen_ms: None,
-            });
-        entry.new_seen_ms = Some(now);
+        self.remember(&name, p, ev.event_id.clone(), seen, now);
         self.batch
             .state
             .insert((name.clone(), skey.clone()), Some(new));
@@ -529,6 +558,23 @@ impl Engine {
             batch: std::mem::take(&mut self.batch),
         })
     }
+}
+
+/// The ledger identity of a refused input: FNV-1a (64-bit) over its topic and payload, in a
+/// namespace no event ID can enter (event IDs with control characters are refused).
+/// Written by hand so it never changes with a toolchain: the ledger outlives builds.
+pub fn dead_letter_id(topic: &str, payload: &[u8]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in topic
+        .as_bytes()
+        .iter()
+        .chain([0xffu8].iter())
+        .chain(payload)
+    {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("\u{1}dead:{h:016x}:{}", payload.len())
 }
 
 fn start_of(skey: &[u8]) -> u64 {

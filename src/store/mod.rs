@@ -306,13 +306,19 @@ impl Store {
                 sled::transaction::TransactionError::Storage(e) => StoreError::Sled(e),
                 sled::transaction::TransactionError::Abort(()) => unreachable!("never aborts"),
             })?;
+        let fp = |name| crate::failpoint::hit(name).map_err(io_err(&self.dir));
+        fp("checkpoint.before_fsync")?;
         self.sync()?;
+        fp("checkpoint.after_fsync")?;
         Ok(info)
     }
 
     /// `flush()` and then the real fsync that `flush()` alone does not give.
     pub fn sync(&self) -> Result<(), StoreError> {
         self.db.flush()?;
+        if crate::failpoint::enabled("unsafe.skip_store_fsync") {
+            return Ok(()); // deliberately unsafe build for the crash harness's own test
+        }
         let path = self.dir.join("db");
         let f = fs::File::open(&path).map_err(io_err(&path))?;
         self.sync

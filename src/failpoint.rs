@@ -1,0 +1,130 @@
+//! Failpoints at each durability boundary (issue 5), compiled in only with the `failpoints`
+//! cargo feature. Without it every call below is an inlined no-op.
+//!
+//! Armed by `CAIRN_FAILPOINTS`, a comma-separated list of `name=action[@n]`:
+//! - `abort` kills the process on the spot (SIGABRT: no destructors, no flush), like a crash;
+//! - `error` fails the operation with an I/O error, which the agent treats as fatal;
+//! - `on` turns on a deliberately unsafe behaviour (names starting with `unsafe.`), used to
+//!   show that the crash harness detects the loss it would cause;
+//! - `@n` fires on the n-th hit only (1-based; default 1); `@n+` on the n-th and every later.
+//!
+//! | name | where |
+//! |---|---|
+//! | `log.before_fsync`, `log.after_fsync` | around each log segment fdatasync (the seam) |
+//! | `log.segment_roll` | a new segment file exists, its directory entry is not yet synced |
+//! | `log.segment_delete` | a segment was unlinked, the directory not yet synced |
+//! | `ingest.before_puback`, `ingest.after_puback` | around the acks of a committed batch |
+//! | `checkpoint.before_commit`, `checkpoint.after_commit` | around the whole checkpoint |
+//! | `checkpoint.before_fsync`, `checkpoint.after_fsync` | around the fsync of sled's `db` |
+//! | `outbox.before_publish`, `outbox.after_publish` | around handing an entry to MQTT |
+//! | `outbox.before_delete`, `outbox.after_delete` | around deleting an entry on PUBACK |
+//! | `unsafe.ack_before_fsync` (`on`) | PUBACK a batch *before* its log fsync |
+//! | `unsafe.skip_store_fsync` (`on`) | skip the fsync after `sled::Db::flush()` |
+
+use std::io;
+
+#[cfg(feature = "failpoints")]
+mod armed {
+    use std::collections::HashMap;
+    use std::io;
+    use std::sync::{Mutex, OnceLock};
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Action {
+        Abort,
+        Error,
+        On,
+    }
+
+    #[derive(Debug)]
+    struct Point {
+        action: Action,
+        at: u64,
+        and_later: bool,
+        hits: u64,
+    }
+
+    fn table() -> &'static Mutex<HashMap<String, Point>> {
+        static TABLE: OnceLock<Mutex<HashMap<String, Point>>> = OnceLock::new();
+        TABLE.get_or_init(|| {
+            let spec = std::env::var("CAIRN_FAILPOINTS").unwrap_or_default();
+            let mut map = HashMap::new();
+            for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+                let (name, rest) = item.split_once('=').unwrap_or((item, "abort"));
+                let (action, at) = rest.split_once('@').unwrap_or((rest, "1"));
+                let action = match action {
+                    "abort" => Action::Abort,
+                    "error" => Action::Error,
+                    "on" => Action::On,
+                    other => panic!("CAIRN_FAILPOINTS: unknown action `{other}` for `{name}`"),
+                };
+                let and_later = at.ends_with('+');
+                let at: u64 = at
+                    .trim_end_matches('+')
+                    .parse()
+                    .expect("CAIRN_FAILPOINTS: bad @n");
+                map.insert(
+                    name.to_string(),
+                    Point {
+                        action,
+                        at,
+                        and_later,
+                        hits: 0,
+                    },
+                );
+            }
+            Mutex::new(map)
+        })
+    }
+
+    fn fire(name: &str) -> Option<Action> {
+        let mut t = table().lock().unwrap_or_else(|e| e.into_inner());
+        let p = t.get_mut(name)?;
+        p.hits += 1;
+        let due = p.hits == p.at || (p.and_later && p.hits >= p.at);
+        due.then_some(p.action)
+    }
+
+    pub fn hit(name: &str) -> io::Result<()> {
+        match fire(name) {
+            Some(Action::Abort) => {
+                eprintln!("failpoint {name}: abort");
+                std::process::abort();
+            }
+            Some(Action::Error) => {
+                eprintln!("failpoint {name}: error");
+                Err(io::Error::other(format!("failpoint {name}")))
+            }
+            Some(Action::On) | None => Ok(()),
+        }
+    }
+
+    pub fn enabled(name: &str) -> bool {
+        let t = table().lock().unwrap_or_else(|e| e.into_inner());
+        t.get(name).is_some_and(|p| p.action == Action::On)
+    }
+}
+
+/// Pass a failpoint: may abort the process or return an injected I/O error.
+#[cfg(feature = "failpoints")]
+pub fn hit(name: &str) -> io::Result<()> {
+    armed::hit(name)
+}
+
+/// Is the (unsafe) behaviour `name` switched on?
+#[cfg(feature = "failpoints")]
+pub fn enabled(name: &str) -> bool {
+    armed::enabled(name)
+}
+
+#[cfg(not(feature = "failpoints"))]
+#[inline(always)]
+pub fn hit(_name: &str) -> io::Result<()> {
+    Ok(())
+}
+
+#[cfg(not(feature = "failpoints"))]
+#[inline(always)]
+pub fn enabled(_name: &str) -> bool {
+    false
+}
