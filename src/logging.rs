@@ -1,0 +1,288 @@
+//! Logging to stderr, shaped for where stderr goes.
+//!
+//! - **Under systemd** (stderr is the journal stream named by `$JOURNAL_STREAM`): each line
+//!   starts with its syslog priority, `<3>` error, `<4>` warn, `<6>` info, `<7>` debug and
+//!   trace, so `journalctl -p warning` and the colours work; and a line carries no timestamp
+//!   of its own, since the journal stamps every entry itself (two clocks on one line only
+//!   disagree). A message of several lines gets the prefix on each, or the journal would file
+//!   the continuation lines at its default priority.
+//! - **Anywhere else**: the usual human format, `[TIMESTAMP LEVEL target] message`, with an
+//!   RFC 3339 UTC timestamp.
+//!
+//! `RUST_LOG` sets the level in both cases (default `info`).
+//!
+//! [`RateLimit`] keeps a flood of similar lines (one per dead letter, say) from drowning the
+//! journal, which rate-limits per service and would then drop the lines that matter too.
+
+use std::fmt;
+use std::io::Write;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Install the logger. Calling it twice is harmless (the second call does nothing).
+pub fn init() {
+    let mut b = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"));
+    b.target(env_logger::Target::Stderr);
+    if stderr_is_journal() {
+        b.format(|buf, record| {
+            let prefix = format!("<{}>", priority(record.level()));
+            let text = format!(
+                "[{:<5} {}] {}",
+                record.level(),
+                record.target(),
+                record.args()
+            );
+            for line in text.lines() {
+                writeln!(buf, "{prefix}{line}")?;
+            }
+            Ok(())
+        });
+    } else {
+        b.format(|buf, record| {
+            writeln!(
+                buf,
+                "[{} {:<5} {}] {}",
+                utc_timestamp(SystemTime::now()),
+                record.level(),
+                record.target(),
+                record.args()
+            )
+        });
+    }
+    let _ = b.try_init();
+}
+
+/// A line that ends the process (`cairn: MESSAGE` on stderr), outside the logger so it shows
+/// even with `RUST_LOG=off`; under the journal each line carries the error priority.
+pub fn fatal(message: &str) {
+    let journal = stderr_is_journal();
+    let mut err = std::io::stderr().lock();
+    for (i, line) in message.lines().enumerate() {
+        let prefix = if journal { "<3>" } else { "" };
+        let head = if i == 0 { "cairn: " } else { "" };
+        let _ = writeln!(err, "{prefix}{head}{line}");
+    }
+}
+
+/// `2024-05-01T12:34:56.789Z`: RFC 3339 in UTC, millisecond precision, without a time zone
+/// database (an edge box may lack one, and UTC is what the journal and brokers use anyway).
+pub fn utc_timestamp(t: SystemTime) -> String {
+    let since = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let secs = since.as_secs();
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    let (y, m, d) = civil_from_days(days as i64);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60,
+        since.subsec_millis()
+    )
+}
+
+/// Days since 1970-01-01 to (year, month, day) in the proleptic Gregorian calendar
+/// (Howard Hinnant's `civil_from_days`).
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m, d)
+}
+
+/// The syslog priority of a `log` level (`sd-daemon(3)`: `SD_ERR` .. `SD_DEBUG`).
+pub fn priority(level: log::Level) -> u8 {
+    match level {
+        log::Level::Error => 3,
+        log::Level::Warn => 4,
+        log::Level::Info => 6,
+        log::Level::Debug | log::Level::Trace => 7,
+    }
+}
+
+/// Whether stderr is the journal stream systemd set up for us.
+///
+/// `$JOURNAL_STREAM` is `DEVICE:INODE` of that stream. It is inherited by anything we start
+/// and survives `2>file` in a shell started from a unit, so `systemd.exec(5)` asks programs to
+/// compare it with what stderr actually is; we do, and trust the variable alone only when
+/// stderr cannot be examined.
+pub fn stderr_is_journal() -> bool {
+    let Some(value) = std::env::var_os("JOURNAL_STREAM") else {
+        return false;
+    };
+    let Some((dev, ino)) = value.to_str().and_then(parse_journal_stream) else {
+        return false;
+    };
+    use std::os::unix::fs::MetadataExt;
+    match std::fs::metadata("/proc/self/fd/2") {
+        Ok(m) => m.dev() == dev && m.ino() == ino,
+        Err(_) => true,
+    }
+}
+
+/// `"DEVICE:INODE"`, both decimal, as systemd writes `$JOURNAL_STREAM`.
+pub fn parse_journal_stream(value: &str) -> Option<(u64, u64)> {
+    let (dev, ino) = value.trim().split_once(':')?;
+    Some((dev.parse().ok()?, ino.parse().ok()?))
+}
+
+/// At most `max_lines` lines per `interval`; the rest are counted, and the count is reported
+/// once, in a "suppressed K similar messages" line, when the next interval lets a line through
+/// (or at [`RateLimit::flush`], for a loop that wants the count even if no line comes).
+///
+/// Intervals are fixed windows that start at the first line after the previous one ended.
+/// The clock is a parameter, so tests need no sleeping.
+#[derive(Debug, Clone)]
+pub struct RateLimit {
+    max_lines: u32,
+    interval: Duration,
+    window_start: Option<Instant>,
+    in_window: u32,
+    suppressed: u64,
+}
+
+/// What [`RateLimit::check`] decided for one line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Verdict {
+    /// Log this line.
+    pub allowed: bool,
+    /// Lines suppressed in the previous interval, to report now (and only now).
+    pub suppressed: u64,
+}
+
+impl RateLimit {
+    pub fn new(max_lines: u32, interval: Duration) -> RateLimit {
+        RateLimit {
+            max_lines,
+            interval,
+            window_start: None,
+            in_window: 0,
+            suppressed: 0,
+        }
+    }
+
+    /// One more line at `now`: may it be logged, and is a suppression count due?
+    pub fn check(&mut self, now: Instant) -> Verdict {
+        let mut report = 0;
+        if self.window_start.is_none_or(|s| now >= s + self.interval) {
+            report = std::mem::take(&mut self.suppressed);
+            self.window_start = Some(now);
+            self.in_window = 0;
+        }
+        let allowed = self.in_window < self.max_lines;
+        if allowed {
+            self.in_window += 1;
+        } else {
+            self.suppressed += 1;
+        }
+        Verdict {
+            allowed,
+            suppressed: report,
+        }
+    }
+
+    /// The suppression count, if the interval that collected it has ended; for a periodic
+    /// tick, so a burst that stops is still reported.
+    pub fn flush(&mut self, now: Instant) -> Option<u64> {
+        let ended = self.window_start.is_some_and(|s| now >= s + self.interval);
+        if ended && self.suppressed > 0 {
+            self.window_start = None;
+            return Some(std::mem::take(&mut self.suppressed));
+        }
+        None
+    }
+
+    /// Log `args` at `level` unless the limit is reached, with the suppression line first
+    /// when one is due.
+    pub fn log(&mut self, level: log::Level, args: fmt::Arguments<'_>) {
+        let v = self.check(Instant::now());
+        if v.suppressed > 0 {
+            log::log!(level, "suppressed {} similar messages", v.suppressed);
+        }
+        if v.allowed {
+            log::log!(level, "{args}");
+        }
+    }
+
+    /// [`RateLimit::flush`] at the current time, logging the count at `level`.
+    pub fn log_flush(&mut self, level: log::Level) {
+        if let Some(k) = self.flush(Instant::now()) {
+            log::log!(level, "suppressed {k} similar messages");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_burst_is_cut_to_the_limit_and_the_rest_is_reported_once() {
+        let t0 = Instant::now();
+        let mut rl = RateLimit::new(3, Duration::from_secs(10));
+        let allowed: Vec<bool> = (0..10).map(|_| rl.check(t0).allowed).collect();
+        assert_eq!(
+            allowed,
+            [
+                true, true, true, false, false, false, false, false, false, false
+            ]
+        );
+        let next = rl.check(t0 + Duration::from_secs(10));
+        assert_eq!(
+            next,
+            Verdict {
+                allowed: true,
+                suppressed: 7
+            }
+        );
+        assert_eq!(rl.check(t0 + Duration::from_secs(11)).suppressed, 0);
+    }
+
+    #[test]
+    fn flush_reports_a_burst_that_stopped_once() {
+        let t0 = Instant::now();
+        let mut rl = RateLimit::new(1, Duration::from_secs(1));
+        rl.check(t0);
+        rl.check(t0);
+        rl.check(t0);
+        assert_eq!(rl.flush(t0 + Duration::from_millis(500)), None);
+        assert_eq!(rl.flush(t0 + Duration::from_secs(1)), Some(2));
+        assert_eq!(rl.flush(t0 + Duration::from_secs(2)), None);
+        assert_eq!(
+            rl.check(t0 + Duration::from_secs(2)),
+            Verdict {
+                allowed: true,
+                suppressed: 0
+            }
+        );
+    }
+
+    #[test]
+    fn journal_stream_is_device_colon_inode() {
+        assert_eq!(parse_journal_stream("8:12345"), Some((8, 12345)));
+        assert_eq!(parse_journal_stream("8-12345"), None);
+        assert_eq!(parse_journal_stream("x:1"), None);
+    }
+
+    #[test]
+    fn timestamps_are_rfc3339_utc() {
+        let t = UNIX_EPOCH + Duration::from_millis(1_709_210_096_789); // a leap day
+        assert_eq!(utc_timestamp(t), "2024-02-29T12:34:56.789Z");
+        assert_eq!(utc_timestamp(UNIX_EPOCH), "1970-01-01T00:00:00.000Z");
+        let t = UNIX_EPOCH + Duration::from_secs(951_868_800); // 2000-03-01, after a 400-year leap day
+        assert_eq!(utc_timestamp(t), "2000-03-01T00:00:00.000Z");
+    }
+
+    #[test]
+    fn levels_map_to_syslog_priorities() {
+        assert_eq!(priority(log::Level::Error), 3);
+        assert_eq!(priority(log::Level::Warn), 4);
+        assert_eq!(priority(log::Level::Info), 6);
+        assert_eq!(priority(log::Level::Debug), 7);
+        assert_eq!(priority(log::Level::Trace), 7);
+    }
+}
