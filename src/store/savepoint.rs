@@ -1,0 +1,543 @@
+//! Savepoints: one portable file holding a consistent copy of every checkpoint tree, so the
+//! state can be rebuilt when sled's own files cannot be opened (DESIGN §4: sled has been
+//! reported corrupt after abrupt stops).
+//!
+//! # Guarantees
+//!
+//! - **A savepoint is exactly one checkpoint.** [`Store::write_savepoint`] copies every
+//!   checkpoint tree (`meta`, `state`, `dedup`, `dedup_exp`, `outbox`, `outbox_ids`, `dead`,
+//!   `checkpoints`). It is consistent because nothing commits while it runs: the agent calls
+//!   it on its own thread between two checkpoints (the same thread that commits and deletes
+//!   outbox entries), and `cairn savepoint create` holds the store lock, so no agent runs.
+//!   The progress record is read before and after the copy and must not have changed (an
+//!   assertion: a concurrent commit would be a bug in the caller).
+//! - **A savepoint exists under its name only complete and durable.** It is written to a
+//!   `.savepoint-*.tmp` file in the savepoints directory, fsynced, its CRC checked by reading
+//!   it back, then renamed to `savepoint-<checkpoint id, 20 digits>-<next_offset>.cairn`, and
+//!   the directory fsynced. A crash leaves at most a temp file, removed by the next write.
+//! - **Restore trusts nothing it has not checked.** [`restore_savepoint`] verifies the CRC of
+//!   the whole file before it builds anything, checks it again while building, and checks
+//!   that the built store's progress matches the header.
+//! - **Restore never deletes a store.** The new store is built in `<store>.restoring` and
+//!   made durable (the same fsyncs as [`Store::open`]); only then is an existing store
+//!   renamed to `<store>.old-<n>` and the new one renamed into place, and the parent
+//!   directory fsynced. A crash between the two renames leaves no `<store>`: run the restore
+//!   again (the agent would otherwise start empty and refuse with a log gap).
+//! - **Restore brings back a checkpoint, the log the rest.** After a restore the next start
+//!   replays the log from the savepoint's `next_offset` (invariant 4), so the log must still
+//!   reach back that far; `cairn savepoint restore` checks it and the agent's retention never
+//!   deletes below the newest savepoint.
+//!
+//! Tests: `tests/savepoint.rs`.
+//!
+//! # Format (version 1; integers little-endian)
+//!
+//! ```text
+//! header   "CAIRNSP\0" | version u32 | flags u32 (0) | checkpoint_id u64 | next_offset u64
+//!          | entries u64 | created_at_ms u64 | crc32 u32 of the 48 bytes before it
+//! entry*   tree u8 | key_len u32 | value_len u32 | key | value
+//! trailer  "CAIRNEND" | crc32 u32 of every byte of the file before it
+//! ```
+//!
+//! Keys and values are the trees' own bytes (big-endian integers and postcard), so the file
+//! is independent of sled's on-disk format. Tree numbers are [`TREES`]' indices.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use super::{Store, StoreError, io_err};
+use crate::fsio::{Durability, SyncKind};
+
+const MAGIC: &[u8; 8] = b"CAIRNSP\0";
+const END_MAGIC: &[u8; 8] = b"CAIRNEND";
+pub const SAVEPOINT_FORMAT_VERSION: u32 = 1;
+const HEADER_LEN: usize = 52;
+const TRAILER_LEN: u64 = 12;
+/// No tree key or value comes near this (values stay below sled's 128 KiB blob threshold);
+/// a larger length field is damage, refused before anything is allocated.
+const MAX_FIELD_LEN: u32 = 1 << 20;
+/// Entries per sled batch while restoring: bounds memory, keeps batches cheap.
+const RESTORE_BATCH: usize = 10_000;
+const FILE_PREFIX: &str = "savepoint-";
+const FILE_SUFFIX: &str = ".cairn";
+const TMP_PREFIX: &str = ".savepoint-";
+
+/// The checkpoint trees, in file order; an entry's tree byte is the index here.
+pub const TREES: [&str; 8] = [
+    "meta",
+    "state",
+    "dedup",
+    "dedup_exp",
+    "outbox",
+    "outbox_ids",
+    "dead",
+    "checkpoints",
+];
+
+/// What a savepoint file's header says, plus where it is and how big.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SavepointInfo {
+    pub path: PathBuf,
+    pub format_version: u32,
+    pub checkpoint_id: u64,
+    /// The first log offset the savepoint does not reflect: replay starts here.
+    pub next_offset: u64,
+    pub entries: u64,
+    /// Wall clock when written (for operators only).
+    pub created_at_ms: u64,
+    pub bytes: u64,
+}
+
+struct Header {
+    checkpoint_id: u64,
+    next_offset: u64,
+    entries: u64,
+    created_at_ms: u64,
+}
+
+impl Header {
+    fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut h = [0u8; HEADER_LEN];
+        h[0..8].copy_from_slice(MAGIC);
+        h[8..12].copy_from_slice(&SAVEPOINT_FORMAT_VERSION.to_le_bytes());
+        // 12..16: flags, zero in version 1.
+        h[16..24].copy_from_slice(&self.checkpoint_id.to_le_bytes());
+        h[24..32].copy_from_slice(&self.next_offset.to_le_bytes());
+        h[32..40].copy_from_slice(&self.entries.to_le_bytes());
+        h[40..48].copy_from_slice(&self.created_at_ms.to_le_bytes());
+        let crc = crc32fast::hash(&h[..48]);
+        h[48..52].copy_from_slice(&crc.to_le_bytes());
+        h
+    }
+
+    fn decode(file: &Path, h: &[u8; HEADER_LEN]) -> Result<Header, StoreError> {
+        let bad = |what: String| corrupt(file, what);
+        if &h[0..8] != MAGIC {
+            return Err(bad("not a Cairn savepoint (bad magic)".into()));
+        }
+        let u32_at = |i: usize| u32::from_le_bytes(h[i..i + 4].try_into().expect("4 bytes"));
+        let u64_at = |i: usize| u64::from_le_bytes(h[i..i + 8].try_into().expect("8 bytes"));
+        if u32_at(48) != crc32fast::hash(&h[..48]) {
+            return Err(bad("header CRC mismatch".into()));
+        }
+        let version = u32_at(8);
+        if version != SAVEPOINT_FORMAT_VERSION {
+            return Err(bad(format!(
+                "format version {version}, this cairn reads {SAVEPOINT_FORMAT_VERSION}"
+            )));
+        }
+        if u32_at(12) != 0 {
+            return Err(bad("unknown flags".into()));
+        }
+        Ok(Header {
+            checkpoint_id: u64_at(16),
+            next_offset: u64_at(24),
+            entries: u64_at(32),
+            created_at_ms: u64_at(40),
+        })
+    }
+}
+
+fn corrupt(file: &Path, what: impl std::fmt::Display) -> StoreError {
+    StoreError::Corrupt(format!(
+        "savepoint {} is damaged: {what}; choose another one (`cairn savepoint list`)",
+        file.display()
+    ))
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// `savepoint-<id, 20 digits>-<next_offset>.cairn`: names sort by checkpoint id.
+pub fn savepoint_file_name(checkpoint_id: u64, next_offset: u64) -> String {
+    format!("{FILE_PREFIX}{checkpoint_id:020}-{next_offset}{FILE_SUFFIX}")
+}
+
+fn is_savepoint_name(name: &str) -> bool {
+    name.starts_with(FILE_PREFIX) && name.ends_with(FILE_SUFFIX)
+}
+
+/// Hashes everything written through it.
+struct CrcWriter<W: Write> {
+    inner: W,
+    crc: crc32fast::Hasher,
+}
+
+impl<W: Write> Write for CrcWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.crc.update(&buf[..n]);
+        Ok(n)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+impl Store {
+    fn trees(&self) -> [&sled::Tree; 8] {
+        [
+            &self.meta,
+            &self.state,
+            &self.dedup,
+            &self.dedup_exp,
+            &self.outbox,
+            &self.outbox_ids,
+            &self.dead,
+            &self.checkpoints,
+        ]
+    }
+
+    /// Write a savepoint of the last durable checkpoint into `dir` (created if needed).
+    ///
+    /// The caller must not commit while this runs (see the module docs); the agent calls it
+    /// between checkpoints on its own thread.
+    pub fn write_savepoint(
+        &self,
+        dir: &Path,
+        sync: &Durability,
+    ) -> Result<SavepointInfo, StoreError> {
+        if !dir.is_dir() {
+            fs::create_dir_all(dir).map_err(io_err(dir))?;
+            if let Some(parent) = dir.parent() {
+                sync.sync_dir(parent).map_err(io_err(parent))?;
+            }
+        }
+        remove_stale_temp_files(dir)?;
+        let before = self.progress()?;
+        let tmp = dir.join(format!("{TMP_PREFIX}{}.tmp", before.checkpoint_id));
+        let file = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)
+            .map_err(io_err(&tmp))?;
+        let mut header = Header {
+            checkpoint_id: before.checkpoint_id,
+            next_offset: before.next_offset,
+            entries: 0,
+            created_at_ms: now_ms(),
+        };
+        // The entry count is known only at the end: a placeholder header now, the real one
+        // (and the CRC, combined from the header's and the body's) once the body is written.
+        let mut out = BufWriter::with_capacity(1 << 16, file);
+        out.write_all(&[0u8; HEADER_LEN]).map_err(io_err(&tmp))?;
+        let mut body = CrcWriter {
+            inner: out,
+            crc: crc32fast::Hasher::new(),
+        };
+        for (i, tree) in self.trees().into_iter().enumerate() {
+            for kv in tree.iter() {
+                let (k, v) = kv?;
+                let (klen, vlen) = (field_len(&k)?, field_len(&v)?);
+                body.write_all(&[i as u8]).map_err(io_err(&tmp))?;
+                body.write_all(&klen.to_le_bytes()).map_err(io_err(&tmp))?;
+                body.write_all(&vlen.to_le_bytes()).map_err(io_err(&tmp))?;
+                body.write_all(&k).map_err(io_err(&tmp))?;
+                body.write_all(&v).map_err(io_err(&tmp))?;
+                header.entries += 1;
+            }
+        }
+        body.write_all(END_MAGIC).map_err(io_err(&tmp))?;
+        let after = self.progress()?;
+        assert_eq!(
+            (before.checkpoint_id, before.next_offset),
+            (after.checkpoint_id, after.next_offset),
+            "a checkpoint was committed while a savepoint was being written"
+        );
+        let header_bytes = header.encode();
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(&header_bytes);
+        crc.combine(&body.crc);
+        let crc = crc.finalize();
+        let mut out = body.inner;
+        out.write_all(&crc.to_le_bytes()).map_err(io_err(&tmp))?;
+        let mut file = out.into_inner().map_err(|e| io_err(&tmp)(e.into_error()))?;
+        file.seek(SeekFrom::Start(0)).map_err(io_err(&tmp))?;
+        file.write_all(&header_bytes).map_err(io_err(&tmp))?;
+        sync.sync_file(SyncKind::File, &file, &tmp, false)
+            .map_err(io_err(&tmp))?;
+        drop(file);
+        // Right after writing, read it back: a bug in the writer must not leave a savepoint
+        // that would only be found bad on the day it is needed.
+        verify_savepoint(&tmp)?;
+        let path = dir.join(savepoint_file_name(
+            header.checkpoint_id,
+            header.next_offset,
+        ));
+        fs::rename(&tmp, &path).map_err(io_err(&path))?;
+        sync.sync_dir(dir).map_err(io_err(dir))?;
+        read_savepoint_header(&path)
+    }
+}
+
+fn field_len(bytes: &[u8]) -> Result<u32, StoreError> {
+    u32::try_from(bytes.len())
+        .ok()
+        .filter(|&n| n <= MAX_FIELD_LEN)
+        .ok_or_else(|| {
+            StoreError::Corrupt(format!(
+                "a tree entry of {} bytes is larger than a savepoint accepts",
+                bytes.len()
+            ))
+        })
+}
+
+/// Temp files are left only by a crash during a write; they are never complete savepoints.
+fn remove_stale_temp_files(dir: &Path) -> Result<(), StoreError> {
+    for entry in fs::read_dir(dir).map_err(io_err(dir))? {
+        let entry = entry.map_err(io_err(dir))?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with(TMP_PREFIX) && name.ends_with(".tmp") {
+            log::warn!("savepoint: removing an incomplete savepoint {name}");
+            fs::remove_file(entry.path()).map_err(io_err(&entry.path()))?;
+        }
+    }
+    Ok(())
+}
+
+/// Read and check a savepoint's header (magic, version, header CRC) without reading the
+/// rest. [`verify_savepoint`] checks the whole file.
+pub fn read_savepoint_header(file: &Path) -> Result<SavepointInfo, StoreError> {
+    let mut f = File::open(file).map_err(io_err(file))?;
+    let bytes = f.metadata().map_err(io_err(file))?.len();
+    if bytes < HEADER_LEN as u64 + TRAILER_LEN {
+        return Err(corrupt(file, format!("only {bytes} bytes long")));
+    }
+    let mut h = [0u8; HEADER_LEN];
+    f.read_exact(&mut h).map_err(io_err(file))?;
+    let header = Header::decode(file, &h)?;
+    Ok(SavepointInfo {
+        path: file.to_path_buf(),
+        format_version: SAVEPOINT_FORMAT_VERSION,
+        checkpoint_id: header.checkpoint_id,
+        next_offset: header.next_offset,
+        entries: header.entries,
+        created_at_ms: header.created_at_ms,
+        bytes,
+    })
+}
+
+/// Check the whole file: header, CRC over everything, trailer. Reads it once.
+pub fn verify_savepoint(file: &Path) -> Result<SavepointInfo, StoreError> {
+    let info = read_savepoint_header(file)?;
+    let mut r = BufReader::with_capacity(1 << 16, File::open(file).map_err(io_err(file))?);
+    let covered = info.bytes - 4;
+    let mut crc = crc32fast::Hasher::new();
+    let mut left = covered;
+    let mut buf = vec![0u8; 1 << 16];
+    let mut tail = [0u8; 8];
+    while left > 0 {
+        let n = (left as usize).min(buf.len());
+        r.read_exact(&mut buf[..n]).map_err(io_err(file))?;
+        crc.update(&buf[..n]);
+        // Keep the last 8 covered bytes: they must be the end marker.
+        if n >= 8 {
+            tail.copy_from_slice(&buf[n - 8..n]);
+        } else {
+            tail.rotate_left(n);
+            tail[8 - n..].copy_from_slice(&buf[..n]);
+        }
+        left -= n as u64;
+    }
+    let mut stored = [0u8; 4];
+    r.read_exact(&mut stored).map_err(io_err(file))?;
+    if crc.finalize() != u32::from_le_bytes(stored) {
+        return Err(corrupt(file, "CRC mismatch"));
+    }
+    if &tail != END_MAGIC {
+        return Err(corrupt(file, "no end marker"));
+    }
+    Ok(info)
+}
+
+/// Savepoints in `dir`, oldest first (by checkpoint id). Files whose header does not check
+/// out are skipped with a warning (and never pruned); a missing directory is an empty list.
+pub fn list_savepoints(dir: &Path) -> Result<Vec<SavepointInfo>, StoreError> {
+    let entries = match fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io_err(dir)(e)),
+    };
+    let mut out = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(io_err(dir))?;
+        let name = entry.file_name();
+        if !is_savepoint_name(&name.to_string_lossy()) {
+            continue;
+        }
+        match read_savepoint_header(&entry.path()) {
+            Ok(info) => out.push(info),
+            Err(e) => log::warn!("savepoint: skipping {}: {e}", entry.path().display()),
+        }
+    }
+    out.sort_by_key(|i| (i.checkpoint_id, i.next_offset, i.created_at_ms));
+    Ok(out)
+}
+
+/// Delete all but the `keep` newest savepoints in `dir`; returns the deleted paths.
+///
+/// The directory is not fsynced: a deleted savepoint that reappears after a power cut is
+/// still a valid savepoint, and the next prune removes it.
+pub fn prune_savepoints(dir: &Path, keep: usize) -> Result<Vec<PathBuf>, StoreError> {
+    let all = list_savepoints(dir)?;
+    let excess = all.len().saturating_sub(keep);
+    let mut removed = Vec::new();
+    for info in &all[..excess] {
+        fs::remove_file(&info.path).map_err(io_err(&info.path))?;
+        removed.push(info.path.clone());
+    }
+    Ok(removed)
+}
+
+/// `<dir>` with `suffix` appended to its last component.
+fn sibling(dir: &Path, suffix: &str) -> PathBuf {
+    let mut name = dir.file_name().unwrap_or_default().to_os_string();
+    name.push(suffix);
+    dir.with_file_name(name)
+}
+
+/// Rebuild the store at `store_dir` from a savepoint (see the module docs for the steps
+/// and what a crash during them leaves). Refuses while another process holds the store.
+pub fn restore_savepoint(
+    file: &Path,
+    store_dir: &Path,
+    cache_bytes: u64,
+    sync: Durability,
+) -> Result<SavepointInfo, StoreError> {
+    let info = verify_savepoint(file)?;
+    if store_dir.exists() {
+        // An agent holding the store would go on writing to the directory we move aside.
+        // A store that does not open is what a restore is for: it is moved aside below.
+        match Store::open(store_dir, cache_bytes, sync.clone()) {
+            Ok(store) => drop(store),
+            Err(e @ StoreError::Locked { .. }) => return Err(e),
+            Err(e) => log::warn!("restore: the current store does not open ({e})"),
+        }
+    }
+    let restoring = sibling(store_dir, ".restoring");
+    if restoring.exists() {
+        // Left by an interrupted restore; never a live store (only this step creates it).
+        log::warn!(
+            "restore: removing the incomplete {} of an earlier restore",
+            restoring.display()
+        );
+        fs::remove_dir_all(&restoring).map_err(io_err(&restoring))?;
+    }
+    let built = build_store(file, &info, &restoring, cache_bytes, sync.clone());
+    if let Err(e) = built {
+        let _ = fs::remove_dir_all(&restoring);
+        return Err(e);
+    }
+    if store_dir.exists() {
+        let old = (1u32..)
+            .map(|n| sibling(store_dir, &format!(".old-{n}")))
+            .find(|p| !p.exists())
+            .expect("a free .old-<n> name");
+        fs::rename(store_dir, &old).map_err(io_err(store_dir))?;
+        log::info!(
+            "restore: moved the previous store aside to {}",
+            old.display()
+        );
+    }
+    fs::rename(&restoring, store_dir).map_err(io_err(store_dir))?;
+    let parent = store_dir
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    sync.sync_dir(parent).map_err(io_err(parent))?;
+    Ok(info)
+}
+
+/// Stream the entries into a fresh store at `dir`, checking the CRC again as it goes (the
+/// file could have changed since it was verified), then make it durable.
+fn build_store(
+    file: &Path,
+    info: &SavepointInfo,
+    dir: &Path,
+    cache_bytes: u64,
+    sync: Durability,
+) -> Result<(), StoreError> {
+    let store = Store::open(dir, cache_bytes, sync)?;
+    let mut r = BufReader::with_capacity(1 << 16, File::open(file).map_err(io_err(file))?);
+    let mut crc = crc32fast::Hasher::new();
+    let mut read = |buf: &mut [u8], crc: &mut crc32fast::Hasher| -> Result<(), StoreError> {
+        r.read_exact(buf).map_err(io_err(file))?;
+        crc.update(buf);
+        Ok(())
+    };
+    let mut header = [0u8; HEADER_LEN];
+    read(&mut header, &mut crc)?;
+    let trees = store.trees();
+    let mut batches: Vec<sled::Batch> = (0..TREES.len()).map(|_| sled::Batch::default()).collect();
+    let mut pending = 0usize;
+    let mut entries = 0u64;
+    let body_end = info.bytes - TRAILER_LEN;
+    let mut pos = HEADER_LEN as u64;
+    while pos < body_end {
+        let mut fixed = [0u8; 9];
+        read(&mut fixed, &mut crc)?;
+        let tree = fixed[0] as usize;
+        let klen = u32::from_le_bytes(fixed[1..5].try_into().expect("4 bytes"));
+        let vlen = u32::from_le_bytes(fixed[5..9].try_into().expect("4 bytes"));
+        if tree >= TREES.len() || klen > MAX_FIELD_LEN || vlen > MAX_FIELD_LEN {
+            return Err(corrupt(file, format!("bad entry header at byte {pos}")));
+        }
+        pos += 9 + u64::from(klen) + u64::from(vlen);
+        if pos > body_end {
+            return Err(corrupt(file, "an entry runs past the end"));
+        }
+        let mut k = vec![0u8; klen as usize];
+        let mut v = vec![0u8; vlen as usize];
+        read(&mut k, &mut crc)?;
+        read(&mut v, &mut crc)?;
+        batches[tree].insert(k, v);
+        entries += 1;
+        pending += 1;
+        if pending >= RESTORE_BATCH {
+            apply_batches(&trees, &mut batches)?;
+            pending = 0;
+        }
+    }
+    apply_batches(&trees, &mut batches)?;
+    let mut end = [0u8; 8];
+    read(&mut end, &mut crc)?;
+    let mut stored = [0u8; 4];
+    r.read_exact(&mut stored).map_err(io_err(file))?;
+    if &end != END_MAGIC || crc.finalize() != u32::from_le_bytes(stored) {
+        return Err(corrupt(file, "changed while it was being restored"));
+    }
+    if entries != info.entries {
+        return Err(corrupt(
+            file,
+            format!("{entries} entries, the header says {}", info.entries),
+        ));
+    }
+    store.sync()?;
+    store.make_files_durable()?;
+    let p = store.progress()?;
+    if (p.checkpoint_id, p.next_offset) != (info.checkpoint_id, info.next_offset) {
+        return Err(corrupt(
+            file,
+            format!(
+                "its progress record says checkpoint {} at offset {}, the header checkpoint {} \
+                 at offset {}",
+                p.checkpoint_id, p.next_offset, info.checkpoint_id, info.next_offset
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn apply_batches(trees: &[&sled::Tree; 8], batches: &mut [sled::Batch]) -> Result<(), StoreError> {
+    for (tree, batch) in trees.iter().zip(batches.iter_mut()) {
+        tree.apply_batch(std::mem::take(batch))?;
+    }
+    Ok(())
+}
