@@ -13,6 +13,7 @@
 //! wall clock is read only to stamp `received_at_ms` on new records (invariant 3).
 
 use std::collections::{HashMap, VecDeque};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
@@ -21,10 +22,11 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use crate::config::Config;
 use crate::fsio::Durability;
 use crate::log::{Log, LogError, LogOptions};
+use crate::metrics::Metrics;
 use crate::model::Record;
 use crate::mqtt::{AckToken, Event, Incoming, Mqtt, MqttError};
 use crate::processor::{ProcessError, Processor};
-use crate::store::Store;
+use crate::store::{CheckpointInfo, SavepointInfo, Store};
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -38,6 +40,55 @@ pub enum AgentError {
     Mqtt(#[from] MqttError),
     #[error("the MQTT thread stopped unexpectedly")]
     MqttGone,
+    #[error("metrics: cannot listen on {addr}: {source}")]
+    Metrics {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Failpoint(std::io::Error),
+    #[error(transparent)]
+    Disk(#[from] crate::disk::DiskError),
+    #[error(
+        "{source}. The filesystem under {} is out of space (bytes or inodes): free space there \
+         and start the agent again. Nothing acknowledged is lost: it is in the log, and the \
+         broker redelivers what was not acknowledged",
+        .dir.display()
+    )]
+    DiskFull {
+        dir: PathBuf,
+        source: Box<AgentError>,
+    },
+}
+
+impl AgentError {
+    /// The OS error underneath, if this failure came from one.
+    fn io_error(&self) -> Option<&std::io::Error> {
+        match self {
+            AgentError::Log(LogError::Io { source, .. })
+            | AgentError::Process(ProcessError::Log(LogError::Io { source, .. })) => Some(source),
+            AgentError::Store(e) | AgentError::Process(ProcessError::Store(e)) => e.io_error(),
+            _ => None,
+        }
+    }
+
+    /// An ENOSPC that got past the space guard is still fatal (a failed write may have
+    /// poisoned the log), but the operator is told what it was and what to do.
+    fn explain_disk_full(self, dir: &Path) -> AgentError {
+        if self.io_error().is_some_and(crate::disk::is_disk_full) {
+            AgentError::DiskFull {
+                dir: dir.to_path_buf(),
+                source: Box::new(self),
+            }
+        } else {
+            self
+        }
+    }
+}
+
+/// Pass a failpoint (a no-op unless built with the `failpoints` feature).
+fn failpoint(name: &str) -> Result<(), AgentError> {
+    crate::failpoint::hit(name).map_err(AgentError::Failpoint)
 }
 
 /// Shutdown requests: 0 none, 1 drain and exit, 2 or more exit now.
@@ -90,17 +141,31 @@ pub struct Agent {
     /// Messages received while the log or the outbox is full; not appended, not acked.
     held: VecDeque<Incoming>,
     backpressure: bool,
+    /// Free space under the log and the store: below the reserve, stop acking (invariant 7).
+    space: crate::disk::SpaceGuard,
     first_unchecked: Option<Instant>,
     /// Next outbox sequence to publish, and what is on the wire.
     publish_cursor: u64,
     inflight: HashMap<String, u64>,
     connected: bool,
     pub stats: Stats,
+    /// Figures for `/metrics` (issue 6); gauges refreshed every `metrics::REFRESH_INTERVAL`.
+    metrics: Arc<Metrics>,
+    metrics_refreshed: Option<Instant>,
+    sync: Durability,
+    /// The newest savepoint: retention keeps the log back to its `next_offset`.
+    newest_savepoint: Option<SavepointInfo>,
+    next_savepoint: Option<Instant>,
 }
 
 impl Agent {
     /// Recover (truncate the torn tail, load the checkpoint, replay), then connect.
     pub fn start(cfg: Config, sync: Durability) -> Result<Agent, AgentError> {
+        let dir = cfg.storage.data_dir.clone();
+        Agent::recover(cfg, sync).map_err(|e| e.explain_disk_full(&dir))
+    }
+
+    fn recover(cfg: Config, sync: Durability) -> Result<Agent, AgentError> {
         let started = Instant::now();
         let (log, rec) = Log::open(
             LogOptions {
@@ -118,12 +183,12 @@ impl Agent {
                 rec.torn_records_dropped
             );
         }
-        let store = Store::open(&cfg.store_dir(), cfg.storage.cache_size, sync)?;
+        let store = Store::open(&cfg.store_dir(), cfg.storage.cache_size, sync.clone())?;
         let mut proc = Processor::open(store, cfg.pipelines.clone())?;
         if log.next_offset() < proc.next_offset() {
-            return Err(AgentError::Process(ProcessError::LogGap {
-                needed: proc.next_offset(),
-                first: log.next_offset(),
+            return Err(AgentError::Process(ProcessError::LogBehind {
+                checkpoint: proc.next_offset(),
+                log_next: log.next_offset(),
             }));
         }
         let stats = proc.replay(&log, cfg.checkpoint.max_records, &wall_ms, &mut |s| {
@@ -131,7 +196,12 @@ impl Agent {
                 "recovery: replayed {} records up to offset {}",
                 s.records,
                 s.to
-            )
+            );
+            // A long replay is progress, not a hang: keep systemd's timeouts at bay.
+            crate::notify::still_starting(&format!(
+                "recovery: replayed {} records up to offset {}",
+                s.records, s.to
+            ));
         })?;
         log::info!(
             "recovery: done in {} ms: log offsets [{}, {}), replayed {} records from offset {}, checkpoint {}",
@@ -142,6 +212,34 @@ impl Agent {
             stats.from,
             proc.engine().progress().checkpoint_id
         );
+        let metrics = Metrics::new();
+        let durable = proc.store().progress()?;
+        let last_at = proc.store().checkpoints().next_back().transpose()?;
+        metrics.update(|f| {
+            f.replay_records = stats.records;
+            f.replay_seconds = started.elapsed().as_secs_f64();
+            f.checkpoint_id = durable.checkpoint_id;
+            f.checkpoint_next_offset = durable.next_offset;
+            f.checkpoint_at_ms = last_at.map_or(0, |c| c.committed_at_ms);
+        });
+        if let Some(addr) = &cfg.metrics.listen {
+            let err = |source| AgentError::Metrics {
+                addr: addr.clone(),
+                source,
+            };
+            let at = addr
+                .parse()
+                .map_err(|e| err(std::io::Error::new(std::io::ErrorKind::InvalidInput, e)))?;
+            crate::metrics::serve(at, metrics.clone()).map_err(err)?;
+            log::info!("metrics: serving http://{addr}/metrics");
+        }
+        let newest_savepoint = crate::store::list_savepoints(&cfg.savepoint_dir())?.pop();
+        let next_savepoint = cfg.savepoint.interval.map(|every| {
+            let age = newest_savepoint.as_ref().map_or(every, |s| {
+                Duration::from_millis(wall_ms().saturating_sub(s.created_at_ms))
+            });
+            Instant::now() + every.saturating_sub(age)
+        });
         let mut filters: Vec<String> = cfg
             .pipelines
             .iter()
@@ -157,6 +255,12 @@ impl Agent {
             .transpose()?
             .map(|(s, _)| s)
             .unwrap_or(0);
+        // Two segments: room to roll one and finish the batch in flight, and for the store
+        // to checkpoint what was already ingested (see `disk`).
+        let space = crate::disk::SpaceGuard::new(
+            vec![cfg.log_dir(), cfg.store_dir()],
+            2 * cfg.log.segment_size,
+        );
         Ok(Agent {
             cfg,
             log,
@@ -168,11 +272,17 @@ impl Agent {
             first_unsynced: None,
             held: VecDeque::new(),
             backpressure: false,
+            space,
             first_unchecked: None,
             publish_cursor: first_seq,
             inflight: HashMap::new(),
             connected: false,
             stats: Stats::default(),
+            metrics,
+            metrics_refreshed: None,
+            sync,
+            newest_savepoint,
+            next_savepoint,
         })
     }
 
@@ -181,7 +291,14 @@ impl Agent {
     }
 
     /// Run until `shutdown` is requested; then drain and return.
-    pub fn run(mut self, shutdown: &Shutdown) -> Result<(), AgentError> {
+    pub fn run(self, shutdown: &Shutdown) -> Result<(), AgentError> {
+        let dir = self.cfg.storage.data_dir.clone();
+        self.run_loop(shutdown)
+            .map_err(|e| e.explain_disk_full(&dir))
+    }
+
+    fn run_loop(mut self, shutdown: &Shutdown) -> Result<(), AgentError> {
+        let mut beat = crate::notify::Heartbeat::from_env();
         while shutdown.requested() == 0 {
             let timeout = self
                 .next_deadline()
@@ -192,20 +309,47 @@ impl Agent {
             {
                 Ok(ev) => {
                     self.on_event(ev)?;
-                    // Take whatever else is already waiting before paying for an fsync.
-                    while self.unsynced_acks.len() < self.cfg.mqtt.ingest_batch {
+                    // Group commit: everything already waiting joins this fsync, up to one
+                    // channel's worth per pass (so timed checkpoints and publishing still
+                    // run under steady input). The broker normally has at most its inflight
+                    // window unacknowledged, but mosquitto 2.0.11 was seen sending far more
+                    // (tests/e2e.rs): one fsync per `ingest_batch` then could not keep up,
+                    // the MQTT thread stalled on a full channel, its pings went unsent and
+                    // the broker dropped the connection and redelivered everything.
+                    for _ in 1..self.cfg.mqtt.channel_capacity {
                         match self.events.try_recv() {
                             Ok(ev) => self.on_event(ev)?,
                             Err(_) => break,
                         }
+                    }
+                    if self.unsynced_acks.len() >= self.cfg.mqtt.ingest_batch {
+                        self.commit_log()?;
                     }
                 }
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => return Err(AgentError::MqttGone),
             }
             self.tick(false)?;
+            beat.beat(Instant::now(), || self.status_line());
         }
         self.drain(shutdown)
+    }
+
+    /// The `STATUS=` line `systemctl status` shows.
+    fn status_line(&self) -> String {
+        format!(
+            "running: received {}, acked {}, processed up to offset {}, checkpoint {}, outbox {}{}",
+            self.stats.received,
+            self.stats.acked,
+            self.proc.next_offset(),
+            self.proc.engine().progress().checkpoint_id,
+            self.proc.store().outbox_len(),
+            if self.connected {
+                ""
+            } else {
+                ", broker disconnected"
+            }
+        )
     }
 
     fn next_deadline(&self) -> Instant {
@@ -233,7 +377,9 @@ impl Agent {
             }
             Event::PubAcked { output_id } => {
                 if let Some(seq) = self.inflight.remove(&output_id) {
+                    failpoint("outbox.before_delete")?;
                     self.proc.store().outbox_delete(seq, &output_id)?;
+                    failpoint("outbox.after_delete")?;
                     self.stats.pubacked += 1;
                 }
             }
@@ -260,6 +406,20 @@ impl Agent {
 
     /// Append one message; returns false (and holds it) when the log is full.
     fn ingest(&mut self, m: Incoming) -> Result<bool, AgentError> {
+        // A nearly full disk is backpressure too: an ENOSPC would poison the log and stop
+        // the agent. 64 bytes cover the frame header and the record's other fields.
+        let bytes = (m.topic.len() + m.payload.len()) as u64 + 64;
+        if let Some(free) = self.space.check(Instant::now(), bytes)? {
+            let why = format!(
+                "the disk is nearly full: {free} bytes free under {}, below the reserve of {} \
+                 bytes (2 × log.segment_size)",
+                self.space.lowest_dir().display(),
+                self.space.reserve()
+            );
+            self.set_backpressure(true, &why);
+            self.held.push_front(m);
+            return Ok(false);
+        }
         let now = wall_ms();
         let appended = match self.log.append(now, &m.topic, &m.payload, m.qos, m.retain) {
             Ok(off) => Some(off),
@@ -291,9 +451,6 @@ impl Agent {
         }
         self.unsynced_acks.push_back(m.token);
         self.first_unsynced.get_or_insert_with(Instant::now);
-        if self.unsynced_acks.len() >= self.cfg.mqtt.ingest_batch {
-            self.commit_log()?;
-        }
         Ok(true)
     }
 
@@ -310,15 +467,26 @@ impl Agent {
 
     /// Invariant 1: fsync, then PUBACK in receipt order, then process.
     fn commit_log(&mut self) -> Result<(), AgentError> {
+        // A deliberately unsafe build acks first, to show the crash harness catches it.
+        let unsafe_early_ack = crate::failpoint::enabled("unsafe.ack_before_fsync");
+        if unsafe_early_ack {
+            self.send_acks()?;
+        }
         if self.log.pending() > 0 {
+            let began = Instant::now();
             self.log.commit()?;
             self.stats.log_commits += 1;
+            let took = began.elapsed();
+            self.metrics.update(|f| {
+                f.log_commits += 1;
+                f.log_commit.observe(took);
+            });
         }
-        for t in self.unsynced_acks.drain(..) {
-            self.mqtt.ack(t)?;
-            self.stats.acked += 1;
-        }
-        self.first_unsynced = None;
+        failpoint("ingest.before_puback")?;
+        self.send_acks()?;
+        failpoint("ingest.after_puback")?;
+        // Acks the MQTT module had no room for: retry at the next commit interval.
+        self.first_unsynced = (!self.unsynced_acks.is_empty()).then(Instant::now);
         for rec in std::mem::take(&mut self.unsynced_recs) {
             self.proc.apply(&rec)?;
             self.first_unchecked.get_or_insert_with(Instant::now);
@@ -329,10 +497,29 @@ impl Agent {
         Ok(())
     }
 
+    /// Acks go to the MQTT module in receipt order, as many as its queue takes. The rest wait
+    /// here, still in order, for the next commit timer: a full queue (the broker sending
+    /// faster than rumqttc takes requests) is load, not a reason to exit (found by
+    /// tests/e2e.rs, where mosquitto 2.0.11 outran `max_inflight_messages`).
+    fn send_acks(&mut self) -> Result<(), AgentError> {
+        let n = self.mqtt.ack_room().min(self.unsynced_acks.len());
+        for t in self.unsynced_acks.drain(..n) {
+            self.mqtt.ack(t)?;
+            self.stats.acked += 1;
+        }
+        Ok(())
+    }
+
     fn checkpoint(&mut self) -> Result<(), AgentError> {
-        if let Some(info) = self.proc.checkpoint(wall_ms())? {
+        let began = Instant::now();
+        let done = self.proc.checkpoint(wall_ms());
+        if done.is_err() {
+            self.metrics.update(|f| f.checkpoint_failures += 1);
+        }
+        if let Some(info) = done? {
             self.stats.checkpoints += 1;
             log::debug!("checkpoint {} at offset {}", info.id, info.next_offset);
+            self.after_checkpoint(began.elapsed(), &info);
         }
         self.first_unchecked = None;
         self.retention()?;
@@ -341,7 +528,8 @@ impl Agent {
 
     /// Delete log segments wholly before the durable checkpoint and older than retention.
     fn retention(&mut self) -> Result<(), AgentError> {
-        let checkpointed = self.proc.next_offset();
+        // Never below the newest savepoint: restoring it needs the log from its offset on.
+        let checkpointed = self.proc.next_offset().min(self.savepoint_floor());
         let cutoff = wall_ms().saturating_sub(self.cfg.log.retention.as_millis() as u64);
         let mut below = self.log.first_offset();
         for s in self.log.segments() {
@@ -373,6 +561,7 @@ impl Agent {
         }
         self.relieve_backpressure()?;
         self.publish()?;
+        self.refresh_metrics(force)?;
         Ok(())
     }
 
@@ -384,6 +573,11 @@ impl Agent {
         if self.outbox_full() {
             self.set_backpressure(true, "the outbox is full");
             return Ok(());
+        }
+        if !self.held.is_empty() {
+            // Retention is time-based too: with everything checkpointed and no new input,
+            // no checkpoint would ever run it again, and a full log would stay full.
+            self.retention()?;
         }
         while let Some(m) = self.held.pop_front() {
             if !self.ingest(m)? {
@@ -410,6 +604,7 @@ impl Agent {
             .take(room)
             .collect::<Result<_, _>>()?;
         for (seq, out) in batch {
+            failpoint("outbox.before_publish")?;
             match self
                 .mqtt
                 .publish(out.id.clone(), &out.topic, out.payload, out.retain)
@@ -418,6 +613,7 @@ impl Agent {
                     self.inflight.insert(out.id, seq);
                     self.publish_cursor = seq + 1;
                     self.stats.published += 1;
+                    failpoint("outbox.after_publish")?;
                 }
                 Err(MqttError::InflightFull { .. }) => break,
                 Err(e) => return Err(e.into()),
@@ -429,6 +625,9 @@ impl Agent {
     /// First signal: stop taking input, make everything durable, give the outbox a bounded
     /// time, exit. A second signal ends the wait at once; nothing is lost either way.
     fn drain(mut self, shutdown: &Shutdown) -> Result<(), AgentError> {
+        crate::notify::stopping();
+        crate::notify::status("stopping: draining");
+        let mut beat = crate::notify::Heartbeat::from_env();
         log::info!(
             "shutdown: draining (log commit, checkpoint, outbox for up to {:?})",
             self.cfg.outbox.drain_timeout
@@ -446,10 +645,12 @@ impl Agent {
                 Err(RecvTimeoutError::Disconnected) => break,
             }
             self.publish()?;
+            beat.beat(Instant::now(), || "stopping: publishing the outbox".into());
         }
         let left = self.proc.store().outbox_len();
         self.proc.store().sync()?;
         log::info!("shutdown: done; {left} outbox entries left for the next start");
+        self.metrics.stop_server();
         self.mqtt.shutdown();
         Ok(())
     }
@@ -462,5 +663,128 @@ impl Agent {
             .next()
             .transpose()?
             .is_some())
+    }
+}
+
+// ---- metrics and savepoints (issue 6) ----
+impl Agent {
+    /// The figures `/metrics` serves.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    fn savepoint_floor(&self) -> u64 {
+        self.newest_savepoint
+            .as_ref()
+            .map_or(u64::MAX, |s| s.next_offset)
+    }
+
+    /// Right after a commit the store is exactly that checkpoint and nothing else writes to
+    /// it until this thread goes on: the one moment a savepoint is consistent.
+    fn after_checkpoint(&mut self, took: Duration, info: &CheckpointInfo) {
+        let outbox_end = self.proc.engine().progress().outbox_seq;
+        self.metrics
+            .note_outbox_committed(outbox_end, info.committed_at_ms);
+        self.metrics.update(|f| {
+            // One update: a scrape sees the count, duration and offsets of one checkpoint.
+            f.checkpoints += 1;
+            f.checkpoint.observe(took);
+            f.checkpoint_id = info.id;
+            f.checkpoint_next_offset = info.next_offset;
+            f.checkpoint_at_ms = info.committed_at_ms;
+            f.log_next_offset = self.log.next_offset();
+        });
+        if self.next_savepoint.is_none_or(|t| Instant::now() < t) {
+            return;
+        }
+        let (dir, keep) = (self.cfg.savepoint_dir(), self.cfg.savepoint.keep);
+        let began = Instant::now();
+        let written = self
+            .proc
+            .store()
+            .write_savepoint(&dir, &self.sync)
+            .and_then(|sp| crate::store::prune_savepoints(&dir, keep).map(|_| sp));
+        // A failed savepoint costs no data (the checkpoint is durable, retention keeps the
+        // log back to the previous savepoint): report it and try again next interval.
+        match written {
+            Ok(sp) => {
+                log::info!(
+                    "savepoint: checkpoint {} at offset {} ({} bytes) in {} ms",
+                    sp.checkpoint_id,
+                    sp.next_offset,
+                    sp.bytes,
+                    began.elapsed().as_millis()
+                );
+                self.metrics.update(|f| f.savepoints += 1);
+                self.newest_savepoint = Some(sp);
+            }
+            Err(e) => {
+                log::error!("savepoint: failed: {e}");
+                self.metrics.update(|f| f.savepoint_failures += 1);
+            }
+        }
+        self.next_savepoint = self.cfg.savepoint.interval.map(|i| Instant::now() + i);
+    }
+
+    /// Copy the loop's figures (every tick, so one scrape sees one consistent moment); the
+    /// ones that walk a tree or a directory at most every REFRESH_INTERVAL.
+    fn refresh_metrics(&mut self, force: bool) -> Result<(), AgentError> {
+        let now = Instant::now();
+        let store = self.proc.store();
+        if force
+            || self
+                .metrics_refreshed
+                .is_none_or(|t| now >= t + crate::metrics::REFRESH_INTERVAL)
+        {
+            self.metrics_refreshed = Some(now);
+            let first_seq = store.outbox_from(0).next().transpose()?.map(|(s, _)| s);
+            self.metrics
+                .set_outbox(store.outbox_len() as u64, first_seq, wall_ms());
+            // Not sled's `size_on_disk()`: it is slow enough to stall the loop (measured:
+            // the e2e tests fell behind); the files' sizes are what an operator wants anyway.
+            let store_bytes = crate::metrics::dir_size_bytes(store.dir());
+            let segments = self.log.segments().len() as u64;
+            self.metrics.update(|f| {
+                f.store_bytes = store_bytes;
+                f.log_segments = segments;
+            });
+        }
+        let progress = self.proc.engine().progress();
+        let (log, stats) = (&self.log, &self.stats);
+        let sp = self.newest_savepoint.as_ref();
+        self.metrics.update(|f| {
+            f.received = stats.received;
+            f.acked = stats.acked;
+            f.oversize_refused = stats.oversize;
+            f.published = stats.published;
+            f.pubacked = stats.pubacked;
+            f.reconnects = stats.reconnects;
+            f.connected = self.connected;
+            f.backpressure = self.backpressure;
+            f.log_size_bytes = log.size_bytes();
+            f.log_first_offset = log.first_offset();
+            f.log_next_offset = log.next_offset();
+            f.records_unmatched = progress.unmatched;
+            f.pipelines = progress
+                .pipelines
+                .iter()
+                .map(|p| {
+                    let c = &p.counters;
+                    let figures = crate::metrics::PipelineFigures {
+                        keys: p.keys,
+                        dedup_entries: p.dedup_entries,
+                        applied: c.applied,
+                        duplicates: c.duplicates,
+                        dead_letters: c.dead_letters,
+                        outputs: c.outputs,
+                    };
+                    (p.name.clone(), figures)
+                })
+                .collect();
+            f.savepoint = sp.map(|s| (s.checkpoint_id, s.next_offset, s.created_at_ms));
+            let needed = sp.map_or(f.checkpoint_next_offset, |s| s.next_offset);
+            f.source_replayable = log.first_offset() <= needed;
+        });
+        Ok(())
     }
 }

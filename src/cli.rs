@@ -55,6 +55,19 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// The running agent's figures (via `[metrics] listen`), or the data directory's.
+    Status {
+        #[arg(long)]
+        json: bool,
+        /// Read the data directory even if the agent's metrics answer.
+        #[arg(long)]
+        offline: bool,
+    },
+    /// Portable snapshots of the store: create (agent stopped), list, restore.
+    Savepoint {
+        #[command(subcommand)]
+        what: crate::savepoint::SavepointCommand,
+    },
 }
 
 #[derive(Args, Debug, Clone)]
@@ -132,7 +145,7 @@ pub fn main() -> i32 {
         Ok(()) => EXIT_OK,
         Err(f) => {
             if !f.message.is_empty() {
-                eprintln!("cairn: {}", f.message);
+                crate::logging::fatal(&f.message);
             }
             f.code
         }
@@ -140,9 +153,7 @@ pub fn main() -> i32 {
 }
 
 fn init_logging() {
-    let mut b = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"));
-    b.target(env_logger::Target::Stderr);
-    let _ = b.try_init();
+    crate::logging::init();
 }
 
 pub fn load_config(path: &Path) -> Result<Config, Failure> {
@@ -180,6 +191,8 @@ fn dispatch(cli: Cli) -> Result<(), Failure> {
         Command::Run => run(cfg),
         Command::Inspect { what } => inspect(&cfg, what),
         Command::Verify { repair, json } => verify(&cfg, repair, json),
+        Command::Status { json, offline } => crate::status::run(&cfg, json, offline),
+        Command::Savepoint { what } => crate::savepoint::run(&cfg, what),
     }
 }
 
@@ -409,5 +422,8 @@ fn run(cfg: Config) -> Result<(), Failure> {
     })
     .map_err(|e| Failure::runtime(format!("cannot install the signal handler: {e}")))?;
     let agent = Agent::start(cfg, crate::fsio::real()).map_err(Failure::runtime)?;
+    // Recovery is done and the MQTT client runs: `systemctl start` may return.
+    crate::notify::ready();
+    crate::notify::status("running: recovery done");
     agent.run(&shutdown).map_err(Failure::runtime)
 }

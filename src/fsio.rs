@@ -116,3 +116,49 @@ impl SyncSeam for TestSync {
         RealSync.sync_dir(path)
     }
 }
+
+/// `create_dir_all`, made durable: every directory it creates has its entry fsynced in its
+/// parent, up to the first ancestor that already existed. (A new directory whose entry is
+/// not synced can vanish in a power cut with everything below it.)
+pub fn create_dir_all_durable(path: &Path, sync: &Durability) -> io::Result<()> {
+    let mut missing = Vec::new();
+    let mut cur = path;
+    while !cur.exists() {
+        missing.push(cur.to_path_buf());
+        match cur.parent() {
+            Some(p) if !p.as_os_str().is_empty() => cur = p,
+            _ => break,
+        }
+    }
+    for dir in missing.iter().rev() {
+        match std::fs::create_dir(dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+        let parent = match dir.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => std::path::PathBuf::from("."),
+        };
+        sync.sync_dir(&parent)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn create_dir_all_durable_syncs_the_parent_of_every_created_level() {
+        let root = tempfile::tempdir().unwrap();
+        let seam = TestSync::new();
+        let durable: Durability = seam.clone();
+        let deep = root.path().join("a/b/c");
+        create_dir_all_durable(&deep, &durable).unwrap();
+        assert!(deep.is_dir());
+        assert_eq!(seam.dir_syncs(), 3, "root, a and b each got a new entry");
+        create_dir_all_durable(&deep, &durable).unwrap();
+        assert_eq!(seam.dir_syncs(), 3, "nothing new, nothing synced");
+    }
+}

@@ -1,16 +1,78 @@
 //! # Cairn
 //!
-//! (architecture overview: filled in as modules land)
+//! A single-process agent for an edge box: it consumes MQTT messages, keeps keyed
+//! aggregates, and publishes results, so that a power cut at any instant only causes replay.
+//!
+//! ## Bird's-eye view
+//!
+//! ```text
+//!  broker ─PUBLISH q1─▶ mqtt ─▶ agent: append to log ─(fsync)─▶ PUBACK, in receipt order
+//!                                 │
+//!                                 ▼
+//!                        processor: pipeline engine (parse → dedup → aggregate → window)
+//!                                 │   pure: same checkpoint + same records ⇒ same writes
+//!                                 ▼
+//!                        store: ONE sled transaction {state, dedup, outbox, dead letters,
+//!                                 progress(next_offset)} + a real fsync
+//!                                 │
+//!  broker ◀─PUBLISH q1 (id)── agent: publish durable outbox entries; delete on PUBACK
+//! ```
+//!
+//! Recovery is replay: open the log (truncating a torn tail), load the last checkpoint,
+//! re-apply the log from its `next_offset`.
+//!
+//! ## Codemap
+//!
+//! - [`model`]: plain data (`Record`, `Offset`).
+//! - [`pipeline`]: pipeline definitions, payload parsing, dedup, aggregates, windows, output
+//!   IDs; the [`pipeline::engine::Engine`] and an in-memory reference store.
+//! - [`log`]: the segmented, CRC-framed replay log: group commit, torn-tail recovery,
+//!   corruption detection and repair, retention.
+//! - [`store`]: the sled checkpoint store, savepoints, inspection.
+//! - [`processor`]: log records → engine → checkpoints; replay.
+//! - [`mqtt`]: the rumqttc facade: manual acks, packet-id binding, reconnect backoff, TLS.
+//! - [`agent`]: the event loop wiring them; backpressure; shutdown; metrics; savepoints.
+//! - [`config`]: TOML → validated [`config::Config`], every problem with file and line.
+//! - [`cli`], [`verify`], [`status`], [`savepoint`]: the `cairn` command.
+//! - [`fsio`]: the durability seam every fsync goes through; [`failpoint`]: crash injection
+//!   (feature `failpoints`); [`disk`]: free-space guard; [`metrics`], [`notify`],
+//!   [`logging`]: Prometheus text, systemd notify, journal-aware logging.
+//!
+//! ## Invariants, as absences
+//!
+//! 1. The agent never PUBACKs an input before its log record is fsynced
+//!    (`tests/crash.rs`, `tests/log_crash.rs`).
+//! 2. No checkpoint is ever partly visible: the store never commits state without the dedup
+//!    entries, outbox entries and `next_offset` that go with it (`tests/checkpoint.rs`,
+//!    `tests/model.rs`).
+//! 3. [`pipeline`] never reads the clock, never draws a random number, and never sees sled,
+//!    rumqttc, tokio or the file system (`tests/model.rs`, `tests/pipeline.rs`).
+//! 4. Recovery never trusts anything but the log and the last checkpoint.
+//! 5. An event ID inside the dedup window is never applied twice, whoever sent it twice.
+//! 6. The publisher never sends an entry whose checkpoint is not durable, and never gives
+//!    one ID two payloads (`tests/crash.rs`).
+//! 7. No queue, log, ledger or batch grows without a configured bound; reaching one stops
+//!    acknowledging instead of dropping (`tests/faults.rs`, `tests/e2e.rs`).
+//! 8. Bad input never stops processing: it becomes a dead letter with a reason
+//!    (`tests/pipeline.rs`).
+//!
+//! Only [`store`] imports sled; only [`mqtt`] imports rumqttc.
 
 pub mod agent;
 pub mod cli;
 pub mod config;
+pub mod disk;
 pub mod failpoint;
 pub mod fsio;
 pub mod log;
+pub mod logging;
+pub mod metrics;
 pub mod model;
 pub mod mqtt;
+pub mod notify;
 pub mod pipeline;
 pub mod processor;
+pub mod savepoint;
+pub mod status;
 pub mod store;
 pub mod verify;

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use crate::log::{Log, LogError};
 use crate::model::{Offset, Record};
-use crate::pipeline::engine::{Engine, Outcome, definition};
+use crate::pipeline::engine::{Engine, Outcome, PipelineProgress, definition};
 use crate::pipeline::spec::PipelineSpec;
 use crate::store::{CheckpointInfo, Store, StoreError};
 
@@ -21,6 +21,8 @@ pub enum ProcessError {
     Log(#[from] LogError),
     #[error("{0}")]
     Read(#[from] crate::pipeline::engine::ReadError),
+    #[error("--reset-pipeline {name}: no pipeline of that name in the config")]
+    UnknownReset { name: String },
     #[error(
         "pipeline `{name}` changed in a way that would misread its stored state \
          (was {stored}, now {current}); restore the old definition, or reset the pipeline's state \
@@ -31,12 +33,39 @@ pub enum ProcessError {
         stored: String,
         current: String,
     },
+    /// The log no longer reaches back to where the store's checkpoint ends, so replay
+    /// cannot rebuild the state (DESIGN §4: keep the log back to the newest savepoint).
     #[error(
-        "the checkpoint needs log offset {needed} but the log starts at {first}: records were \
-         deleted or moved aside; restore a savepoint at or after offset {first}, or run \
-         `cairn verify` for details"
+        "{}, but the log starts at offset {first}: records [{needed}, {first}) were deleted by retention or moved aside by \
+         `cairn verify --repair`, so replay cannot rebuild the state and the agent will not \
+         start. Put back the store that belongs to this log, or restore a savepoint taken at \
+         or after offset {first} (`cairn savepoint list`, then `cairn savepoint restore FILE`) \
+         and start again; `cairn verify` shows where the log and the store stand",
+        replay_start(*.needed)
     )]
     LogGap { needed: Offset, first: Offset },
+    /// The log ends before the store's checkpoint: records the store already counted are
+    /// gone from the log, and new records would reuse their offsets.
+    #[error(
+        "the store's checkpoint covers the log up to offset {checkpoint}, but the log ends at \
+         offset {log_next}: the log lost records the store already counted (its directory was \
+         replaced or its newest segments removed), and new records would reuse their offsets, \
+         so the agent will not start. Put back the log that belongs to this store, or restore \
+         a savepoint taken at or before offset {log_next} (`cairn savepoint list`, then \
+         `cairn savepoint restore FILE`)"
+    )]
+    LogBehind {
+        checkpoint: Offset,
+        log_next: Offset,
+    },
+}
+
+fn replay_start(needed: Offset) -> String {
+    if needed == 0 {
+        "the store is empty (new, or moved aside), so replay must start at log offset 0".into()
+    } else {
+        format!("the store's checkpoint ends at log offset {needed}, so replay must start there")
+    }
 }
 
 /// What a replay did, for the journal and `READY`.
@@ -58,17 +87,46 @@ impl Processor {
     /// Load the last checkpoint. Refuses a pipeline whose stored definition differs from the
     /// configured one unless it is named in `reset` (issue 6 wires the reset itself).
     pub fn open(store: Store, specs: Vec<PipelineSpec>) -> Result<Processor, ProcessError> {
-        let progress = store.progress()?;
+        Processor::open_with_reset(store, specs, &[])
+    }
+
+    /// Load the last checkpoint. A pipeline whose stored definition differs from the
+    /// configured one is refused, unless it is named in `reset`: then its state and dedup
+    /// ledger are dropped (durably, before anything else happens) and it starts empty from
+    /// the checkpoint's offset, its versions continuing above the old ones.
+    pub fn open_with_reset(
+        store: Store,
+        specs: Vec<PipelineSpec>,
+        reset: &[String],
+    ) -> Result<Processor, ProcessError> {
+        let mut progress = store.progress()?;
+        for name in reset {
+            if !specs.iter().any(|s| &s.name == name) {
+                return Err(ProcessError::UnknownReset { name: name.clone() });
+            }
+        }
         for spec in &specs {
-            if let Some(p) = progress.pipelines.iter().find(|p| p.name == spec.name) {
-                let current = definition(spec);
-                if p.definition != current {
-                    return Err(ProcessError::IncompatiblePipeline {
-                        name: spec.name.clone(),
-                        stored: p.definition.clone(),
-                        current,
-                    });
-                }
+            let Some(i) = progress.pipelines.iter().position(|p| p.name == spec.name) else {
+                continue;
+            };
+            let current = definition(spec);
+            if reset.contains(&spec.name) {
+                let old = progress.pipelines[i].clone();
+                progress.pipelines[i] = PipelineProgress::reset(&old, spec);
+                store.reset_pipeline(&spec.name, &progress)?;
+                log::warn!(
+                    "pipeline `{}` reset: {} keys and {} dedup entries dropped; versions continue above {}",
+                    spec.name,
+                    old.keys,
+                    old.dedup_entries,
+                    old.max_version
+                );
+            } else if progress.pipelines[i].definition != current {
+                return Err(ProcessError::IncompatiblePipeline {
+                    name: spec.name.clone(),
+                    stored: progress.pipelines[i].definition.clone(),
+                    current,
+                });
             }
         }
         Ok(Processor {

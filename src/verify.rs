@@ -83,7 +83,13 @@ pub fn run(cfg: &Config, repair: bool, as_json: bool) -> Result<(), Failure> {
                         n += 1;
                     }
                     store_line = json!({"checkpoint_id": p.checkpoint_id, "next_offset": p.next_offset,
-                                        "keys": n, "outbox": store.outbox_len(), "dead_letters": store.dead_letter_len()});
+                                        "records": p.records, "unmatched": p.unmatched,
+                                        "keys": n, "outbox": store.outbox_len(), "dead_letters": store.dead_letter_len(),
+                                        "pipelines": p.pipelines.iter().map(|pp| json!({
+                                            "name": pp.name, "keys": pp.keys, "dedup_entries": pp.dedup_entries,
+                                            "applied": pp.counters.applied, "duplicates": pp.counters.duplicates,
+                                            "dead_letters": pp.counters.dead_letters, "outputs": pp.counters.outputs,
+                                        })).collect::<Vec<_>>()});
                     notes.push(format!(
                         "store: checkpoint {} at offset {}, {n} keys, {} outbox entries, {} dead letters",
                         p.checkpoint_id,

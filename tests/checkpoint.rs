@@ -221,3 +221,53 @@ fn a_changed_pipeline_definition_is_refused_at_open() {
         .to_string();
     assert!(err.contains("pipeline `balances` changed"), "{err}");
 }
+
+#[test]
+fn a_named_reset_drops_the_pipelines_state_and_continues_its_versions() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let mut log = open_log(dir.path());
+        let mut proc = open_proc(dir.path());
+        log_events(&mut log, &["E1/A/1", "E2/A/2", "E3/B/5"]);
+        process_all(&log, &mut proc);
+        proc.checkpoint(0).unwrap();
+    }
+    let mut changed = spec();
+    changed.aggregate = Aggregate::Max;
+    let store = Store::open(&dir.path().join("store"), 1 << 20, fsio::real()).unwrap();
+    let err = Processor::open_with_reset(store, vec![changed.clone()], &["nope".into()])
+        .err()
+        .unwrap();
+    assert!(
+        err.to_string().contains("no pipeline of that name"),
+        "{err}"
+    );
+    let store = Store::open(&dir.path().join("store"), 1 << 20, fsio::real()).unwrap();
+    let mut proc =
+        Processor::open_with_reset(store, vec![changed.clone()], &["balances".into()]).unwrap();
+    assert_eq!(proc.store().states(None).count(), 0, "state dropped");
+    assert_eq!(
+        proc.store().dedup_entries(None).count(),
+        0,
+        "ledger dropped"
+    );
+    let mut log = open_log(dir.path());
+    log_events(&mut log, &["E1/A/7"]); // E1 again: the old ledger is gone, so it counts
+    process_all(&log, &mut proc);
+    proc.checkpoint(0).unwrap();
+    assert_eq!(
+        balance(&proc, "A"),
+        (7, 3),
+        "versions continue above the old highest (2)"
+    );
+    let ids: Vec<_> = proc
+        .store()
+        .outbox_from(0)
+        .map(|r| r.unwrap().1.id)
+        .collect();
+    assert!(ids.contains(&"balances/A/3".to_string()), "{ids:?}");
+    drop(proc);
+    // The reset is durable and the new definition is now the stored one.
+    let store = Store::open(&dir.path().join("store"), 1 << 20, fsio::real()).unwrap();
+    Processor::open(store, vec![changed]).expect("the new definition is accepted");
+}

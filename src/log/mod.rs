@@ -236,16 +236,9 @@ impl Log {
     pub fn open(opts: LogOptions, sync: Durability) -> Result<(Log, Recovery), LogError> {
         validate(&opts)?;
         let dir = opts.dir.clone();
-        if !dir.exists() {
-            fs::create_dir_all(&dir).map_err(io_err("create log directory", &dir))?;
-            // The new directory's own entry must survive a crash too.
-            let parent = match dir.parent() {
-                Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-                _ => PathBuf::from("."),
-            };
-            sync.sync_dir(&parent)
-                .map_err(io_err("fsync parent of log directory", &parent))?;
-        }
+        // The new directory's entries (and its parents') must survive a crash too.
+        crate::fsio::create_dir_all_durable(&dir, &sync)
+            .map_err(io_err("create log directory", &dir))?;
         let listed = scan::list_segments(&dir).map_err(io_err("list log directory", &dir))?;
         let mut scans = Vec::with_capacity(listed.len());
         for (first, path) in &listed {

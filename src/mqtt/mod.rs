@@ -267,6 +267,11 @@ impl Mqtt {
         Ok(())
     }
 
+    /// How many more acks [`Mqtt::ack`] takes now without [`MqttError::AckQueueFull`].
+    pub fn ack_room(&self) -> usize {
+        self.ack_limit.saturating_sub(self.inner.lock().acks.len())
+    }
+
     /// Queues a QoS 1 publish; its [`Event::PubAcked`] carries `output_id`. Returns at once:
     /// [`MqttError::InflightFull`] when `publish_inflight` publishes await their PUBACK.
     /// Publishes go out in call order, also across a lost session.

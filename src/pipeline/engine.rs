@@ -62,6 +62,26 @@ pub struct PipelineProgress {
     pub counters: Counters,
     /// The definition that wrote this state (see [`definition`]).
     pub definition: String,
+    /// A new key's first version is `version_base + 1`. Zero, unless the pipeline was reset:
+    /// then it is the highest version emitted before, so output IDs never repeat and a
+    /// consumer keeping the highest version per key accepts the new values.
+    pub version_base: u64,
+    /// Highest version this pipeline ever gave a key.
+    pub max_version: u64,
+}
+
+impl PipelineProgress {
+    /// The progress of a pipeline whose state is reset: empty, with versions continuing above
+    /// everything it emitted before.
+    pub fn reset(old: &PipelineProgress, spec: &PipelineSpec) -> PipelineProgress {
+        PipelineProgress {
+            name: spec.name.clone(),
+            definition: definition(spec),
+            version_base: old.max_version,
+            max_version: old.max_version,
+            ..Default::default()
+        }
+    }
 }
 
 /// Everything besides the trees that a checkpoint records.
@@ -387,7 +407,9 @@ impl Engine {
                     );
                 }
                 self.progress.pipelines[p].keys += 1;
-                KeyState::first(spec.aggregate, ev.value, time_ms)
+                let mut first = KeyState::first(spec.aggregate, ev.value, time_ms);
+                first.version += self.progress.pipelines[p].version_base;
+                first
             }
             Some(old) => match old.apply(ev.value, time_ms) {
                 Ok(s) => s,
@@ -409,6 +431,7 @@ impl Engine {
         // Accepted: remember the ID, store the state, emit.
         let pp = &mut self.progress.pipelines[p];
         pp.counters.applied += 1;
+        pp.max_version = pp.max_version.max(new.version);
         pp.max_event_time_ms = pp.max_event_time_ms.max(time_ms);
         self.remember(&name, p, ev.event_id.clone(), seen, now);
         self.batch

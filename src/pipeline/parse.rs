@@ -77,7 +77,10 @@ pub fn parse(spec: &PipelineSpec, payload: &[u8]) -> Result<Parsed, Refusal> {
         return Err(refuse("empty_id", "the event ID is empty"));
     }
     if event_id.chars().any(char::is_control) {
-        return Err(refuse("bad_event_id", "the event ID contains a control character"));
+        return Err(refuse(
+            "bad_event_id",
+            "the event ID contains a control character",
+        ));
     }
     Ok(Parsed {
         event_id,

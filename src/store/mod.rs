@@ -39,8 +39,10 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
 
 use serde::{Deserialize, Serialize};
+
 use sled::Transactional;
 
 use crate::fsio::{Durability, SyncKind};
@@ -52,6 +54,12 @@ pub const CHECKPOINT_HISTORY: u64 = 1000;
 
 const PROGRESS_KEY: &[u8] = b"progress";
 
+mod savepoint;
+pub use savepoint::{
+    SAVEPOINT_FORMAT_VERSION, SavepointInfo, list_savepoints, prune_savepoints,
+    read_savepoint_header, restore_savepoint, savepoint_file_name, verify_savepoint,
+};
+
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("store I/O error at {path}: {source}")]
@@ -60,9 +68,10 @@ pub enum StoreError {
         source: std::io::Error,
     },
     #[error(
-        "the store at {path} cannot be opened: {source}. Nothing in the replay log is lost; \
-         move the store aside (`mv {path} {path}.broken`) and restart, or restore a savepoint \
-         (`cairn savepoint restore`), and the log replays from there"
+        "the store at {path} cannot be opened: {source}. The replay log is not affected. Move \
+         the store aside (`mv {path} {path}.broken`) and start again: the state is rebuilt from \
+         the log, if it still starts at offset 0 (`cairn inspect log --limit 1`). Otherwise \
+         restore a savepoint (`cairn savepoint restore --latest`), and the log replays from there"
     )]
     Open { path: PathBuf, source: sled::Error },
     #[error("the store at {path} is in use by another process (is the agent running?)")]
@@ -71,6 +80,22 @@ pub enum StoreError {
     Sled(#[from] sled::Error),
     #[error("the store is corrupt: {0}")]
     Corrupt(String),
+}
+
+impl StoreError {
+    /// The operating-system error underneath, if any: sled's errors do not expose it as a
+    /// `source`, and the agent needs it to tell a full disk from other failures.
+    pub fn io_error(&self) -> Option<&std::io::Error> {
+        match self {
+            StoreError::Io { source, .. } => Some(source),
+            StoreError::Open {
+                source: sled::Error::Io(e),
+                ..
+            }
+            | StoreError::Sled(sled::Error::Io(e)) => Some(e),
+            _ => None,
+        }
+    }
 }
 
 /// One line of checkpoint history.
@@ -98,6 +123,9 @@ pub struct Store {
     outbox_ids: sled::Tree,
     dead: sled::Tree,
     checkpoints: sled::Tree,
+    /// Entries in `outbox`, kept here because sled's `len()` walks the whole tree and the
+    /// agent asks for it every loop pass.
+    outbox_count: std::sync::atomic::AtomicUsize,
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
@@ -144,12 +172,8 @@ fn u64_of(bytes: &[u8]) -> Result<u64, StoreError> {
 impl Store {
     /// Open (or create) the store in `dir`. See the module docs for the fsyncs it does.
     pub fn open(dir: &Path, cache_bytes: u64, sync: Durability) -> Result<Store, StoreError> {
-        let created = !dir.exists();
-        fs::create_dir_all(dir).map_err(io_err(dir))?;
-        if created {
-            if let Some(parent) = dir.parent() {
-                sync.sync_dir(parent).map_err(io_err(parent))?;
-            }
+        if !dir.exists() {
+            create(dir, cache_bytes, &sync)?;
         }
         // A kill during sled's snapshot write leaves `snap.*.generating`, which sled would
         // pick and then refuse to open (upstream #1527/#1533). It is never needed.
@@ -173,11 +197,15 @@ impl Store {
             outbox_ids: t("outbox_ids")?,
             dead: t("dead")?,
             checkpoints: t("checkpoints")?,
+            outbox_count: Default::default(),
             db,
             dir: dir.to_path_buf(),
             sync,
         };
         store.make_files_durable()?;
+        store
+            .outbox_count
+            .store(store.outbox.len(), Ordering::SeqCst);
         Ok(store)
     }
 
@@ -269,6 +297,7 @@ impl Store {
             committed_at_ms,
         };
         let progress = encode(&cp.progress);
+        let inserted = std::cell::Cell::new(0usize);
         let trees = [
             &self.meta,
             &self.state,
@@ -288,11 +317,13 @@ impl Store {
                 dd.apply_batch(&dedup)?;
                 dx.apply_batch(&dedup_exp)?;
                 dl.apply_batch(&dead)?;
+                inserted.set(0); // the closure may run again after a conflict
                 for (seq, out) in &b.outputs {
                     // Invariant 6: an ID already in the outbox is not inserted again.
                     if oi.get(out.id.as_bytes())?.is_none() {
                         oi.insert(out.id.as_bytes(), &seq.to_be_bytes())?;
                         ob.insert(&seq.to_be_bytes(), encode(out))?;
+                        inserted.set(inserted.get() + 1);
                     }
                 }
                 ck.insert(&info.id.to_be_bytes(), encode(&info))?;
@@ -306,6 +337,8 @@ impl Store {
                 sled::transaction::TransactionError::Storage(e) => StoreError::Sled(e),
                 sled::transaction::TransactionError::Abort(()) => unreachable!("never aborts"),
             })?;
+        self.outbox_count
+            .fetch_add(inserted.get(), Ordering::SeqCst);
         let fp = |name| crate::failpoint::hit(name).map_err(io_err(&self.dir));
         fp("checkpoint.before_fsync")?;
         self.sync()?;
@@ -326,6 +359,41 @@ impl Store {
             .map_err(io_err(&path))
     }
 
+    /// Forget one pipeline's state and dedup ledger, and record `progress` (in which that
+    /// pipeline starts over), in one transaction followed by the fsync. Its outbox entries
+    /// and dead letters stay: they were results and refusals of the old definition.
+    pub fn reset_pipeline(&self, pipeline: &str, progress: &Progress) -> Result<(), StoreError> {
+        let prefix = pkey(pipeline, &[]);
+        let mut batches = [
+            sled::Batch::default(),
+            sled::Batch::default(),
+            sled::Batch::default(),
+        ];
+        for (i, tree) in [&self.state, &self.dedup, &self.dedup_exp]
+            .into_iter()
+            .enumerate()
+        {
+            for k in tree.scan_prefix(&prefix).keys() {
+                batches[i].remove(k?);
+            }
+        }
+        let progress = encode(progress);
+        let trees = [&self.meta, &self.state, &self.dedup, &self.dedup_exp];
+        trees[..]
+            .transaction(|tx| {
+                tx[1].apply_batch(&batches[0])?;
+                tx[2].apply_batch(&batches[1])?;
+                tx[3].apply_batch(&batches[2])?;
+                tx[0].insert(PROGRESS_KEY, progress.as_slice())?;
+                Ok::<(), sled::transaction::ConflictableTransactionError<()>>(())
+            })
+            .map_err(|e| match e {
+                sled::transaction::TransactionError::Storage(e) => StoreError::Sled(e),
+                sled::transaction::TransactionError::Abort(()) => unreachable!("never aborts"),
+            })?;
+        self.sync()
+    }
+
     // ---- outbox (publisher side) ----
 
     /// Outbox entries with sequence number ≥ `from`, in order.
@@ -341,13 +409,16 @@ impl Store {
 
     /// Delete a published entry (on PUBACK). Not fsynced: see the module docs.
     pub fn outbox_delete(&self, seq: u64, id: &str) -> Result<(), StoreError> {
-        self.outbox.remove(seq.to_be_bytes())?;
+        if self.outbox.remove(seq.to_be_bytes())?.is_some() {
+            self.outbox_count.fetch_sub(1, Ordering::SeqCst);
+        }
         self.outbox_ids.remove(id.as_bytes())?;
         Ok(())
     }
 
+    /// Entries waiting in the outbox (O(1)).
     pub fn outbox_len(&self) -> usize {
-        self.outbox.len()
+        self.outbox_count.load(Ordering::SeqCst)
     }
 
     // ---- inspection ----
@@ -408,6 +479,47 @@ impl Store {
     pub fn size_on_disk(&self) -> u64 {
         self.db.size_on_disk().unwrap_or(0)
     }
+}
+
+/// Create a store so that it either exists whole or not at all: sled writes `conf` and `db`
+/// without fsync while it creates them, and a power cut then leaves a torn `conf` that sled
+/// refuses to open (DESIGN §4). So build it under `<dir>.creating`, fsync every file and the
+/// directory, and only then rename it into place and fsync the parent. A leftover
+/// `<dir>.creating` is a creation a power cut interrupted; it held nothing yet.
+fn create(dir: &Path, cache_bytes: u64, sync: &Durability) -> Result<(), StoreError> {
+    let tmp = dir.with_extension("creating");
+    if tmp.exists() {
+        log::warn!(
+            "store: removing {}, left by an interrupted creation",
+            tmp.display()
+        );
+        fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
+    }
+    crate::fsio::create_dir_all_durable(&tmp, sync).map_err(io_err(&tmp))?;
+    {
+        let db = open_sled(&tmp, cache_bytes)?;
+        db.flush()?;
+        for name in ["conf", "db"] {
+            let path = tmp.join(name);
+            if path.exists() {
+                let f = fs::File::open(&path).map_err(io_err(&path))?;
+                sync.sync_file(SyncKind::Store, &f, &path, false)
+                    .map_err(io_err(&path))?;
+            }
+        }
+        let blobs = tmp.join("blobs");
+        if blobs.is_dir() {
+            sync.sync_dir(&blobs).map_err(io_err(&blobs))?;
+        }
+        sync.sync_dir(&tmp).map_err(io_err(&tmp))?;
+    }
+    fs::rename(&tmp, dir).map_err(io_err(dir))?;
+    let parent = dir
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    sync.sync_dir(parent).map_err(io_err(parent))?;
+    Ok(())
 }
 
 /// How long `open` waits for sled's file lock. A store dropped in this process releases its

@@ -6,6 +6,8 @@
 //! panic with the install command: a test that silently skips proves nothing.
 #![allow(dead_code)]
 
+pub mod agent;
+
 use std::collections::BTreeMap;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};

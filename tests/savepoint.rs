@@ -1,0 +1,429 @@
+//! Savepoints (issue 6): a portable snapshot of one checkpoint that rebuilds the store, with
+//! the log replaying the rest; damage and a log that no longer reaches back are refused; the
+//! agent takes them periodically and its retention keeps the log back to the newest one.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use cairn::agent::{Agent, Shutdown};
+use cairn::config::Config;
+use cairn::fsio;
+use cairn::log::{Log, LogOptions};
+use cairn::processor::Processor;
+use cairn::store::{self, Store};
+use support::{Broker, publish_all, unique_id, wait_until};
+
+fn config_text(data_dir: &Path, port: u16, extra: &str) -> String {
+    format!(
+        r#"[mqtt]
+host = "127.0.0.1"
+port = {port}
+client_id = "{id}"
+keep_alive = "5s"
+
+[storage]
+data_dir = "{dir}"
+cache_size = "1MiB"
+
+[log]
+retention = "1s"
+
+[checkpoint]
+interval = "20ms"
+max_records = 100
+{extra}
+[[pipeline]]
+name = "balances"
+topics = ["payments/#"]
+format = "delimited"
+separator = "/"
+event_id = "0"
+key = "1"
+value = "2"
+aggregate = "sum"
+dedup_window = "7d"
+output_topic = "balances/{{key}}"
+retain = true
+"#,
+        id = unique_id("sp"),
+        dir = data_dir.display()
+    )
+}
+
+/// A config file in `dir` (data below `dir/data`) and the loaded config.
+fn setup(dir: &Path, port: u16, extra: &str) -> (PathBuf, Config) {
+    let file = dir.join("cairn.toml");
+    std::fs::write(&file, config_text(&dir.join("data"), port, extra)).unwrap();
+    let cfg = cairn::config::load(&file).unwrap();
+    (file, cfg)
+}
+
+/// A log with tiny segments (a few records each), so retention has something to delete.
+fn open_log(cfg: &Config, segment_size: u64) -> Log {
+    let opts = LogOptions {
+        dir: cfg.log_dir(),
+        segment_size,
+        max_size: 1 << 30,
+        max_payload: 1 << 16,
+    };
+    Log::open(opts, fsio::real()).unwrap().0
+}
+
+fn open_proc(cfg: &Config) -> Processor {
+    let store = Store::open(&cfg.store_dir(), 1 << 20, fsio::real()).unwrap();
+    Processor::open(store, cfg.pipelines.clone()).unwrap()
+}
+
+/// Append and fsync (received long ago, so retention may take any processed segment).
+fn log_events(log: &mut Log, events: &[&str]) {
+    for e in events {
+        let at = 1_000 + log.next_offset();
+        log.append(at, "payments/in", e.as_bytes(), 1, false)
+            .unwrap();
+    }
+    log.commit().unwrap();
+}
+
+fn process_and_checkpoint(log: &Log, proc: &mut Processor) {
+    for r in log.read_from(proc.next_offset()).unwrap() {
+        proc.apply(&r.unwrap()).unwrap();
+    }
+    proc.checkpoint(7).unwrap();
+}
+
+fn cairn(config: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_cairn"))
+        .arg("--config")
+        .arg(config)
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn ok(out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "exit {:?}\nstdout: {}\nstderr: {}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout.clone()).unwrap()
+}
+
+/// Everything `inspect` shows of the store, for before/after comparisons.
+fn inspect_all(config: &Path) -> Vec<String> {
+    ["state", "dedup", "outbox", "dead-letters", "checkpoints"]
+        .iter()
+        .map(|what| ok(&cairn(config, &["inspect", what, "--json"])))
+        .collect()
+}
+
+fn balance(proc: &Processor, key: &str) -> (i64, u64) {
+    for r in proc.store().states(Some("balances")) {
+        let (_, k, st) = r.unwrap();
+        if k == key.as_bytes() {
+            return (st.value_json().as_i64().unwrap(), st.version);
+        }
+    }
+    panic!("no state for {key}");
+}
+
+fn siblings(store_dir: &Path) -> Vec<String> {
+    let name = store_dir
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    let mut v: Vec<String> = std::fs::read_dir(store_dir.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&name))
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn a_savepoint_restores_identical_state_after_the_store_is_deleted_and_processing_continues() {
+    let dir = tempfile::tempdir().unwrap();
+    let (config, cfg) = setup(dir.path(), 1, "");
+    {
+        let mut log = open_log(&cfg, 1 << 20);
+        let mut proc = open_proc(&cfg);
+        log_events(&mut log, &["E1/A/100", "E2/B/50", "E1/A/100", "garbage"]);
+        process_and_checkpoint(&log, &mut proc);
+        log_events(&mut log, &["E3/A/7"]);
+        process_and_checkpoint(&log, &mut proc);
+        // Logged but not checkpointed: the replay after the restore brings it in.
+        log_events(&mut log, &["E4/B/1"]);
+    }
+    let created: serde_json::Value =
+        serde_json::from_str(&ok(&cairn(&config, &["savepoint", "create", "--json"]))).unwrap();
+    assert_eq!(created["checkpoint_id"], 2);
+    assert_eq!(created["next_offset"], 5);
+    let listed = ok(&cairn(&config, &["savepoint", "list", "--json"]));
+    assert_eq!(listed.lines().count(), 1, "{listed}");
+    let before = inspect_all(&config);
+    assert!(before[0].contains("\"value\":107"), "{}", before[0]);
+
+    std::fs::remove_dir_all(cfg.store_dir()).unwrap();
+    let restored = ok(&cairn(&config, &["savepoint", "restore", "--latest"]));
+    assert!(
+        restored.contains("replays the log from offset 5"),
+        "{restored}"
+    );
+    assert_eq!(inspect_all(&config), before, "restored store differs");
+
+    // Continued processing: the log replays E4 and new records; E1 is still a duplicate
+    // because the dedup ledger came back with the state.
+    let mut log = open_log(&cfg, 1 << 20);
+    log_events(&mut log, &["E5/A/3", "E1/A/100"]);
+    let mut proc = open_proc(&cfg);
+    proc.replay(&log, 1000, &|| 0, &mut |_| {}).unwrap();
+    assert_eq!(balance(&proc, "A"), (110, 3));
+    assert_eq!(balance(&proc, "B"), (51, 2));
+    let p = &proc.engine().progress().pipelines[0];
+    assert_eq!(
+        (
+            p.counters.applied,
+            p.counters.duplicates,
+            p.counters.dead_letters
+        ),
+        (5, 2, 1)
+    );
+}
+
+#[test]
+fn restore_moves_an_existing_store_aside_and_never_deletes_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (config, cfg) = setup(dir.path(), 1, "");
+    let file = {
+        let mut log = open_log(&cfg, 1 << 20);
+        let mut proc = open_proc(&cfg);
+        log_events(&mut log, &["E1/A/100"]);
+        process_and_checkpoint(&log, &mut proc);
+        let sp = proc
+            .store()
+            .write_savepoint(&cfg.savepoint_dir(), &fsio::real())
+            .unwrap();
+        log_events(&mut log, &["E2/A/1"]);
+        process_and_checkpoint(&log, &mut proc);
+        sp.path
+    };
+    ok(&cairn(
+        &config,
+        &["savepoint", "restore", file.to_str().unwrap()],
+    ));
+    ok(&cairn(
+        &config,
+        &["savepoint", "restore", file.to_str().unwrap()],
+    ));
+    assert_eq!(
+        siblings(&cfg.store_dir()),
+        ["store", "store.old-1", "store.old-2"]
+    );
+    let old = Store::open(&dir.path().join("data/store.old-1"), 1 << 20, fsio::real()).unwrap();
+    assert_eq!(
+        old.progress().unwrap().checkpoint_id,
+        2,
+        "the previous store is intact"
+    );
+}
+
+#[test]
+fn a_damaged_savepoint_is_refused_and_the_store_is_left_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let (config, cfg) = setup(dir.path(), 1, "");
+    let sp = {
+        let mut log = open_log(&cfg, 1 << 20);
+        let mut proc = open_proc(&cfg);
+        log_events(&mut log, &["E1/A/100", "E2/B/5"]);
+        process_and_checkpoint(&log, &mut proc);
+        proc.store()
+            .write_savepoint(&cfg.savepoint_dir(), &fsio::real())
+            .unwrap()
+    };
+    let before = inspect_all(&config);
+    let mut bytes = std::fs::read(&sp.path).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(&sp.path, &bytes).unwrap();
+
+    assert!(
+        store::read_savepoint_header(&sp.path).is_ok(),
+        "the header is intact"
+    );
+    let err = store::verify_savepoint(&sp.path).unwrap_err().to_string();
+    assert!(err.contains("CRC mismatch"), "{err}");
+    let out = cairn(&config, &["savepoint", "restore", "--latest"]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("is damaged: CRC mismatch"), "{stderr}");
+    assert_eq!(
+        siblings(&cfg.store_dir()),
+        ["store"],
+        "nothing built, nothing moved"
+    );
+    assert_eq!(inspect_all(&config), before);
+
+    // A damaged header is not listed (and so never chosen by --latest).
+    bytes[20] ^= 1;
+    std::fs::write(&sp.path, &bytes).unwrap();
+    assert!(
+        store::list_savepoints(&cfg.savepoint_dir())
+            .unwrap()
+            .is_empty()
+    );
+}
+
+#[test]
+fn restore_refuses_when_the_log_no_longer_reaches_back_to_the_savepoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let (config, cfg) = setup(dir.path(), 1, "");
+    {
+        let mut log = open_log(&cfg, 200);
+        let mut proc = open_proc(&cfg);
+        log_events(&mut log, &["E1/A/1", "E2/A/2"]);
+        process_and_checkpoint(&log, &mut proc);
+        proc.store()
+            .write_savepoint(&cfg.savepoint_dir(), &fsio::real())
+            .unwrap();
+        let more: Vec<String> = (3..40).map(|i| format!("E{i}/A/1")).collect();
+        log_events(
+            &mut log,
+            &more.iter().map(String::as_str).collect::<Vec<_>>(),
+        );
+        process_and_checkpoint(&log, &mut proc);
+        assert!(log.truncate_before(proc.next_offset()).unwrap() > 0);
+        assert!(log.first_offset() > 2);
+    }
+    let before = inspect_all(&config);
+    let out = cairn(&config, &["savepoint", "restore", "--latest"]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("needs the log from offset 2 on, but the log holds offsets"),
+        "{stderr}"
+    );
+    assert_eq!(siblings(&cfg.store_dir()), ["store"]);
+    assert_eq!(inspect_all(&config), before);
+}
+
+/// Runs the agent in this process until the returned closure is called.
+fn run_agent(cfg: Config) -> (std::sync::Arc<cairn::metrics::Metrics>, impl FnOnce()) {
+    let agent = Agent::start(cfg, fsio::real()).unwrap();
+    let metrics = agent.metrics().clone();
+    let shutdown = Shutdown::new();
+    let stop = shutdown.clone();
+    let thread = std::thread::spawn(move || agent.run(&shutdown).unwrap());
+    assert!(
+        wait_until(Duration::from_secs(10), || metrics.snapshot().connected),
+        "the agent did not connect"
+    );
+    // Connected precedes the SUBACK by a round trip; messages before it would be missed.
+    std::thread::sleep(Duration::from_millis(300));
+    (metrics, move || {
+        stop.request();
+        thread.join().unwrap();
+    })
+}
+
+fn first_offset(cfg: &Config) -> u64 {
+    cairn::log::verify_dir(&cfg.log_dir()).unwrap().first_offset
+}
+
+#[test]
+fn retention_keeps_the_log_back_to_the_newest_savepoint() {
+    support::init_log();
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (_config, cfg) = setup(dir.path(), broker.port(), "");
+    {
+        // Tiny segments, all records received long ago: retention may delete any segment
+        // the checkpoint covers, except for the savepoint at offset 10.
+        let mut log = open_log(&cfg, 200);
+        let mut proc = open_proc(&cfg);
+        let events: Vec<String> = (0..30).map(|i| format!("event-{i:040}/A/1")).collect();
+        let events: Vec<&str> = events.iter().map(String::as_str).collect();
+        log_events(&mut log, &events[..10]);
+        process_and_checkpoint(&log, &mut proc);
+        let sp = proc
+            .store()
+            .write_savepoint(&cfg.savepoint_dir(), &fsio::real())
+            .unwrap();
+        assert_eq!(sp.next_offset, 10);
+        log_events(&mut log, &events[10..]);
+        process_and_checkpoint(&log, &mut proc);
+        assert!(log.segments().len() > 5);
+    }
+    let (metrics, stop) = run_agent(cfg.clone());
+    publish_all(
+        broker.port(),
+        &[("payments/x".into(), b"N1/A/1".to_vec(), false)],
+    );
+    assert!(
+        wait_until(Duration::from_secs(10), || first_offset(&cfg) > 0),
+        "retention never ran"
+    );
+    assert!(wait_until(Duration::from_secs(5), || metrics
+        .snapshot()
+        .checkpoint_next_offset
+        == 31));
+    let first = first_offset(&cfg);
+    assert!(
+        first <= 10,
+        "the log must reach back to the savepoint at 10, starts at {first}"
+    );
+    let f = metrics.snapshot();
+    assert!(f.source_replayable);
+    assert_eq!(f.savepoint.map(|s| s.1), Some(10));
+    stop();
+}
+
+#[test]
+fn the_agent_takes_periodic_savepoints_and_keeps_the_newest() {
+    support::init_log();
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (_config, cfg) = setup(
+        dir.path(),
+        broker.port(),
+        "[savepoint]\ninterval = \"1s\"\nkeep = 2\n",
+    );
+    let (metrics, stop) = run_agent(cfg.clone());
+    for i in 0..12 {
+        publish_all(
+            broker.port(),
+            &[("payments/x".into(), format!("P{i}/A/1").into_bytes(), false)],
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    assert!(wait_until(Duration::from_secs(5), || metrics
+        .snapshot()
+        .checkpoint_next_offset
+        == 12));
+    let f = metrics.snapshot();
+    stop();
+    assert!(f.savepoints >= 3, "{} savepoints in ~3.6 s", f.savepoints);
+    assert_eq!(f.savepoint_failures, 0);
+    let kept = store::list_savepoints(&cfg.savepoint_dir()).unwrap();
+    assert_eq!(kept.len(), 2, "{kept:?}");
+    for sp in &kept {
+        assert!(store::verify_savepoint(&sp.path).is_ok());
+    }
+    assert_eq!(f.savepoint.map(|s| s.0), Some(kept[1].checkpoint_id));
+    let names: Vec<String> = std::fs::read_dir(cfg.savepoint_dir())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        names
+            .iter()
+            .all(|n| n.starts_with("savepoint-") && n.ends_with(".cairn")),
+        "{names:?}"
+    );
+}

@@ -1,0 +1,199 @@
+//! `/metrics` and `cairn status` (issue 6) against the real binary and a private broker:
+//! after a known stream (with a duplicate and a bad payload) the figures are exact, online
+//! through the agent's endpoint and offline from the data directory after SIGTERM.
+
+mod support;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use support::{Broker, free_port, publish_all, unique_id, wait_until};
+
+fn get_metrics(port: u16) -> Option<String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    Some(out)
+}
+
+/// The value of one sample line, e.g. `cairn_applied_total{pipeline="balances"}`.
+fn value(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+fn cairn(config: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_cairn"))
+        .arg("--config")
+        .arg(config)
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn status_json(config: &Path, args: &[&str]) -> serde_json::Value {
+    let out = cairn(config, &[&["status", "--json"], args].concat());
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn metrics_and_status_report_a_known_stream_online_and_offline() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let mport = free_port();
+    let config = dir.path().join("cairn.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"[mqtt]
+port = {port}
+client_id = "{id}"
+[storage]
+data_dir = "{data}"
+cache_size = "1MiB"
+[checkpoint]
+interval = "20ms"
+[metrics]
+listen = "127.0.0.1:{mport}"
+[[pipeline]]
+name = "balances"
+topics = ["payments/#"]
+format = "delimited"
+separator = "/"
+event_id = "0"
+key = "1"
+value = "2"
+aggregate = "sum"
+output_topic = "balances/{{key}}"
+"#,
+            port = broker.port(),
+            id = unique_id("status"),
+            data = dir.path().join("data").display()
+        ),
+    )
+    .unwrap();
+    let stderr = std::fs::File::create(dir.path().join("agent.log")).unwrap();
+    let mut agent = Command::new(env!("CARGO_BIN_EXE_cairn"))
+        .arg("--config")
+        .arg(&config)
+        .arg("run")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(stderr)
+        .spawn()
+        .unwrap();
+    let log = || std::fs::read_to_string(dir.path().join("agent.log")).unwrap_or_default();
+    assert!(
+        wait_until(Duration::from_secs(20), || get_metrics(mport)
+            .is_some_and(|m| m.contains("\ncairn_mqtt_connected 1\n"))),
+        "no metrics from the agent; log:\n{}",
+        log()
+    );
+    std::thread::sleep(Duration::from_millis(300)); // the SUBACK follows the CONNACK
+    let stream = ["E1/A/100", "E2/B/50", "E1/A/100", "garbage", "E3/A/5"];
+    let msgs: Vec<_> = stream
+        .iter()
+        .map(|p| ("payments/in".to_string(), p.as_bytes().to_vec(), false))
+        .collect();
+    publish_all(broker.port(), &msgs);
+
+    let p = "{pipeline=\"balances\"}";
+    let mut text = String::new();
+    let settled = wait_until(Duration::from_secs(15), || {
+        text = get_metrics(mport).unwrap_or_default();
+        value(&text, "cairn_checkpoint_next_offset") == Some(5.0)
+            && value(&text, "cairn_received_total") == Some(5.0)
+            && value(&text, &format!("cairn_applied_total{p}")) == Some(3.0)
+            && value(&text, "cairn_outbox_entries") == Some(0.0)
+            && value(&text, &format!("cairn_outputs_total{p}"))
+                == value(&text, "cairn_pubacked_total")
+    });
+    assert!(settled, "metrics did not settle:\n{text}\nlog:\n{}", log());
+    assert!(text.starts_with("HTTP/1.1 200 OK"), "{text}");
+    assert!(text.contains("Content-Type: text/plain; version=0.0.4"));
+    for (series, want) in [
+        (format!("cairn_applied_total{p}"), 3.0),
+        (format!("cairn_duplicates_total{p}"), 1.0),
+        (format!("cairn_dead_letters_total{p}"), 1.0),
+        (format!("cairn_state_keys{p}"), 2.0),
+        // E1, E2, E3 and the bad input's ID: a redelivered bad input is not refused twice.
+        (format!("cairn_dedup_entries{p}"), 4.0),
+        ("cairn_received_total".into(), 5.0),
+        ("cairn_acked_total".into(), 5.0),
+        ("cairn_log_next_offset".into(), 5.0),
+        ("cairn_log_first_offset".into(), 0.0),
+        ("cairn_records_unchecked".into(), 0.0),
+        ("cairn_source_replayable".into(), 1.0),
+        ("cairn_backpressure".into(), 0.0),
+        ("cairn_checkpoint_failures_total".into(), 0.0),
+    ] {
+        assert_eq!(value(&text, &series), Some(want), "{series} in\n{text}");
+    }
+    assert!(value(&text, "cairn_checkpoints_total").unwrap() >= 1.0);
+    assert!(value(&text, "cairn_checkpoint_duration_seconds_count").unwrap() >= 1.0);
+    assert!(value(&text, "cairn_log_commit_duration_seconds_count").unwrap() >= 1.0);
+    assert!(value(&text, "cairn_store_size_bytes").unwrap() > 0.0);
+    assert!(value(&text, "cairn_pubacked_total").unwrap() >= 2.0);
+    assert!(text.contains("# TYPE cairn_applied_total counter"));
+    assert!(text.contains("# TYPE cairn_outbox_entries gauge"));
+    let mut s = TcpStream::connect(("127.0.0.1", mport)).unwrap();
+    s.write_all(b"GET /nope HTTP/1.1\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    assert!(out.starts_with("HTTP/1.1 404"), "{out}");
+
+    let online = status_json(&config, &[]);
+    assert_eq!(online["source"], "agent");
+    assert_eq!(online["checkpoint"]["next_offset"], 5);
+    assert_eq!(online["pipelines"][0]["name"], "balances");
+    assert_eq!(online["pipelines"][0]["applied"], 3);
+    assert_eq!(online["pipelines"][0]["duplicates"], 1);
+    assert_eq!(online["dead_letters"], 1);
+    assert_eq!(online["outbox_entries"], 0);
+    let locked = status_json(&config, &["--offline"]);
+    assert_eq!(locked["source"], "data_dir");
+    assert_eq!(locked["agent_running"], true);
+    assert_eq!(locked["log"]["next_offset"], 5);
+
+    Command::new("kill")
+        .arg("-TERM")
+        .arg(agent.id().to_string())
+        .status()
+        .unwrap();
+    let code = agent.wait().unwrap();
+    assert_eq!(code.code(), Some(0), "log:\n{}", log());
+
+    let offline = status_json(&config, &[]);
+    assert_eq!(offline["source"], "data_dir", "{offline}");
+    assert_eq!(offline["agent_running"], false);
+    assert_eq!(offline["checkpoint"]["next_offset"], 5);
+    assert_eq!(offline["checkpoint"]["keys"], 2);
+    assert_eq!(offline["log"]["first_offset"], 0);
+    assert_eq!(offline["log"]["next_offset"], 5);
+    assert_eq!(offline["pipelines"][0]["applied"], 3);
+    assert_eq!(offline["pipelines"][0]["duplicates"], 1);
+    assert_eq!(offline["pipelines"][0]["dead_letters"], 1);
+    assert_eq!(offline["dead_letters"], 1);
+    assert_eq!(offline["outbox_entries"], 0);
+    assert!(offline["savepoint"].is_null());
+    let human = cairn(&config, &["status"]);
+    assert_eq!(human.status.code(), Some(0));
+    let human = String::from_utf8_lossy(&human.stdout);
+    assert!(human.contains("agent       not running"), "{human}");
+    assert!(
+        human.contains("applied 3, duplicates 1, dead letters 1"),
+        "{human}"
+    );
+}
