@@ -25,6 +25,7 @@ use crate::log::{Log, LogError, LogOptions};
 use crate::metrics::Metrics;
 use crate::model::Record;
 use crate::mqtt::{AckToken, Event, Incoming, Mqtt, MqttError};
+use crate::pipeline::engine::Outcome;
 use crate::processor::{ProcessError, Processor};
 use crate::store::{CheckpointInfo, SavepointInfo, Store};
 
@@ -149,6 +150,7 @@ pub struct Agent {
     inflight: HashMap<String, u64>,
     connected: bool,
     pub stats: Stats,
+    dead_letter_log: crate::logging::RateLimit,
     /// Figures for `/metrics` (issue 6); gauges refreshed every `metrics::REFRESH_INTERVAL`.
     metrics: Arc<Metrics>,
     metrics_refreshed: Option<Instant>,
@@ -161,11 +163,21 @@ pub struct Agent {
 impl Agent {
     /// Recover (truncate the torn tail, load the checkpoint, replay), then connect.
     pub fn start(cfg: Config, sync: Durability) -> Result<Agent, AgentError> {
-        let dir = cfg.storage.data_dir.clone();
-        Agent::recover(cfg, sync).map_err(|e| e.explain_disk_full(&dir))
+        Agent::start_with_reset(cfg, sync, &[])
     }
 
-    fn recover(cfg: Config, sync: Durability) -> Result<Agent, AgentError> {
+    /// As [`Agent::start`], first resetting the named pipelines' state (see
+    /// [`Processor::open_with_reset`]).
+    pub fn start_with_reset(
+        cfg: Config,
+        sync: Durability,
+        reset: &[String],
+    ) -> Result<Agent, AgentError> {
+        let dir = cfg.storage.data_dir.clone();
+        Agent::recover(cfg, sync, reset).map_err(|e| e.explain_disk_full(&dir))
+    }
+
+    fn recover(cfg: Config, sync: Durability, reset: &[String]) -> Result<Agent, AgentError> {
         let started = Instant::now();
         let (log, rec) = Log::open(
             LogOptions {
@@ -184,7 +196,7 @@ impl Agent {
             );
         }
         let store = Store::open(&cfg.store_dir(), cfg.storage.cache_size, sync.clone())?;
-        let mut proc = Processor::open(store, cfg.pipelines.clone())?;
+        let mut proc = Processor::open_with_reset(store, cfg.pipelines.clone(), reset)?;
         if log.next_offset() < proc.next_offset() {
             return Err(AgentError::Process(ProcessError::LogBehind {
                 checkpoint: proc.next_offset(),
@@ -278,6 +290,7 @@ impl Agent {
             inflight: HashMap::new(),
             connected: false,
             stats: Stats::default(),
+            dead_letter_log: crate::logging::RateLimit::new(10, Duration::from_secs(60)),
             metrics,
             metrics_refreshed: None,
             sync,
@@ -330,9 +343,85 @@ impl Agent {
                 Err(RecvTimeoutError::Disconnected) => return Err(AgentError::MqttGone),
             }
             self.tick(false)?;
+            if crate::signals::take_reload() {
+                self.reload();
+            }
             beat.beat(Instant::now(), || self.status_line());
         }
         self.drain(shutdown)
+    }
+
+    /// SIGHUP: re-read the config file and apply what is safe to change while running (log
+    /// level, limits, intervals). Anything else (broker connection, storage, pipelines, log
+    /// framing) is reported and left for a restart. A config with problems changes nothing.
+    fn reload(&mut self) {
+        crate::notify::reloading();
+        match crate::config::load(&self.cfg.source) {
+            Err(e) => log::error!("reload: {e}; keeping the running configuration"),
+            Ok(new) => {
+                let old = &self.cfg;
+                let mut restart = Vec::new();
+                if new.mqtt != old.mqtt {
+                    restart.push("[mqtt]");
+                }
+                if new.storage != old.storage {
+                    restart.push("[storage]");
+                }
+                if new.metrics != old.metrics {
+                    restart.push("[metrics]");
+                }
+                if new.pipelines != old.pipelines {
+                    restart.push("[[pipeline]]");
+                }
+                if new.log.segment_size != old.log.segment_size
+                    || new.log.max_payload != old.log.max_payload
+                {
+                    restart.push("log.segment_size/log.max_payload");
+                }
+                if new.outbox.inflight != old.outbox.inflight {
+                    restart.push("outbox.inflight");
+                }
+                crate::logging::set_level(new.logging.level);
+                self.log.set_max_size(new.log.max_size);
+                let cfg = &mut self.cfg;
+                cfg.logging = new.logging.clone();
+                cfg.log.max_size = new.log.max_size;
+                cfg.log.retention = new.log.retention;
+                cfg.log.commit_interval = new.log.commit_interval;
+                cfg.checkpoint = new.checkpoint.clone();
+                cfg.outbox.max_entries = new.outbox.max_entries;
+                cfg.outbox.drain_timeout = new.outbox.drain_timeout;
+                cfg.savepoint = new.savepoint.clone();
+                if restart.is_empty() {
+                    log::info!("reload: applied {}", self.cfg.source.display());
+                } else {
+                    log::warn!(
+                        "reload: applied the safe changes; {} changed too and need a restart (systemctl restart cairn)",
+                        restart.join(", ")
+                    );
+                }
+            }
+        }
+        crate::notify::ready();
+    }
+
+    /// One journal line per dead letter, at most 10 per minute; the rest are counted and
+    /// reported as suppressed (they are all in the store: `cairn inspect dead-letters`).
+    fn log_dead_letter(&mut self, rec: &Record, reason: &str) {
+        let verdict = self.dead_letter_log.check(Instant::now());
+        if verdict.suppressed > 0 {
+            log::warn!(
+                "dead letter: {} more suppressed in the last minute",
+                verdict.suppressed
+            );
+        }
+        if verdict.allowed {
+            log::warn!(
+                "dead letter: offset {} topic `{}` reason {reason} (see `cairn inspect dead-letters`)",
+                rec.offset,
+                rec.topic
+            );
+        }
     }
 
     /// The `STATUS=` line `systemctl status` shows.
@@ -488,7 +577,11 @@ impl Agent {
         // Acks the MQTT module had no room for: retry at the next commit interval.
         self.first_unsynced = (!self.unsynced_acks.is_empty()).then(Instant::now);
         for rec in std::mem::take(&mut self.unsynced_recs) {
-            self.proc.apply(&rec)?;
+            for outcome in self.proc.apply(&rec)? {
+                if let Outcome::DeadLetter { reason } = outcome {
+                    self.log_dead_letter(&rec, reason);
+                }
+            }
             self.first_unchecked.get_or_insert_with(Instant::now);
         }
         if self.proc.pending_records() >= self.cfg.checkpoint.max_records {
@@ -513,8 +606,12 @@ impl Agent {
     fn checkpoint(&mut self) -> Result<(), AgentError> {
         let began = Instant::now();
         let done = self.proc.checkpoint(wall_ms());
-        if done.is_err() {
+        if let Err(e) = &done {
             self.metrics.update(|f| f.checkpoint_failures += 1);
+            // Fatal by design: the engine is now ahead of the store; a restart replays.
+            log::error!(
+                "checkpoint failed: {e}; exiting so that recovery replays from the last checkpoint"
+            );
         }
         if let Some(info) = done? {
             self.stats.checkpoints += 1;

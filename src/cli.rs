@@ -38,8 +38,14 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Run the agent in the foreground until SIGINT/SIGTERM (drains, exits 0).
-    Run,
+    /// Run the agent in the foreground until SIGINT/SIGTERM (drains, exits 0); SIGHUP
+    /// reloads the safe parts of the config.
+    Run {
+        /// Drop this pipeline's stored state and start it empty (after a change to its
+        /// definition that would misread the old state). Repeatable.
+        #[arg(long = "reset-pipeline", value_name = "NAME")]
+        reset_pipeline: Vec<String>,
+    },
     /// Check the configuration; print every problem (exit 2) or a summary (exit 0).
     Validate,
     /// Look inside the log or the store (the store only while the agent is stopped).
@@ -186,9 +192,10 @@ fn dispatch(cli: Cli) -> Result<(), Failure> {
         };
     }
     let cfg = load_config(&cli.config)?;
+    crate::logging::set_level(cfg.logging.level);
     match cli.command {
         Command::Validate => unreachable!(),
-        Command::Run => run(cfg),
+        Command::Run { reset_pipeline } => run(cfg, &reset_pipeline),
         Command::Inspect { what } => inspect(&cfg, what),
         Command::Verify { repair, json } => verify(&cfg, repair, json),
         Command::Status { json, offline } => crate::status::run(&cfg, json, offline),
@@ -407,7 +414,7 @@ fn verify(cfg: &Config, repair: bool, json: bool) -> Result<(), Failure> {
     crate::verify::run(cfg, repair, json)
 }
 
-fn run(cfg: Config) -> Result<(), Failure> {
+fn run(cfg: Config, reset: &[String]) -> Result<(), Failure> {
     use crate::agent::{Agent, Shutdown};
     let shutdown = Shutdown::new();
     let on_signal = shutdown.clone();
@@ -421,7 +428,10 @@ fn run(cfg: Config) -> Result<(), Failure> {
         log::info!("signal: draining; send it again to exit at once");
     })
     .map_err(|e| Failure::runtime(format!("cannot install the signal handler: {e}")))?;
-    let agent = Agent::start(cfg, crate::fsio::real()).map_err(Failure::runtime)?;
+    crate::signals::install_reload_handler()
+        .map_err(|e| Failure::runtime(format!("cannot install the SIGHUP handler: {e}")))?;
+    let agent =
+        Agent::start_with_reset(cfg, crate::fsio::real(), reset).map_err(Failure::runtime)?;
     // Recovery is done and the MQTT client runs: `systemctl start` may return.
     crate::notify::ready();
     crate::notify::status("running: recovery done");

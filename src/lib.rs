@@ -73,6 +73,7 @@ pub mod notify;
 pub mod pipeline;
 pub mod processor;
 pub mod savepoint;
+pub mod signals;
 pub mod status;
 pub mod store;
 pub mod verify;

@@ -21,6 +21,11 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 /// Install the logger. Calling it twice is harmless (the second call does nothing).
 pub fn init() {
     let mut b = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"));
+    if !rust_log_set() {
+        // Let everything through env_logger; `log::set_max_level` is the one knob, so the
+        // configured `[logging] level` can change on SIGHUP (see [`set_level`]).
+        b.filter_level(log::LevelFilter::Trace);
+    }
     b.target(env_logger::Target::Stderr);
     if stderr_is_journal() {
         b.format(|buf, record| {
@@ -48,7 +53,25 @@ pub fn init() {
             )
         });
     }
-    let _ = b.try_init();
+    if b.try_init().is_ok() && !rust_log_set() {
+        log::set_max_level(log::LevelFilter::Info);
+    }
+}
+
+fn rust_log_set() -> bool {
+    std::env::var_os("RUST_LOG").is_some_and(|v| !v.is_empty())
+}
+
+/// Apply the configured level (at start and on SIGHUP). `RUST_LOG`, when set, wins: it can
+/// say more (per-module filters) than one level.
+pub fn set_level(level: log::LevelFilter) {
+    if rust_log_set() {
+        return;
+    }
+    if log::max_level() != level {
+        log::set_max_level(level);
+        log::info!("log level is now {level}");
+    }
 }
 
 /// A line that ends the process (`cairn: MESSAGE` on stderr), outside the logger so it shows

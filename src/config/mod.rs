@@ -24,7 +24,14 @@ pub struct Config {
     pub outbox: OutboxConfig,
     pub metrics: MetricsConfig,
     pub savepoint: SavepointConfig,
+    pub logging: LoggingConfig,
     pub pipelines: Vec<PipelineSpec>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoggingConfig {
+    /// Applied at start and on SIGHUP; `RUST_LOG`, when set, overrides it.
+    pub level: log::LevelFilter,
 }
 
 #[derive(Debug, Clone, PartialEq)]

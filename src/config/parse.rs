@@ -28,8 +28,8 @@ use serde::de::{self, Deserializer, Visitor};
 use toml_edit::{DocumentMut, ImDocument, Table};
 
 use super::{
-    CheckpointConfig, Config, LogConfig, MetricsConfig, MqttConfig, OutboxConfig, SavepointConfig,
-    StorageConfig, TlsConfig,
+    CheckpointConfig, Config, LogConfig, LoggingConfig, MetricsConfig, MqttConfig, OutboxConfig,
+    SavepointConfig, StorageConfig, TlsConfig,
 };
 use crate::pipeline::spec::{
     Aggregate, Emit, Field, Format, PipelineSpec, TemplatePart, WindowSpec,
@@ -430,7 +430,14 @@ struct RawConfig {
     outbox: Option<RawOutbox>,
     metrics: Option<RawMetrics>,
     savepoint: Option<RawSavepoint>,
+    logging: Option<RawLogging>,
     pipeline: Option<Vec<RawPipeline>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLogging {
+    level: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -780,6 +787,7 @@ impl Validator {
             savepoint.as_ref().and_then(|s| s.interval),
         );
         let metrics = self.metrics(raw.metrics.unwrap_or_default());
+        let logging = self.logging(raw.logging.unwrap_or_default());
         let pipelines = self.pipelines(raw.pipeline);
         Some(Config {
             source: path.to_path_buf(),
@@ -790,8 +798,23 @@ impl Validator {
             outbox: outbox?,
             metrics: metrics?,
             savepoint: savepoint?,
+            logging: logging?,
             pipelines: pipelines?,
         })
+    }
+
+    fn logging(&mut self, r: RawLogging) -> Option<LoggingConfig> {
+        let text = r.level.unwrap_or_else(|| "info".to_string());
+        match text.parse::<log::LevelFilter>() {
+            Ok(level) => Some(LoggingConfig { level }),
+            Err(_) => {
+                self.problem(
+                    "logging.level",
+                    format!("`{text}` is not a level: use off, error, warn, info, debug or trace"),
+                );
+                None
+            }
+        }
     }
 
     fn mqtt(&mut self, r: RawMqtt, outbox_inflight: Option<u16>) -> Option<MqttConfig> {

@@ -594,6 +594,12 @@ impl Log {
         result.map(|()| removed)
     }
 
+    /// Change the size bound (a config reload). Lowering it below the current size only
+    /// refuses appends until retention frees space; nothing is deleted for it.
+    pub fn set_max_size(&mut self, max_size: u64) {
+        self.opts.max_size = max_size.max(1);
+    }
+
     /// Options the log was opened with.
     pub fn options(&self) -> &LogOptions {
         &self.opts
