@@ -1,0 +1,258 @@
+//! The `cairn` command line: exit codes (0 ok, 1 runtime, 2 usage or config), `validate`,
+//! and every `inspect` view with its filters, over a data directory filled through the
+//! library (no broker needed).
+
+use std::path::Path;
+use std::process::Command;
+
+use cairn::fsio;
+use cairn::log::{Log, LogOptions};
+use cairn::processor::Processor;
+use cairn::store::Store;
+
+fn cairn(cfg: &Path, args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_cairn"))
+        .arg("--config")
+        .arg(cfg)
+        .args(args)
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("run cairn");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+const PIPELINES: &str = r#"
+[[pipeline]]
+name = "balances"
+topics = ["pay/#"]
+format = "delimited"
+separator = "/"
+event_id = "0"
+key = "1"
+value = "2"
+aggregate = "sum"
+output_topic = "balances/{key}"
+
+[[pipeline]]
+name = "per_minute"
+topics = ["pay/#"]
+format = "delimited"
+event_id = "0"
+key = "1"
+event_time = "3"
+aggregate = "count"
+window = { size = "1m" }
+output_topic = "per_minute/{key}/{window_start}"
+"#;
+
+fn write_config(dir: &Path) -> std::path::PathBuf {
+    let cfg = dir.join("cairn.toml");
+    let text = format!(
+        "[mqtt]\nclient_id = \"cli-test\"\n\n[storage]\ndata_dir = \"{}\"\n{PIPELINES}",
+        dir.join("data").display()
+    );
+    std::fs::write(&cfg, text).unwrap();
+    cfg
+}
+
+/// Fill the log and the store as the agent would (log, fsync, process, checkpoint).
+fn fill(dir: &Path) {
+    let cfg = cairn::config::load(&dir.join("cairn.toml")).unwrap();
+    let opts = LogOptions {
+        dir: cfg.log_dir(),
+        segment_size: cfg.log.segment_size,
+        max_size: cfg.log.max_size,
+        max_payload: cfg.log.max_payload,
+    };
+    let (mut log, _) = Log::open(opts, fsio::real()).unwrap();
+    for (i, p) in [
+        "E1/A/5/60000",
+        "E2/B/7/60500",
+        "E1/A/5/60000",
+        "broken",
+        "E3/A/1/130000",
+    ]
+    .iter()
+    .enumerate()
+    {
+        log.append(1_000 + i as u64, "pay/x", p.as_bytes(), 1, false)
+            .unwrap();
+    }
+    log.commit().unwrap();
+    let store = Store::open(&cfg.store_dir(), cfg.storage.cache_size, fsio::real()).unwrap();
+    let mut proc = Processor::open(store, cfg.pipelines.clone()).unwrap();
+    proc.replay(&log, 1000, &|| 42, &mut |_| {}).unwrap();
+}
+
+fn json_lines(out: &str) -> Vec<serde_json::Value> {
+    out.lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect()
+}
+
+#[test]
+fn validate_prints_a_summary_and_exits_0_or_every_problem_and_exits_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path());
+    let (code, out, _) = cairn(&cfg, &["validate"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("balances") && out.contains("per_minute"),
+        "{out}"
+    );
+
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "[mqtt]\nclient_id = \"x\"\nkeepalive = \"5s\"\n\n[storage]\ndata_dir = \"d\"\ncache_size = 5\n").unwrap();
+    let (code, out, err) = cairn(&bad, &["validate"]);
+    assert_eq!(code, 2, "{out}{err}");
+    let file = bad.display().to_string();
+    assert!(
+        out.contains(&format!("{file}:3: mqtt.keepalive: unknown key")),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!("{file}:7: storage.cache_size:")),
+        "{out}"
+    );
+    assert!(
+        out.contains("pipeline"),
+        "the missing pipeline is reported too: {out}"
+    );
+
+    // A config problem stops every other command with exit 2 as well.
+    let (code, _, err) = cairn(&bad, &["inspect", "state"]);
+    assert_eq!(code, 2, "{err}");
+}
+
+#[test]
+fn usage_errors_exit_2_and_runtime_failures_exit_1() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path());
+    assert_eq!(cairn(&cfg, &["no-such-command"]).0, 2);
+    assert_eq!(cairn(&cfg, &["inspect", "state", "--limit", "many"]).0, 2);
+    let (code, _, err) = cairn(&cfg, &["inspect", "state"]);
+    assert_eq!(code, 1, "no store yet is a runtime failure");
+    assert!(err.contains("no store"), "{err}");
+    assert_eq!(cairn(&dir.path().join("missing.toml"), &["validate"]).0, 2);
+}
+
+#[test]
+fn inspect_shows_every_view_as_json_lines_with_filters() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path());
+    fill(dir.path());
+
+    let (code, out, err) = cairn(&cfg, &["inspect", "state", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let st = json_lines(&out);
+    let bal: Vec<_> = st.iter().filter(|v| v["pipeline"] == "balances").collect();
+    assert_eq!(bal.len(), 2);
+    let a = bal.iter().find(|v| v["key"] == "A").unwrap();
+    assert_eq!(
+        (
+            a["value"].as_i64(),
+            a["count"].as_u64(),
+            a["version"].as_u64()
+        ),
+        (Some(6), Some(2), Some(2))
+    );
+    let win: Vec<_> = st
+        .iter()
+        .filter(|v| v["pipeline"] == "per_minute")
+        .collect();
+    assert!(
+        win.iter()
+            .all(|v| v["window_end"].as_u64() == v["window_start"].as_u64().map(|s| s + 60_000)),
+        "{win:?}"
+    );
+
+    let (_, out, _) = cairn(
+        &cfg,
+        &[
+            "inspect",
+            "state",
+            "--json",
+            "--pipeline",
+            "balances",
+            "--key",
+            "B",
+        ],
+    );
+    let only = json_lines(&out);
+    assert_eq!(only.len(), 1);
+    assert_eq!(only[0]["value"], 7);
+
+    let (_, out, _) = cairn(
+        &cfg,
+        &["inspect", "dedup", "--json", "--pipeline", "balances"],
+    );
+    let ids: Vec<String> = json_lines(&out)
+        .iter()
+        .filter_map(|v| v["event_id"].as_str().map(String::from))
+        .collect();
+    assert!(
+        ["E1", "E2", "E3"]
+            .iter()
+            .all(|id| ids.contains(&id.to_string())),
+        "{ids:?}"
+    );
+
+    let (_, out, _) = cairn(&cfg, &["inspect", "outbox", "--json"]);
+    let outbox = json_lines(&out);
+    assert!(
+        outbox
+            .iter()
+            .any(|v| v["id"] == "balances/A/2" && v["topic"] == "balances/A"),
+        "{outbox:?}"
+    );
+
+    let (_, out, _) = cairn(&cfg, &["inspect", "dead-letters", "--json"]);
+    let dead = json_lines(&out);
+    assert_eq!(dead.len(), 2, "one per pipeline: {dead:?}");
+    assert!(
+        dead.iter().all(|v| v["offset"] == 3
+            && v["reason"] == "missing_field"
+            && v["payload"] == "broken")
+    );
+
+    let (_, out, _) = cairn(&cfg, &["inspect", "checkpoints", "--json"]);
+    let cps = json_lines(&out);
+    assert_eq!(cps.len(), 1);
+    assert_eq!(
+        (
+            cps[0]["prev_offset"].as_u64(),
+            cps[0]["next_offset"].as_u64()
+        ),
+        (Some(0), Some(5))
+    );
+
+    let (_, out, _) = cairn(
+        &cfg,
+        &["inspect", "log", "--json", "--from", "2", "--limit", "2"],
+    );
+    let recs = json_lines(&out);
+    assert_eq!(
+        recs.iter()
+            .map(|v| v["offset"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        [2, 3]
+    );
+    assert_eq!(recs[1]["payload"], "broken");
+
+    let (code, out, _) = cairn(&cfg, &["inspect", "state"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.lines().any(|l| l.starts_with("balances\tA\tvalue=6")),
+        "{out}"
+    );
+
+    let (code, out, _) = cairn(&cfg, &["verify", "--json"]);
+    assert_eq!(code, 0, "{out}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["ok"], true);
+    assert_eq!(v["store"]["next_offset"], 5);
+}
