@@ -262,3 +262,40 @@ fn a_failed_checkpoint_is_logged_and_the_restart_replays_it() {
     assert_eq!(run.wait(), 0);
     assert_eq!(state(&cfg)[0]["value"], 5);
 }
+
+#[test]
+fn a_pipeline_added_to_the_config_receives_its_topic_although_the_broker_kept_the_session() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, err) = (dir.path().join("cairn.toml"), dir.path().join("stderr"));
+    let id = unique_id("newtopic").replace('-', "_");
+    std::fs::write(&cfg, config(dir.path(), broker.port(), &id, "", "sum")).unwrap();
+    let mut run = Run::start(&cfg, &err, &[]);
+    run.wait_log("mqtt: connected");
+    run.signal("TERM");
+    assert_eq!(run.wait(), 0);
+
+    let extra = "[[pipeline]]\nname = \"counts\"\ntopics = [\"other/#\"]\nformat = \"delimited\"\nevent_id = \"0\"\n\
+                 key = \"1\"\naggregate = \"count\"\noutput_topic = \"counts/{key}\"\n";
+    let text = format!(
+        "{}\n{extra}",
+        config(dir.path(), broker.port(), &id, "", "sum")
+    );
+    std::fs::write(&cfg, text).unwrap();
+    let mut run = Run::start(&cfg, &err, &[]);
+    run.wait_log("session present: true");
+    std::thread::sleep(Duration::from_millis(200));
+    publish_all(
+        broker.port(),
+        &[("other/x".into(), b"C1/K".to_vec(), false)],
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    run.signal("TERM");
+    assert_eq!(run.wait(), 0);
+    let st = state(&cfg);
+    assert!(
+        st.iter()
+            .any(|v| v["pipeline"] == "counts" && v["value"] == 1),
+        "{st:?}"
+    );
+}

@@ -190,7 +190,11 @@ impl Worker {
                 self.endpoint
             );
         }
-        if !session_present && !self.filters.is_empty() {
+        // Also on this process's first connection even if the broker kept our session: the
+        // config may name filters that session never subscribed to (a new pipeline, a changed
+        // topic), and re-subscribing an existing filter changes nothing for the broker. (It
+        // does re-send retained messages on those topics; dedup by event ID drops them.)
+        if (!session_present || !self.ever_connected) && !self.filters.is_empty() {
             let filters = self
                 .filters
                 .iter()
