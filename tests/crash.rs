@@ -56,10 +56,15 @@ struct Event {
     ts: u64,
 }
 
+/// Padding that makes the log roll over to a new 1 MiB segment every few hundred events,
+/// so segment roll-over and (with retention 0s) deletion happen under every kind of crash.
+const PAD: usize = 2_000;
+
 impl Event {
     fn payload(&self) -> Vec<u8> {
+        let pad = "p".repeat(PAD);
         format!(
-            r#"{{"id":"{}","k":"{}","v":{},"ts":{}}}"#,
+            r#"{{"id":"{}","k":"{}","v":{},"ts":{},"pad":"{pad}"}}"#,
             self.id, self.key, self.value, self.ts
         )
         .into_bytes()
@@ -233,7 +238,7 @@ impl Agent {
             "[mqtt]\nhost = \"127.0.0.1\"\nport = {port}\nclient_id = \"{}\"\nkeep_alive = \"5s\"\n\
              reconnect_min = \"20ms\"\nreconnect_max = \"200ms\"\n\n\
              [storage]\ndata_dir = \"{}\"\ncache_size = \"4MiB\"\n\n\
-             [log]\nsegment_size = \"1MiB\"\nmax_size = \"256MiB\"\nretention = \"1h\"\n\
+             [log]\nsegment_size = \"1MiB\"\nmax_size = \"256MiB\"\nretention = \"0s\"\n\
              commit_interval = \"2ms\"\nmax_payload = \"16KiB\"\n\n\
              [checkpoint]\ninterval = \"30ms\"\nmax_records = 300\n\n\
              [outbox]\nmax_entries = 100000\ninflight = 50\ndrain_timeout = \"10s\"\n{PIPELINES}",
@@ -494,6 +499,7 @@ const FAILPOINTS: &[&str] = &[
     "log.before_fsync",
     "log.after_fsync",
     "log.segment_roll",
+    "log.segment_delete",
     "ingest.before_puback",
     "ingest.after_puback",
     "checkpoint.before_commit",
