@@ -1,0 +1,1530 @@
+//! Cairn against the alternatives, in one run (issue 7): `cargo bench --bench compare`.
+//!
+//! One private mosquitto (loopback, free port, the settings of `config/mosquitto.conf` but
+//! logging only notices, so the broker is not busy writing a line per message) carries the
+//! same seeded stream to three systems:
+//!
+//! - a plain relay (rumqttc: subscribe, auto-ack, republish; no storage): the ceiling;
+//! - Cairn, the binary cargo built for this bench (`target/release/cairn` under the bench
+//!   profile), with a changelog `sum` pipeline: one result per input, like the others;
+//! - Node-RED 4 (from npm, under `target/node-red`; `benches/install-node-red.sh` installs it
+//!   when missing): mqtt in → keyed sum in a `localfilesystem` context store → mqtt out.
+//!
+//! Every system publishes one result per input on `<prefix>/out/<key>`; results of one key
+//! arrive in input order, so the sink pairs each result with its input's send time by a
+//! per-key FIFO. Latency = result arrival − input send time. Throughput = inputs / (last
+//! result − first send), median of [`RUNS`] runs after a warm-up. Latency is then taken at
+//! 50% and 90% of each system's own median peak.
+//!
+//! Then, Cairn only: recovery from a SIGKILL with 100,000 logged but unprocessed records
+//! (pre-filled with `cairn::log::Log` while the agent is stopped), READY timed on a fake
+//! `NOTIFY_SOCKET`; footprint with 100k keys and a 1M-entry dedup ledger (RSS, bytes written,
+//! idle CPU, stripped binary). And both Cairn and Node-RED get the same SIGKILL at the same
+//! input of the same paced stream; their final per-key sums are compared with the oracle.
+//!
+//! Figures are printed, never asserted. Every child process is killed on drop.
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::os::unix::net::UnixDatagram;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rumqttc::{Client, Event, MqttOptions, Packet, QoS};
+use support::{free_port, unique_id, wait_until};
+
+/// Distinct keys of the live streams.
+const KEYS: u64 = 1_000;
+const WARMUP: u64 = 2_000;
+const RUN_EVENTS: u64 = 20_000;
+const RUNS: usize = 3;
+/// Inputs per paced (latency) run.
+const PACED_EVENTS: u64 = 10_000;
+/// Kill test: a paced stream, every system killed when this input has been published.
+const KILL_EVENTS: u64 = 10_000;
+const KILL_RATE: u64 = 2_000;
+const KILL_AT: u64 = 5_000;
+/// Recovery: logged but unprocessed records at restart.
+const RECOVERY_RECORDS: u64 = 100_000;
+/// Footprint: keys and dedup ledger entries.
+const FOOT_KEYS: u64 = 100_000;
+const FOOT_EVENTS: u64 = 1_000_000;
+const IDLE: Duration = Duration::from_secs(10);
+/// Any single wait in this bench; a system that cannot keep up is reported, not waited for.
+const STEP_TIMEOUT: Duration = Duration::from_secs(60);
+/// Node-RED's `localfilesystem` context flush interval, seconds (its default).
+const NODE_RED_FLUSH_S: u64 = 30;
+const SEED: u64 = 0x9E37_79B9_7F4A_7C15;
+
+// ---------------------------------------------------------------- the seeded stream ----
+
+/// Event `i` of the stream with `seed`: (key number, value). xorshift, so every system, run
+/// and oracle sees the same stream.
+fn event(seed: u64, i: u64, keys: u64) -> (u64, u64) {
+    let mut s = seed ^ i.wrapping_mul(0x2545_F491_4F6C_DD1D);
+    let mut step = || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    step();
+    (step() % keys, step() % 1_000)
+}
+
+fn payload(tag: &str, i: u64, key: u64, value: u64) -> String {
+    format!(r#"{{"id":"{tag}-{i}","k":"k{key:06}","v":{value}}}"#)
+}
+
+fn key_of_topic(topic: &str) -> Option<usize> {
+    topic.rsplit('/').next()?.strip_prefix('k')?.parse().ok()
+}
+
+// ----------------------------------------------------------------- processes ----------
+
+/// A child process, SIGKILLed on drop.
+struct Proc {
+    child: Option<Child>,
+    pid: u32,
+}
+
+impl Proc {
+    fn spawn(cmd: &mut Command) -> Proc {
+        let child = cmd.spawn().expect("spawn a bench child process");
+        let pid = child.id();
+        Proc {
+            child: Some(child),
+            pid,
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM, then SIGKILL after `grace`.
+    fn terminate(&mut self, grace: Duration) {
+        if let Some(mut c) = self.child.take() {
+            let _ = Command::new("kill")
+                .arg("-TERM")
+                .arg(c.id().to_string())
+                .status();
+            let exited = wait_until(grace, || matches!(c.try_wait(), Ok(Some(_))));
+            if !exited {
+                let _ = c.kill();
+            }
+            let _ = c.wait();
+        }
+    }
+
+    fn status_kib(&self, field: &str) -> u64 {
+        let s = std::fs::read_to_string(format!("/proc/{}/status", self.pid)).unwrap_or_default();
+        s.lines()
+            .find(|l| l.starts_with(field))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    }
+
+    fn rss_mib(&self) -> f64 {
+        self.status_kib("VmRSS:") as f64 / 1024.0
+    }
+
+    fn hwm_mib(&self) -> f64 {
+        self.status_kib("VmHWM:") as f64 / 1024.0
+    }
+
+    /// Bytes this process caused to be written to the block layer.
+    fn write_bytes(&self) -> u64 {
+        let s = std::fs::read_to_string(format!("/proc/{}/io", self.pid)).unwrap_or_default();
+        s.lines()
+            .find(|l| l.starts_with("write_bytes:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// utime + stime, in clock ticks.
+    fn cpu_ticks(&self) -> u64 {
+        let s = std::fs::read_to_string(format!("/proc/{}/stat", self.pid)).unwrap_or_default();
+        // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+        let rest = s.rsplit(')').next().unwrap_or("");
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let at = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        at(11) + at(12)
+    }
+
+    /// CPU used over `span` of idleness, as % of one core.
+    fn idle_cpu_percent(&self, span: Duration) -> f64 {
+        let hz = ticks_per_second();
+        let a = self.cpu_ticks();
+        std::thread::sleep(span);
+        let b = self.cpu_ticks();
+        (b - a) as f64 / hz / span.as_secs_f64() * 100.0
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn ticks_per_second() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if t > 0 { t as f64 } else { 100.0 }
+}
+
+// ------------------------------------------------------------------- broker ----------
+
+/// mosquitto with `config/mosquitto.conf`'s settings on a free loopback port.
+struct Broker {
+    dir: PathBuf,
+    port: u16,
+    _proc: Proc,
+}
+
+impl Broker {
+    fn start(root: &Path) -> Broker {
+        let dir = root.join("broker");
+        std::fs::create_dir_all(dir.join("data")).expect("broker dir");
+        let port = free_port();
+        let mut conf = format!(
+            "per_listener_settings false\nlistener {port} 127.0.0.1\nallow_anonymous true\n\
+             max_queued_messages 1000000\nmax_queued_bytes 0\nmax_inflight_messages 20\n\
+             queue_qos0_messages false\nset_tcp_nodelay true\npersistence true\n\
+             autosave_on_changes false\nautosave_interval 5\npersistence_location {}/\n\
+             log_dest file {}\nlog_type error\nlog_type warning\nlog_type notice\n",
+            dir.join("data").display(),
+            dir.join("mosquitto.log").display()
+        );
+        if std::fs::metadata("/proc/self")
+            .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
+            .unwrap_or(false)
+        {
+            conf.push_str("user root\n");
+        }
+        std::fs::write(dir.join("mosquitto.conf"), conf).expect("write mosquitto.conf");
+        let proc = Proc::spawn(
+            Command::new(support::mosquitto_bin())
+                .arg("-c")
+                .arg(dir.join("mosquitto.conf"))
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+        );
+        let up = wait_until(Duration::from_secs(10), || {
+            TcpStream::connect(("127.0.0.1", port)).is_ok()
+        });
+        assert!(up, "mosquitto did not start on port {port}");
+        Broker {
+            dir,
+            port,
+            _proc: proc,
+        }
+    }
+
+    /// How often the broker logged a new connection for `client_id`.
+    fn connections(&self, client_id: &str) -> usize {
+        let log = std::fs::read_to_string(self.dir.join("mosquitto.log")).unwrap_or_default();
+        let needle = format!(" as {client_id} ");
+        log.lines()
+            .filter(|l| l.contains("New client connected") && l.contains(&needle))
+            .count()
+    }
+}
+
+// --------------------------------------------------------- sink and publisher ----------
+
+/// Subscribes to `<prefix>/out/#`; pairs each result with its input's send time (per-key
+/// FIFO, filled by the publisher), and keeps each key's latest (version, value, count).
+struct Sink {
+    shared: Arc<SinkShared>,
+    client: Client,
+}
+
+#[derive(Default)]
+struct SinkShared {
+    stop: AtomicBool,
+    subscribed: AtomicBool,
+    results: AtomicUsize,
+    last_us: AtomicU64,
+    /// Per key: send times (µs since `t0`) of inputs whose result has not arrived.
+    pending: Mutex<Vec<VecDeque<u64>>>,
+    latencies_us: Mutex<Vec<u64>>,
+    /// Per key: (version or arrival number, value, count) of the newest result.
+    latest: Mutex<Latest>,
+}
+
+/// Per key number: (version or arrival number, value, count) of its newest result.
+type Latest = HashMap<usize, (u64, f64, u64)>;
+
+impl Sink {
+    fn start(port: u16, prefix: &str, keys: u64, t0: Instant) -> Sink {
+        let mut o = MqttOptions::new(unique_id("cmp-sink"), "127.0.0.1", port);
+        o.set_keep_alive(Duration::from_secs(10))
+            .set_max_packet_size(1 << 20, 1 << 20);
+        let (client, mut conn) = Client::new(o, 10_000);
+        client
+            .subscribe(format!("{prefix}/out/#"), QoS::AtLeastOnce)
+            .expect("subscribe");
+        let shared = Arc::new(SinkShared {
+            pending: Mutex::new(vec![VecDeque::new(); keys as usize]),
+            ..Default::default()
+        });
+        let sh = shared.clone();
+        std::thread::spawn(move || {
+            let mut arrivals = 0u64;
+            while !sh.stop.load(Ordering::SeqCst) {
+                match conn.recv_timeout(Duration::from_millis(50)) {
+                    Ok(Ok(Event::Incoming(Packet::SubAck(_)))) => {
+                        sh.subscribed.store(true, Ordering::SeqCst)
+                    }
+                    Ok(Ok(Event::Incoming(Packet::Publish(p)))) => {
+                        let at = t0.elapsed().as_micros() as u64;
+                        arrivals += 1;
+                        sh.on_result(&p.topic, &p.payload, at, arrivals);
+                    }
+                    Ok(Err(_)) => std::thread::sleep(Duration::from_millis(20)),
+                    _ => {}
+                }
+            }
+        });
+        assert!(
+            wait_until(Duration::from_secs(10), || shared
+                .subscribed
+                .load(Ordering::SeqCst)),
+            "sink got no SUBACK"
+        );
+        Sink { shared, client }
+    }
+
+    fn results(&self) -> usize {
+        self.shared.results.load(Ordering::SeqCst)
+    }
+
+    /// Forget latencies and counts; keeps the per-key FIFOs and latest values.
+    fn reset(&self) -> usize {
+        self.shared.latencies_us.lock().unwrap().clear();
+        self.shared.results.swap(0, Ordering::SeqCst)
+    }
+
+    fn latest(&self) -> Latest {
+        self.shared.latest.lock().unwrap().clone()
+    }
+}
+
+impl SinkShared {
+    fn on_result(&self, topic: &str, payload: &[u8], at: u64, arrival: u64) {
+        let Some(k) = key_of_topic(topic) else { return };
+        if let Some(sent) = self
+            .pending
+            .lock()
+            .unwrap()
+            .get_mut(k)
+            .and_then(|q| q.pop_front())
+        {
+            self.latencies_us
+                .lock()
+                .unwrap()
+                .push(at.saturating_sub(sent));
+        }
+        if let Ok(v) = serde_json::from_slice::<serde_json::Value>(payload) {
+            // Cairn's results carry a per-key version (a re-send repeats an old one); the
+            // others' results are ranked by arrival.
+            let rank = v["version"].as_u64().unwrap_or(arrival);
+            let value = v["value"].as_f64().unwrap_or(f64::NAN);
+            let count = v["count"].as_u64().unwrap_or(0);
+            let mut latest = self.latest.lock().unwrap();
+            let e = latest.entry(k).or_insert((0, 0.0, 0));
+            if rank >= e.0 {
+                *e = (rank, value, count);
+            }
+        }
+        self.last_us.store(at, Ordering::SeqCst);
+        self.results.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Sink {
+    fn drop(&mut self) {
+        let _ = self.client.try_disconnect();
+        self.shared.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+/// One QoS 1 publisher (inflight 100) for the whole bench.
+struct Publisher {
+    client: Client,
+    acked: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Publisher {
+    fn start(port: u16) -> Publisher {
+        let mut o = MqttOptions::new(unique_id("cmp-pub"), "127.0.0.1", port);
+        o.set_keep_alive(Duration::from_secs(10)).set_inflight(100);
+        let (client, mut conn) = Client::new(o, 1_000);
+        let acked = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (a, s) = (acked.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !s.load(Ordering::SeqCst) {
+                match conn.recv_timeout(Duration::from_millis(50)) {
+                    Ok(Ok(Event::Incoming(Packet::PubAck(_)))) => {
+                        a.fetch_add(1, Ordering::SeqCst);
+                    }
+                    Ok(Err(_)) => std::thread::sleep(Duration::from_millis(20)),
+                    _ => {}
+                }
+            }
+        });
+        Publisher {
+            client,
+            acked,
+            stop,
+        }
+    }
+
+    /// Publish events `[from, to)` of the stream under `<prefix>/in/<key>` at `rate`/s (0:
+    /// flat out); send times go into `sink`'s FIFOs. `progress` counts published inputs.
+    #[allow(clippy::too_many_arguments)]
+    fn send(
+        &self,
+        prefix: &str,
+        tag: &str,
+        range: std::ops::Range<u64>,
+        keys: u64,
+        rate: u64,
+        sink: Option<&Sink>,
+        t0: Instant,
+        progress: Option<&AtomicU64>,
+    ) {
+        let acked0 = self.acked.load(Ordering::SeqCst);
+        let n = range.end - range.start;
+        let start = Instant::now();
+        for i in range.clone() {
+            if let Some(step) = ((i - range.start) * 1_000_000).checked_div(rate) {
+                let due = start + Duration::from_micros(step);
+                if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                    std::thread::sleep(wait);
+                }
+            }
+            let (key, value) = event(SEED, i, keys);
+            if let Some(s) = sink {
+                let at = t0.elapsed().as_micros() as u64;
+                s.shared.pending.lock().unwrap()[key as usize].push_back(at);
+            }
+            self.client
+                .publish(
+                    format!("{prefix}/in/k{key:06}"),
+                    QoS::AtLeastOnce,
+                    false,
+                    payload(tag, i, key, value),
+                )
+                .expect("queue a publish");
+            if let Some(p) = progress {
+                p.store(i - range.start + 1, Ordering::SeqCst);
+            }
+        }
+        let all = wait_until(STEP_TIMEOUT, || {
+            self.acked.load(Ordering::SeqCst) - acked0 >= n
+        });
+        if !all {
+            println!("  (publisher: not every PUBACK arrived within {STEP_TIMEOUT:?})");
+        }
+    }
+}
+
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        let _ = self.client.try_disconnect();
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+// ---------------------------------------------------------------- systems ----------
+
+/// What the throughput and latency runs need from a system under test.
+trait System {
+    fn name(&self) -> &'static str;
+    fn prefix(&self) -> &'static str;
+    fn proc(&self) -> Option<&Proc>;
+}
+
+/// The ceiling: auto-ack, republish the payload to `relay/out/<key>`, no storage. Polling and
+/// publishing run on different threads (one thread doing both can deadlock rumqttc).
+struct Relay {
+    stop: Arc<AtomicBool>,
+    client: Client,
+}
+
+impl Relay {
+    fn start(port: u16) -> Relay {
+        let mut o = MqttOptions::new(unique_id("cmp-relay"), "127.0.0.1", port);
+        o.set_keep_alive(Duration::from_secs(10)).set_inflight(100);
+        let (client, mut conn) = Client::new(o, 1_000);
+        client
+            .subscribe("relay/in/#", QoS::AtLeastOnce)
+            .expect("relay subscribe");
+        let stop = Arc::new(AtomicBool::new(false));
+        let subscribed = Arc::new(AtomicBool::new(false));
+        // Unbounded: the polling thread must never wait on the publishing one (which may be
+        // waiting for the polling thread to drain rumqttc's request channel).
+        let (tx, rx) = std::sync::mpsc::channel::<(String, Vec<u8>)>();
+        let (s, sub) = (stop.clone(), subscribed.clone());
+        std::thread::spawn(move || {
+            while !s.load(Ordering::SeqCst) {
+                match conn.recv_timeout(Duration::from_millis(50)) {
+                    Ok(Ok(Event::Incoming(Packet::SubAck(_)))) => sub.store(true, Ordering::SeqCst),
+                    Ok(Ok(Event::Incoming(Packet::Publish(p)))) => {
+                        let topic = p.topic.replacen("relay/in", "relay/out", 1);
+                        if tx.send((topic, p.payload.to_vec())).is_err() {
+                            break;
+                        }
+                    }
+                    Ok(Err(_)) => std::thread::sleep(Duration::from_millis(20)),
+                    _ => {}
+                }
+            }
+        });
+        let out = client.clone();
+        std::thread::spawn(move || {
+            while let Ok((topic, body)) = rx.recv() {
+                if out.publish(topic, QoS::AtLeastOnce, false, body).is_err() {
+                    break;
+                }
+            }
+        });
+        assert!(wait_until(Duration::from_secs(10), || subscribed
+            .load(Ordering::SeqCst)));
+        Relay { stop, client }
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        let _ = self.client.try_disconnect();
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+impl System for Relay {
+    fn name(&self) -> &'static str {
+        "relay"
+    }
+    fn prefix(&self) -> &'static str {
+        "relay"
+    }
+    fn proc(&self) -> Option<&Proc> {
+        None
+    }
+}
+
+/// The `cairn` binary with its own data directory and config.
+struct Cairn {
+    dir: PathBuf,
+    metrics_port: u16,
+    proc: Option<Proc>,
+    runs: usize,
+}
+
+impl Cairn {
+    fn new(root: &Path, name: &str, broker_port: u16, emit: &str, max_records: u64) -> Cairn {
+        let dir = root.join(name);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("cairn dir");
+        let client_id = format!("cmp_{name}_{}", std::process::id());
+        let metrics_port = free_port();
+        let conf = format!(
+            "[mqtt]\nhost = \"127.0.0.1\"\nport = {broker_port}\nclient_id = \"{client_id}\"\n\
+             keep_alive = \"10s\"\n\n\
+             [storage]\ndata_dir = \"{}\"\ncache_size = \"16MiB\"\n\n\
+             [log]\nsegment_size = \"64MiB\"\nmax_size = \"4GiB\"\nretention = \"1h\"\n\
+             commit_interval = \"5ms\"\nmax_payload = \"64KiB\"\n\n\
+             [checkpoint]\ninterval = \"50ms\"\nmax_records = {max_records}\n\n\
+             [outbox]\nmax_entries = 2000000\ninflight = 100\ndrain_timeout = \"2s\"\n\n\
+             [metrics]\nlisten = \"127.0.0.1:{metrics_port}\"\n\n\
+             [[pipeline]]\nname = \"sums\"\ntopics = [\"cairn/in/#\"]\nformat = \"json\"\n\
+             event_id = \"/id\"\nkey = \"/k\"\nvalue = \"/v\"\naggregate = \"sum\"\n\
+             dedup_window = \"7d\"\noutput_topic = \"cairn/out/{{key}}\"\nretain = false\n\
+             emit = \"{emit}\"\nmax_keys = 1000000\n",
+            dir.join("data").display()
+        );
+        std::fs::write(dir.join("cairn.toml"), conf).expect("write cairn.toml");
+        Cairn {
+            dir,
+            metrics_port,
+            proc: None,
+            runs: 0,
+        }
+    }
+
+    fn stderr_path(&self) -> PathBuf {
+        self.dir.join("cairn.stderr")
+    }
+
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(self.stderr_path()).unwrap_or_default()
+    }
+
+    /// Start `cairn run`; with `notify`, as systemd would (`NOTIFY_SOCKET`).
+    fn start(&mut self, notify: Option<&Path>) {
+        self.runs += 1;
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.stderr_path())
+            .expect("stderr file");
+        writeln!(f, "=== run {} ===", self.runs).expect("stderr header");
+        let mut cmd = Command::new(support::agent::cairn_bin());
+        cmd.arg("run")
+            .arg("--config")
+            .arg(self.dir.join("cairn.toml"))
+            .env("RUST_LOG", "info")
+            .env_remove("NOTIFY_SOCKET")
+            .env_remove("CAIRN_CONFIG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(f));
+        if let Some(sock) = notify {
+            cmd.env("NOTIFY_SOCKET", sock);
+        }
+        self.proc = Some(Proc::spawn(&mut cmd));
+    }
+
+    /// Wait until run `self.runs` logged its MQTT connection, then a moment for SUBSCRIBE.
+    fn wait_connected(&mut self, timeout: Duration) -> bool {
+        let header = format!("=== run {} ===", self.runs);
+        let ok = wait_until(timeout, || {
+            let all = self.stderr();
+            let run = all.rsplit(&header).next().unwrap_or("");
+            run.contains("mqtt: connected")
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        ok
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut p) = self.proc.take() {
+            p.kill();
+        }
+    }
+
+    /// One gauge from `/metrics`.
+    fn metric(&self, name: &str) -> Option<f64> {
+        let mut s = TcpStream::connect(("127.0.0.1", self.metrics_port)).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+        s.write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+            .ok()?;
+        let mut body = String::new();
+        s.read_to_string(&mut body).ok()?;
+        body.lines()
+            .filter(|l| l.starts_with(name))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .reduce(|a, b| a + b)
+    }
+
+    /// Append `n` records of the stream to the stopped agent's log, as ingest would have.
+    fn prefill_log(&self, tag: &str, n: u64, keys: u64) {
+        use cairn::log::{Log, LogOptions};
+        let opts = LogOptions {
+            dir: self.dir.join("data/log"),
+            segment_size: 64 << 20,
+            max_size: 4 << 30,
+            max_payload: 64 << 10,
+        };
+        let (mut log, _) = Log::open(opts, cairn::fsio::real()).expect("open the agent's log");
+        let now = cairn::agent::wall_ms();
+        for i in 0..n {
+            let (key, value) = event(SEED, i, keys);
+            log.append(
+                now,
+                &format!("cairn/in/k{key:06}"),
+                payload(tag, i, key, value).as_bytes(),
+                1,
+                false,
+            )
+            .expect("append");
+            if i % 10_000 == 9_999 {
+                log.commit().expect("commit");
+            }
+        }
+        log.commit().expect("commit");
+    }
+
+    /// `recovery: done in N ms` of the last run.
+    fn recovery_ms(&self) -> Option<u64> {
+        let all = self.stderr();
+        let line = all
+            .lines()
+            .rev()
+            .find(|l| l.contains("recovery: done in "))?;
+        line.split("recovery: done in ")
+            .nth(1)?
+            .split(' ')
+            .next()?
+            .parse()
+            .ok()
+    }
+}
+
+impl System for Cairn {
+    fn name(&self) -> &'static str {
+        "cairn"
+    }
+    fn prefix(&self) -> &'static str {
+        "cairn"
+    }
+    fn proc(&self) -> Option<&Proc> {
+        self.proc.as_ref()
+    }
+}
+
+/// Node-RED 4 with a flow written here: mqtt in (QoS 1, persistent session) → function
+/// (keyed sum and count in the `file` context store) → mqtt out (QoS 1).
+struct NodeRed {
+    red_js: PathBuf,
+    user_dir: PathBuf,
+    client_id: String,
+    proc: Option<Proc>,
+}
+
+impl NodeRed {
+    fn new(root: &Path, red_js: PathBuf, broker_port: u16, name: &str) -> NodeRed {
+        let user_dir = root.join(name);
+        let _ = std::fs::remove_dir_all(&user_dir);
+        std::fs::create_dir_all(&user_dir).expect("node-red user dir");
+        let client_id = format!("cmp_{name}_{}", std::process::id());
+        let settings = format!(
+            "module.exports = {{\n  uiHost: \"127.0.0.1\",\n  uiPort: {},\n  \
+             flowFile: \"flows.json\",\n  credentialSecret: false,\n  \
+             httpAdminRoot: false,\n  httpNodeRoot: false,\n  \
+             logging: {{ console: {{ level: \"warn\", metrics: false, audit: false }} }},\n  \
+             contextStorage: {{\n    default: {{ module: \"memory\" }},\n    \
+             file: {{ module: \"localfilesystem\", config: {{ flushInterval: {NODE_RED_FLUSH_S} }} }}\n  }},\n  \
+             editorTheme: {{ tours: false }},\n}};\n",
+            free_port()
+        );
+        std::fs::write(user_dir.join("settings.js"), settings).expect("settings.js");
+        let func = "const p = msg.payload;\n\
+                    const s = context.get(p.k, \"file\") || { sum: 0, count: 0 };\n\
+                    s.sum += p.v; s.count += 1;\n\
+                    context.set(p.k, s, \"file\");\n\
+                    return { topic: \"nr/out/\" + p.k, payload: { key: p.k, value: s.sum, count: s.count, id: p.id } };";
+        let flows = serde_json::json!([
+            {"id": "cmp_tab", "type": "tab", "label": "cairn-compare"},
+            {"id": "cmp_broker", "type": "mqtt-broker", "name": "bench",
+             "broker": "127.0.0.1", "port": broker_port.to_string(), "clientid": client_id,
+             "autoConnect": true, "usetls": false, "protocolVersion": "4", "keepalive": "10",
+             "cleansession": false, "autoUnsubscribe": false,
+             "birthTopic": "", "closeTopic": "", "willTopic": ""},
+            {"id": "cmp_in", "type": "mqtt in", "z": "cmp_tab", "name": "", "topic": "nr/in/#",
+             "qos": "1", "datatype": "json", "broker": "cmp_broker", "nl": false, "rap": true,
+             "rh": 0, "inputs": 0, "x": 100, "y": 100, "wires": [["cmp_sum"]]},
+            {"id": "cmp_sum", "type": "function", "z": "cmp_tab", "name": "keyed sum",
+             "func": func, "outputs": 1, "timeout": 0, "noerr": 0, "initialize": "",
+             "finalize": "", "libs": [], "x": 300, "y": 100, "wires": [["cmp_out"]]},
+            {"id": "cmp_out", "type": "mqtt out", "z": "cmp_tab", "name": "", "topic": "",
+             "qos": "1", "retain": "false", "broker": "cmp_broker", "x": 500, "y": 100,
+             "wires": []}
+        ]);
+        std::fs::write(user_dir.join("flows.json"), flows.to_string()).expect("flows.json");
+        NodeRed {
+            red_js,
+            user_dir,
+            client_id,
+            proc: None,
+        }
+    }
+
+    fn start(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.user_dir.join("node-red.log"))
+            .expect("node-red log");
+        self.proc = Some(Proc::spawn(
+            Command::new("node")
+                .arg(&self.red_js)
+                .arg("--userDir")
+                .arg(&self.user_dir)
+                .arg("--settings")
+                .arg(self.user_dir.join("settings.js"))
+                .stdin(Stdio::null())
+                .stdout(Stdio::from(log.try_clone().expect("log")))
+                .stderr(Stdio::from(log)),
+        ));
+    }
+
+    /// Wait for the broker to see connection number `n` of this flow, then a moment for
+    /// its SUBSCRIBE.
+    fn wait_connected(&mut self, broker: &Broker, n: usize, timeout: Duration) -> bool {
+        let ok = wait_until(timeout, || broker.connections(&self.client_id) >= n);
+        std::thread::sleep(Duration::from_millis(500));
+        ok
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut p) = self.proc.take() {
+            p.kill();
+        }
+    }
+}
+
+impl System for NodeRed {
+    fn name(&self) -> &'static str {
+        "node-red"
+    }
+    fn prefix(&self) -> &'static str {
+        "nr"
+    }
+    fn proc(&self) -> Option<&Proc> {
+        self.proc.as_ref()
+    }
+}
+
+// ------------------------------------------------------------------ measuring ----------
+
+#[derive(Clone, Copy, Default)]
+struct Latency {
+    rate: u64,
+    p50: f64,
+    p99: f64,
+    p999: f64,
+    complete: bool,
+}
+
+#[derive(Default)]
+struct Live {
+    /// Median events/s of the flat-out runs, and each run's.
+    rate: f64,
+    rates: Vec<f64>,
+    lat50: Latency,
+    lat90: Latency,
+    bytes_per_event: Option<f64>,
+    peak_rss: Option<f64>,
+    rss: Option<f64>,
+    incomplete: bool,
+}
+
+fn percentile_ms(sorted: &[u64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i] as f64 / 1000.0
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        f64::NAN
+    } else {
+        v[v.len() / 2]
+    }
+}
+
+/// Publish `[from, from+n)` at `rate` and wait for `n` results. Returns (events/s,
+/// latencies sorted, all arrived).
+#[allow(clippy::too_many_arguments)]
+fn one_run(
+    publisher: &Publisher,
+    sink: &Sink,
+    prefix: &str,
+    tag: &str,
+    from: u64,
+    n: u64,
+    rate: u64,
+    t0: Instant,
+) -> (f64, Vec<u64>, bool) {
+    sink.reset();
+    let start = t0.elapsed().as_micros() as u64;
+    publisher.send(
+        prefix,
+        tag,
+        from..from + n,
+        KEYS,
+        rate,
+        Some(sink),
+        t0,
+        None,
+    );
+    let all = wait_until(STEP_TIMEOUT, || sink.results() >= n as usize);
+    if !all {
+        // Whatever stays unpaired must not be matched with the next run's results.
+        for q in sink.shared.pending.lock().unwrap().iter_mut() {
+            q.clear();
+        }
+    }
+    let last = sink.shared.last_us.load(Ordering::SeqCst);
+    let mut lat = std::mem::take(&mut *sink.shared.latencies_us.lock().unwrap());
+    lat.sort_unstable();
+    let got = sink.reset();
+    let secs = (last.saturating_sub(start)).max(1) as f64 / 1e6;
+    (got as f64 / secs, lat, all)
+}
+
+/// Warm-up, [`RUNS`] flat-out runs, then paced runs at 50% and 90% of the median peak.
+fn measure_live(sys: &dyn System, publisher: &Publisher, sink: &Sink, t0: Instant) -> Live {
+    let (prefix, name) = (sys.prefix(), sys.name());
+    let mut live = Live::default();
+    let w0 = sys.proc().map(|p| p.write_bytes());
+    let mut next = 0u64;
+    one_run(publisher, sink, prefix, "w", next, WARMUP, 0, t0);
+    next += WARMUP;
+    let mut events = 0;
+    let w1 = sys.proc().map(|p| p.write_bytes());
+    for r in 0..RUNS {
+        let (rate, _, all) = one_run(publisher, sink, prefix, "f", next, RUN_EVENTS, 0, t0);
+        next += RUN_EVENTS;
+        events += RUN_EVENTS;
+        live.incomplete |= !all;
+        println!(
+            "  {name:<8} flat out run {}: {rate:>8.0} events/s{}",
+            r + 1,
+            if all { "" } else { "  (INCOMPLETE)" }
+        );
+        live.rates.push(rate);
+    }
+    if let (Some(a), Some(p)) = (w1, sys.proc()) {
+        live.bytes_per_event = Some((p.write_bytes() - a) as f64 / events as f64);
+    }
+    let _ = w0;
+    live.rate = median(&live.rates);
+    for (frac, slot) in [(0.5, 0), (0.9, 1)] {
+        let rate = ((live.rate * frac) as u64).max(1);
+        let (_, lat, all) = one_run(publisher, sink, prefix, "p", next, PACED_EVENTS, rate, t0);
+        next += PACED_EVENTS;
+        let l = Latency {
+            rate,
+            p50: percentile_ms(&lat, 0.50),
+            p99: percentile_ms(&lat, 0.99),
+            p999: percentile_ms(&lat, 0.999),
+            complete: all,
+        };
+        println!(
+            "  {name:<8} paced {rate:>6}/s: p50 {:.2} ms  p99 {:.2} ms  p999 {:.2} ms{}",
+            l.p50,
+            l.p99,
+            l.p999,
+            if all { "" } else { "  (INCOMPLETE)" }
+        );
+        live.incomplete |= !l.complete;
+        if slot == 0 {
+            live.lat50 = l;
+        } else {
+            live.lat90 = l;
+        }
+    }
+    if let Some(p) = sys.proc() {
+        live.peak_rss = Some(p.hwm_mib());
+        live.rss = Some(p.rss_mib());
+    }
+    live
+}
+
+/// Final per-key sums against the oracle after a SIGKILL at input [`KILL_AT`].
+#[derive(Default, Clone, Copy)]
+struct KillResult {
+    lost: u64,
+    doubled: u64,
+    wrong_keys: u64,
+    keys: u64,
+}
+
+fn kill_oracle() -> HashMap<usize, (u64, u64)> {
+    let mut m: HashMap<usize, (u64, u64)> = HashMap::new();
+    for i in 0..KILL_EVENTS {
+        let (k, v) = event(SEED, i, KEYS);
+        let e = m.entry(k as usize).or_default();
+        e.0 += v;
+        e.1 += 1;
+    }
+    m
+}
+
+/// Publish the paced kill stream in a thread; SIGKILL via `kill` when input [`KILL_AT`] has
+/// been published; `restart` at once; then wait until the results settle.
+fn kill_test(
+    port: u16,
+    prefix: &'static str,
+    sink: &Sink,
+    kill: &mut dyn FnMut(),
+    restart: &mut dyn FnMut(),
+    settled: &dyn Fn(&Latest) -> bool,
+) -> KillResult {
+    let progress = Arc::new(AtomicU64::new(0));
+    let p2 = progress.clone();
+    let publishing = std::thread::spawn(move || {
+        let publisher = Publisher::start(port);
+        let t0 = Instant::now();
+        publisher.send(
+            prefix,
+            "kill",
+            0..KILL_EVENTS,
+            KEYS,
+            KILL_RATE,
+            None,
+            t0,
+            Some(&p2),
+        );
+    });
+    wait_until(STEP_TIMEOUT, || progress.load(Ordering::SeqCst) >= KILL_AT);
+    kill();
+    restart();
+    publishing.join().expect("kill-test publisher");
+    let oracle = kill_oracle();
+    // Settled: the system says so, or nothing new for 5 s (bounded by STEP_TIMEOUT).
+    let deadline = Instant::now() + STEP_TIMEOUT;
+    let mut last_change = (Instant::now(), sink.results());
+    while Instant::now() < deadline {
+        if settled(&sink.latest()) {
+            break;
+        }
+        let n = sink.results();
+        if n != last_change.1 {
+            last_change = (Instant::now(), n);
+        } else if last_change.0.elapsed() > Duration::from_secs(5) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let latest = sink.latest();
+    let mut r = KillResult {
+        keys: oracle.len() as u64,
+        ..Default::default()
+    };
+    for (k, (sum, count)) in &oracle {
+        let (_, value, got) = latest.get(k).copied().unwrap_or((0, 0.0, 0));
+        r.lost += count.saturating_sub(got);
+        r.doubled += got.saturating_sub(*count);
+        if value != *sum as f64 {
+            r.wrong_keys += 1;
+        }
+    }
+    r
+}
+
+// ------------------------------------------------------------------- Node-RED ----------
+
+/// `target/node-red/node_modules/node-red/red.js`, installing it with
+/// `benches/install-node-red.sh` when missing. `Err` says why it is not available.
+fn node_red(target: &Path) -> Result<PathBuf, String> {
+    let prefix = target.join("node-red");
+    let red = prefix.join("node_modules/node-red/red.js");
+    if red.is_file() {
+        return Ok(red);
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/install-node-red.sh");
+    println!("Node-RED not found under {}: installing", prefix.display());
+    let out = Command::new("sh")
+        .arg(&script)
+        .arg(&prefix)
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
+    if red.is_file() {
+        Ok(red)
+    } else {
+        Err(format!(
+            "`{}` failed ({}): {}",
+            script.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .rev()
+                .take(5)
+                .collect::<Vec<_>>()
+                .join(" | ")
+        ))
+    }
+}
+
+// -------------------------------------------------------------------- table ----------
+
+fn fmt(v: Option<f64>, prec: usize) -> String {
+    match v {
+        Some(v) if v.is_finite() => format!("{v:.prec$}"),
+        _ => "n/a".into(),
+    }
+}
+
+fn ratio(a: Option<f64>, b: Option<f64>) -> String {
+    match (a, b) {
+        (Some(a), Some(b)) if a.is_finite() && b.is_finite() && b != 0.0 => {
+            format!("{:.2}x", a / b)
+        }
+        _ => "".into(),
+    }
+}
+
+fn row(metric: &str, relay: Option<f64>, cairn: Option<f64>, nr: Option<f64>, prec: usize) {
+    println!(
+        "{metric:<44} {:>11} {:>11} {:>11} {:>10} {:>10}",
+        fmt(relay, prec),
+        fmt(cairn, prec),
+        fmt(nr, prec),
+        ratio(cairn, relay),
+        ratio(cairn, nr)
+    );
+}
+
+fn dir_size(p: &Path) -> u64 {
+    let Ok(rd) = std::fs::read_dir(p) else {
+        return 0;
+    };
+    rd.flatten()
+        .map(|e| match e.metadata() {
+            Ok(m) if m.is_dir() => dir_size(&e.path()),
+            Ok(m) => m.len(),
+            Err(_) => 0,
+        })
+        .sum()
+}
+
+// --------------------------------------------------------------------- main ----------
+
+fn main() {
+    let bench_t0 = Instant::now();
+    let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("target");
+    let root = target.join("bench-compare");
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).expect("bench dir under target/");
+    let bin = support::agent::cairn_bin();
+    println!("cairn binary: {} (bench profile)", bin.display());
+    let broker = Broker::start(&root);
+    let port = broker.port;
+    let t0 = Instant::now();
+    let publisher = Publisher::start(port);
+    // For profiling one part: CAIRN_COMPARE_ONLY=relay,cairn,node-red,kill,recovery,footprint
+    // (any subset). Skipped parts print n/a.
+    let only = std::env::var("CAIRN_COMPARE_ONLY").ok();
+    let want = |part: &str| {
+        only.as_deref()
+            .is_none_or(|o| o.split(',').any(|x| x.trim() == part))
+    };
+    let skipped = || {
+        let none = Latency {
+            p50: f64::NAN,
+            p99: f64::NAN,
+            p999: f64::NAN,
+            ..Default::default()
+        };
+        Live {
+            rate: f64::NAN,
+            lat50: none,
+            lat90: none,
+            ..Default::default()
+        }
+    };
+
+    // ---- relay ----
+    let relay_live = if want("relay") {
+        println!("relay: {RUNS} x {RUN_EVENTS} events flat out, then paced at 50% / 90%");
+        let relay = Relay::start(port);
+        let sink = Sink::start(port, "relay", KEYS, t0);
+        measure_live(&relay, &publisher, &sink, t0)
+    } else {
+        skipped()
+    };
+
+    // ---- cairn live ----
+    let cairn_live = if want("cairn") {
+        println!("cairn: the same");
+        let mut cairn = Cairn::new(&root, "cairn-live", port, "changelog", 5_000);
+        cairn.start(None);
+        assert!(
+            cairn.wait_connected(Duration::from_secs(20)),
+            "cairn did not connect: {}",
+            cairn.stderr()
+        );
+        let sink = Sink::start(port, "cairn", KEYS, t0);
+        let live = measure_live(&cairn, &publisher, &sink, t0);
+        drop(sink);
+        if let Some(p) = cairn.proc.as_mut() {
+            p.terminate(Duration::from_secs(10));
+        }
+        live
+    } else {
+        skipped()
+    };
+
+    // ---- node-red live ----
+    let red = if want("node-red") || want("kill") {
+        node_red(&target)
+    } else {
+        Err("skipped (CAIRN_COMPARE_ONLY)".into())
+    };
+    let mut nr_live = None;
+    let mut nr_idle_cpu = None;
+    match &red {
+        Ok(red_js) if want("node-red") => {
+            println!("node-red: the same ({})", red_js.display());
+            let mut nr = NodeRed::new(&root, red_js.clone(), port, "node-red-live");
+            nr.start();
+            if nr.wait_connected(&broker, 1, Duration::from_secs(60)) {
+                let sink = Sink::start(port, "nr", KEYS, t0);
+                nr_live = Some(measure_live(&nr, &publisher, &sink, t0));
+                drop(sink);
+                nr_idle_cpu = nr.proc.as_ref().map(|p| p.idle_cpu_percent(IDLE));
+            } else {
+                println!("  node-red did not connect within 60 s; see its log");
+            }
+            if let Some(p) = nr.proc.as_mut() {
+                p.terminate(Duration::from_secs(5));
+            }
+        }
+        Ok(_) => {}
+        Err(why) => println!("node-red: NOT AVAILABLE: {why}"),
+    }
+
+    // ---- kill test: cairn ----
+    println!(
+        "kill test: {KILL_EVENTS} events at {KILL_RATE}/s over {KEYS} keys, SIGKILL after input {KILL_AT}, restart at once"
+    );
+    let cairn_kill = if !want("kill") {
+        KillResult::default()
+    } else {
+        let mut c = Cairn::new(&root, "cairn-kill", port, "changelog", 5_000);
+        c.start(None);
+        assert!(c.wait_connected(Duration::from_secs(20)));
+        let sink = Sink::start(port, "cairn", KEYS, t0);
+        let c = std::cell::RefCell::new(c);
+        let oracle = kill_oracle();
+        let r = kill_test(
+            port,
+            "cairn",
+            &sink,
+            &mut || c.borrow_mut().kill(),
+            &mut || {
+                let mut c = c.borrow_mut();
+                c.start(None);
+                c.wait_connected(Duration::from_secs(20));
+            },
+            &|latest| {
+                oracle
+                    .iter()
+                    .all(|(k, (_, n))| latest.get(k).is_some_and(|l| l.2 >= *n))
+            },
+        );
+        println!(
+            "  cairn    lost {} doubled {} wrong keys {}/{}",
+            r.lost, r.doubled, r.wrong_keys, r.keys
+        );
+        r
+    };
+    // ---- kill test: node-red ----
+    let nr_kill = match &red {
+        Ok(red_js) if want("kill") => {
+            let nr =
+                std::cell::RefCell::new(NodeRed::new(&root, red_js.clone(), port, "node-red-kill"));
+            nr.borrow_mut().start();
+            if nr
+                .borrow_mut()
+                .wait_connected(&broker, 1, Duration::from_secs(60))
+            {
+                let sink = Sink::start(port, "nr", KEYS, t0);
+                let r = kill_test(
+                    port,
+                    "nr",
+                    &sink,
+                    &mut || nr.borrow_mut().kill(),
+                    &mut || {
+                        let mut n = nr.borrow_mut();
+                        n.start();
+                        n.wait_connected(&broker, 2, Duration::from_secs(60));
+                    },
+                    &|_| false,
+                );
+                println!(
+                    "  node-red lost {} doubled {} wrong keys {}/{} (context flushInterval {NODE_RED_FLUSH_S} s)",
+                    r.lost, r.doubled, r.wrong_keys, r.keys
+                );
+                nr.borrow_mut().kill();
+                Some(r)
+            } else {
+                None
+            }
+        }
+        _ => None,
+    };
+
+    // ---- recovery ----
+    println!("recovery: {RECOVERY_RECORDS} logged, unprocessed records after a SIGKILL");
+    let (ready_ms, replay_ms, caught_up_ms) = if !want("recovery") {
+        (None, None, None)
+    } else {
+        let mut c = Cairn::new(&root, "cairn-recovery", port, "changelog", 5_000);
+        c.start(None);
+        assert!(c.wait_connected(Duration::from_secs(20)));
+        c.kill();
+        c.prefill_log("rec", RECOVERY_RECORDS, KEYS);
+        let sink = Sink::start(port, "cairn", KEYS, t0);
+        let sock_path = root.join("notify.sock");
+        let _ = std::fs::remove_file(&sock_path);
+        let sock = UnixDatagram::bind(&sock_path).expect("bind the fake NOTIFY_SOCKET");
+        sock.set_read_timeout(Some(Duration::from_millis(200)))
+            .expect("timeout");
+        let started = Instant::now();
+        c.start(Some(&sock_path));
+        let mut ready = None;
+        let mut buf = [0u8; 4096];
+        while started.elapsed() < STEP_TIMEOUT * 2 {
+            if let Ok(n) = sock.recv(&mut buf)
+                && String::from_utf8_lossy(&buf[..n])
+                    .lines()
+                    .any(|l| l == "READY=1")
+            {
+                ready = Some(started.elapsed());
+                break;
+            }
+        }
+        let caught = wait_until(STEP_TIMEOUT * 2, || {
+            sink.results() >= RECOVERY_RECORDS as usize
+        })
+        .then(|| started.elapsed());
+        c.kill();
+        (
+            ready.map(|d| d.as_secs_f64() * 1e3),
+            c.recovery_ms().map(|v| v as f64),
+            caught.map(|d| d.as_secs_f64() * 1e3),
+        )
+    };
+    let replay_rate = ready_ms.map(|ms| RECOVERY_RECORDS as f64 / (ms / 1e3));
+    println!(
+        "  READY after {} ms (recovery itself {} ms), caught up after {} ms",
+        fmt(ready_ms, 0),
+        fmt(replay_ms, 0),
+        fmt(caught_up_ms, 0)
+    );
+
+    // ---- footprint ----
+    println!(
+        "footprint: {FOOT_EVENTS} distinct events over {FOOT_KEYS} keys (dedup ledger {FOOT_EVENTS} entries), upsert"
+    );
+    let foot = if !want("footprint") {
+        (f64::NAN, f64::NAN, f64::NAN, f64::NAN, f64::NAN)
+    } else {
+        let mut c = Cairn::new(&root, "cairn-footprint", port, "upsert", 5_000);
+        c.start(None);
+        assert!(c.wait_connected(Duration::from_secs(20)));
+        c.kill();
+        c.prefill_log("foot", FOOT_EVENTS, FOOT_KEYS);
+        let started = Instant::now();
+        c.start(None);
+        let up = c.wait_connected(STEP_TIMEOUT * 5);
+        let replay_s = started.elapsed().as_secs_f64();
+        let written = c.proc().map(|p| p.write_bytes()).unwrap_or(0);
+        // The outbox drains to the broker (nobody subscribes); wait for it, bounded.
+        let drained = wait_until(STEP_TIMEOUT, || {
+            c.metric("cairn_outbox_entries") == Some(0.0)
+        });
+        let p = c.proc().expect("running");
+        let peak = p.hwm_mib();
+        let idle_cpu = p.idle_cpu_percent(IDLE);
+        let steady = p.rss_mib();
+        let keys = c.metric("cairn_state_keys");
+        let dedup = c.metric("cairn_dedup_entries");
+        let store = dir_size(&c.dir.join("data/store")) as f64 / (1 << 20) as f64;
+        c.kill();
+        if !up || !drained {
+            println!("  (footprint: connected {up}, outbox drained {drained})");
+        }
+        println!(
+            "  replay {replay_s:.1} s; keys {} dedup entries {}; store {store:.0} MiB on disk",
+            fmt(keys, 0),
+            fmt(dedup, 0)
+        );
+        (
+            peak,
+            steady,
+            written as f64 / FOOT_EVENTS as f64,
+            idle_cpu,
+            FOOT_EVENTS as f64 / replay_s,
+        )
+    };
+    let stripped = {
+        let copy = root.join("cairn.stripped");
+        std::fs::copy(&bin, &copy).expect("copy the binary");
+        let ok = Command::new("strip")
+            .arg(&copy)
+            .status()
+            .is_ok_and(|s| s.success());
+        ok.then(|| std::fs::metadata(&copy).map(|m| m.len()).unwrap_or(0) as f64 / (1 << 20) as f64)
+    };
+
+    // ---- the table ----
+    let nr = nr_live.as_ref();
+    println!();
+    println!(
+        "{:<44} {:>11} {:>11} {:>11} {:>10} {:>10}",
+        "metric", "relay", "cairn", "node-red", "cairn/rel", "cairn/nr"
+    );
+    println!("{}", "-".repeat(102));
+    row(
+        "throughput, events/s (median of 3)",
+        Some(relay_live.rate),
+        Some(cairn_live.rate),
+        nr.map(|l| l.rate),
+        0,
+    );
+    for (label, pick) in [
+        ("50%", (|l: &Live| l.lat50) as fn(&Live) -> Latency),
+        ("90%", |l: &Live| l.lat90),
+    ] {
+        let (r, c) = (pick(&relay_live), pick(&cairn_live));
+        let n = nr.map(pick);
+        row(
+            &format!("  paced at {label} of own peak, events/s"),
+            Some(r.rate as f64),
+            Some(c.rate as f64),
+            n.map(|l| l.rate as f64),
+            0,
+        );
+        row(
+            &format!("  latency p50 at {label}, ms"),
+            Some(r.p50),
+            Some(c.p50),
+            n.map(|l| l.p50),
+            2,
+        );
+        row(
+            &format!("  latency p99 at {label}, ms"),
+            Some(r.p99),
+            Some(c.p99),
+            n.map(|l| l.p99),
+            2,
+        );
+        row(
+            &format!("  latency p999 at {label}, ms"),
+            Some(r.p999),
+            Some(c.p999),
+            n.map(|l| l.p999),
+            2,
+        );
+    }
+    row(
+        "disk bytes written per event (live)",
+        None,
+        cairn_live.bytes_per_event,
+        nr.and_then(|l| l.bytes_per_event),
+        0,
+    );
+    row(
+        "peak RSS during live runs, MiB",
+        None,
+        cairn_live.peak_rss,
+        nr.and_then(|l| l.peak_rss),
+        1,
+    );
+    row(
+        &format!("SIGKILL at input {KILL_AT}: events lost"),
+        None,
+        Some(cairn_kill.lost as f64),
+        nr_kill.map(|r| r.lost as f64),
+        0,
+    );
+    row(
+        "SIGKILL: events double-counted",
+        None,
+        Some(cairn_kill.doubled as f64),
+        nr_kill.map(|r| r.doubled as f64),
+        0,
+    );
+    row(
+        &format!("SIGKILL: keys with a wrong final sum (/{KEYS})"),
+        None,
+        Some(cairn_kill.wrong_keys as f64),
+        nr_kill.map(|r| r.wrong_keys as f64),
+        0,
+    );
+    row(
+        "idle CPU over 10 s, % of a core",
+        None,
+        Some(foot.3),
+        nr_idle_cpu,
+        2,
+    );
+    println!("{}", "-".repeat(102));
+    println!("cairn only:");
+    row(
+        "recovery (100k records): READY, ms",
+        None,
+        ready_ms,
+        None,
+        0,
+    );
+    row(
+        "  recovery as logged by the agent, ms",
+        None,
+        replay_ms,
+        None,
+        0,
+    );
+    row(
+        "  caught up (every result out), ms",
+        None,
+        caught_up_ms,
+        None,
+        0,
+    );
+    row("  replay events/s (to READY)", None, replay_rate, None, 0);
+    row(
+        "  replay / live throughput",
+        None,
+        replay_rate.map(|r| r / cairn_live.rate),
+        None,
+        2,
+    );
+    row(
+        "footprint (100k keys, 1M dedup): peak RSS MiB",
+        None,
+        Some(foot.0),
+        None,
+        1,
+    );
+    row("  steady RSS after drain, MiB", None, Some(foot.1), None, 1);
+    row(
+        "  disk bytes written per event (replay)",
+        None,
+        Some(foot.2),
+        None,
+        0,
+    );
+    row("  replay events/s", None, Some(foot.4), None, 0);
+    row("stripped binary, MiB", None, stripped, None, 2);
+    println!("{}", "-".repeat(102));
+    let verdict = |ok: bool| if ok { "met" } else { "MISSED" };
+    let thr = cairn_live.rate / relay_live.rate;
+    println!(
+        "targets: throughput >= 0.8x relay: {:.2}x {}; replay >= 3x live: {} {}; RSS <= 64 MiB: {:.1} {}; stripped <= 10 MiB: {} {}",
+        thr,
+        verdict(thr >= 0.8),
+        fmt(replay_rate.map(|r| r / cairn_live.rate), 2),
+        verdict(replay_rate.is_some_and(|r| r / cairn_live.rate >= 3.0)),
+        foot.0,
+        verdict(foot.0 <= 64.0),
+        fmt(stripped, 2),
+        verdict(stripped.is_some_and(|s| s <= 10.0)),
+    );
+    if let Err(why) = &red {
+        println!("node-red: NOT AVAILABLE, its columns are n/a: {why}");
+    }
+    if relay_live.incomplete || cairn_live.incomplete || nr.is_some_and(|l| l.incomplete) {
+        println!("warning: some runs did not deliver every result in time (marked above)");
+    }
+    println!("total bench time {:.0} s", bench_t0.elapsed().as_secs_f64());
+    drop(publisher);
+}
