@@ -299,10 +299,6 @@ impl Agent {
         })
     }
 
-    pub fn processor(&self) -> &Processor {
-        &self.proc
-    }
-
     /// Run until `shutdown` is requested; then drain and return.
     pub fn run(self, shutdown: &Shutdown) -> Result<(), AgentError> {
         let dir = self.cfg.storage.data_dir.clone();

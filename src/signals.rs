@@ -32,8 +32,3 @@ pub fn install_reload_handler() -> std::io::Result<()> {
 pub fn take_reload() -> bool {
     RELOAD.swap(false, Ordering::SeqCst)
 }
-
-/// Request a reload as SIGHUP would (tests).
-pub fn request_reload() {
-    RELOAD.store(true, Ordering::SeqCst);
-}

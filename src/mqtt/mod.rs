@@ -142,12 +142,6 @@ pub enum Event {
     },
 }
 
-/// A subscription; always QoS 1.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Subscription {
-    pub filter: String,
-}
-
 /// State shared between the caller and the MQTT thread.
 struct Inner {
     queues: Mutex<Queues>,
@@ -180,7 +174,6 @@ pub struct Mqtt {
     thread: Option<JoinHandle<()>>,
     publish_limit: usize,
     ack_limit: usize,
-    subscriptions: Vec<Subscription>,
 }
 
 impl Mqtt {
@@ -226,7 +219,7 @@ impl Mqtt {
             client,
             inner.clone(),
             events_tx,
-            subscriptions.clone(),
+            subscriptions,
         );
         let thread = std::thread::Builder::new()
             .name("mqtt".into())
@@ -238,10 +231,6 @@ impl Mqtt {
             thread: Some(thread),
             publish_limit: publish_inflight as usize,
             ack_limit: request_capacity,
-            subscriptions: subscriptions
-                .into_iter()
-                .map(|filter| Subscription { filter })
-                .collect(),
         };
         Ok((mqtt, events_rx))
     }
@@ -305,11 +294,6 @@ impl Mqtt {
     /// ends in one `PubAcked`.
     pub fn inflight(&self) -> usize {
         self.inner.lock().pubs.len()
-    }
-
-    /// The filters subscribed (QoS 1) whenever the broker has no session for us.
-    pub fn subscriptions(&self) -> &[Subscription] {
-        &self.subscriptions
     }
 
     /// Sends DISCONNECT if connected (after the acks already queued), waits up to a second for

@@ -208,10 +208,6 @@ impl Engine {
         &self.progress
     }
 
-    pub fn specs(&self) -> &[PipelineSpec] {
-        &self.specs
-    }
-
     /// Records applied since the last checkpoint.
     pub fn pending_records(&self) -> u64 {
         self.batch.records
@@ -602,11 +598,4 @@ pub fn dead_letter_id(topic: &str, payload: &[u8]) -> String {
 
 fn start_of(skey: &[u8]) -> u64 {
     u64::from_be_bytes(skey[..8].try_into().expect("windowed key has 8-byte start"))
-}
-
-/// Encode a key the way windowed state stores it: the window start, then the key.
-pub fn window_skey(start: u64, key: &str) -> Vec<u8> {
-    let mut v = start.to_be_bytes().to_vec();
-    v.extend_from_slice(key.as_bytes());
-    v
 }
