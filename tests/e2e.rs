@@ -11,9 +11,6 @@
 
 mod support;
 
-#[path = "e2e/gate.rs"]
-mod gate;
-
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -613,7 +610,7 @@ fn agent_sigkilled_between_log_fsync_and_puback_counts_each_redelivered_event_on
 fn outbox_entries_unsent_at_sigkill_arrive_after_restart_with_the_same_ids() {
     // A large inflight window, so the held-up PUBACKs do not stop the broker at 20 messages.
     let broker = broker_with(&["max_inflight_messages 1000"]);
-    let gate = gate::Gate::start(broker.port());
+    let gate = Proxy::start(broker.port());
     let mut chg = Pipe::new("chg", &["in/a", "in/b"], Agg::Sum);
     chg.changelog = true;
     let pipes = vec![chg, Pipe::new("top", &["in/a", "in/b"], Agg::Max)];

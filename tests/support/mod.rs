@@ -343,7 +343,8 @@ impl Certs {
 }
 
 /// A TCP proxy on a free loopback port that forwards to `127.0.0.1:target`, and can cut
-/// every current connection or refuse new ones. Dropping it stops it.
+/// every current connection, refuse new ones, or hold the client → target direction (see
+/// [`Proxy::hold_upstream`]). Dropping it stops it.
 pub struct Proxy {
     port: u16,
     shared: Arc<ProxyShared>,
@@ -354,6 +355,7 @@ pub struct Proxy {
 struct ProxyShared {
     stop: AtomicBool,
     paused: AtomicBool,
+    hold_upstream: AtomicBool,
     /// Connections accepted so far, refused ones included (counts client attempts).
     accepted: AtomicUsize,
     /// Both ends of every live connection, so `cut` can shut them down.
@@ -395,6 +397,14 @@ impl Proxy {
     /// While paused, new connections are accepted and closed at once.
     pub fn pause(&self, paused: bool) {
         self.shared.paused.store(paused, Ordering::SeqCst);
+    }
+
+    /// Stop (true) or resume (false) forwarding what clients send to the target, while the
+    /// target → client direction keeps flowing: an agent then still ingests, but none of its
+    /// PUBACKs, PUBLISHes or pings reach the broker. Held bytes wait in the kernel's socket
+    /// buffer and die with the connection if it is cut.
+    pub fn hold_upstream(&self, hold: bool) {
+        self.shared.hold_upstream.store(hold, Ordering::SeqCst);
     }
 }
 
@@ -438,8 +448,9 @@ fn accept_loop(listener: TcpListener, target: u16, shared: Arc<ProxyShared>) {
                     conns.push(c1);
                     conns.push(s1);
                 }
-                std::thread::spawn(move || pipe(client, server));
-                std::thread::spawn(move || pipe(s2, c2));
+                let up = shared.clone();
+                std::thread::spawn(move || pipe(client, server, Some(up)));
+                std::thread::spawn(move || pipe(s2, c2, None));
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(2));
@@ -449,19 +460,44 @@ fn accept_loop(listener: TcpListener, target: u16, shared: Arc<ProxyShared>) {
     }
 }
 
-/// Copies `from` → `to` until either side closes, then closes both.
-fn pipe(mut from: TcpStream, mut to: TcpStream) {
+/// Copies `from` → `to` until either side closes, then closes both. With `hold`, stops
+/// reading `from` while the proxy holds the upstream direction.
+fn pipe(mut from: TcpStream, mut to: TcpStream, hold: Option<Arc<ProxyShared>>) {
     let mut buf = [0u8; 16 * 1024];
     loop {
+        if let Some(h) = &hold {
+            while h.hold_upstream.load(Ordering::SeqCst) && !h.stop.load(Ordering::SeqCst) {
+                // Notice a cut while holding: a short peek fails once the socket is shut down.
+                let _ = from.set_read_timeout(Some(Duration::from_millis(1)));
+                let mut probe = [0u8; 1];
+                match from.peek(&mut probe) {
+                    Ok(0) => return close_both(&from, &to),
+                    Err(e)
+                        if e.kind() != ErrorKind::WouldBlock && e.kind() != ErrorKind::TimedOut =>
+                    {
+                        return close_both(&from, &to);
+                    }
+                    _ => {}
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            let _ = from.set_read_timeout(Some(Duration::from_millis(20)));
+        }
         match from.read(&mut buf) {
-            Ok(0) | Err(_) => break,
+            Ok(0) => break,
             Ok(n) => {
                 if to.write_all(&buf[..n]).is_err() {
                     break;
                 }
             }
+            Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::TimedOut => {}
+            Err(_) => break,
         }
     }
+    close_both(&from, &to);
+}
+
+fn close_both(from: &TcpStream, to: &TcpStream) {
     let _ = from.shutdown(Shutdown::Both);
     let _ = to.shutdown(Shutdown::Both);
 }
