@@ -14,24 +14,18 @@ use cairn::processor::Processor;
 use cairn::store::Store;
 
 fn spec() -> PipelineSpec {
-    let f = Format::Json;
-    PipelineSpec {
-        name: "balances".into(),
-        topics: vec!["payments/#".into()],
-        event_id: Field::parse("/id", &f).unwrap(),
-        key: Field::parse("/account", &f).unwrap(),
-        value: Some(Field::parse("/amount", &f).unwrap()),
-        format: f,
-        event_time: None,
-        aggregate: Aggregate::Sum,
-        window: None,
-        dedup_window_ms: 7 * 86_400_000,
-        output_topic: "balances/{key}".into(),
-        retain: true,
-        emit: Emit::Upsert,
-        max_key_len: 64,
-        max_keys: 10_000_000,
-    }
+    cairn::config::pipeline_from_toml(
+        r#"name = "balances"
+topics = ["payments/#"]
+event_id = "/id"
+key = "/account"
+value = "/amount"
+aggregate = "sum"
+output_topic = "balances/{key}"
+max_key_len = 64
+max_keys = 10000000"#,
+    )
+    .unwrap()
 }
 
 fn proc_status(field: &str) -> u64 {

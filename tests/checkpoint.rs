@@ -10,26 +10,19 @@ use cairn::processor::Processor;
 use cairn::store::Store;
 
 fn spec() -> PipelineSpec {
-    let f = Format::Delimited {
-        separator: "/".into(),
-    };
-    PipelineSpec {
-        name: "balances".into(),
-        topics: vec!["payments/#".into()],
-        event_id: Field::parse("0", &f).unwrap(),
-        key: Field::parse("1", &f).unwrap(),
-        value: Some(Field::parse("2", &f).unwrap()),
-        format: f,
-        event_time: None,
-        aggregate: Aggregate::Sum,
-        window: None,
-        dedup_window_ms: 7 * 86_400_000,
-        output_topic: "balances/{key}".into(),
-        retain: true,
-        emit: Emit::Upsert,
-        max_key_len: 64,
-        max_keys: 1000,
-    }
+    cairn::config::pipeline_from_toml(
+        r#"name = "balances"
+topics = ["payments/#"]
+format = "delimited"
+event_id = "0"
+key = "1"
+value = "2"
+aggregate = "sum"
+output_topic = "balances/{key}"
+max_key_len = 64
+max_keys = 1000"#,
+    )
+    .unwrap()
 }
 
 fn open_log(dir: &Path) -> Log {

@@ -16,46 +16,40 @@ use proptest::prelude::*;
 const WINDOW: u64 = 100;
 const LATENESS: u64 = 50;
 
-fn fmt() -> Format {
-    Format::Delimited {
-        separator: "/".into(),
-    }
-}
-
 fn sums() -> PipelineSpec {
-    PipelineSpec {
-        name: "sums".into(),
-        topics: vec!["t/#".into()],
-        format: fmt(),
-        event_id: Field::parse("0", &fmt()).unwrap(),
-        key: Field::parse("1", &fmt()).unwrap(),
-        value: Some(Field::parse("2", &fmt()).unwrap()),
-        event_time: None,
-        aggregate: Aggregate::Sum,
-        window: None,
-        dedup_window_ms: u64::MAX / 2,
-        output_topic: "sums/{key}".into(),
-        retain: true,
-        emit: Emit::Upsert,
-        max_key_len: 16,
-        max_keys: 1_000,
-    }
+    cairn::config::pipeline_from_toml(
+        r#"name = "sums"
+topics = ["t/#"]
+format = "delimited"
+event_id = "0"
+key = "1"
+value = "2"
+aggregate = "sum"
+dedup_window = "366d"  # forever, in this test's record time
+output_topic = "sums/{key}"
+max_key_len = 16
+max_keys = 1000"#,
+    )
+    .unwrap()
 }
 
 fn windows() -> PipelineSpec {
-    PipelineSpec {
-        name: "windows".into(),
-        value: None,
-        event_time: Some(Field::parse("3", &fmt()).unwrap()),
-        aggregate: Aggregate::Count,
-        window: Some(WindowSpec {
-            size_ms: WINDOW,
-            allowed_lateness_ms: LATENESS,
-        }),
-        output_topic: "windows/{key}/{window_start}".into(),
-        emit: Emit::Changelog,
-        ..sums()
-    }
+    cairn::config::pipeline_from_toml(&format!(
+        r#"name = "windows"
+topics = ["t/#"]
+format = "delimited"
+event_id = "0"
+key = "1"
+event_time = "3"
+aggregate = "count"
+window = {{ size = "{WINDOW}ms", allowed_lateness = "{LATENESS}ms" }}
+dedup_window = "366d"
+output_topic = "windows/{{key}}/{{window_start}}"
+emit = "changelog"
+max_key_len = 16
+max_keys = 1000"#
+    ))
+    .unwrap()
 }
 
 /// What the generator makes, so the oracle knows validity without parsing.

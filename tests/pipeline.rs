@@ -7,24 +7,20 @@ use cairn::pipeline::memory::MemState;
 use cairn::pipeline::spec::*;
 
 fn json_spec(aggregate: Aggregate) -> PipelineSpec {
-    let f = Format::Json;
-    PipelineSpec {
-        name: "balances".into(),
-        topics: vec!["payments/#".into()],
-        event_id: Field::parse("/id", &f).unwrap(),
-        key: Field::parse("/account", &f).unwrap(),
-        value: Some(Field::parse("/amount", &f).unwrap()),
-        format: f,
-        event_time: None,
-        aggregate,
-        window: None,
-        dedup_window_ms: 7 * 86_400_000,
-        output_topic: "balances/{key}".into(),
-        retain: true,
-        emit: Emit::Upsert,
-        max_key_len: 32,
-        max_keys: 3,
-    }
+    let mut spec = cairn::config::pipeline_from_toml(
+        r#"name = "balances"
+topics = ["payments/#"]
+event_id = "/id"
+key = "/account"
+value = "/amount"
+aggregate = "sum"
+output_topic = "balances/{key}"
+max_key_len = 32
+max_keys = 3"#,
+    )
+    .unwrap();
+    spec.aggregate = aggregate;
+    spec
 }
 
 struct Harness {

@@ -111,6 +111,21 @@ pub struct SavepointConfig {
     pub keep: usize,
 }
 
+/// Parse one `[[pipeline]]` table body (TOML, without the header) with every default and
+/// check a config file would apply. For tests, benchmarks and tools that need a pipeline
+/// without a whole config: a hand-built `PipelineSpec` would drift from the real defaults.
+pub fn pipeline_from_toml(body: &str) -> Result<PipelineSpec, ConfigError> {
+    let text = format!(
+        "[mqtt]\nclient_id = \"pipeline\"\n[storage]\ndata_dir = \".\"\n[[pipeline]]\n{body}"
+    );
+    let cfg = parse_str(&text, std::path::Path::new("<pipeline>"))?;
+    Ok(cfg
+        .pipelines
+        .into_iter()
+        .next()
+        .expect("exactly one [[pipeline]]"))
+}
+
 impl Config {
     pub fn log_dir(&self) -> PathBuf {
         self.storage.data_dir.join("log")
