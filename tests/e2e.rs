@@ -839,9 +839,14 @@ fn broker_restarted_and_connection_cut_mid_stream_loses_and_doubles_nothing_ackn
         "{} messages, {broker_kills} broker kills, {cuts} cuts, {reconnects} agent connections",
         published.len()
     );
+    // Every broker restart forces a new connection; a cut that lands while the agent is
+    // still in its reconnect backoff from the one before does not, so cuts are not counted
+    // (with faster processing, CI saw 6 connections for 2 restarts and 10 cuts). That the
+    // agent did reconnect after each outage is shown by the results that came after it.
     assert!(
-        reconnects > broker_kills + cuts / 2,
-        "the agent did not reconnect after each outage"
+        reconnects > broker_kills,
+        "{reconnects} connections for {broker_kills} broker restarts: the agent did not \
+         reconnect after each"
     );
     check_state(&exp, &agent.inspect("state"), &agent);
     check_retained(&exp, &retained(broker.port(), exp.len()), &agent);
