@@ -163,7 +163,7 @@ impl Processor {
         if self.engine.pending_records() == 0 {
             return Ok(None);
         }
-        let cp = self.engine.take_checkpoint(&self.store)?;
+        let cp = self.engine.take_checkpoint();
         let fp = |name| {
             crate::failpoint::hit(name).map_err(|source| StoreError::Io {
                 path: self.store.dir().to_path_buf(),
@@ -172,6 +172,8 @@ impl Processor {
         };
         fp("checkpoint.before_commit")?;
         let info = self.store.commit(&cp, now_ms)?;
+        let store = &self.store;
+        self.engine.set_dedup_entries(|name| store.dedup_len(name));
         fp("checkpoint.after_commit")?;
         Ok(Some(info))
     }

@@ -652,6 +652,13 @@ impl Harness {
             ));
         }
         self.figures.recovery_ms = self.agent.recovery_ms();
+        // sled puts log items over 128 KiB in blob files it never fsyncs; the store keeps its
+        // values small so that it never does (src/store/ledger.rs). A blob seen here is a
+        // torn write waiting to happen.
+        let journal = std::fs::read_to_string(&self.agent.stderr).unwrap_or_default();
+        if let Some(line) = journal.lines().find(|l| l.contains("blob_io")) {
+            return Err(format!("sled used blob files: {line}"));
+        }
         compare(
             &self.agent,
             &self.outputs,

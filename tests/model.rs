@@ -199,7 +199,7 @@ fn run(inputs: &[Input], steps: &[Step]) -> (Store, tempfile::TempDir) {
     let mut next = 0usize;
     let commit = |engine: &mut Engine, store: &Store| {
         if engine.pending_records() > 0 {
-            let cp = engine.take_checkpoint(store).unwrap();
+            let cp = engine.take_checkpoint();
             store.commit(&cp, 0).unwrap();
         }
     };

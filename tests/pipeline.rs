@@ -54,8 +54,16 @@ impl Harness {
         self.feed_at(payload.as_bytes(), t)
     }
     fn checkpoint(&mut self) {
-        let cp = self.engine.take_checkpoint(&self.mem).unwrap();
+        let cp = self.engine.take_checkpoint();
         self.mem.commit(&cp);
+        let mem = &self.mem;
+        self.engine.set_dedup_entries(|name| {
+            mem.progress
+                .pipelines
+                .iter()
+                .find(|p| p.name == name)
+                .map_or(0, |p| p.dedup_entries)
+        });
     }
     fn value(&self, key: &str) -> Option<serde_json::Value> {
         self.mem

@@ -14,8 +14,6 @@ use crate::model::{Offset, Record};
 
 /// Longest payload prefix kept in a dead letter.
 pub const DEAD_LETTER_PAYLOAD_MAX: usize = 1024;
-/// Most expired dedup entries removed in one checkpoint (bounds the transaction).
-pub const DEDUP_PRUNE_MAX: usize = 10_000;
 
 /// A failure to read the checkpointed state (an I/O or corruption error in the store).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -30,13 +28,6 @@ pub trait ReadState {
     fn dedup(&self, pipeline: &str, event_id: &str) -> Result<Option<u64>, ReadError>;
     /// State keys of a windowed pipeline whose window start lies in `[from, to)`.
     fn window_keys(&self, pipeline: &str, from: u64, to: u64) -> Result<Vec<Vec<u8>>, ReadError>;
-    /// Up to `limit` ledger entries first seen before `before_ms`, oldest first.
-    fn dedup_expired(
-        &self,
-        pipeline: &str,
-        before_ms: u64,
-        limit: usize,
-    ) -> Result<Vec<(u64, String)>, ReadError>;
 }
 
 /// Counters that live in the checkpoint, so replay recomputes them exactly.
@@ -129,20 +120,18 @@ pub struct DeadLetter {
 pub struct Batch {
     /// `None` deletes (an evicted window).
     pub state: BTreeMap<(String, Vec<u8>), Option<KeyState>>,
-    /// Ledger changes per (pipeline, event ID): record it, or forget an expired one.
-    pub dedup: BTreeMap<(String, String), DedupWrite>,
+    /// Ledger entries recorded by this batch: (pipeline, event ID) → record time (ms) it
+    /// was accepted at. An ID accepted again after its entry expired is recorded again.
+    pub dedup: BTreeMap<(String, String), u64>,
+    /// Per pipeline: ledger entries first seen at or before this record time have expired
+    /// (no later record can be their duplicate) and may be forgotten. The store forgets them
+    /// in whole chunks, so some live on a little longer; dedup decisions never depend on
+    /// when an entry is forgotten, only on its recorded time.
+    pub dedup_expired_at_or_before: Vec<(String, u64)>,
     pub outputs: Vec<(u64, Output)>,
     pub dead_letters: Vec<DeadLetter>,
     /// Records applied into this batch.
     pub records: u64,
-}
-
-/// One ledger change. `old_seen_ms` lets the store remove the entry's old place in the
-/// expiry index; `new_seen_ms` is `None` when an expired entry is forgotten.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DedupWrite {
-    pub old_seen_ms: Option<u64>,
-    pub new_seen_ms: Option<u64>,
 }
 
 /// A complete checkpoint: the progress after it, and the writes that reach it.
@@ -263,7 +252,7 @@ impl Engine {
             self.progress.pipelines[p].counters.duplicates += 1;
             return Ok(Outcome::Duplicate);
         }
-        self.remember(&name, p, content_id, seen, now);
+        self.remember(&name, content_id, now);
         self.progress.pipelines[p].counters.dead_letters += 1;
         self.batch.dead_letters.push(DeadLetter {
             offset: rec.offset,
@@ -278,19 +267,8 @@ impl Engine {
     }
 
     /// Put an ID in the dedup ledger at record time `now`.
-    fn remember(&mut self, name: &str, p: usize, id: String, seen: Option<u64>, now: u64) {
-        if seen.is_none() {
-            self.progress.pipelines[p].dedup_entries += 1;
-        }
-        let entry = self
-            .batch
-            .dedup
-            .entry((name.to_string(), id))
-            .or_insert(DedupWrite {
-                old_seen_ms: seen,
-                new_seen_ms: None,
-            });
-        entry.new_seen_ms = Some(now);
+    fn remember(&mut self, name: &str, id: String, now: u64) {
+        self.batch.dedup.insert((name.to_string(), id), now);
     }
 
     fn apply_one<R: ReadState>(
@@ -429,7 +407,7 @@ impl Engine {
         pp.counters.applied += 1;
         pp.max_version = pp.max_version.max(new.version);
         pp.max_event_time_ms = pp.max_event_time_ms.max(time_ms);
-        self.remember(&name, p, ev.event_id.clone(), seen, now);
+        self.remember(&name, ev.event_id.clone(), now);
         self.batch
             .state
             .insert((name.clone(), skey.clone()), Some(new));
@@ -534,48 +512,42 @@ impl Engine {
         id: &str,
     ) -> Result<Option<u64>, ReadError> {
         match self.batch.dedup.get(&(p.to_string(), id.to_string())) {
-            Some(w) => Ok(w.new_seen_ms),
+            Some(&seen) => Ok(Some(seen)),
             None => base.dedup(p, id),
         }
     }
 
-    /// Close the batch: emit upserts, prune expired dedup entries, and hand over everything
-    /// the checkpoint must write. The engine's progress is already the checkpoint's; if the
-    /// commit then fails, the engine is stale and the process must restart from the store.
-    pub fn take_checkpoint<R: ReadState>(&mut self, base: &R) -> Result<Checkpoint, ReadError> {
+    /// Close the batch: emit upserts, say which dedup entries have expired, and hand over
+    /// everything the checkpoint must write. The engine's progress is already the
+    /// checkpoint's; if the commit then fails, the engine is stale and the process must
+    /// restart from the store.
+    pub fn take_checkpoint(&mut self) -> Checkpoint {
         let touched = std::mem::take(&mut self.touched);
         for ((p, skey), st) in &touched {
             self.emit(*p, skey, st);
         }
         let now = self.progress.log_clock_ms;
-        for p in 0..self.specs.len() {
-            let window = self.specs[p].dedup_window_ms;
-            let Some(before) = now.checked_sub(window) else {
-                continue;
-            };
-            let name = self.specs[p].name.clone();
-            for (seen, id) in
-                base.dedup_expired(&name, before.saturating_add(1), DEDUP_PRUNE_MAX)?
-            {
-                let key = (name.clone(), id);
-                if self.batch.dedup.contains_key(&key) {
-                    continue; // re-seen in this batch: the write already replaces it
-                }
-                self.batch.dedup.insert(
-                    key,
-                    DedupWrite {
-                        old_seen_ms: Some(seen),
-                        new_seen_ms: None,
-                    },
-                );
-                self.progress.pipelines[p].dedup_entries -= 1;
+        for spec in &self.specs {
+            // Expired: `now - seen >= window`, and the log clock never goes back.
+            if let Some(cutoff) = now.checked_sub(spec.dedup_window_ms) {
+                self.batch
+                    .dedup_expired_at_or_before
+                    .push((spec.name.clone(), cutoff));
             }
         }
         self.progress.checkpoint_id += 1;
-        Ok(Checkpoint {
+        Checkpoint {
             progress: self.progress.clone(),
             batch: std::mem::take(&mut self.batch),
-        })
+        }
+    }
+
+    /// Ledger sizes as the store counts them after a commit (they depend on when the store
+    /// forgets expired entries, so the store, not the engine, knows them).
+    pub fn set_dedup_entries(&mut self, count: impl Fn(&str) -> u64) {
+        for pp in &mut self.progress.pipelines {
+            pp.dedup_entries = count(&pp.name);
+        }
     }
 }
 

@@ -24,11 +24,11 @@ impl MemState {
                 None => self.state.remove(&(p.clone(), k.clone())),
             };
         }
-        for ((p, id), w) in &cp.batch.dedup {
-            match w.new_seen_ms {
-                Some(t) => self.dedup.insert((p.clone(), id.clone()), t),
-                None => self.dedup.remove(&(p.clone(), id.clone())),
-            };
+        for ((p, id), seen) in &cp.batch.dedup {
+            self.dedup.insert((p.clone(), id.clone()), *seen);
+        }
+        for (p, cutoff) in &cp.batch.dedup_expired_at_or_before {
+            self.dedup.retain(|(q, _), seen| q != p || *seen > *cutoff);
         }
         for (seq, o) in &cp.batch.outputs {
             if !self.outbox.values().any(|x| x.id == o.id) {
@@ -39,6 +39,9 @@ impl MemState {
             self.dead.insert((d.offset, d.pipeline.clone()), d.clone());
         }
         self.progress = cp.progress.clone();
+        for pp in &mut self.progress.pipelines {
+            pp.dedup_entries = self.dedup.keys().filter(|(q, _)| *q == pp.name).count() as u64;
+        }
     }
 }
 
@@ -65,22 +68,5 @@ impl ReadState for MemState {
             .range(lo..hi)
             .map(|((_, k), _)| k.clone())
             .collect())
-    }
-
-    fn dedup_expired(
-        &self,
-        pipeline: &str,
-        before_ms: u64,
-        limit: usize,
-    ) -> Result<Vec<(u64, String)>, ReadError> {
-        let mut v: Vec<(u64, String)> = self
-            .dedup
-            .iter()
-            .filter(|((p, _), t)| p == pipeline && **t < before_ms)
-            .map(|((_, id), t)| (*t, id.clone()))
-            .collect();
-        v.sort();
-        v.truncate(limit);
-        Ok(v)
     }
 }

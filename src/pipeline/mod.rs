@@ -12,8 +12,8 @@ pub mod topic;
 pub mod value;
 
 pub use engine::{
-    Batch, Checkpoint, Counters, DeadLetter, DedupWrite, Engine, Outcome, Output, PipelineProgress,
-    Progress, ReadError, ReadState,
+    Batch, Checkpoint, Counters, DeadLetter, Engine, Outcome, Output, PipelineProgress, Progress,
+    ReadError, ReadState,
 };
 pub use spec::{Aggregate, Emit, Field, Format, PipelineSpec, WindowSpec};
 pub use value::{Agg, KeyState, Num};

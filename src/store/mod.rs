@@ -11,10 +11,13 @@
 //!   `tests/checkpoint.rs::a_crash_before_commit_leaves_the_previous_checkpoint`).
 //! - `next_offset` never decreases and `checkpoint_id` rises by one per commit
 //!   (`store::tests::commit_advances_progress`).
-//! - Inserting an outbox entry whose ID is already there is a no-op
+//! - Inserting an outbox entry whose ID is already waiting is a no-op
 //!   (`store::tests::outbox_insert_is_idempotent_by_id`).
-//! - Outbox deletions (on PUBACK) are not fsynced: losing one in a crash only re-sends an
-//!   entry with the same ID, which consumers drop.
+//! - Outbox deletions (on PUBACK) are not fsynced: losing one in a crash only re-sends
+//!   entries with the same IDs, which consumers drop.
+//! - A dedup lookup answers exactly what a per-ID ledger would
+//!   (`store::tests::the_chunked_ledger_answers_like_a_map`): the in-memory index only
+//!   decides where to look (see [`ledger`]).
 //!
 //! # Why the extra fsyncs (DESIGN §4)
 //!
@@ -29,17 +32,23 @@
 //!   keys are bounded by `max_key_len`, outputs by the key and a few numbers, dead letters
 //!   keep at most 1 KiB of payload.
 //!
-//! # Layout
+//! # Layout (store format 2)
 //!
 //! One tree per kind; pipeline-scoped keys start with `pipeline_name 0x00` (names cannot
-//! contain NUL). `state`: p·skey → KeyState; `dedup`: p·event_id → seen_ms;
-//! `dedup_exp`: p·seen_ms·event_id → () (the expiry index); `outbox`: seq → Output;
-//! `outbox_ids`: id → seq; `dead`: offset·p → DeadLetter; `meta`: `progress` → Progress;
+//! contain NUL). `state`: p·skey → KeyState; `dedup`: p·min_seen·checkpoint·part → a chunk
+//! of ledger entries ([`ledger`]); `outbox`: first_seq → a chunk of outputs ([`outbox`]);
+//! `dead`: offset·p → DeadLetter; `meta`: `progress` → Progress, `format` → 2;
 //! `checkpoints`: id → CheckpointInfo (the newest [`CHECKPOINT_HISTORY`]).
+//!
+//! Format 1 kept one sled key per ledger entry (plus an expiry index) and per output (plus
+//! an ID index): about seven sled writes per event, the largest cost of processing
+//! (issue 7's profile). Format 2 writes one value per chunk of a few hundred.
 
+use std::collections::HashMap;
 use std::fs;
+use std::hash::{BuildHasher, RandomState};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde::{Deserialize, Serialize};
 
@@ -53,6 +62,15 @@ use crate::pipeline::value::KeyState;
 pub const CHECKPOINT_HISTORY: u64 = 1000;
 
 const PROGRESS_KEY: &[u8] = b"progress";
+const FORMAT_KEY: &[u8] = b"format";
+/// The layout this build reads and writes (see the module docs).
+pub const STORE_FORMAT: u32 = 2;
+
+mod index;
+pub mod ledger;
+mod outbox;
+use ledger::{Chunk, ChunkCache, Ledger};
+use outbox::OutboxMem;
 
 mod savepoint;
 pub use savepoint::{
@@ -80,6 +98,12 @@ pub enum StoreError {
     Sled(#[from] sled::Error),
     #[error("the store is corrupt: {0}")]
     Corrupt(String),
+    #[error(
+        "the store at {path} has layout {found}, this cairn reads layout {STORE_FORMAT}. Move it \
+         aside (`mv {path} {path}.old`) and start again: the state is rebuilt from the log if \
+         it still starts at offset 0 (`cairn inspect log --limit 1`)"
+    )]
+    Format { path: PathBuf, found: u32 },
 }
 
 impl StoreError {
@@ -118,14 +142,24 @@ pub struct Store {
     meta: sled::Tree,
     state: sled::Tree,
     dedup: sled::Tree,
-    dedup_exp: sled::Tree,
     outbox: sled::Tree,
-    outbox_ids: sled::Tree,
     dead: sled::Tree,
     checkpoints: sled::Tree,
-    /// Entries in `outbox`, kept here because sled's `len()` walks the whole tree and the
-    /// agent asks for it every loop pass.
-    outbox_count: std::sync::atomic::AtomicUsize,
+    /// What is kept in memory beside the trees, rebuilt from them at open. A mutex, not a
+    /// `RefCell`, so that the store stays `Sync`; only the agent's thread takes it.
+    mem: Mutex<Mem>,
+    /// Hashes event IDs for the ledger index. Random per process: the index only decides
+    /// where to look, never what is decided, and hostile IDs cannot aim at its buckets.
+    hasher: RandomState,
+}
+
+#[derive(Default)]
+struct Mem {
+    ledgers: HashMap<String, Ledger>,
+    chunks: ChunkCache,
+    outbox: OutboxMem,
+    /// Reused by lookups.
+    candidates: Vec<(u64, u64)>,
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
@@ -192,21 +226,69 @@ impl Store {
             meta: t("meta")?,
             state: t("state")?,
             dedup: t("dedup")?,
-            dedup_exp: t("dedup_exp")?,
             outbox: t("outbox")?,
-            outbox_ids: t("outbox_ids")?,
             dead: t("dead")?,
             checkpoints: t("checkpoints")?,
-            outbox_count: Default::default(),
+            mem: Mutex::default(),
+            hasher: RandomState::new(),
             db,
             dir: dir.to_path_buf(),
             sync,
         };
+        store.check_format()?;
         store.make_files_durable()?;
-        store
-            .outbox_count
-            .store(store.outbox.len(), Ordering::SeqCst);
+        store.load()?;
         Ok(store)
+    }
+
+    /// A store without a progress record is new and gets this build's layout; one with a
+    /// progress record but another layout is refused, never misread.
+    fn check_format(&self) -> Result<(), StoreError> {
+        let found = match self.meta.get(FORMAT_KEY)? {
+            Some(v) => u32::from_be_bytes(
+                v.as_ref()
+                    .try_into()
+                    .map_err(|_| StoreError::Corrupt("bad format record".into()))?,
+            ),
+            None if self.meta.get(PROGRESS_KEY)?.is_none() => {
+                self.meta.insert(FORMAT_KEY, &STORE_FORMAT.to_be_bytes())?;
+                STORE_FORMAT
+            }
+            None => 1,
+        };
+        if found != STORE_FORMAT {
+            return Err(StoreError::Format {
+                path: self.dir.clone(),
+                found,
+            });
+        }
+        Ok(())
+    }
+
+    /// Rebuild the in-memory ledger index and outbox bookkeeping from the trees.
+    fn load(&self) -> Result<(), StoreError> {
+        let mut mem = self.lock();
+        for kv in self.dedup.iter() {
+            let (k, v) = kv?;
+            let (p, suffix) = split_pkey(&k)?;
+            let chunk: Chunk = decode("ledger chunk", &v)?;
+            mem.ledgers
+                .entry(p)
+                .or_default()
+                .add_chunk(&self.hasher, suffix.to_vec(), &chunk);
+        }
+        for kv in self.outbox.iter() {
+            let (k, v) = kv?;
+            let entries: Vec<(u64, Output)> = decode("outbox chunk", &v)?;
+            mem.outbox.add_chunk(u64_of(&k)?, Arc::new(entries));
+        }
+        Ok(())
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Mem> {
+        self.mem
+            .lock()
+            .expect("only the agent's thread uses the store")
     }
 
     /// sled never fsyncs `conf`, `blobs/` or its directory; do it so a power cut right after
@@ -266,23 +348,52 @@ impl Store {
                 None => state.remove(pkey(p, skey)),
             }
         }
+        let mut mem = self.lock();
+        let mem = &mut *mem;
+
+        // The ledger: this checkpoint's entries as new chunks, wholly expired chunks out.
+        let mut by_pipeline: HashMap<&str, Vec<(String, u64)>> = HashMap::new();
+        for ((p, id), seen) in &b.dedup {
+            by_pipeline
+                .entry(p.as_str())
+                .or_default()
+                .push((id.clone(), *seen));
+        }
         let mut dedup = sled::Batch::default();
-        let mut dedup_exp = sled::Batch::default();
-        for ((p, id), w) in &b.dedup {
-            if let Some(old) = w.old_seen_ms {
-                dedup_exp.remove(pkey(p, &[&old.to_be_bytes()[..], id.as_bytes()].concat()));
-            }
-            match w.new_seen_ms {
-                Some(seen) => {
-                    dedup.insert(pkey(p, id.as_bytes()), &seen.to_be_bytes());
-                    dedup_exp.insert(
-                        pkey(p, &[&seen.to_be_bytes()[..], id.as_bytes()].concat()),
-                        &[],
-                    );
-                }
-                None => dedup.remove(pkey(p, id.as_bytes())),
+        let mut added: Vec<(String, Vec<u8>, Chunk)> = Vec::new();
+        for (p, entries) in by_pipeline {
+            for (suffix, chunk) in ledger::make_chunks(entries, cp.progress.checkpoint_id) {
+                dedup.insert(pkey(p, &suffix), encode(&chunk));
+                added.push((p.to_string(), suffix, chunk));
             }
         }
+        let mut dropped: Vec<(String, Vec<u8>, Chunk)> = Vec::new();
+        for (p, cutoff) in &b.dedup_expired_at_or_before {
+            let Some(l) = mem.ledgers.get(p) else {
+                continue;
+            };
+            for suffix in l.expired(*cutoff, ledger::EXPIRE_CHUNKS_MAX) {
+                let key = pkey(p, &suffix);
+                let chunk = self.ledger_chunk(&mut mem.chunks, &key)?;
+                dedup.remove(key);
+                dropped.push((p.clone(), suffix, Chunk::clone(&chunk)));
+            }
+        }
+
+        // The outbox: IDs already waiting are not inserted again (invariant 6).
+        let mut fresh = Vec::with_capacity(b.outputs.len());
+        let mut seen_ids = std::collections::HashSet::new();
+        for (seq, out) in &b.outputs {
+            if !mem.outbox.contains_id(&out.id) && seen_ids.insert(out.id.as_str()) {
+                fresh.push((*seq, out.clone()));
+            }
+        }
+        let out_chunks = outbox::make_chunks(fresh);
+        let mut outbox = sled::Batch::default();
+        for (first, entries) in &out_chunks {
+            outbox.insert(&first.to_be_bytes(), encode(entries));
+        }
+
         let mut dead = sled::Batch::default();
         for d in &b.dead_letters {
             dead.insert(pkey_dead(d.offset, &d.pipeline), encode(d));
@@ -296,54 +407,102 @@ impl Store {
             dead_letters: b.dead_letters.len() as u64,
             committed_at_ms,
         };
-        let progress = encode(&cp.progress);
-        let inserted = std::cell::Cell::new(0usize);
+        let mut checkpoints = sled::Batch::default();
+        checkpoints.insert(&info.id.to_be_bytes(), encode(&info));
+        if info.id > CHECKPOINT_HISTORY {
+            checkpoints.remove(&(info.id - CHECKPOINT_HISTORY).to_be_bytes());
+        }
+        // The ledger sizes this checkpoint leaves, recorded with it.
+        let mut progress = cp.progress.clone();
+        for pp in &mut progress.pipelines {
+            let mut n = mem.ledgers.get(&pp.name).map_or(0, |l| l.index.len()) as u64;
+            for (p, _, c) in &added {
+                if *p == pp.name {
+                    n += c.entries.len() as u64;
+                }
+            }
+            for (p, _, c) in &dropped {
+                if *p == pp.name {
+                    n -= c.entries.len() as u64;
+                }
+            }
+            pp.dedup_entries = n;
+        }
+        let progress = encode(&progress);
         let trees = [
             &self.meta,
             &self.state,
             &self.dedup,
-            &self.dedup_exp,
             &self.outbox,
-            &self.outbox_ids,
             &self.dead,
             &self.checkpoints,
         ];
         trees[..]
             .transaction(|tx| {
-                let (meta, st, dd, dx, ob, oi, dl, ck) = (
-                    &tx[0], &tx[1], &tx[2], &tx[3], &tx[4], &tx[5], &tx[6], &tx[7],
-                );
-                st.apply_batch(&state)?;
-                dd.apply_batch(&dedup)?;
-                dx.apply_batch(&dedup_exp)?;
-                dl.apply_batch(&dead)?;
-                inserted.set(0); // the closure may run again after a conflict
-                for (seq, out) in &b.outputs {
-                    // Invariant 6: an ID already in the outbox is not inserted again.
-                    if oi.get(out.id.as_bytes())?.is_none() {
-                        oi.insert(out.id.as_bytes(), &seq.to_be_bytes())?;
-                        ob.insert(&seq.to_be_bytes(), encode(out))?;
-                        inserted.set(inserted.get() + 1);
-                    }
-                }
-                ck.insert(&info.id.to_be_bytes(), encode(&info))?;
-                if info.id > CHECKPOINT_HISTORY {
-                    ck.remove(&(info.id - CHECKPOINT_HISTORY).to_be_bytes())?;
-                }
-                meta.insert(PROGRESS_KEY, progress.as_slice())?;
+                tx[1].apply_batch(&state)?;
+                tx[2].apply_batch(&dedup)?;
+                tx[3].apply_batch(&outbox)?;
+                tx[4].apply_batch(&dead)?;
+                tx[5].apply_batch(&checkpoints)?;
+                tx[0].insert(PROGRESS_KEY, progress.as_slice())?;
                 Ok::<(), sled::transaction::ConflictableTransactionError<()>>(())
             })
             .map_err(|e| match e {
                 sled::transaction::TransactionError::Storage(e) => StoreError::Sled(e),
                 sled::transaction::TransactionError::Abort(()) => unreachable!("never aborts"),
             })?;
-        self.outbox_count
-            .fetch_add(inserted.get(), Ordering::SeqCst);
+        // The trees hold it now (durable after the fsync below; if that fails the process
+        // stops, and this memory with it).
+        for (p, suffix, chunk) in dropped {
+            mem.chunks.forget(&pkey(&p, &suffix));
+            if let Some(l) = mem.ledgers.get_mut(&p) {
+                l.remove_chunk(&self.hasher, &suffix, &chunk);
+            }
+        }
+        for (p, suffix, chunk) in added {
+            let l = mem.ledgers.entry(p.clone()).or_default();
+            l.add_chunk(&self.hasher, suffix.clone(), &chunk);
+            mem.chunks.put(pkey(&p, &suffix), Arc::new(chunk));
+        }
+        for (first, entries) in out_chunks {
+            mem.outbox.add_chunk(first, Arc::new(entries));
+        }
         let fp = |name| crate::failpoint::hit(name).map_err(io_err(&self.dir));
         fp("checkpoint.before_fsync")?;
         self.sync()?;
         fp("checkpoint.after_fsync")?;
         Ok(info)
+    }
+
+    /// A ledger chunk, from the cache or the tree.
+    fn ledger_chunk(&self, cache: &mut ChunkCache, key: &[u8]) -> Result<Arc<Chunk>, StoreError> {
+        if let Some(c) = cache.get(key) {
+            return Ok(c);
+        }
+        let v = self
+            .dedup
+            .get(key)?
+            .ok_or_else(|| StoreError::Corrupt("a ledger chunk in the index is missing".into()))?;
+        let c = Arc::new(decode::<Chunk>("ledger chunk", &v)?);
+        cache.put(key.to_vec(), c.clone());
+        Ok(c)
+    }
+
+    /// Ledger entries per pipeline after the last commit (what `dedup_entries` reports).
+    pub fn dedup_len(&self, pipeline: &str) -> u64 {
+        self.lock()
+            .ledgers
+            .get(pipeline)
+            .map_or(0, |l| l.index.len() as u64)
+    }
+
+    /// Bytes the in-memory ledger index holds (for the footprint figures).
+    pub fn ledger_index_bytes(&self) -> usize {
+        self.lock()
+            .ledgers
+            .values()
+            .map(|l| l.index.memory_bytes())
+            .sum()
     }
 
     /// `flush()` and then the real fsync that `flush()` alone does not give.
@@ -364,26 +523,18 @@ impl Store {
     /// and dead letters stay: they were results and refusals of the old definition.
     pub fn reset_pipeline(&self, pipeline: &str, progress: &Progress) -> Result<(), StoreError> {
         let prefix = pkey(pipeline, &[]);
-        let mut batches = [
-            sled::Batch::default(),
-            sled::Batch::default(),
-            sled::Batch::default(),
-        ];
-        for (i, tree) in [&self.state, &self.dedup, &self.dedup_exp]
-            .into_iter()
-            .enumerate()
-        {
+        let mut batches = [sled::Batch::default(), sled::Batch::default()];
+        for (i, tree) in [&self.state, &self.dedup].into_iter().enumerate() {
             for k in tree.scan_prefix(&prefix).keys() {
                 batches[i].remove(k?);
             }
         }
         let progress = encode(progress);
-        let trees = [&self.meta, &self.state, &self.dedup, &self.dedup_exp];
+        let trees = [&self.meta, &self.state, &self.dedup];
         trees[..]
             .transaction(|tx| {
                 tx[1].apply_batch(&batches[0])?;
                 tx[2].apply_batch(&batches[1])?;
-                tx[3].apply_batch(&batches[2])?;
                 tx[0].insert(PROGRESS_KEY, progress.as_slice())?;
                 Ok::<(), sled::transaction::ConflictableTransactionError<()>>(())
             })
@@ -391,34 +542,70 @@ impl Store {
                 sled::transaction::TransactionError::Storage(e) => StoreError::Sled(e),
                 sled::transaction::TransactionError::Abort(()) => unreachable!("never aborts"),
             })?;
+        let mut mem = self.lock();
+        mem.ledgers.remove(pipeline);
+        mem.chunks.clear();
+        drop(mem);
         self.sync()
     }
 
     // ---- outbox (publisher side) ----
 
-    /// Outbox entries with sequence number ≥ `from`, in order.
+    /// Waiting outbox entries with sequence number ≥ `from`, in order. Entries of the last
+    /// checkpoints come from memory; older ones are read from the tree a chunk at a time.
     pub fn outbox_from(
         &self,
         from: u64,
     ) -> impl Iterator<Item = Result<(u64, Output), StoreError>> + '_ {
-        self.outbox.range(from.to_be_bytes()..).map(|r| {
-            let (k, v) = r?;
-            Ok((u64_of(&k)?, decode("outbox entry", &v)?))
+        let mut next = from;
+        std::iter::from_fn(move || {
+            let mut mem = self.lock();
+            let (seq, first) = mem.outbox.next_from(next)?;
+            next = seq + 1;
+            let chunk = match mem.outbox.cached(first) {
+                Some(c) => c,
+                None => {
+                    let read = self
+                        .outbox
+                        .get(first.to_be_bytes())
+                        .map_err(StoreError::from);
+                    let c = match read {
+                        Ok(Some(v)) => match decode::<Vec<(u64, Output)>>("outbox chunk", &v) {
+                            Ok(c) => Arc::new(c),
+                            Err(e) => return Some(Err(e)),
+                        },
+                        Ok(None) => {
+                            return Some(Err(StoreError::Corrupt(format!(
+                                "outbox chunk {first} is missing"
+                            ))));
+                        }
+                        Err(e) => return Some(Err(e)),
+                    };
+                    mem.outbox.cache_put(first, c.clone());
+                    c
+                }
+            };
+            let found = chunk
+                .binary_search_by_key(&seq, |(s, _)| *s)
+                .map(|i| chunk[i].clone())
+                .map_err(|_| StoreError::Corrupt(format!("outbox entry {seq} is missing")));
+            Some(found)
         })
     }
 
-    /// Delete a published entry (on PUBACK). Not fsynced: see the module docs.
+    /// An entry was published and acknowledged (on PUBACK). The chunk it is in is deleted
+    /// when nothing in it waits any more; not fsynced: see the module docs.
     pub fn outbox_delete(&self, seq: u64, id: &str) -> Result<(), StoreError> {
-        if self.outbox.remove(seq.to_be_bytes())?.is_some() {
-            self.outbox_count.fetch_sub(1, Ordering::SeqCst);
+        let done = self.lock().outbox.ack(seq, id);
+        if let Some(first) = done {
+            self.outbox.remove(first.to_be_bytes())?;
         }
-        self.outbox_ids.remove(id.as_bytes())?;
         Ok(())
     }
 
     /// Entries waiting in the outbox (O(1)).
     pub fn outbox_len(&self) -> usize {
-        self.outbox_count.load(Ordering::SeqCst)
+        self.lock().outbox.len()
     }
 
     // ---- inspection ----
@@ -443,7 +630,7 @@ impl Store {
         self.state.len()
     }
 
-    /// Every ledger entry: (pipeline, event ID, seen_ms).
+    /// Every ledger entry: (pipeline, event ID, seen_ms), chunk by chunk.
     pub fn dedup_entries(
         &self,
         pipeline: Option<&str>,
@@ -452,10 +639,20 @@ impl Store {
             Some(p) => self.dedup.scan_prefix(pkey(p, &[])),
             None => self.dedup.iter(),
         };
-        it.map(|r| {
-            let (k, v) = r?;
-            let (p, id) = split_pkey(&k)?;
-            Ok((p, String::from_utf8_lossy(id).into_owned(), u64_of(&v)?))
+        it.flat_map(|r| {
+            let chunk = r.map_err(StoreError::from).and_then(|(k, v)| {
+                let (p, _) = split_pkey(&k)?;
+                Ok((p, decode::<Chunk>("ledger chunk", &v)?))
+            });
+            let items: Vec<Result<(String, String, u64), StoreError>> = match chunk {
+                Ok((p, c)) => c
+                    .entries
+                    .into_iter()
+                    .map(|(id, seen)| Ok((p.clone(), id, seen)))
+                    .collect(),
+                Err(e) => vec![Err(e)],
+            };
+            items
         })
     }
 
@@ -577,14 +774,25 @@ impl ReadState for Store {
     }
 
     fn dedup(&self, pipeline: &str, event_id: &str) -> Result<Option<u64>, ReadError> {
-        match self
-            .dedup
-            .get(pkey(pipeline, event_id.as_bytes()))
-            .map_err(|e| read_err(e.into()))?
-        {
-            None => Ok(None),
-            Some(v) => u64_of(&v).map(Some).map_err(read_err),
+        let mut mem = self.lock();
+        let mem = &mut *mem;
+        let Some(l) = mem.ledgers.get(pipeline) else {
+            return Ok(None);
+        };
+        let hash = self.hasher.hash_one(event_id.as_bytes());
+        l.index.candidates(hash, &mut mem.candidates);
+        let mut best = None;
+        for &(lo, hi) in &mem.candidates {
+            for suffix in l.chunks_covering(lo, hi) {
+                let chunk = self
+                    .ledger_chunk(&mut mem.chunks, &pkey(pipeline, &suffix))
+                    .map_err(read_err)?;
+                if let Some(seen) = chunk.get(event_id) {
+                    best = best.max(Some(seen));
+                }
+            }
         }
+        Ok(best)
     }
 
     fn window_keys(&self, pipeline: &str, from: u64, to: u64) -> Result<Vec<Vec<u8>>, ReadError> {
@@ -596,27 +804,6 @@ impl ReadState for Store {
             .map(|r| {
                 r.map(|(k, _)| k[plen..].to_vec())
                     .map_err(|e| read_err(e.into()))
-            })
-            .collect()
-    }
-
-    fn dedup_expired(
-        &self,
-        pipeline: &str,
-        before_ms: u64,
-        limit: usize,
-    ) -> Result<Vec<(u64, String)>, ReadError> {
-        let lo = pkey(pipeline, &[]);
-        let hi = pkey(pipeline, &before_ms.to_be_bytes());
-        let plen = pipeline.len() + 1;
-        self.dedup_exp
-            .range(lo..hi)
-            .take(limit)
-            .map(|r| {
-                let (k, _) = r.map_err(|e| read_err(e.into()))?;
-                let rest = &k[plen..];
-                let seen = u64_of(&rest[..8]).map_err(read_err)?;
-                Ok((seen, String::from_utf8_lossy(&rest[8..]).into_owned()))
             })
             .collect()
     }

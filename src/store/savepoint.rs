@@ -5,8 +5,7 @@
 //! # Guarantees
 //!
 //! - **A savepoint is exactly one checkpoint.** [`Store::write_savepoint`] copies every
-//!   checkpoint tree (`meta`, `state`, `dedup`, `dedup_exp`, `outbox`, `outbox_ids`, `dead`,
-//!   `checkpoints`). It is consistent because nothing commits while it runs: the agent calls
+//!   checkpoint tree (`meta`, `state`, `dedup`, `outbox`, `dead`, `checkpoints`). It is consistent because nothing commits while it runs: the agent calls
 //!   it on its own thread between two checkpoints (the same thread that commits and deletes
 //!   outbox entries), and `cairn savepoint create` holds the store lock, so no agent runs.
 //!   The progress record is read before and after the copy and must not have changed (an
@@ -30,7 +29,7 @@
 //!
 //! Tests: `tests/savepoint.rs`.
 //!
-//! # Format (version 1; integers little-endian)
+//! # Format (version 2; integers little-endian)
 //!
 //! ```text
 //! header   "CAIRNSP\0" | version u32 | flags u32 (0) | checkpoint_id u64 | next_offset u64
@@ -40,7 +39,9 @@
 //! ```
 //!
 //! Keys and values are the trees' own bytes (big-endian integers and postcard), so the file
-//! is independent of sled's on-disk format. Tree numbers are [`TREES`]' indices.
+//! is independent of sled's on-disk format. Tree numbers are [`TREES`]' indices. Version 1
+//! held store format 1's trees (a key per ledger entry and per output); this build refuses
+//! it by its version number rather than misread it.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
@@ -51,7 +52,7 @@ use crate::fsio::{Durability, SyncKind};
 
 const MAGIC: &[u8; 8] = b"CAIRNSP\0";
 const END_MAGIC: &[u8; 8] = b"CAIRNEND";
-pub const SAVEPOINT_FORMAT_VERSION: u32 = 1;
+pub const SAVEPOINT_FORMAT_VERSION: u32 = 2;
 const HEADER_LEN: usize = 52;
 const TRAILER_LEN: u64 = 12;
 /// No tree key or value comes near this (values stay below sled's 128 KiB blob threshold);
@@ -64,16 +65,7 @@ const FILE_SUFFIX: &str = ".cairn";
 const TMP_PREFIX: &str = ".savepoint-";
 
 /// The checkpoint trees, in file order; an entry's tree byte is the index here.
-pub const TREES: [&str; 8] = [
-    "meta",
-    "state",
-    "dedup",
-    "dedup_exp",
-    "outbox",
-    "outbox_ids",
-    "dead",
-    "checkpoints",
-];
+pub const TREES: [&str; 6] = ["meta", "state", "dedup", "outbox", "dead", "checkpoints"];
 
 /// What a savepoint file's header says, plus where it is and how big.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -180,14 +172,12 @@ impl<W: Write> Write for CrcWriter<W> {
 }
 
 impl Store {
-    fn trees(&self) -> [&sled::Tree; 8] {
+    fn trees(&self) -> [&sled::Tree; 6] {
         [
             &self.meta,
             &self.state,
             &self.dedup,
-            &self.dedup_exp,
             &self.outbox,
-            &self.outbox_ids,
             &self.dead,
             &self.checkpoints,
         ]
@@ -535,7 +525,7 @@ fn build_store(
     Ok(())
 }
 
-fn apply_batches(trees: &[&sled::Tree; 8], batches: &mut [sled::Batch]) -> Result<(), StoreError> {
+fn apply_batches(trees: &[&sled::Tree; 6], batches: &mut [sled::Batch]) -> Result<(), StoreError> {
     for (tree, batch) in trees.iter().zip(batches.iter_mut()) {
         tree.apply_batch(std::mem::take(batch))?;
     }

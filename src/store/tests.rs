@@ -39,7 +39,7 @@ fn commit_advances_progress() {
     let mut engine = Engine::new(vec![spec()], store.progress().unwrap());
     engine.apply(&store, &rec(0, "E1/A/5")).unwrap();
     let before = sync.file_syncs();
-    let cp = engine.take_checkpoint(&store).unwrap();
+    let cp = engine.take_checkpoint();
     let info = store.commit(&cp, 0).unwrap();
     assert!(sync.file_syncs() > before, "commit must fsync the db file");
     assert_eq!((info.id, info.prev_offset, info.next_offset), (1, 0, 1));
@@ -47,9 +47,7 @@ fn commit_advances_progress() {
     assert_eq!(p.next_offset, 1);
     assert_eq!(p.checkpoint_id, 1);
     engine.apply(&store, &rec(1, "E2/A/7")).unwrap();
-    let info = store
-        .commit(&engine.take_checkpoint(&store).unwrap(), 0)
-        .unwrap();
+    let info = store.commit(&engine.take_checkpoint(), 0).unwrap();
     assert_eq!((info.id, info.prev_offset, info.next_offset), (2, 1, 2));
     assert_eq!(store.checkpoints().count(), 2);
     drop(store);
@@ -67,7 +65,7 @@ fn outbox_insert_is_idempotent_by_id() {
     let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
     let mut engine = Engine::new(vec![spec()], store.progress().unwrap());
     engine.apply(&store, &rec(0, "E1/A/5")).unwrap();
-    let mut cp = engine.take_checkpoint(&store).unwrap();
+    let mut cp = engine.take_checkpoint();
     assert_eq!(cp.batch.outputs.len(), 1);
     let dup = cp.batch.outputs[0].clone();
     cp.batch.outputs.push((dup.0 + 1, dup.1));
@@ -96,7 +94,169 @@ fn a_failed_fsync_fails_the_commit() {
     let store = Store::open(dir.path(), 1 << 20, sync.clone()).unwrap();
     let mut engine = Engine::new(vec![spec()], store.progress().unwrap());
     engine.apply(&store, &rec(0, "E1/A/5")).unwrap();
-    let cp = engine.take_checkpoint(&store).unwrap();
+    let cp = engine.take_checkpoint();
     sync.fail.store(true, std::sync::atomic::Ordering::SeqCst);
     assert!(store.commit(&cp, 0).is_err());
+}
+
+mod ledger_model {
+    use super::*;
+    use crate::pipeline::memory::MemState;
+    use proptest::prelude::*;
+
+    fn spec_with_window(window_ms: u64) -> PipelineSpec {
+        let mut s = spec();
+        s.dedup_window_ms = window_ms;
+        s.max_keys = 1_000_000;
+        s
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// Event with ID `E{n}` after the log clock moves on by `dt` ms.
+        Event(u8, u64),
+        Checkpoint,
+        Reopen,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            8 => (0u8..40, prop_oneof![Just(0u64), 0u64..30, 500u64..3000]).prop_map(|(n, dt)| Op::Event(n, dt)),
+            2 => Just(Op::Checkpoint),
+            1 => Just(Op::Reopen),
+        ]
+    }
+
+    /// The same records through an engine over the sled store (chunked ledger, fingerprint
+    /// index, chunk expiry, reopened now and then) and an engine over a plain map: every
+    /// decision must be the same, and the ledger must hold every unexpired entry.
+    fn check(ops: &[Op], window_ms: u64) -> Result<(), TestCaseError> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("store");
+        let mut store = Store::open(&path, 1 << 20, fsio::real()).unwrap();
+        let specs = vec![spec_with_window(window_ms)];
+        let mut e_store = Engine::new(specs.clone(), store.progress().unwrap());
+        let mut mem = MemState::default();
+        let mut e_mem = Engine::new(specs, mem.progress.clone());
+        let (mut offset, mut clock) = (0u64, 1_000_000u64);
+        for op in ops {
+            match op {
+                Op::Event(n, dt) => {
+                    clock += dt;
+                    let r = Record {
+                        offset,
+                        received_at_ms: clock,
+                        topic: "payments/x".into(),
+                        payload: format!("E{n}/K{}/1", n % 3).into_bytes(),
+                        qos: 1,
+                        retain: false,
+                    };
+                    offset += 1;
+                    let a = e_store.apply(&store, &r).unwrap();
+                    let b = e_mem.apply(&mem, &r).unwrap();
+                    prop_assert_eq!(a, b, "record {} (E{}, t={})", r.offset, n, clock);
+                }
+                Op::Checkpoint => {
+                    if e_store.pending_records() > 0 {
+                        store.commit(&e_store.take_checkpoint(), 0).unwrap();
+                        mem.commit(&e_mem.take_checkpoint());
+                        let cutoff = clock.saturating_sub(window_ms);
+                        let live: std::collections::BTreeSet<_> = mem
+                            .dedup
+                            .iter()
+                            .map(|((_, id), t)| (id.clone(), *t))
+                            .collect();
+                        let held: std::collections::BTreeSet<_> = store
+                            .dedup_entries(None)
+                            .map(|r| r.unwrap())
+                            .map(|(_, id, t)| (id, t))
+                            .collect();
+                        prop_assert!(held.is_superset(&live), "an unexpired entry is missing");
+                        prop_assert!(
+                            held.difference(&live).all(|(_, t)| *t <= cutoff),
+                            "only expired entries may linger"
+                        );
+                        prop_assert_eq!(store.dedup_len("balances"), held.len() as u64);
+                    }
+                }
+                Op::Reopen => {
+                    // Uncommitted work is lost, as in a crash: both engines start again
+                    // from the last checkpoint, and the log offset with them.
+                    drop(store);
+                    store = Store::open(&path, 1 << 20, fsio::real()).unwrap();
+                    let specs = vec![spec_with_window(window_ms)];
+                    e_store = Engine::new(specs.clone(), store.progress().unwrap());
+                    e_mem = Engine::new(specs, mem.progress.clone());
+                    offset = store.progress().unwrap().next_offset;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+        #[test]
+        fn the_chunked_ledger_answers_like_a_map(
+            ops in proptest::collection::vec(op(), 1..300),
+            window_ms in prop_oneof![Just(1u64), 10u64..100, 1000u64..5000],
+        ) {
+            check(&ops, window_ms)?;
+        }
+    }
+
+    #[test]
+    fn a_large_ledger_spans_many_chunks_and_survives_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("store");
+        let store = Store::open(&path, 1 << 20, fsio::real()).unwrap();
+        let mut s = spec_with_window(u64::MAX / 2);
+        s.max_keys = 10;
+        let mut engine = Engine::new(vec![s.clone()], store.progress().unwrap());
+        for i in 0..5_000u64 {
+            let payload = format!("event-{i:06}-{}/A/1", "x".repeat((i % 97) as usize));
+            engine.apply(&store, &rec(i, &payload)).unwrap();
+        }
+        store.commit(&engine.take_checkpoint(), 0).unwrap();
+        assert_eq!(store.dedup_len("balances"), 5_000);
+        drop(store);
+        let store = Store::open(&path, 1 << 20, fsio::real()).unwrap();
+        assert_eq!(store.dedup_len("balances"), 5_000);
+        let chunks = store.dedup.len();
+        assert!(chunks >= 10, "{chunks} chunks");
+        // sled writes a leaf node as one item and puts items over 128 KiB in blob files it
+        // never fsyncs: the chunks must be small enough that no node gets there.
+        store.sync().unwrap();
+        let blobs = std::fs::read_dir(path.join("blobs")).map_or(0, |d| d.count());
+        assert_eq!(blobs, 0, "sled wrote blob files");
+        let mut engine = Engine::new(vec![s], store.progress().unwrap());
+        for i in (0..5_000u64).step_by(7) {
+            let payload = format!("event-{i:06}-{}/A/1", "x".repeat((i % 97) as usize));
+            let o = engine.apply(&store, &rec(5_000 + i, &payload)).unwrap();
+            assert_eq!(
+                o,
+                vec![crate::pipeline::engine::Outcome::Duplicate],
+                "event {i}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_store_of_another_layout_is_refused_not_misread() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    let mut engine = Engine::new(vec![spec()], store.progress().unwrap());
+    engine.apply(&store, &rec(0, "E1/A/5")).unwrap();
+    store.commit(&engine.take_checkpoint(), 0).unwrap();
+    // A format-1 store has a progress record and no format record.
+    store.meta.remove(FORMAT_KEY).unwrap();
+    store.sync().unwrap();
+    drop(store);
+    let err = Store::open(dir.path(), 1 << 20, fsio::real())
+        .err()
+        .unwrap();
+    assert!(matches!(err, StoreError::Format { found: 1, .. }), "{err}");
+    assert!(err.to_string().contains("rebuilt from the log"), "{err}");
 }

@@ -1,0 +1,246 @@
+//! The dedup ledger on disk and in memory.
+//!
+//! On disk (tree `dedup`), each checkpoint writes the IDs it accepted as a few *chunks*, one
+//! sled value each, instead of one key per ID: that was two sled writes per event (the entry
+//! and its expiry index) and, with the reads, the largest cost of a checkpoint.
+//!
+//! - Key: `pipeline 0x00 | min_seen_ms u64 BE | checkpoint_id u64 BE | part u32 BE`.
+//! - Value: [`Chunk`]: its greatest record time and its entries, sorted by ID.
+//! - A checkpoint's entries are sorted by (record time, ID) and cut into parts of at most
+//!   [`CHUNK_ENTRIES`] entries and about [`CHUNK_BYTES`] encoded bytes. Small on purpose: sled
+//!   writes a whole leaf node (up to ~17 values) as one log item, and an item over 128 KiB
+//!   goes to a blob file that sled never fsyncs; 32 KiB chunks did that, and the power-cut
+//!   test found the torn blobs (`tests/crash.rs`). The log clock never goes back, so along the key order
+//!   the chunks' record-time ranges follow one another: a chunk's `max_seen_ms` is at most
+//!   the next chunk's minimum. Lookup and expiry rely on it.
+//!
+//! In memory, per pipeline: a [`FingerprintIndex`] over every entry (a miss proves an ID was
+//! never recorded, which is the common case and costs no read) and a directory of the
+//! chunks' keys and greatest times (a hit names the few chunks whose range could hold it;
+//! the chunk then gives the exact answer). Both are rebuilt from the tree at open.
+//!
+//! Expiry drops whole chunks whose greatest record time has expired; entries in a chunk
+//! that is not yet wholly expired stay a little longer. Decisions never depend on it: the
+//! engine compares each entry's own record time with the window.
+
+use std::collections::BTreeMap;
+use std::hash::BuildHasher;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use super::index::FingerprintIndex;
+
+/// Most entries in one chunk (a handful in unit tests, so that their small batches span
+/// several chunks, as large ones do in production).
+pub const CHUNK_ENTRIES: usize = if cfg!(test) { 8 } else { 512 };
+/// Most encoded bytes (estimated: the ID and 12 bytes per entry) in one chunk.
+pub const CHUNK_BYTES: usize = 4 * 1024;
+/// Most wholly expired chunks dropped per pipeline in one checkpoint (bounds the
+/// transaction; the rest go at the next ones).
+pub const EXPIRE_CHUNKS_MAX: usize = 64;
+/// Decoded chunks kept for lookups (redelivered duplicates hit recent chunks again and again).
+const CACHE_CHUNKS: usize = 8;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Chunk {
+    pub max_seen_ms: u64,
+    /// (event ID, record time accepted), sorted by ID, IDs unique within the chunk.
+    pub entries: Vec<(String, u64)>,
+}
+
+impl Chunk {
+    pub fn get(&self, id: &str) -> Option<u64> {
+        self.entries
+            .binary_search_by(|(e, _)| e.as_str().cmp(id))
+            .ok()
+            .map(|i| self.entries[i].1)
+    }
+}
+
+/// The key suffix after `pipeline 0x00`.
+pub fn chunk_suffix(min_seen_ms: u64, checkpoint_id: u64, part: u32) -> Vec<u8> {
+    let mut k = Vec::with_capacity(20);
+    k.extend_from_slice(&min_seen_ms.to_be_bytes());
+    k.extend_from_slice(&checkpoint_id.to_be_bytes());
+    k.extend_from_slice(&part.to_be_bytes());
+    k
+}
+
+/// Cut one checkpoint's entries of one pipeline into chunks: (key suffix, chunk).
+pub fn make_chunks(mut entries: Vec<(String, u64)>, checkpoint_id: u64) -> Vec<(Vec<u8>, Chunk)> {
+    entries.sort_by(|a, b| (a.1, &a.0).cmp(&(b.1, &b.0)));
+    let mut out = Vec::new();
+    let mut part: Vec<(String, u64)> = Vec::new();
+    let mut bytes = 0;
+    let flush = |part: &mut Vec<(String, u64)>, out: &mut Vec<(Vec<u8>, Chunk)>| {
+        if part.is_empty() {
+            return;
+        }
+        let min = part[0].1;
+        let max = part[part.len() - 1].1;
+        let mut entries = std::mem::take(part);
+        entries.sort_by(|a, b| a.0.cmp(&b.0));
+        let n = u32::try_from(out.len()).expect("parts fit in u32");
+        out.push((
+            chunk_suffix(min, checkpoint_id, n),
+            Chunk {
+                max_seen_ms: max,
+                entries,
+            },
+        ));
+    };
+    for e in entries {
+        let size = e.0.len() + 12;
+        if part.len() >= CHUNK_ENTRIES || (bytes + size > CHUNK_BYTES && !part.is_empty()) {
+            flush(&mut part, &mut out);
+            bytes = 0;
+        }
+        bytes += size;
+        part.push(e);
+    }
+    flush(&mut part, &mut out);
+    out
+}
+
+/// One pipeline's in-memory view of its ledger.
+#[derive(Default)]
+pub struct Ledger {
+    pub index: FingerprintIndex,
+    /// Key suffix → greatest record time in that chunk.
+    pub chunks: BTreeMap<Vec<u8>, u64>,
+}
+
+impl Ledger {
+    pub fn add_chunk(&mut self, hasher: &impl BuildHasher, suffix: Vec<u8>, chunk: &Chunk) {
+        for (id, seen) in &chunk.entries {
+            self.index.insert(hasher.hash_one(id.as_bytes()), *seen);
+        }
+        self.chunks.insert(suffix, chunk.max_seen_ms);
+    }
+
+    pub fn remove_chunk(&mut self, hasher: &impl BuildHasher, suffix: &[u8], chunk: &Chunk) {
+        for (id, seen) in &chunk.entries {
+            let found = self.index.remove(hasher.hash_one(id.as_bytes()), *seen);
+            debug_assert!(found, "every ledger entry is indexed");
+        }
+        self.chunks.remove(suffix);
+    }
+
+    /// Key suffixes of the chunks whose record-time range may include `[lo, hi]`, newest
+    /// first.
+    pub fn chunks_covering(&self, lo: u64, hi: u64) -> Vec<Vec<u8>> {
+        let upper = chunk_suffix(hi, u64::MAX, u32::MAX);
+        let mut out = Vec::new();
+        for (suffix, &max) in self.chunks.range(..=upper).rev() {
+            if max < lo {
+                break; // every earlier chunk ends at or before this one
+            }
+            out.push(suffix.clone());
+        }
+        out
+    }
+
+    /// Key suffixes of the oldest chunks that have wholly expired, oldest first.
+    pub fn expired(&self, cutoff: u64, limit: usize) -> Vec<Vec<u8>> {
+        self.chunks
+            .iter()
+            .take_while(|(_, max)| **max <= cutoff)
+            .take(limit)
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+}
+
+/// A few decoded chunks, most recently used first.
+#[derive(Default)]
+pub struct ChunkCache {
+    entries: Vec<(Vec<u8>, Arc<Chunk>)>,
+}
+
+impl ChunkCache {
+    pub fn get(&mut self, key: &[u8]) -> Option<Arc<Chunk>> {
+        let i = self.entries.iter().position(|(k, _)| k == key)?;
+        let e = self.entries.remove(i);
+        let c = e.1.clone();
+        self.entries.insert(0, e);
+        Some(c)
+    }
+
+    pub fn put(&mut self, key: Vec<u8>, chunk: Arc<Chunk>) {
+        self.entries.retain(|(k, _)| *k != key);
+        self.entries.insert(0, (key, chunk));
+        self.entries.truncate(CACHE_CHUNKS);
+    }
+
+    pub fn forget(&mut self, key: &[u8]) {
+        self.entries.retain(|(k, _)| k != key);
+    }
+
+    pub fn clear(&mut self) {
+        self.entries.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_are_cut_in_record_time_order_and_sorted_by_id_inside() {
+        let entries: Vec<(String, u64)> = (0..1200u64)
+            .map(|i| (format!("E{:04}", 1199 - i), 1000 + i / 10))
+            .collect();
+        let chunks = make_chunks(entries, 7);
+        assert_eq!(chunks.len(), 1200_usize.div_ceil(CHUNK_ENTRIES));
+        let mut prev_max = 0;
+        for (suffix, c) in &chunks {
+            assert!(
+                c.entries.windows(2).all(|w| w[0].0 < w[1].0),
+                "sorted by id"
+            );
+            let min = c.entries.iter().map(|e| e.1).min().unwrap();
+            assert_eq!(&suffix[..8], &min.to_be_bytes());
+            assert!(min >= prev_max, "ranges follow one another");
+            prev_max = c.max_seen_ms;
+            for (id, seen) in &c.entries {
+                assert_eq!(c.get(id), Some(*seen));
+            }
+        }
+        assert_eq!(
+            chunks.iter().map(|c| c.1.entries.len()).sum::<usize>(),
+            1200
+        );
+    }
+
+    #[test]
+    fn long_ids_cut_chunks_by_bytes() {
+        let id = "x".repeat(1_000);
+        let entries: Vec<(String, u64)> = (0..100u64).map(|i| (format!("{id}{i}"), i)).collect();
+        let chunks = make_chunks(entries, 1);
+        assert_eq!(chunks.len(), 25, "four IDs of 1 kB fill a chunk");
+        for (_, c) in &chunks {
+            assert!(postcard::to_stdvec(c).unwrap().len() <= CHUNK_BYTES);
+        }
+    }
+
+    #[test]
+    fn covering_chunks_stop_at_the_first_that_ends_before_the_range() {
+        let mut l = Ledger::default();
+        l.chunks.insert(chunk_suffix(0, 1, 0), 99);
+        l.chunks.insert(chunk_suffix(100, 2, 0), 150);
+        l.chunks.insert(chunk_suffix(150, 3, 0), 150);
+        l.chunks.insert(chunk_suffix(150, 3, 1), 300);
+        let starts = |v: Vec<Vec<u8>>| -> Vec<u64> {
+            v.iter()
+                .map(|k| u64::from_be_bytes(k[..8].try_into().unwrap()))
+                .collect()
+        };
+        assert_eq!(starts(l.chunks_covering(150, 150)), [150, 150, 100]);
+        assert_eq!(starts(l.chunks_covering(120, 140)), [100]);
+        assert_eq!(starts(l.chunks_covering(50, 60)), [0]);
+        assert!(l.chunks_covering(400, 500).is_empty());
+        assert_eq!(starts(l.expired(150, 10)), [0, 100, 150]);
+        assert_eq!(starts(l.expired(150, 2)), [0, 100]);
+    }
+}
