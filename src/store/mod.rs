@@ -384,7 +384,9 @@ impl Store {
         let mut fresh = Vec::with_capacity(b.outputs.len());
         let mut seen_ids = std::collections::HashSet::new();
         for (seq, out) in &b.outputs {
-            if !mem.outbox.contains_id(&out.id) && seen_ids.insert(out.id.as_str()) {
+            let waiting =
+                mem.outbox.may_contain_id(&out.id) && self.outbox_waiting_id(mem, &out.id)?;
+            if !waiting && seen_ids.insert(out.id.as_str()) {
                 fresh.push((*seq, out.clone()));
             }
         }
@@ -472,6 +474,35 @@ impl Store {
         self.sync()?;
         fp("checkpoint.after_fsync")?;
         Ok(info)
+    }
+
+    /// Whether an entry with this ID is waiting in the outbox: a look through the waiting
+    /// chunks, done only when the hash set says it may be (never, unless an ID repeats).
+    fn outbox_waiting_id(&self, mem: &mut Mem, id: &str) -> Result<bool, StoreError> {
+        for first in mem.outbox.chunk_firsts() {
+            let chunk = self.outbox_chunk(mem, first)?;
+            if chunk
+                .iter()
+                .any(|(seq, o)| o.id == id && mem.outbox.is_waiting(*seq))
+            {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// An outbox chunk, from the cache or the tree.
+    fn outbox_chunk(&self, mem: &mut Mem, first: u64) -> Result<outbox::ChunkEntries, StoreError> {
+        if let Some(c) = mem.outbox.cached(first) {
+            return Ok(c);
+        }
+        let v = self
+            .outbox
+            .get(first.to_be_bytes())?
+            .ok_or_else(|| StoreError::Corrupt(format!("outbox chunk {first} is missing")))?;
+        let c = Arc::new(decode::<Vec<(u64, Output)>>("outbox chunk", &v)?);
+        mem.outbox.cache_put(first, c.clone());
+        Ok(c)
     }
 
     /// A ledger chunk, from the cache or the tree.
@@ -562,34 +593,14 @@ impl Store {
             let mut mem = self.lock();
             let (seq, first) = mem.outbox.next_from(next)?;
             next = seq + 1;
-            let chunk = match mem.outbox.cached(first) {
-                Some(c) => c,
-                None => {
-                    let read = self
-                        .outbox
-                        .get(first.to_be_bytes())
-                        .map_err(StoreError::from);
-                    let c = match read {
-                        Ok(Some(v)) => match decode::<Vec<(u64, Output)>>("outbox chunk", &v) {
-                            Ok(c) => Arc::new(c),
-                            Err(e) => return Some(Err(e)),
-                        },
-                        Ok(None) => {
-                            return Some(Err(StoreError::Corrupt(format!(
-                                "outbox chunk {first} is missing"
-                            ))));
-                        }
-                        Err(e) => return Some(Err(e)),
-                    };
-                    mem.outbox.cache_put(first, c.clone());
-                    c
-                }
-            };
-            let found = chunk
-                .binary_search_by_key(&seq, |(s, _)| *s)
-                .map(|i| chunk[i].clone())
-                .map_err(|_| StoreError::Corrupt(format!("outbox entry {seq} is missing")));
-            Some(found)
+            let entry = self.outbox_chunk(&mut mem, first).and_then(|chunk| {
+                chunk
+                    .get((seq - first) as usize)
+                    .filter(|(s, _)| *s == seq)
+                    .cloned()
+                    .ok_or_else(|| StoreError::Corrupt(format!("outbox entry {seq} is missing")))
+            });
+            Some(entry)
         })
     }
 

@@ -68,13 +68,26 @@ fn outbox_insert_is_idempotent_by_id() {
     let mut cp = engine.take_checkpoint();
     assert_eq!(cp.batch.outputs.len(), 1);
     let dup = cp.batch.outputs[0].clone();
-    cp.batch.outputs.push((dup.0 + 1, dup.1));
+    cp.batch.outputs.push((dup.0 + 1, dup.1.clone()));
     store.commit(&cp, 0).unwrap();
     assert_eq!(store.outbox_len(), 1);
+    // The same ID again in a later checkpoint: still waiting, so not inserted again.
+    engine.apply(&store, &rec(1, "E2/B/1")).unwrap();
+    let mut cp = engine.take_checkpoint();
+    let again = (cp.batch.outputs[0].0 + 1, dup.1.clone());
+    cp.batch.outputs.push(again);
+    store.commit(&cp, 0).unwrap();
+    assert_eq!(
+        store.outbox_len(),
+        2,
+        "B/1 went in, A/1 did not go in twice"
+    );
+    let ids: Vec<String> = store.outbox_from(0).map(|r| r.unwrap().1.id).collect();
+    assert_eq!(ids, ["balances/A/1", "balances/B/1"]);
     let (seq, out) = store.outbox_from(0).next().unwrap().unwrap();
     assert_eq!(out.id, "balances/A/1");
     store.outbox_delete(seq, &out.id).unwrap();
-    assert_eq!(store.outbox_len(), 0);
+    assert_eq!(store.outbox_len(), 1);
 }
 
 #[test]
