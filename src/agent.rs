@@ -154,6 +154,8 @@ pub struct Agent {
     /// Figures for `/metrics` (issue 6); gauges refreshed every `metrics::REFRESH_INTERVAL`.
     metrics: Arc<Metrics>,
     metrics_refreshed: Option<Instant>,
+    /// When freed heap was last handed back to the system.
+    trimmed: Instant,
     sync: Durability,
     /// The newest savepoint: retention keeps the log back to its `next_offset`.
     newest_savepoint: Option<SavepointInfo>,
@@ -203,7 +205,12 @@ impl Agent {
                 log_next: log.next_offset(),
             }));
         }
+        let mut trimmed = Instant::now();
         let stats = proc.replay(&log, cfg.checkpoint.max_records, &wall_ms, &mut |s| {
+            if trimmed.elapsed() >= TRIM_INTERVAL {
+                trimmed = Instant::now();
+                return_free_memory();
+            }
             log::info!(
                 "recovery: replayed {} records up to offset {}",
                 s.records,
@@ -293,6 +300,7 @@ impl Agent {
             dead_letter_log: crate::logging::RateLimit::new(10, Duration::from_secs(60)),
             metrics,
             metrics_refreshed: None,
+            trimmed: Instant::now(),
             sync,
             newest_savepoint,
             next_savepoint,
@@ -658,6 +666,10 @@ impl Agent {
         self.relieve_backpressure()?;
         self.publish()?;
         self.refresh_metrics(force)?;
+        if now >= self.trimmed + TRIM_INTERVAL {
+            self.trimmed = now;
+            return_free_memory();
+        }
         Ok(())
     }
 
@@ -882,5 +894,21 @@ impl Agent {
             f.source_replayable = log.first_offset() <= needed;
         });
         Ok(())
+    }
+}
+
+/// How often freed heap is handed back to the system.
+const TRIM_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Hand freed heap back to the system. glibc keeps what a burst freed (a replay, a drained
+/// outbox) mapped for reuse; on an edge box the peak then looks like the steady state.
+/// Measured (issue 7): steady RSS after replaying 1M events fell from 86.8 MiB to the
+/// figure in the README. A no-op elsewhere than glibc.
+fn return_free_memory() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only walks the allocator's own free lists; it takes no pointers
+    // and is safe to call at any time from any thread.
+    unsafe {
+        libc::malloc_trim(0);
     }
 }
