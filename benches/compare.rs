@@ -547,10 +547,12 @@ impl Cairn {
         std::fs::create_dir_all(&dir).expect("cairn dir");
         let client_id = format!("cmp_{name}_{}", std::process::id());
         let metrics_port = free_port();
+        // The shipped config's cache; CAIRN_COMPARE_CACHE to try another.
+        let cache = std::env::var("CAIRN_COMPARE_CACHE").unwrap_or_else(|_| "16MiB".into());
         let conf = format!(
             "[mqtt]\nhost = \"127.0.0.1\"\nport = {broker_port}\nclient_id = \"{client_id}\"\n\
              keep_alive = \"10s\"\n\n\
-             [storage]\ndata_dir = \"{}\"\ncache_size = \"16MiB\"\n\n\
+             [storage]\ndata_dir = \"{}\"\ncache_size = \"{cache}\"\n\n\
              [log]\nsegment_size = \"64MiB\"\nmax_size = \"4GiB\"\nretention = \"1h\"\n\
              commit_interval = \"5ms\"\nmax_payload = \"64KiB\"\n\n\
              [checkpoint]\ninterval = \"50ms\"\nmax_records = {max_records}\n\n\
@@ -1335,6 +1337,10 @@ fn main() {
         let peak = p.hwm_mib();
         let idle_cpu = p.idle_cpu_percent(IDLE);
         let steady = p.rss_mib();
+        let (anon, file) = (
+            p.status_kib("RssAnon:") as f64 / 1024.0,
+            p.status_kib("RssFile:") as f64 / 1024.0,
+        );
         let keys = c.metric("cairn_state_keys");
         let dedup = c.metric("cairn_dedup_entries");
         let store = dir_size(&c.dir.join("data/store")) as f64 / (1 << 20) as f64;
@@ -1343,7 +1349,8 @@ fn main() {
             println!("  (footprint: connected {up}, outbox drained {drained})");
         }
         println!(
-            "  replay {replay_s:.1} s; keys {} dedup entries {}; store {store:.0} MiB on disk",
+            "  replay {replay_s:.1} s; keys {} dedup entries {}; store {store:.0} MiB on disk; \
+             steady RSS {steady:.1} MiB = {anon:.1} anonymous + {file:.1} file-backed",
             fmt(keys, 0),
             fmt(dedup, 0)
         );

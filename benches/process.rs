@@ -5,7 +5,42 @@
 //! Figures are printed, never asserted. Each case runs in a fresh directory under
 //! `target/` (a real disk, not tmpfs) with the real fsync seam.
 
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
+
+/// Counts live heap bytes, to tell what the process holds from what the allocator keeps.
+struct Counting;
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: forwards every call to the system allocator unchanged; only counts sizes.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc(l) };
+        if !p.is_null() {
+            let now = LIVE.fetch_add(l.size(), Ordering::Relaxed) + l.size();
+            PEAK.fetch_max(now, Ordering::Relaxed);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        unsafe { System.dealloc(p, l) };
+        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+        let q = unsafe { System.realloc(p, l, new) };
+        if !q.is_null() {
+            LIVE.fetch_sub(l.size(), Ordering::Relaxed);
+            let now = LIVE.fetch_add(new, Ordering::Relaxed) + new;
+            PEAK.fetch_max(now, Ordering::Relaxed);
+        }
+        q
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
 
 use cairn::fsio;
 use cairn::log::{Log, LogOptions};
@@ -54,7 +89,7 @@ fn next(state: &mut u64) -> u64 {
     *state
 }
 
-fn run(events: u64, keys: u64) {
+fn run(events: u64, keys: u64, cache: u64, every: u64) {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench-process");
     let _ = std::fs::remove_dir_all(&root);
     std::fs::create_dir_all(&root).unwrap();
@@ -86,27 +121,55 @@ fn run(events: u64, keys: u64) {
     }
     log.commit().unwrap();
 
-    let store = Store::open(&root.join("store"), 16 << 20, fsio::real()).unwrap();
+    let store = Store::open(&root.join("store"), cache, fsio::real()).unwrap();
     let mut proc = Processor::open(store, vec![spec()]).unwrap();
     let w0 = write_bytes();
     let t0 = Instant::now();
-    let stats = proc.replay(&log, 1000, &|| 0, &mut |_| {}).unwrap();
+    let stats = proc.replay(&log, every, &|| 0, &mut |_| {}).unwrap();
     let secs = t0.elapsed().as_secs_f64();
     let written = write_bytes() - w0;
     println!(
-        "process: {events:>7} events, {keys:>6} keys: {:>8.0} events/s, {:>4} checkpoints, {:>6.0} disk bytes written/event, peak RSS {} MiB, store {} MiB on disk",
+        "process: {events:>7} events, {keys:>6} keys: {:>8.0} events/s, {:>4} checkpoints, {:>6.0} disk bytes written/event, peak RSS {} MiB, RSS {} MiB (heap {} MiB live, {} MiB at peak, ledger index {} MiB), store {} MiB on disk",
         stats.records as f64 / secs,
         stats.checkpoints,
         written as f64 / events as f64,
         proc_status("VmHWM:") / 1024,
+        proc_status("VmRSS:") / 1024,
+        LIVE.load(Ordering::Relaxed) >> 20,
+        PEAK.load(Ordering::Relaxed) >> 20,
+        proc.store().ledger_index_bytes() >> 20,
         proc.store().size_on_disk() >> 20,
     );
+    // As if the broker took every output: the outbox drains, as it does in the agent.
+    let waiting: Vec<(u64, String)> = proc
+        .store()
+        .outbox_from(0)
+        .map(|r| r.map(|(seq, o)| (seq, o.id)).unwrap())
+        .collect();
+    for (seq, id) in &waiting {
+        proc.store().outbox_delete(*seq, id).unwrap();
+    }
+    println!(
+        "         after the outbox drained ({} outputs): RSS {} MiB (heap {} MiB live)",
+        waiting.len(),
+        proc_status("VmRSS:") / 1024,
+        LIVE.load(Ordering::Relaxed) >> 20,
+    );
+    if std::env::var("CAIRN_BENCH_EXIT").is_ok() {
+        std::process::exit(0); // for heap profilers: what is live now shows as "leaked"
+    }
     drop(proc);
     let _ = std::fs::remove_dir_all(&root);
 }
 
 fn main() {
-    // `cargo bench` passes `--bench`; ignore arguments.
-    run(100_000, 1_000);
-    run(100_000, 100_000);
+    // `cargo bench` passes `--bench`; ignore arguments. One case of your own:
+    // CAIRN_BENCH_CASE=events,keys,cache_bytes,checkpoint_records.
+    if let Ok(case) = std::env::var("CAIRN_BENCH_CASE") {
+        let v: Vec<u64> = case.split(',').map(|x| x.trim().parse().unwrap()).collect();
+        run(v[0], v[1], v[2], v[3]);
+        return;
+    }
+    run(100_000, 1_000, 16 << 20, 1000);
+    run(100_000, 100_000, 16 << 20, 1000);
 }
