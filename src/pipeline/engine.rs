@@ -101,6 +101,9 @@ pub struct Output {
     pub topic: String,
     pub payload: Vec<u8>,
     pub retain: bool,
+    /// Emitted as an upsert: a newer output of the same key (and window) makes this one
+    /// worthless, so the outbox need not send it if it has not gone yet.
+    pub latest_only: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -489,6 +492,7 @@ impl Engine {
             topic,
             payload: body.to_string().into_bytes(),
             retain: spec.retain,
+            latest_only: spec.emit == Emit::Upsert,
         };
         self.batch.outputs.push((seq, out));
     }

@@ -12,7 +12,8 @@
 //! - `next_offset` never decreases and `checkpoint_id` rises by one per commit
 //!   (`store::tests::commit_advances_progress`).
 //! - Inserting an outbox entry whose ID is already waiting is a no-op
-//!   (`store::tests::outbox_insert_is_idempotent_by_id`).
+//!   (`store::tests::outbox_insert_is_idempotent_by_id`); a newer upsert of a key
+//!   supersedes the older one still waiting (see [`outbox`]).
 //! - Outbox deletions (on PUBACK) are not fsynced: losing one in a crash only re-sends
 //!   entries with the same IDs, which consumers drop.
 //! - A dedup lookup answers exactly what a per-ID ledger would
@@ -277,10 +278,15 @@ impl Store {
                 .or_default()
                 .add_chunk(&self.hasher, suffix.to_vec(), &chunk);
         }
+        let mut emptied = Vec::new();
         for kv in self.outbox.iter() {
             let (k, v) = kv?;
             let entries: Vec<(u64, Output)> = decode("outbox chunk", &v)?;
-            mem.outbox.add_chunk(u64_of(&k)?, Arc::new(entries));
+            emptied.extend(mem.outbox.add_chunk(u64_of(&k)?, Arc::new(entries)));
+        }
+        // Superseded whole before a crash let their deletion be forgotten.
+        for first in emptied {
+            self.outbox.remove(first.to_be_bytes())?;
         }
         Ok(())
     }
@@ -384,9 +390,7 @@ impl Store {
         let mut fresh = Vec::with_capacity(b.outputs.len());
         let mut seen_ids = std::collections::HashSet::new();
         for (seq, out) in &b.outputs {
-            let waiting =
-                mem.outbox.may_contain_id(&out.id) && self.outbox_waiting_id(mem, &out.id)?;
-            if !waiting && seen_ids.insert(out.id.as_str()) {
+            if mem.outbox.admits(&out.id) && seen_ids.insert(out.id.as_str()) {
                 fresh.push((*seq, out.clone()));
             }
         }
@@ -466,29 +470,20 @@ impl Store {
             l.add_chunk(&self.hasher, suffix.clone(), &chunk);
             mem.chunks.put(pkey(&p, &suffix), Arc::new(chunk));
         }
+        let mut emptied = Vec::new();
         for (first, entries) in out_chunks {
-            mem.outbox.add_chunk(first, Arc::new(entries));
+            emptied.extend(mem.outbox.add_chunk(first, Arc::new(entries)));
+        }
+        // Chunks whose every entry a newer upsert superseded. Not fsynced, like deletions on
+        // PUBACK: after a crash loading marks the same entries superseded again.
+        for first in emptied {
+            self.outbox.remove(first.to_be_bytes())?;
         }
         let fp = |name| crate::failpoint::hit(name).map_err(io_err(&self.dir));
         fp("checkpoint.before_fsync")?;
         self.sync()?;
         fp("checkpoint.after_fsync")?;
         Ok(info)
-    }
-
-    /// Whether an entry with this ID is waiting in the outbox: a look through the waiting
-    /// chunks, done only when the hash set says it may be (never, unless an ID repeats).
-    fn outbox_waiting_id(&self, mem: &mut Mem, id: &str) -> Result<bool, StoreError> {
-        for first in mem.outbox.chunk_firsts() {
-            let chunk = self.outbox_chunk(mem, first)?;
-            if chunk
-                .iter()
-                .any(|(seq, o)| o.id == id && mem.outbox.is_waiting(*seq))
-            {
-                return Ok(true);
-            }
-        }
-        Ok(false)
     }
 
     /// An outbox chunk, from the cache or the tree.

@@ -8,14 +8,25 @@
 //! chunk instead of two per output. After a crash a chunk that was partly acknowledged is
 //! sent again whole, with the same IDs, which is what invariant 6 allows.
 //!
-//! In memory, per chunk: its sequence range and a bit per entry for "acknowledged" (a
-//! chunk holds consecutive sequence numbers); a set of the waiting IDs' 64-bit hashes, so
-//! that inserting an ID already waiting is a no-op (a hit is confirmed against the chunks);
-//! and a few decoded chunks, so that the publisher reads what was just committed without
-//! decoding it again. A million waiting outputs (a long outage replayed) cost about 20 MiB,
-//! most of it the hash set, which is shrunk again as the outbox drains.
+//! In memory, per chunk: its sequence range and a bit per entry that is done (acknowledged,
+//! or superseded); per output key (the ID without its version) the newest waiting entry; and
+//! a few decoded chunks, so that the publisher reads what was just committed without
+//! decoding it again.
+//!
+//! - **No going back.** An output whose version is at or below that of a waiting output of
+//!   the same key is not inserted: this is how inserting an ID already waiting is a no-op
+//!   (invariant 6), without keeping every waiting ID.
+//! - **Upserts supersede.** An upsert output (`latest_only`) marks the older waiting upsert
+//!   of its key done: it carries the key's whole state, so a consumer that keeps the highest
+//!   version per key loses nothing, and after an outage the broker gets one result per key
+//!   instead of every intermediate version (a replay of 1M events over 100k keys left about
+//!   980k waiting before, 100k now). Changelog outputs are never superseded. After a restart
+//!   the same rule, applied while loading the chunks in order, marks the same entries done.
+//!
+//! Keys are told apart by a 128-bit hash of their text (two keyed SipHash halves); a
+//! collision would need about 2^64 keys.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
 
@@ -47,91 +58,134 @@ pub fn make_chunks(outputs: Vec<(u64, Output)>) -> Vec<(u64, Vec<(u64, Output)>)
     out
 }
 
+/// An output ID's key and version: `pipeline/key[/window]` and the number after the last
+/// `/` (keys are escaped, so they hold no `/`). An ID of another shape is a key of its own
+/// with version 0.
+fn split_id(id: &str) -> (&str, u64) {
+    match id.rsplit_once('/') {
+        Some((key, v)) => match v.parse() {
+            Ok(v) => (key, v),
+            Err(_) => (id, 0),
+        },
+        None => (id, 0),
+    }
+}
+
 struct ChunkMeta {
     n: u64,
     waiting: u64,
-    /// Bit `i`: entry `first + i` was acknowledged.
-    acked: Vec<u64>,
+    /// Bit `i`: entry `first + i` is done (acknowledged or superseded).
+    done: Vec<u64>,
 }
 
 impl ChunkMeta {
-    fn is_acked(&self, i: u64) -> bool {
-        self.acked[(i / 64) as usize] & (1 << (i % 64)) != 0
+    fn is_done(&self, i: u64) -> bool {
+        self.done[(i / 64) as usize] & (1 << (i % 64)) != 0
     }
+}
+
+/// The newest waiting entry of one output key.
+#[derive(Clone, Copy)]
+struct Newest {
+    seq: u64,
+    version: u64,
 }
 
 #[derive(Default)]
 pub struct OutboxMem {
     chunks: BTreeMap<u64, ChunkMeta>,
-    /// Hashes of the waiting entries' IDs.
-    ids: HashSet<u64>,
-    hasher: RandomState,
+    newest: HashMap<u128, Newest>,
+    hashers: (RandomState, RandomState),
     len: usize,
     /// Decoded chunks, most recently used first.
     cache: Vec<(u64, ChunkEntries)>,
 }
 
 impl OutboxMem {
+    /// Entries waiting to be sent or acknowledged.
     pub fn len(&self) -> usize {
         self.len
     }
 
-    fn hash(&self, id: &str) -> u64 {
-        self.hasher.hash_one(id.as_bytes())
+    fn key_hash(&self, key: &str) -> u128 {
+        let a = self.hashers.0.hash_one(key.as_bytes());
+        let b = self.hashers.1.hash_one(key.as_bytes());
+        (u128::from(a) << 64) | u128::from(b)
     }
 
-    /// False proves `id` is not waiting; true means it may be (the caller confirms).
-    pub fn may_contain_id(&self, id: &str) -> bool {
-        self.ids.contains(&self.hash(id))
+    /// Whether an output with this ID may go in: not when one of its key with this or a
+    /// higher version is waiting.
+    pub fn admits(&self, id: &str) -> bool {
+        let (key, version) = split_id(id);
+        self.newest
+            .get(&self.key_hash(key))
+            .is_none_or(|n| version > n.version)
     }
 
     /// Register a chunk that is (or is about to be) in the tree. Its entries must have
-    /// consecutive sequence numbers starting at `first`.
-    pub fn add_chunk(&mut self, first: u64, entries: ChunkEntries) {
-        for (i, (seq, o)) in entries.iter().enumerate() {
-            assert_eq!(
-                *seq,
-                first + i as u64,
-                "an outbox chunk holds consecutive seqs"
-            );
-            self.ids.insert(self.hash(&o.id));
-        }
+    /// consecutive sequence numbers starting at `first`. Returns the chunks (this one
+    /// included) that its upserts left with nothing waiting, to delete from the tree.
+    pub fn add_chunk(&mut self, first: u64, entries: ChunkEntries) -> Vec<u64> {
         let n = entries.len() as u64;
         self.chunks.insert(
             first,
             ChunkMeta {
                 n,
                 waiting: n,
-                acked: vec![0; n.div_ceil(64) as usize],
+                done: vec![0; n.div_ceil(64) as usize],
             },
         );
         self.len += entries.len();
+        let mut emptied = Vec::new();
+        for (i, (seq, o)) in entries.iter().enumerate() {
+            assert_eq!(
+                *seq,
+                first + i as u64,
+                "an outbox chunk holds consecutive seqs"
+            );
+            let (key, version) = split_id(&o.id);
+            let h = self.key_hash(key);
+            let old = self.newest.insert(h, Newest { seq: *seq, version });
+            if let Some(old) = old.filter(|_| o.latest_only) {
+                if let Some(Some(c)) = self.mark_done(old.seq) {
+                    emptied.push(c);
+                }
+            }
+        }
         self.cache_put(first, entries);
+        emptied
+    }
+
+    /// Mark one entry done. `None` if it was not waiting; else the chunk it emptied, if it did.
+    fn mark_done(&mut self, seq: u64) -> Option<Option<u64>> {
+        let (&first, meta) = self.chunks.range_mut(..=seq).next_back()?;
+        let i = seq - first;
+        if i >= meta.n || meta.is_done(i) {
+            return None;
+        }
+        meta.done[(i / 64) as usize] |= 1 << (i % 64);
+        meta.waiting -= 1;
+        self.len -= 1;
+        if meta.waiting > 0 {
+            return Some(None);
+        }
+        self.chunks.remove(&first);
+        self.cache.retain(|(k, _)| *k != first);
+        Some(Some(first))
     }
 
     /// An entry was acknowledged. Returns the chunk to delete from the tree when it was the
     /// last one waiting in it.
     pub fn ack(&mut self, seq: u64, id: &str) -> Option<u64> {
-        let h = self.hasher.hash_one(id.as_bytes());
-        let (&first, meta) = self.chunks.range_mut(..=seq).next_back()?;
-        let i = seq - first;
-        if i >= meta.n || meta.is_acked(i) {
-            return None;
+        let emptied = self.mark_done(seq)?;
+        let h = self.key_hash(split_id(id).0);
+        if self.newest.get(&h).is_some_and(|n| n.seq == seq) {
+            self.newest.remove(&h);
+            if self.newest.capacity() > 4 * self.newest.len().max(1024) {
+                self.newest.shrink_to_fit();
+            }
         }
-        meta.acked[(i / 64) as usize] |= 1 << (i % 64);
-        meta.waiting -= 1;
-        self.len -= 1;
-        self.ids.remove(&h);
-        let done = meta.waiting == 0;
-        if self.ids.capacity() > 4 * self.ids.len().max(1024) {
-            self.ids.shrink_to_fit();
-        }
-        if !done {
-            return None;
-        }
-        self.chunks.remove(&first);
-        self.cache.retain(|(k, _)| *k != first);
-        Some(first)
+        emptied
     }
 
     /// The first waiting entry at or after `from`: (seq, first seq of its chunk).
@@ -143,24 +197,11 @@ impl OutboxMem {
             .map_or(from, |(&first, _)| first);
         for (&first, meta) in self.chunks.range(start..) {
             let lo = from.saturating_sub(first);
-            if let Some(i) = (lo..meta.n).find(|&i| !meta.is_acked(i)) {
+            if let Some(i) = (lo..meta.n).find(|&i| !meta.is_done(i)) {
                 return Some((first + i, first));
             }
         }
         None
-    }
-
-    /// First seqs of the chunks that still have waiting entries.
-    pub fn chunk_firsts(&self) -> Vec<u64> {
-        self.chunks.keys().copied().collect()
-    }
-
-    /// Whether entry `seq` is still waiting.
-    pub fn is_waiting(&self, seq: u64) -> bool {
-        self.chunks
-            .range(..=seq)
-            .next_back()
-            .is_some_and(|(&first, m)| seq - first < m.n && !m.is_acked(seq - first))
     }
 
     pub fn cached(&mut self, first: u64) -> Option<ChunkEntries> {
@@ -183,13 +224,18 @@ mod tests {
     use super::*;
 
     fn out(i: u64, payload: usize) -> (u64, Output) {
+        entry(i, &format!("p/k{i}/1"), payload, false)
+    }
+
+    fn entry(seq: u64, id: &str, payload: usize, latest_only: bool) -> (u64, Output) {
         (
-            i,
+            seq,
             Output {
-                id: format!("p/k/{i}"),
+                id: id.into(),
                 topic: "t".into(),
                 payload: vec![b'x'; payload],
                 retain: false,
+                latest_only,
             },
         )
     }
@@ -221,25 +267,66 @@ mod tests {
         let n = chunks[0].1.len() as u64;
         let second = chunks[1].0;
         for (first, entries) in chunks {
-            m.add_chunk(first, Arc::new(entries));
+            assert!(m.add_chunk(first, Arc::new(entries)).is_empty());
         }
         assert_eq!(m.len(), 300);
-        assert!(m.may_contain_id("p/k/5"));
+        assert!(
+            !m.admits("p/k5/1"),
+            "an ID already waiting does not go in again"
+        );
+        assert!(m.admits("p/k5/2"));
         for i in (0..n).rev().filter(|i| *i != 7) {
-            assert_eq!(m.ack(i, &format!("p/k/{i}")), None);
+            assert_eq!(m.ack(i, &format!("p/k{i}/1")), None);
         }
-        assert_eq!(m.ack(7, "p/k/7"), Some(0));
+        assert_eq!(m.ack(7, "p/k7/1"), Some(0));
         assert_eq!(
-            m.ack(7, "p/k/7"),
+            m.ack(7, "p/k7/1"),
             None,
             "a second ack of one entry is nothing"
         );
-        assert!(!m.may_contain_id("p/k/5"));
-        assert!(m.may_contain_id(&format!("p/k/{n}")));
-        assert!(!m.is_waiting(3) && m.is_waiting(n));
+        assert!(m.admits("p/k5/1"), "nothing of k5 waits any more");
         assert_eq!(m.next_from(0), Some((second, second)));
         assert_eq!(m.len() as u64, 300 - n);
-        m.ack(second + 1, &format!("p/k/{}", second + 1));
+        m.ack(second + 1, &format!("p/k{}/1", second + 1));
         assert_eq!(m.next_from(second + 1), Some((second + 2, second)));
+    }
+
+    #[test]
+    fn an_upsert_supersedes_the_older_waiting_upsert_of_its_key_and_a_changelog_does_not() {
+        let mut m = OutboxMem::default();
+        let a = vec![
+            entry(0, "up/A/1", 1, true),
+            entry(1, "up/B/1", 1, true),
+            entry(2, "ch/A/1", 1, false),
+        ];
+        assert!(m.add_chunk(0, Arc::new(a)).is_empty());
+        let b = vec![
+            entry(3, "up/A/2", 1, true),
+            entry(4, "ch/A/2", 1, false),
+            entry(5, "up/B/2", 1, true),
+        ];
+        assert_eq!(m.add_chunk(3, Arc::new(b)), Vec::<u64>::new());
+        // up/A/1 and up/B/1 are superseded; ch/A/1 still waits.
+        assert_eq!(m.len(), 4);
+        assert_eq!(m.next_from(0), Some((2, 0)));
+        assert!(!m.admits("up/A/2") && !m.admits("up/A/1") && m.admits("up/A/3"));
+        // The ack of a superseded entry, still in flight, changes nothing.
+        assert_eq!(m.ack(0, "up/A/1"), None);
+        assert_eq!(m.len(), 4);
+        assert_eq!(
+            m.ack(2, "ch/A/1"),
+            Some(0),
+            "chunk 0 has nothing waiting now"
+        );
+        let c = vec![entry(6, "up/A/3", 1, true)];
+        assert_eq!(m.add_chunk(6, Arc::new(c)), Vec::<u64>::new());
+        assert_eq!(m.next_from(0), Some((4, 3)));
+        assert_eq!(m.ack(4, "ch/A/2"), None);
+        assert_eq!(
+            m.ack(5, "up/B/2"),
+            Some(3),
+            "up/A/2 was superseded by up/A/3"
+        );
+        assert_eq!(m.len(), 1);
     }
 }
