@@ -154,8 +154,9 @@ pub struct Agent {
     /// Figures for `/metrics` (issue 6); gauges refreshed every `metrics::REFRESH_INTERVAL`.
     metrics: Arc<Metrics>,
     metrics_refreshed: Option<Instant>,
-    /// When freed heap was last handed back to the system.
-    trimmed: Instant,
+    /// When freed heap was last handed back to the system, and the work done by then
+    /// (checkpoints + acknowledged results): an idle agent has nothing to give back.
+    trimmed: (Instant, u64),
     sync: Durability,
     /// The newest savepoint: retention keeps the log back to its `next_offset`.
     newest_savepoint: Option<SavepointInfo>,
@@ -300,7 +301,7 @@ impl Agent {
             dead_letter_log: crate::logging::RateLimit::new(10, Duration::from_secs(60)),
             metrics,
             metrics_refreshed: None,
-            trimmed: Instant::now(),
+            trimmed: (Instant::now(), 0),
             sync,
             newest_savepoint,
             next_savepoint,
@@ -666,8 +667,9 @@ impl Agent {
         self.relieve_backpressure()?;
         self.publish()?;
         self.refresh_metrics(force)?;
-        if now >= self.trimmed + TRIM_INTERVAL {
-            self.trimmed = now;
+        let work = self.stats.checkpoints + self.stats.pubacked;
+        if now >= self.trimmed.0 + TRIM_INTERVAL && work != self.trimmed.1 {
+            self.trimmed = (now, work);
             return_free_memory();
         }
         Ok(())
