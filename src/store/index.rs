@@ -4,20 +4,24 @@
 //!
 //! Deciding whether an event ID was already recorded should not cost a sled read per event.
 //! The index holds one small entry per ledger entry: a fingerprint of the caller's 64-bit hash
-//! of the ID, and the coarse time at which the ID was recorded. It is a filter:
+//! of the ID, and a 32-bit tag the caller chooses. It is a filter:
 //!
-//! - a **miss** (no candidate) proves that the ID was never recorded: no ledger read at all;
-//! - a **hit** only says *where in record time* to look: each candidate is a range
-//!   `[lo_ms, hi_ms]` of record times, and the caller confirms against the ledger chunks
-//!   covering it (the `dedup` tree's chunks are ordered by record time; see `ledger`).
+//! - a **miss** (no entry) proves that the ID was never recorded: no ledger read at all;
+//! - a **hit** only says *where* to look: the ledger tags each entry with the number of the
+//!   chunk it is in, and confirms against that chunk.
+//!
+//! A first version tagged entries with their coarse record time (1.024 s units), and a hit
+//! had to read every chunk of that second: with small checkpoints that was dozens of chunks
+//! per duplicate, and the 1,000-cut soak (debug build, checkpoints of 300 records) stalled
+//! on redelivered backlogs. The tests still exercise the table through that time-shaped view.
 //!
 //! Two IDs can share a fingerprint, so a hit may be false. A false positive costs one ledger
 //! read, never a wrong decision. With `n` entries, a lookup of an unrecorded ID finds a spurious
-//! candidate with probability about `n / 2^31` (about 0.05% at one million entries).
+//! entry with probability about `n / 2^31` (about 0.05% at one million entries).
 //!
-//! It is a multi-map: every [`FingerprintIndex::insert`] adds an entry, because two IDs may share
-//! a fingerprint and one ID may be in the ledger twice with different record times.
-//! [`FingerprintIndex::remove`] takes out one entry.
+//! It is a multi-map: every insert adds an entry, because two IDs may share a fingerprint and
+//! one ID may be in the ledger twice (accepted again after its entry expired). A remove takes
+//! out one entry.
 //!
 //! # Layout
 //!
@@ -27,8 +31,8 @@
 //! ```text
 //!  63                              32 31                               0
 //! ┌──────────────────────────────────┬──────────────────────────────────┐
-//! │ fp: top 32 bits of the hash,     │ coarse: seen_ms >> 10            │
-//! │     lowest bit forced to 1       │ (1.024 s units, saturated)       │
+//! │ fp: top 32 bits of the hash,     │ tag (the ledger: chunk number)   │
+//! │     lowest bit forced to 1       │                                  │
 //! └──────────────────────────────────┴──────────────────────────────────┘
 //! ```
 //!
@@ -49,7 +53,9 @@
 
 use std::fmt;
 
-/// Record times are kept in units of `1 << COARSE_SHIFT` ms: `coarse = seen_ms >> 10`.
+/// The time-shaped wrappers the tests use keep record times in units of `1 << COARSE_SHIFT`
+/// ms: `coarse = seen_ms >> 10`.
+#[cfg(test)]
 pub const COARSE_SHIFT: u32 = 10;
 
 /// The value of an empty slot. A used slot is never 0: its `fp` has its lowest bit set.
@@ -77,6 +83,7 @@ fn fingerprint(hash: u64) -> u32 {
 }
 
 /// `seen_ms` in coarse units, saturated to `u32::MAX`.
+#[cfg(test)]
 fn coarse(seen_ms: u64) -> u32 {
     u32::try_from(seen_ms >> COARSE_SHIFT).unwrap_or(u32::MAX)
 }
@@ -97,6 +104,7 @@ fn slot_coarse(slot: u64) -> u32 {
 }
 
 /// The record times `[lo_ms, hi_ms]` that map to `coarse`.
+#[cfg(test)]
 fn time_range(coarse: u32) -> (u64, u64) {
     let lo = u64::from(coarse) << COARSE_SHIFT;
     if coarse == u32::MAX {
@@ -180,28 +188,24 @@ impl FingerprintIndex {
         self.len = 0;
     }
 
-    /// Add one entry.
-    ///
-    /// Adds an entry `(fingerprint of hash, coarse of seen_ms)` even if an equal one is there
-    /// already; doubles the table first if the load would exceed 7/8.
+    /// Add one entry: the fingerprint of `hash` and a caller's `tag` (the ledger uses the
+    /// number of the chunk the entry is in). Adds it even if an equal one is there already;
+    /// doubles the table first if the load would exceed 7/8.
     ///
     /// # Panics
     ///
     /// If the table is at 2^31 slots and full.
-    pub fn insert(&mut self, hash: u64, seen_ms: u64) {
+    pub fn insert_tag(&mut self, hash: u64, tag: u32) {
         if self.len + 1 > max_len(self.slots.len()) {
             self.grow();
         }
-        place(&mut self.slots, pack(fingerprint(hash), coarse(seen_ms)));
+        place(&mut self.slots, pack(fingerprint(hash), tag));
         self.len += 1;
     }
 
-    /// Every entry whose fingerprint equals `hash`'s: the range of record times
-    /// `[lo_ms, hi_ms]` it could have been seen at (lo = coarse << 10, hi = lo + 1023, or
-    /// u64::MAX when coarse is saturated). Pushes into `out` (cleared first) to avoid allocating.
-    ///
-    /// The order of the ranges is unspecified; equal entries give equal ranges.
-    pub fn candidates(&self, hash: u64, out: &mut Vec<(u64, u64)>) {
+    /// The tags of every entry whose fingerprint equals `hash`'s, pushed into `out` (cleared
+    /// first). The order is unspecified.
+    pub fn tags(&self, hash: u64, out: &mut Vec<u32>) {
         out.clear();
         let fp = fingerprint(hash);
         let mask = self.slots.len() - 1;
@@ -214,15 +218,36 @@ impl FingerprintIndex {
                 return;
             }
             if slot_fp(slot) == fp {
-                out.push(time_range(slot_coarse(slot)));
+                out.push(slot_coarse(slot));
             }
             i = (i + 1) & mask;
         }
     }
 
-    /// Remove ONE entry equal to (hash's fp, seen_ms's coarse). Returns whether one was found.
+    /// Add one entry with the coarse time of `seen_ms` as its tag (the tests' view).
+    #[cfg(test)]
+    pub fn insert(&mut self, hash: u64, seen_ms: u64) {
+        self.insert_tag(hash, coarse(seen_ms));
+    }
+
+    /// The record-time ranges of the entries matching `hash` (the tests' view).
+    #[cfg(test)]
+    pub fn candidates(&self, hash: u64, out: &mut Vec<(u64, u64)>) {
+        let mut tags = Vec::new();
+        self.tags(hash, &mut tags);
+        out.clear();
+        out.extend(tags.into_iter().map(time_range));
+    }
+
+    /// Remove one entry equal to (hash's fp, seen_ms's coarse) (the tests' view).
+    #[cfg(test)]
     pub fn remove(&mut self, hash: u64, seen_ms: u64) -> bool {
-        let target = pack(fingerprint(hash), coarse(seen_ms));
+        self.remove_tag(hash, coarse(seen_ms))
+    }
+
+    /// Remove ONE entry equal to (hash's fp, tag). Returns whether one was found.
+    pub fn remove_tag(&mut self, hash: u64, tag: u32) -> bool {
+        let target = pack(fingerprint(hash), tag);
         let n = self.slots.len();
         let mask = n - 1;
         let mut i = home(slot_fp(target), n);

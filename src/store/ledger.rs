@@ -12,18 +12,19 @@
 //!   goes to a blob file that sled never fsyncs; 32 KiB chunks did that, and the power-cut
 //!   test found the torn blobs (`tests/crash.rs`). The log clock never goes back, so along the key order
 //!   the chunks' record-time ranges follow one another: a chunk's `max_seen_ms` is at most
-//!   the next chunk's minimum. Lookup and expiry rely on it.
+//!   the next chunk's minimum. Expiry relies on it.
 //!
-//! In memory, per pipeline: a [`FingerprintIndex`] over every entry (a miss proves an ID was
-//! never recorded, which is the common case and costs no read) and a directory of the
-//! chunks' keys and greatest times (a hit names the few chunks whose range could hold it;
-//! the chunk then gives the exact answer). Both are rebuilt from the tree at open.
+//! In memory, per pipeline: a [`FingerprintIndex`] over every entry, tagged with the number
+//! of its chunk (a miss proves an ID was never recorded, which is the common case and costs
+//! no read; a hit names the one chunk to confirm in, which gives the exact answer), and a
+//! directory of the chunks: key, greatest record time, number. Both are rebuilt from the tree
+//! at open; chunk numbers live only in memory.
 //!
 //! Expiry drops whole chunks whose greatest record time has expired; entries in a chunk
 //! that is not yet wholly expired stay a little longer. Decisions never depend on it: the
 //! engine compares each entry's own record time with the window.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::hash::BuildHasher;
 use std::sync::Arc;
 
@@ -107,45 +108,62 @@ pub fn make_chunks(mut entries: Vec<(String, u64)>, checkpoint_id: u64) -> Vec<(
 #[derive(Default)]
 pub struct Ledger {
     pub index: FingerprintIndex,
-    /// Key suffix → greatest record time in that chunk.
-    pub chunks: BTreeMap<Vec<u8>, u64>,
+    /// Key suffix → (greatest record time in that chunk, its number).
+    chunks: BTreeMap<Vec<u8>, (u64, u32)>,
+    /// Number → key suffix.
+    by_number: HashMap<u32, Vec<u8>>,
+    next_number: u32,
 }
 
 impl Ledger {
     pub fn add_chunk(&mut self, hasher: &impl BuildHasher, suffix: Vec<u8>, chunk: &Chunk) {
-        for (id, seen) in &chunk.entries {
-            self.index.insert(hasher.hash_one(id.as_bytes()), *seen);
+        // A number no live chunk has (they wrap after 2^32 chunks, long after the first
+        // ones expired).
+        let number = loop {
+            let n = self.next_number;
+            self.next_number = n.wrapping_add(1);
+            if !self.by_number.contains_key(&n) {
+                break n;
+            }
+        };
+        for (id, _) in &chunk.entries {
+            self.index
+                .insert_tag(hasher.hash_one(id.as_bytes()), number);
         }
-        self.chunks.insert(suffix, chunk.max_seen_ms);
+        self.chunks
+            .insert(suffix.clone(), (chunk.max_seen_ms, number));
+        self.by_number.insert(number, suffix);
     }
 
     pub fn remove_chunk(&mut self, hasher: &impl BuildHasher, suffix: &[u8], chunk: &Chunk) {
-        for (id, seen) in &chunk.entries {
-            let found = self.index.remove(hasher.hash_one(id.as_bytes()), *seen);
+        let Some((_, number)) = self.chunks.remove(suffix) else {
+            return;
+        };
+        for (id, _) in &chunk.entries {
+            let found = self
+                .index
+                .remove_tag(hasher.hash_one(id.as_bytes()), number);
             debug_assert!(found, "every ledger entry is indexed");
         }
-        self.chunks.remove(suffix);
+        self.by_number.remove(&number);
     }
 
-    /// Key suffixes of the chunks whose record-time range may include `[lo, hi]`, newest
-    /// first.
-    pub fn chunks_covering(&self, lo: u64, hi: u64) -> Vec<Vec<u8>> {
-        let upper = chunk_suffix(hi, u64::MAX, u32::MAX);
-        let mut out = Vec::new();
-        for (suffix, &max) in self.chunks.range(..=upper).rev() {
-            if max < lo {
-                break; // every earlier chunk ends at or before this one
-            }
-            out.push(suffix.clone());
-        }
-        out
+    /// Key suffixes of the chunks that may hold the ID with this hash (usually none; one
+    /// when it was recorded).
+    pub fn chunks_for(&self, hash: u64, tags: &mut Vec<u32>) -> Vec<Vec<u8>> {
+        self.index.tags(hash, tags);
+        tags.sort_unstable();
+        tags.dedup();
+        tags.iter()
+            .filter_map(|n| self.by_number.get(n).cloned())
+            .collect()
     }
 
     /// Key suffixes of the oldest chunks that have wholly expired, oldest first.
     pub fn expired(&self, cutoff: u64, limit: usize) -> Vec<Vec<u8>> {
         self.chunks
             .iter()
-            .take_while(|(_, max)| **max <= cutoff)
+            .take_while(|(_, (max, _))| *max <= cutoff)
             .take(limit)
             .map(|(k, _)| k.clone())
             .collect()
@@ -225,22 +243,43 @@ mod tests {
     }
 
     #[test]
-    fn covering_chunks_stop_at_the_first_that_ends_before_the_range() {
+    fn a_hit_names_the_one_chunk_that_holds_the_id_and_expiry_goes_oldest_first() {
+        let h = std::hash::RandomState::new();
         let mut l = Ledger::default();
-        l.chunks.insert(chunk_suffix(0, 1, 0), 99);
-        l.chunks.insert(chunk_suffix(100, 2, 0), 150);
-        l.chunks.insert(chunk_suffix(150, 3, 0), 150);
-        l.chunks.insert(chunk_suffix(150, 3, 1), 300);
+        let mut chunks = Vec::new();
+        for cp in 0..4u64 {
+            let entries = (0..CHUNK_ENTRIES as u64)
+                .map(|i| (format!("E{cp}-{i}"), 1000 * cp + i))
+                .collect();
+            for (suffix, c) in make_chunks(entries, cp) {
+                l.add_chunk(&h, suffix.clone(), &c);
+                chunks.push((suffix, c));
+            }
+        }
+        let mut tags = Vec::new();
+        for (suffix, c) in &chunks {
+            for (id, _) in &c.entries {
+                assert_eq!(
+                    l.chunks_for(h.hash_one(id.as_bytes()), &mut tags),
+                    std::slice::from_ref(suffix)
+                );
+            }
+        }
+        assert!(l.chunks_for(h.hash_one(b"never"), &mut tags).is_empty());
         let starts = |v: Vec<Vec<u8>>| -> Vec<u64> {
             v.iter()
                 .map(|k| u64::from_be_bytes(k[..8].try_into().unwrap()))
                 .collect()
         };
-        assert_eq!(starts(l.chunks_covering(150, 150)), [150, 150, 100]);
-        assert_eq!(starts(l.chunks_covering(120, 140)), [100]);
-        assert_eq!(starts(l.chunks_covering(50, 60)), [0]);
-        assert!(l.chunks_covering(400, 500).is_empty());
-        assert_eq!(starts(l.expired(150, 10)), [0, 100, 150]);
-        assert_eq!(starts(l.expired(150, 2)), [0, 100]);
+        assert_eq!(
+            starts(l.expired(1000 + CHUNK_ENTRIES as u64, 10)),
+            [0, 1000]
+        );
+        assert_eq!(starts(l.expired(1000 + CHUNK_ENTRIES as u64, 1)), [0]);
+        let (suffix, c) = &chunks[0];
+        l.remove_chunk(&h, suffix, c);
+        assert_eq!(l.index.len(), 3 * CHUNK_ENTRIES);
+        assert!(l.chunks_for(h.hash_one(b"E0-1"), &mut tags).is_empty());
+        assert_eq!(starts(l.expired(u64::MAX, 10)), [1000, 2000, 3000]);
     }
 }

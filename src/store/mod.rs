@@ -160,7 +160,7 @@ struct Mem {
     chunks: ChunkCache,
     outbox: OutboxMem,
     /// Reused by lookups.
-    candidates: Vec<(u64, u64)>,
+    tags: Vec<u32>,
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
@@ -786,16 +786,13 @@ impl ReadState for Store {
             return Ok(None);
         };
         let hash = self.hasher.hash_one(event_id.as_bytes());
-        l.index.candidates(hash, &mut mem.candidates);
         let mut best = None;
-        for &(lo, hi) in &mem.candidates {
-            for suffix in l.chunks_covering(lo, hi) {
-                let chunk = self
-                    .ledger_chunk(&mut mem.chunks, &pkey(pipeline, &suffix))
-                    .map_err(read_err)?;
-                if let Some(seen) = chunk.get(event_id) {
-                    best = best.max(Some(seen));
-                }
+        for suffix in l.chunks_for(hash, &mut mem.tags) {
+            let chunk = self
+                .ledger_chunk(&mut mem.chunks, &pkey(pipeline, &suffix))
+                .map_err(read_err)?;
+            if let Some(seen) = chunk.get(event_id) {
+                best = best.max(Some(seen));
             }
         }
         Ok(best)
