@@ -195,14 +195,31 @@ struct Broker {
     _proc: Proc,
 }
 
+/// mosquitto's `max_inflight_messages` for the run: how many inputs a subscriber may hold
+/// unacknowledged. Cairn acknowledges after the fsync, so this is its fsync batch; the
+/// shipped `config/mosquitto.conf` value unless CAIRN_COMPARE_INFLIGHT says otherwise.
+fn broker_inflight() -> u64 {
+    std::env::var("CAIRN_COMPARE_INFLIGHT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| {
+            let conf = include_str!("../config/mosquitto.conf");
+            conf.lines()
+                .find_map(|l| l.strip_prefix("max_inflight_messages "))
+                .and_then(|v| v.trim().parse().ok())
+                .expect("config/mosquitto.conf sets max_inflight_messages")
+        })
+}
+
 impl Broker {
     fn start(root: &Path) -> Broker {
         let dir = root.join("broker");
         std::fs::create_dir_all(dir.join("data")).expect("broker dir");
         let port = free_port();
+        let inflight = broker_inflight();
         let mut conf = format!(
             "per_listener_settings false\nlistener {port} 127.0.0.1\nallow_anonymous true\n\
-             max_queued_messages 1000000\nmax_queued_bytes 0\nmax_inflight_messages 20\n\
+             max_queued_messages 1000000\nmax_queued_bytes 0\nmax_inflight_messages {inflight}\n\
              queue_qos0_messages false\nset_tcp_nodelay true\npersistence true\n\
              autosave_on_changes false\nautosave_interval 5\npersistence_location {}/\n\
              log_dest file {}\nlog_type error\nlog_type warning\nlog_type notice\n",
@@ -549,9 +566,10 @@ impl Cairn {
         let metrics_port = free_port();
         // The shipped config's cache; CAIRN_COMPARE_CACHE to try another.
         let cache = std::env::var("CAIRN_COMPARE_CACHE").unwrap_or_else(|_| "16MiB".into());
+        let inflight = broker_inflight();
         let conf = format!(
             "[mqtt]\nhost = \"127.0.0.1\"\nport = {broker_port}\nclient_id = \"{client_id}\"\n\
-             keep_alive = \"10s\"\n\n\
+             keep_alive = \"10s\"\ningest_batch = {inflight}\n\n\
              [storage]\ndata_dir = \"{}\"\ncache_size = \"{cache}\"\n\n\
              [log]\nsegment_size = \"64MiB\"\nmax_size = \"4GiB\"\nretention = \"1h\"\n\
              commit_interval = \"5ms\"\nmax_payload = \"64KiB\"\n\n\
