@@ -17,7 +17,7 @@
 //! - Outbox deletions (on PUBACK) are not fsynced: losing one in a crash only re-sends
 //!   entries with the same IDs, which consumers drop.
 //! - A dedup lookup answers exactly what a per-ID ledger would
-//!   (`store::tests::the_chunked_ledger_answers_like_a_map`): the in-memory index only
+//!   (`store::tests::ledger_model::the_chunked_ledger_answers_like_a_map`): the in-memory index only
 //!   decides where to look (see [`ledger`]).
 //!
 //! # Why the extra fsyncs (DESIGN §4)
