@@ -160,6 +160,7 @@ impl FingerprintIndex {
     /// # Panics
     ///
     /// If that would take more than 2^31 slots.
+    #[cfg(test)]
     pub fn with_capacity(entries: usize) -> Self {
         let mut slots = MIN_SLOTS;
         while max_len(slots) < entries {
@@ -178,11 +179,13 @@ impl FingerprintIndex {
     }
 
     /// Whether there are no entries.
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
     /// Removes every entry and shrinks the table back to 16 slots, releasing its memory.
+    #[cfg(test)]
     pub fn clear(&mut self) {
         self.slots = vec![EMPTY; MIN_SLOTS];
         self.len = 0;

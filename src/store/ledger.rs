@@ -41,7 +41,7 @@ pub const CHUNK_BYTES: usize = 4 * 1024;
 /// transaction; the rest go at the next ones).
 pub const EXPIRE_CHUNKS_MAX: usize = 64;
 /// Decoded chunks kept for lookups (redelivered duplicates hit recent chunks again and again).
-const CACHE_CHUNKS: usize = 8;
+pub const CACHE_CHUNKS: usize = 8;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Chunk {
@@ -170,35 +170,8 @@ impl Ledger {
     }
 }
 
-/// A few decoded chunks, most recently used first.
-#[derive(Default)]
-pub struct ChunkCache {
-    entries: Vec<(Vec<u8>, Arc<Chunk>)>,
-}
-
-impl ChunkCache {
-    pub fn get(&mut self, key: &[u8]) -> Option<Arc<Chunk>> {
-        let i = self.entries.iter().position(|(k, _)| k == key)?;
-        let e = self.entries.remove(i);
-        let c = e.1.clone();
-        self.entries.insert(0, e);
-        Some(c)
-    }
-
-    pub fn put(&mut self, key: Vec<u8>, chunk: Arc<Chunk>) {
-        self.entries.retain(|(k, _)| *k != key);
-        self.entries.insert(0, (key, chunk));
-        self.entries.truncate(CACHE_CHUNKS);
-    }
-
-    pub fn forget(&mut self, key: &[u8]) {
-        self.entries.retain(|(k, _)| k != key);
-    }
-
-    pub fn clear(&mut self) {
-        self.entries.clear();
-    }
-}
+/// Decoded ledger chunks by key.
+pub type ChunkCache = super::lru::Lru<Vec<u8>, Arc<Chunk>>;
 
 #[cfg(test)]
 mod tests {

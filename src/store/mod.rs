@@ -68,7 +68,8 @@ const FORMAT_KEY: &[u8] = b"format";
 pub const STORE_FORMAT: u32 = 2;
 
 mod index;
-pub mod ledger;
+mod ledger;
+mod lru;
 mod outbox;
 use ledger::{Chunk, ChunkCache, Ledger};
 use outbox::OutboxMem;
@@ -154,13 +155,23 @@ pub struct Store {
     hasher: RandomState,
 }
 
-#[derive(Default)]
 struct Mem {
     ledgers: HashMap<String, Ledger>,
     chunks: ChunkCache,
     outbox: OutboxMem,
     /// Reused by lookups.
     tags: Vec<u32>,
+}
+
+impl Default for Mem {
+    fn default() -> Self {
+        Mem {
+            ledgers: HashMap::new(),
+            chunks: ChunkCache::new(ledger::CACHE_CHUNKS),
+            outbox: OutboxMem::default(),
+            tags: Vec::new(),
+        }
+    }
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {

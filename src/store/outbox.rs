@@ -30,6 +30,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
 
+use super::lru::Lru;
 use crate::pipeline::engine::Output;
 
 pub const CHUNK_ENTRIES: usize = 256;
@@ -91,14 +92,25 @@ struct Newest {
     version: u64,
 }
 
-#[derive(Default)]
 pub struct OutboxMem {
     chunks: BTreeMap<u64, ChunkMeta>,
     newest: HashMap<u128, Newest>,
     hashers: (RandomState, RandomState),
     len: usize,
-    /// Decoded chunks, most recently used first.
-    cache: Vec<(u64, ChunkEntries)>,
+    /// Decoded chunks.
+    cache: Lru<u64, ChunkEntries>,
+}
+
+impl Default for OutboxMem {
+    fn default() -> Self {
+        OutboxMem {
+            chunks: BTreeMap::new(),
+            newest: HashMap::new(),
+            hashers: Default::default(),
+            len: 0,
+            cache: Lru::new(CACHE_CHUNKS),
+        }
+    }
 }
 
 impl OutboxMem {
@@ -170,7 +182,7 @@ impl OutboxMem {
             return Some(None);
         }
         self.chunks.remove(&first);
-        self.cache.retain(|(k, _)| *k != first);
+        self.cache.forget(&first);
         Some(Some(first))
     }
 
@@ -205,17 +217,11 @@ impl OutboxMem {
     }
 
     pub fn cached(&mut self, first: u64) -> Option<ChunkEntries> {
-        let i = self.cache.iter().position(|(k, _)| *k == first)?;
-        let e = self.cache.remove(i);
-        let c = e.1.clone();
-        self.cache.insert(0, e);
-        Some(c)
+        self.cache.get(&first)
     }
 
     pub fn cache_put(&mut self, first: u64, entries: ChunkEntries) {
-        self.cache.retain(|(k, _)| *k != first);
-        self.cache.insert(0, (first, entries));
-        self.cache.truncate(CACHE_CHUNKS);
+        self.cache.put(first, entries);
     }
 }
 
