@@ -19,6 +19,9 @@
 //! - A dedup lookup answers exactly what a per-ID ledger would
 //!   (`store::tests::ledger_model::the_chunked_ledger_answers_like_a_map`): the in-memory index only
 //!   decides where to look (see [`ledger`]).
+//! - The ledger stays about one dedup window long: each checkpoint drops the chunks whose
+//!   entries have all expired
+//!   (`store::tests::expired_ledger_chunks_are_dropped_so_the_ledger_stays_bounded`).
 //!
 //! # Why the extra fsyncs (DESIGN §4)
 //!

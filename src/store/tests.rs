@@ -273,3 +273,40 @@ fn a_store_of_another_layout_is_refused_not_misread() {
     assert!(matches!(err, StoreError::Format { found: 1, .. }), "{err}");
     assert!(err.to_string().contains("rebuilt from the log"), "{err}");
 }
+
+#[test]
+fn expired_ledger_chunks_are_dropped_so_the_ledger_stays_bounded() {
+    // Invariant 7 for the dedup ledger: it holds about one window of entries, not history.
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    let mut s = spec();
+    s.dedup_window_ms = 100;
+    let mut engine = Engine::new(vec![s], store.progress().unwrap());
+    let mut offset = 0;
+    for cp in 0..20u64 {
+        for i in 0..50u64 {
+            let r = Record {
+                offset,
+                received_at_ms: 1_000_000 + cp * 1_000 + i,
+                topic: "payments/x".into(),
+                payload: format!("E{cp}-{i}/A/1").into_bytes(),
+                qos: 1,
+                retain: false,
+            };
+            engine.apply(&store, &r).unwrap();
+            offset += 1;
+        }
+        store.commit(&engine.take_checkpoint(), 0).unwrap();
+    }
+    // Every earlier checkpoint's entries are at least 900 ms older than the window allows.
+    assert_eq!(store.dedup_len("balances"), 50);
+    let ids: std::collections::BTreeSet<String> =
+        store.dedup_entries(None).map(|r| r.unwrap().1).collect();
+    assert_eq!(ids.len(), 50);
+    assert!(ids.iter().all(|id| id.starts_with("E19-")), "{ids:?}");
+    assert_eq!(
+        store.progress().unwrap().pipelines[0].dedup_entries,
+        50,
+        "the checkpoint records the ledger size it leaves"
+    );
+}
