@@ -795,8 +795,11 @@ impl Agent {
         let outbox_end = self.proc.engine().progress().outbox_seq;
         self.metrics
             .note_outbox_committed(outbox_end, info.committed_at_ms);
+        let pipelines = pipeline_figures(self.proc.engine().progress());
         self.metrics.update(|f| {
-            // One update: a scrape sees the count, duration and offsets of one checkpoint.
+            // One update: a scrape sees the count, duration and offsets of one checkpoint,
+            // and the pipeline figures with it (the ledger sizes change only at a commit).
+            f.pipelines = pipelines;
             f.checkpoints += 1;
             f.checkpoint.observe(took);
             f.checkpoint_id = info.id;
@@ -875,28 +878,35 @@ impl Agent {
             f.log_first_offset = log.first_offset();
             f.log_next_offset = log.next_offset();
             f.records_unmatched = progress.unmatched;
-            f.pipelines = progress
-                .pipelines
-                .iter()
-                .map(|p| {
-                    let c = &p.counters;
-                    let figures = crate::metrics::PipelineFigures {
-                        keys: p.keys,
-                        dedup_entries: p.dedup_entries,
-                        applied: c.applied,
-                        duplicates: c.duplicates,
-                        dead_letters: c.dead_letters,
-                        outputs: c.outputs,
-                    };
-                    (p.name.clone(), figures)
-                })
-                .collect();
+            f.pipelines = pipeline_figures(progress);
             f.savepoint = sp.map(|s| (s.checkpoint_id, s.next_offset, s.created_at_ms));
             let needed = sp.map_or(f.checkpoint_next_offset, |s| s.next_offset);
             f.source_replayable = log.first_offset() <= needed;
         });
         Ok(())
     }
+}
+
+/// Each pipeline's figures for `/metrics`, from the engine's progress.
+fn pipeline_figures(
+    progress: &crate::pipeline::engine::Progress,
+) -> std::collections::BTreeMap<String, crate::metrics::PipelineFigures> {
+    progress
+        .pipelines
+        .iter()
+        .map(|p| {
+            let c = &p.counters;
+            let figures = crate::metrics::PipelineFigures {
+                keys: p.keys,
+                dedup_entries: p.dedup_entries,
+                applied: c.applied,
+                duplicates: c.duplicates,
+                dead_letters: c.dead_letters,
+                outputs: c.outputs,
+            };
+            (p.name.clone(), figures)
+        })
+        .collect()
 }
 
 /// How often freed heap is handed back to the system.
