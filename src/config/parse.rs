@@ -129,6 +129,14 @@ const MAX_MAX_KEY_LEN: i64 = 1_024;
 const DEFAULT_MAX_KEYS: i64 = 1_000_000;
 /// MQTT strings (topics, filters) are at most 65535 bytes.
 const MAX_TOPIC_LEN: usize = 65_535;
+/// Event IDs live in the dedup ledger; a bound keeps its values far below sled's blob
+/// threshold (a 200 KB ID once produced an unfsynced blob file).
+const DEFAULT_MAX_ID_LEN: i64 = 256;
+const MAX_MAX_ID_LEN: i64 = 1_024;
+/// Device clocks drift by seconds to minutes; an event further ahead is a broken clock, and
+/// accepting it would close every window up to it.
+const DEFAULT_MAX_FUTURE_MS: u64 = 600_000;
+const MAX_MAX_FUTURE_MS: u64 = 366 * 86_400_000;
 
 // ---------------------------------------------------------------------------------------
 // Errors.
@@ -528,6 +536,8 @@ struct RawPipeline {
     emit: Option<String>,
     max_key_len: Option<i64>,
     max_keys: Option<i64>,
+    max_id_len: Option<i64>,
+    max_future: Option<DurationText>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -1571,6 +1581,24 @@ impl Validator {
             1..=i64::MAX,
             "",
         );
+        let max_id_len = self.int(
+            &k("max_id_len"),
+            r.max_id_len,
+            DEFAULT_MAX_ID_LEN,
+            1..=MAX_MAX_ID_LEN,
+            " bytes: event IDs are held in the dedup ledger",
+        );
+        let max_future_ms = self
+            .duration(&k("max_future"), r.max_future, DEFAULT_MAX_FUTURE_MS)
+            .filter(|&ms| {
+                self.require(&k("max_future"), ms <= MAX_MAX_FUTURE_MS, || {
+                    format!(
+                        "must be at most 366d, found {}: it is how far a device clock may run \
+                         ahead, and events beyond it are dead letters",
+                        format_duration_ms(ms)
+                    )
+                })
+            });
 
         if !format_ok {
             return None;
@@ -1591,6 +1619,8 @@ impl Validator {
             emit: emit?,
             max_key_len: usize::try_from(max_key_len?).ok()?,
             max_keys: u64::try_from(max_keys?).ok()?,
+            max_id_len: usize::try_from(max_id_len?).ok()?,
+            max_future_ms: max_future_ms?,
         })
     }
 }

@@ -180,6 +180,8 @@ fn a_minimal_config_gets_safe_default_limits() {
             emit: Emit::Upsert,
             max_key_len: 128,
             max_keys: 1_000_000,
+            max_id_len: 256,
+            max_future_ms: 600_000,
         }]
     );
 }

@@ -6,10 +6,10 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::parse::{Refusal, parse};
+use super::parse::{Parsed, Refusal, parse};
 use super::spec::{Emit, PipelineSpec};
-use super::topic::{escape_key, matches};
-use super::value::KeyState;
+use super::topic::{check_publish_topic, escape_key, matches, render};
+use super::value::{KeyState, Num};
 use crate::model::{Offset, Record};
 
 /// Longest payload prefix kept in a dead letter.
@@ -166,8 +166,9 @@ pub struct Engine {
     specs: Vec<PipelineSpec>,
     progress: Progress,
     batch: Batch,
-    /// Upsert mode: the latest state of each key touched since the last checkpoint.
-    touched: BTreeMap<(usize, Vec<u8>), KeyState>,
+    /// Upsert mode: the latest state of each key touched since the last checkpoint, with
+    /// its output topic.
+    touched: BTreeMap<(usize, Vec<u8>), (KeyState, String)>,
 }
 
 impl Engine {
@@ -281,52 +282,12 @@ impl Engine {
         rec: &Record,
     ) -> Result<Outcome, ReadError> {
         let spec = &self.specs[p];
-        let ev = match parse(spec, &rec.payload) {
+        let ev = match parse(spec, &rec.payload).and_then(|ev| check_key(spec, ev)) {
             Ok(ev) => ev,
             Err(r) => return self.dead(base, p, rec, r),
         };
         let now = self.progress.log_clock_ms;
         let name = spec.name.clone();
-
-        if ev.key.is_empty() {
-            return self.dead(
-                base,
-                p,
-                rec,
-                Refusal {
-                    reason: "bad_key",
-                    detail: "the key is empty".into(),
-                },
-            );
-        }
-        if ev.key.len() > spec.max_key_len {
-            let detail = format!(
-                "key is {} bytes, the limit is {}",
-                ev.key.len(),
-                spec.max_key_len
-            );
-            return self.dead(
-                base,
-                p,
-                rec,
-                Refusal {
-                    reason: "key_too_long",
-                    detail,
-                },
-            );
-        }
-        if ev.key.chars().any(char::is_control) {
-            let detail = "the key contains a control character (NUL, newline, ...)".to_string();
-            return self.dead(
-                base,
-                p,
-                rec,
-                Refusal {
-                    reason: "bad_key",
-                    detail,
-                },
-            );
-        }
 
         // Invariant 5: an event ID seen within the window (in record time) is skipped.
         let seen = self.dedup_get(base, &name, &ev.event_id)?;
@@ -337,95 +298,140 @@ impl Engine {
             }
         }
 
-        let time_ms = ev.event_time_ms.unwrap_or(rec.received_at_ms);
-        let mut skey = Vec::with_capacity(8 + ev.key.len());
-        let window = spec.window;
-        if let Some(w) = window {
-            let start = time_ms - time_ms % w.size_ms;
-            let watermark = self.progress.pipelines[p]
-                .max_event_time_ms
-                .saturating_sub(w.allowed_lateness_ms);
-            let close_bound = watermark - watermark % w.size_ms;
-            if start < close_bound {
-                let detail = format!(
-                    "event time {time_ms} falls in window [{start}, {}), closed at watermark {watermark}",
-                    start + w.size_ms
-                );
-                return self.dead(
-                    base,
-                    p,
-                    rec,
-                    Refusal {
-                        reason: "late",
-                        detail,
-                    },
-                );
-            }
-            skey.extend_from_slice(&start.to_be_bytes());
-        }
-        skey.extend_from_slice(ev.key.as_bytes());
-
-        let old = self.state_get(base, &name, &skey)?;
-        let new = match old {
-            None => {
-                if self.progress.pipelines[p].keys >= spec.max_keys {
-                    let detail = format!(
-                        "{} keys held, the limit is {}",
-                        self.progress.pipelines[p].keys, spec.max_keys
-                    );
-                    return self.dead(
-                        base,
-                        p,
-                        rec,
-                        Refusal {
-                            reason: "key_limit",
-                            detail,
-                        },
-                    );
-                }
-                self.progress.pipelines[p].keys += 1;
-                let mut first = KeyState::first(spec.aggregate, ev.value, time_ms);
-                first.version += self.progress.pipelines[p].version_base;
-                first
-            }
-            Some(old) => match old.apply(ev.value, time_ms) {
-                Ok(s) => s,
-                Err(_) => {
-                    let detail = format!("adding {:?} overflows the 64-bit aggregate", ev.value);
-                    return self.dead(
-                        base,
-                        p,
-                        rec,
-                        Refusal {
-                            reason: "overflow",
-                            detail,
-                        },
-                    );
-                }
-            },
+        let slot = match self.slot(p, &ev, rec) {
+            Ok(slot) => slot,
+            Err(r) => return self.dead(base, p, rec, r),
+        };
+        let (new, new_key) = match self.next_state(base, p, &slot, ev.value)? {
+            Ok(next) => next,
+            Err(r) => return self.dead(base, p, rec, r),
         };
 
         // Accepted: remember the ID, store the state, emit.
         let pp = &mut self.progress.pipelines[p];
         pp.counters.applied += 1;
+        if new_key {
+            pp.keys += 1;
+        }
         pp.max_version = pp.max_version.max(new.version);
-        pp.max_event_time_ms = pp.max_event_time_ms.max(time_ms);
+        pp.max_event_time_ms = pp.max_event_time_ms.max(slot.time_ms);
         self.remember(&name, ev.event_id.clone(), now);
         self.batch
             .state
-            .insert((name.clone(), skey.clone()), Some(new));
+            .insert((name.clone(), slot.skey.clone()), Some(new));
         match self.specs[p].emit {
-            Emit::Changelog => self.emit(p, &skey, &new),
+            Emit::Changelog => self.emit(p, &slot.skey, &new, slot.topic),
             Emit::Upsert => {
-                self.touched.insert((p, skey.clone()), new);
+                self.touched.insert((p, slot.skey), (new, slot.topic));
             }
         }
-        if window.is_some() {
+        if self.specs[p].window.is_some() {
             self.evict_closed(base, p)?;
         }
         Ok(Outcome::Applied {
             key: ev.key,
             version: new.version,
+        })
+    }
+
+    /// Where an event goes: its time, its state key (window start and key) and its output
+    /// topic; or why it can go nowhere. Every bound here is checked arithmetic, since the
+    /// event time is whatever the sender wrote.
+    fn slot(&self, p: usize, ev: &Parsed, rec: &Record) -> Result<Slot, Refusal> {
+        let spec = &self.specs[p];
+        let time_ms = match ev.event_time_ms {
+            None => rec.received_at_ms,
+            Some(t) => {
+                let ahead = t.saturating_sub(rec.received_at_ms);
+                if ahead > spec.max_future_ms {
+                    return Err(Refusal {
+                        reason: "future",
+                        detail: format!(
+                            "event time {t} is {ahead} ms after the time of receipt {}; \
+                             max_future allows {} ms",
+                            rec.received_at_ms, spec.max_future_ms
+                        ),
+                    });
+                }
+                t
+            }
+        };
+        let mut skey = Vec::with_capacity(8 + ev.key.len());
+        let mut window_start = None;
+        if let Some(w) = spec.window {
+            let start = time_ms - time_ms % w.size_ms;
+            let Some(end) = start.checked_add(w.size_ms) else {
+                return Err(Refusal {
+                    reason: "bad_event_time",
+                    detail: format!(
+                        "event time {time_ms} falls in a window starting at {start} that ends \
+                         beyond the largest time this pipeline can represent"
+                    ),
+                });
+            };
+            let watermark = self.progress.pipelines[p]
+                .max_event_time_ms
+                .saturating_sub(w.allowed_lateness_ms);
+            let close_bound = watermark - watermark % w.size_ms;
+            if start < close_bound {
+                return Err(Refusal {
+                    reason: "late",
+                    detail: format!(
+                        "event time {time_ms} falls in window [{start}, {end}), closed at \
+                         watermark {watermark}"
+                    ),
+                });
+            }
+            skey.extend_from_slice(&start.to_be_bytes());
+            window_start = Some(start);
+        }
+        skey.extend_from_slice(ev.key.as_bytes());
+        let topic = render(&spec.output_topic, &escape_key(&ev.key), window_start);
+        check_publish_topic(&topic)?;
+        Ok(Slot {
+            time_ms,
+            skey,
+            topic,
+        })
+    }
+
+    /// The state after applying `value` to the slot, and whether the key is new; or why
+    /// the event cannot be applied (a new key beyond `max_keys`, an overflow).
+    fn next_state<R: ReadState>(
+        &self,
+        base: &R,
+        p: usize,
+        slot: &Slot,
+        value: Num,
+    ) -> Result<Result<(KeyState, bool), Refusal>, ReadError> {
+        let spec = &self.specs[p];
+        let pp = &self.progress.pipelines[p];
+        let overflow = || Refusal {
+            reason: "overflow",
+            detail: format!(
+                "adding {value:?} overflows the aggregate (64-bit integers; floats below 2^53), \
+                 its count or its version"
+            ),
+        };
+        Ok(match self.state_get(base, &spec.name, &slot.skey)? {
+            None if pp.keys >= spec.max_keys => Err(Refusal {
+                reason: "key_limit",
+                detail: format!("{} keys held, the limit is {}", pp.keys, spec.max_keys),
+            }),
+            None => {
+                let mut first = KeyState::first(spec.aggregate, value, slot.time_ms);
+                match first.version.checked_add(pp.version_base) {
+                    Some(v) => {
+                        first.version = v;
+                        Ok((first, true))
+                    }
+                    None => Err(overflow()),
+                }
+            }
+            Some(old) => old
+                .apply(value, slot.time_ms)
+                .map(|s| (s, false))
+                .map_err(|_| overflow()),
         })
     }
 
@@ -462,7 +468,9 @@ impl Engine {
         Ok(())
     }
 
-    fn emit(&mut self, p: usize, skey: &[u8], st: &KeyState) {
+    /// Queue the output of one key (and window) state. `topic` was rendered and checked when
+    /// the event was applied, so nothing here can refuse it.
+    fn emit(&mut self, p: usize, skey: &[u8], st: &KeyState, topic: String) {
         let spec = &self.specs[p];
         let (window, key) = match spec.window {
             Some(w) => (Some((start_of(skey), w.size_ms)), &skey[8..]),
@@ -474,15 +482,14 @@ impl Engine {
             Some((start, _)) => format!("{}/{}/{}/{}", spec.name, ek, start, st.version),
             None => format!("{}/{}/{}", spec.name, ek, st.version),
         };
-        let mut topic = spec.output_topic.replace("{key}", &ek);
         let mut body = serde_json::json!({
             "id": id, "pipeline": spec.name, "key": key, "version": st.version,
             "value": st.value_json(), "count": st.count,
         });
         if let Some((start, size)) = window {
-            topic = topic.replace("{window_start}", &start.to_string());
             body["window_start"] = start.into();
-            body["window_end"] = (start + size).into();
+            // Never saturates: `slot` refused every window whose end does not fit.
+            body["window_end"] = start.saturating_add(size).into();
         }
         let seq = self.progress.outbox_seq;
         self.progress.outbox_seq += 1;
@@ -527,8 +534,8 @@ impl Engine {
     /// restart from the store.
     pub fn take_checkpoint(&mut self) -> Checkpoint {
         let touched = std::mem::take(&mut self.touched);
-        for ((p, skey), st) in &touched {
-            self.emit(*p, skey, st);
+        for ((p, skey), (st, topic)) in touched {
+            self.emit(p, &skey, &st, topic);
         }
         let now = self.progress.log_clock_ms;
         for spec in &self.specs {
@@ -553,6 +560,35 @@ impl Engine {
             pp.dedup_entries = count(&pp.name);
         }
     }
+}
+
+/// Where an accepted event lands.
+struct Slot {
+    /// The event time, or the time of receipt when the pipeline has no event-time field.
+    time_ms: u64,
+    /// State key: the window start (big-endian, when windowed) then the key.
+    skey: Vec<u8>,
+    topic: String,
+}
+
+/// Refuse keys that cannot name a state entry, a topic level and an output-ID segment.
+fn check_key(spec: &PipelineSpec, ev: Parsed) -> Result<Parsed, Refusal> {
+    let refuse = |reason, detail: String| Err(Refusal { reason, detail });
+    if ev.key.is_empty() {
+        return refuse("bad_key", "the key is empty".into());
+    }
+    if ev.key.len() > spec.max_key_len {
+        let (len, max) = (ev.key.len(), spec.max_key_len);
+        return refuse(
+            "key_too_long",
+            format!("key is {len} bytes, the limit is {max}"),
+        );
+    }
+    if ev.key.chars().any(char::is_control) {
+        let detail = "the key contains a control character (NUL, newline, ...)";
+        return refuse("bad_key", detail.into());
+    }
+    Ok(ev)
 }
 
 /// The ledger identity of a refused input: FNV-1a (64-bit) over its topic and payload, in a

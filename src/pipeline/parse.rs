@@ -63,8 +63,8 @@ pub fn parse(spec: &PipelineSpec, payload: &[u8]) -> Result<Parsed, Refusal> {
                 .collect(),
         ),
     };
-    let event_id = text_of(&doc, &spec.event_id, "event_id")?;
-    let key = text_of(&doc, &spec.key, "key")?;
+    let event_id = text_of(&doc, &spec.event_id, spec.max_id_len)?;
+    let key = text_of(&doc, &spec.key, spec.max_key_len)?;
     let value = match &spec.value {
         None => Num::Int(1),
         Some(f) => number_of(&doc, f)?,
@@ -75,6 +75,16 @@ pub fn parse(spec: &PipelineSpec, payload: &[u8]) -> Result<Parsed, Refusal> {
     };
     if event_id.is_empty() {
         return Err(refuse("empty_id", "the event ID is empty"));
+    }
+    if event_id.len() > spec.max_id_len {
+        return Err(refuse(
+            "id_too_long",
+            format!(
+                "the event ID is longer than {} bytes (max_id_len): {} bytes read",
+                spec.max_id_len,
+                event_id.len()
+            ),
+        ));
     }
     if event_id.chars().any(char::is_control) {
         return Err(refuse(
@@ -90,7 +100,9 @@ pub fn parse(spec: &PipelineSpec, payload: &[u8]) -> Result<Parsed, Refusal> {
     })
 }
 
-fn lookup<'a>(doc: &'a Doc<'a>, field: &Field) -> Result<Scalar<'a>, Refusal> {
+/// The scalar at `field`. A template stops growing once it is longer than `max_len` bytes
+/// (the caller refuses it as too long), so repeated parts cannot build a huge string.
+fn lookup<'a>(doc: &'a Doc<'a>, field: &Field, max_len: usize) -> Result<Scalar<'a>, Refusal> {
     match (doc, field) {
         (Doc::Json(v), Field::Pointer(p)) => match v.pointer(p) {
             Some(Value::Null) | None => Err(refuse("missing_field", format!("no value at {p}"))),
@@ -106,9 +118,14 @@ fn lookup<'a>(doc: &'a Doc<'a>, field: &Field) -> Result<Scalar<'a>, Refusal> {
         (doc, Field::Template(parts)) => {
             let mut out = String::new();
             for part in parts {
+                if out.len() > max_len {
+                    break;
+                }
                 match part {
                     TemplatePart::Literal(l) => out.push_str(l),
-                    TemplatePart::Field(f) => out.push_str(&scalar_text(lookup(doc, f)?, f)?),
+                    TemplatePart::Field(f) => {
+                        out.push_str(&scalar_text(lookup(doc, f, max_len)?, f)?)
+                    }
                 }
             }
             Ok(Scalar::Text(out.into()))
@@ -137,12 +154,12 @@ fn scalar_text(s: Scalar<'_>, field: &Field) -> Result<String, Refusal> {
     }
 }
 
-fn text_of(doc: &Doc<'_>, field: &Field, _role: &str) -> Result<String, Refusal> {
-    scalar_text(lookup(doc, field)?, field)
+fn text_of(doc: &Doc<'_>, field: &Field, max_len: usize) -> Result<String, Refusal> {
+    scalar_text(lookup(doc, field, max_len)?, field)
 }
 
 fn number_of(doc: &Doc<'_>, field: &Field) -> Result<Num, Refusal> {
-    let n = match lookup(doc, field)? {
+    let n = match lookup(doc, field, usize::MAX)? {
         Scalar::Json(Value::Number(n)) => {
             if let Some(i) = n.as_i64() {
                 Num::Int(i)
@@ -199,7 +216,7 @@ fn number_of(doc: &Doc<'_>, field: &Field) -> Result<Num, Refusal> {
 }
 
 fn time_of(doc: &Doc<'_>, field: &Field) -> Result<u64, Refusal> {
-    match lookup(doc, field)? {
+    match lookup(doc, field, usize::MAX)? {
         Scalar::Json(Value::Number(n)) => n.as_u64().ok_or_else(|| {
             refuse(
                 "bad_event_time",

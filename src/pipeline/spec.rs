@@ -47,7 +47,8 @@ pub enum Emit {
     Changelog,
 }
 
-/// A tumbling event-time window.
+/// A tumbling event-time window. `size_ms` is above zero (config validation); any size and
+/// lateness is safe, since window bounds are computed with checked arithmetic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WindowSpec {
     pub size_ms: u64,
@@ -81,6 +82,13 @@ pub struct PipelineSpec {
     /// Most distinct keys (per window when windowed) held in state; an event for a new key
     /// beyond it is a dead letter with reason `key_limit`.
     pub max_keys: u64,
+    /// Longest event ID accepted, in bytes; longer IDs are dead letters (`id_too_long`).
+    /// IDs are held in the dedup ledger, so this bounds every ledger value.
+    pub max_id_len: usize,
+    /// How far an event time may lie ahead of the record's time of receipt. An event further
+    /// ahead is a dead letter (`future`): one bad clock must not move the watermark (which
+    /// would make every later event `late`) nor pin a `last`.
+    pub max_future_ms: u64,
 }
 
 impl Field {

@@ -30,11 +30,21 @@ impl Num {
         }
     }
 
-    /// `None` on integer overflow.
+    /// The value as a float that means exactly the same number, if there is one: an
+    /// integer beyond 2^53 has none, and neither has a float outside the accepted range.
+    fn exact_f64(self) -> Option<f64> {
+        let f = self.as_f64();
+        (f.is_finite() && f.abs() < MAX_EXACT_FLOAT).then_some(f)
+    }
+
+    /// `None` when the sum cannot be held: integer overflow, or a floating-point sum (or an
+    /// integer entering one) outside the exact range, where precision would be lost silently.
     pub fn checked_add(self, other: Num) -> Option<Num> {
         match (self, other) {
             (Num::Int(a), Num::Int(b)) => a.checked_add(b).map(Num::Int),
-            (a, b) => Some(Num::Float(a.as_f64() + b.as_f64())),
+            (a, b) => Num::Float(a.exact_f64()? + b.exact_f64()?)
+                .exact_f64()
+                .map(Num::Float),
         }
     }
 
@@ -101,7 +111,8 @@ impl KeyState {
         }
     }
 
-    /// The state after one more event. Pure; refuses integer overflow.
+    /// The state after one more event. Pure; refuses overflow of the sum, the count or the
+    /// version rather than wrapping or panicking.
     pub fn apply(&self, value: Num, time_ms: u64) -> Result<KeyState, Overflow> {
         let agg = match self.agg {
             Agg::Sum(s) => Agg::Sum(s.checked_add(value).ok_or(Overflow)?),
@@ -132,7 +143,7 @@ impl KeyState {
             }
         };
         Ok(KeyState {
-            version: self.version + 1,
+            version: self.version.checked_add(1).ok_or(Overflow)?,
             count: self.count.checked_add(1).ok_or(Overflow)?,
             agg,
         })
