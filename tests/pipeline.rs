@@ -338,3 +338,217 @@ fn the_same_bad_payload_twice_is_one_dead_letter_and_one_duplicate() {
     assert_eq!(h.mem.dead.len(), 2);
     assert_eq!(h.engine.progress().pipelines[0].counters.duplicates, 1);
 }
+
+fn windowed_spec(aggregate: &str, output_topic: &str) -> PipelineSpec {
+    let value = if aggregate == "count" {
+        ""
+    } else {
+        "value = \"/amount\"\n"
+    };
+    cairn::config::pipeline_from_toml(&format!(
+        r#"name = "balances"
+topics = ["payments/#"]
+event_id = "/id"
+key = "/account"
+{value}event_time = "/ts"
+aggregate = "{aggregate}"
+window = {{ size = "1m", allowed_lateness = "30s" }}
+output_topic = "{output_topic}"
+emit = "changelog""#
+    ))
+    .unwrap()
+}
+
+fn applied(key: &str, version: u64) -> Vec<Outcome> {
+    vec![Outcome::Applied {
+        key: key.into(),
+        version,
+    }]
+}
+
+/// 2026-11-30T11:22:00Z, a whole minute.
+const NOW: u64 = 1_796_037_720_000;
+/// 2100-01-01T00:00:00Z.
+const YEAR_2100: u64 = 4_102_444_800_000;
+
+#[test]
+fn an_event_time_near_u64_max_is_a_dead_letter_not_a_crash_loop() {
+    let mut h = Harness::new(vec![windowed_spec("sum", "balances/{key}/{window_start}")]);
+    let ev = |id: &str, ts: u64| format!(r#"{{"id":"{id}","account":"A","amount":1,"ts":{ts}}}"#);
+    // The field report: one record dated u64::MAX - 1. Before the fix, `start + size`
+    // overflowed while emitting it, and replay met the same panic on every restart.
+    assert_eq!(
+        h.feed_at(ev("E1", u64::MAX - 1).as_bytes(), NOW),
+        dead("future")
+    );
+    // A box whose own clock says u64::MAX (no event-time field needed for that: the time of
+    // receipt is the event time): its window cannot end, so it is refused too.
+    assert_eq!(
+        h.feed_at(ev("E2", u64::MAX - 1).as_bytes(), u64::MAX),
+        dead("bad_event_time")
+    );
+    assert_eq!(h.feed_at(ev("E3", NOW).as_bytes(), NOW), applied("A", 1));
+    h.checkpoint();
+    let d: Vec<_> = h.mem.dead.values().map(|d| d.detail.clone()).collect();
+    assert!(d[1].contains("ends beyond"), "{d:?}");
+    assert_eq!(h.mem.outbox.len(), 1);
+}
+
+#[test]
+fn one_event_from_2100_does_not_make_every_later_event_late() {
+    let mut h = Harness::new(vec![windowed_spec("sum", "balances/{key}/{window_start}")]);
+    let ev = |id: &str, ts: u64| format!(r#"{{"id":"{id}","account":"A","amount":1,"ts":{ts}}}"#);
+    assert_eq!(
+        h.feed_at(ev("E1", YEAR_2100).as_bytes(), NOW),
+        dead("future")
+    );
+    assert_eq!(h.feed_at(ev("E2", NOW).as_bytes(), NOW), applied("A", 1));
+    assert_eq!(
+        h.feed_at(ev("E3", NOW + 60_000).as_bytes(), NOW + 1),
+        applied("A", 1)
+    );
+    // Within max_future (10 minutes by default) is fine: device clocks drift.
+    assert_eq!(
+        h.feed_at(ev("E4", NOW + 600_000).as_bytes(), NOW + 2),
+        applied("A", 1)
+    );
+    assert_eq!(
+        h.engine.progress().pipelines[0].max_event_time_ms,
+        NOW + 600_000
+    );
+    h.checkpoint();
+    let future = h.mem.dead.values().next().unwrap();
+    assert_eq!(future.reason, "future");
+    assert!(
+        future.detail.contains(&YEAR_2100.to_string()) && future.detail.contains(&NOW.to_string()),
+        "{}",
+        future.detail
+    );
+}
+
+#[test]
+fn one_event_from_2100_does_not_pin_last() {
+    let mut spec = json_spec(Aggregate::Last);
+    spec.event_time = Some(Field::parse("/ts", &Format::Json).unwrap());
+    let mut h = Harness::new(vec![spec]);
+    let ev = |id: &str, v: i64, ts: u64| {
+        format!(r#"{{"id":"{id}","account":"A","amount":{v},"ts":{ts}}}"#)
+    };
+    assert_eq!(h.feed_at(ev("E1", 1, NOW).as_bytes(), NOW), applied("A", 1));
+    assert_eq!(
+        h.feed_at(ev("E2", 99, YEAR_2100).as_bytes(), NOW),
+        dead("future")
+    );
+    assert_eq!(
+        h.feed_at(ev("E3", 3, NOW + 1_000).as_bytes(), NOW + 1_000),
+        applied("A", 2)
+    );
+    h.checkpoint();
+    assert_eq!(h.value("A"), Some(serde_json::json!(3)));
+}
+
+#[test]
+fn max_future_is_a_validated_pipeline_key() {
+    let base = r#"name = "p"
+topics = ["t/#"]
+event_id = "/id"
+key = "/k"
+aggregate = "count"
+output_topic = "o/{key}""#;
+    let spec = cairn::config::pipeline_from_toml(&format!("{base}\nmax_future = \"1s\"")).unwrap();
+    assert_eq!(spec.max_future_ms, 1_000);
+    let err = cairn::config::pipeline_from_toml(&format!("{base}\nmax_future = \"400d\""))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("pipeline[0].max_future"), "{err}");
+    let err = cairn::config::pipeline_from_toml(&format!("{base}\nmax_id_len = 0"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("pipeline[0].max_id_len"), "{err}");
+    let spec = cairn::config::pipeline_from_toml(base).unwrap();
+    assert_eq!((spec.max_future_ms, spec.max_id_len), (600_000, 256));
+}
+
+#[test]
+fn event_ids_longer_than_max_id_len_are_dead_letters_even_from_templates() {
+    let mut spec = json_spec(Aggregate::Sum);
+    spec.max_id_len = 16;
+    let mut h = Harness::new(vec![spec.clone()]);
+    let ev = |id: &str| format!(r#"{{"id":"{id}","account":"A","amount":1}}"#);
+    assert_eq!(h.feed(&ev(&"i".repeat(16))), applied("A", 1));
+    assert_eq!(h.feed(&ev(&"i".repeat(17))), dead("id_too_long"));
+    // The field report: a 200 KB ID once became a sled value over the blob threshold.
+    assert_eq!(h.feed(&ev(&"i".repeat(200_000))), dead("id_too_long"));
+
+    // A template stops growing once it is over the limit.
+    spec.event_id = Field::parse("{/id}{/id}{/id}{/id}", &Format::Json).unwrap();
+    let mut h = Harness::new(vec![spec]);
+    assert_eq!(h.feed(&ev("abcd")), applied("A", 1));
+    assert_eq!(h.feed(&ev("abcde")), dead("id_too_long"));
+    h.checkpoint();
+    let d = h.mem.dead.values().next().unwrap();
+    assert!(d.detail.contains("max_id_len"), "{}", d.detail);
+}
+
+#[test]
+fn a_key_spelling_a_placeholder_does_not_share_a_topic_with_its_substitution() {
+    let mut h = Harness::new(vec![windowed_spec("count", "w/{key}")]);
+    let ev = |id: &str, key: &str| format!(r#"{{"id":"{id}","account":"{key}","ts":{NOW}}}"#);
+    h.feed_at(ev("E1", "X{window_start}").as_bytes(), NOW);
+    h.feed_at(ev("E2", &format!("X{NOW}")).as_bytes(), NOW);
+    h.feed_at(ev("E3", "{key}").as_bytes(), NOW);
+    h.checkpoint();
+    let topics: Vec<_> = h.mem.outbox.values().map(|o| o.topic.as_str()).collect();
+    assert_eq!(
+        topics,
+        ["w/X%7Bwindow_start%7D", "w/X1796037720000", "w/%7Bkey%7D"]
+    );
+}
+
+#[test]
+fn a_key_starting_with_dollar_never_reaches_a_dollar_topic() {
+    let mut spec = json_spec(Aggregate::Sum);
+    spec.output_topic = "{key}".into();
+    let mut h = Harness::new(vec![spec.clone()]);
+    h.feed(r#"{"id":"E1","account":"$SYS","amount":1}"#);
+    h.checkpoint();
+    let out = h.mem.outbox.values().next().unwrap();
+    assert_eq!(out.topic, "%24SYS");
+    assert_eq!(out.id, "balances/%24SYS/1");
+
+    // A template that starts with `$` is refused by the config; one built by hand meets the
+    // check at apply time instead of a broker that drops the result silently.
+    spec.output_topic = "$x/{key}".into();
+    let mut h = Harness::new(vec![spec]);
+    assert_eq!(
+        h.feed(r#"{"id":"E1","account":"A","amount":1}"#),
+        dead("bad_topic")
+    );
+    let base = r#"name = "p"
+topics = ["t/#"]
+event_id = "/id"
+key = "/k"
+aggregate = "count"
+output_topic = "$x/{key}""#;
+    assert!(cairn::config::pipeline_from_toml(base).is_err());
+}
+
+#[test]
+fn a_topic_over_the_mqtt_limit_is_a_dead_letter_not_a_disconnect() {
+    let mut spec = json_spec(Aggregate::Sum);
+    spec.max_key_len = 1_024;
+    spec.output_topic = format!("{}/{{key}}", "t".repeat(65_000));
+    let mut h = Harness::new(vec![spec]);
+    assert_eq!(
+        h.feed(r#"{"id":"E1","account":"short","amount":1}"#),
+        applied("short", 1)
+    );
+    let long = format!(
+        r#"{{"id":"E2","account":"{}","amount":1}}"#,
+        "/".repeat(300)
+    );
+    assert_eq!(h.feed(&long), dead("topic_too_long"));
+    h.checkpoint();
+    assert_eq!(h.mem.outbox.len(), 1);
+    assert!(h.mem.outbox.values().all(|o| o.topic.len() <= 65_535));
+}

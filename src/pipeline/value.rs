@@ -202,6 +202,31 @@ mod tests {
     }
 
     #[test]
+    fn a_float_sum_outside_the_exact_range_is_refused_not_rounded() {
+        let big = Num::Float(MAX_EXACT_FLOAT - 1.0);
+        let s = KeyState::first(Aggregate::Sum, big, 0);
+        assert_eq!(s.apply(Num::Float(1.0), 0), Err(Overflow));
+        assert_eq!(
+            s.apply(Num::Int(-1), 0).unwrap().value_json(),
+            9_007_199_254_740_990.0
+        );
+        // An integer too large to be exact as a float cannot enter a floating-point sum.
+        let s = KeyState::first(Aggregate::Avg, Num::Int(i64::MAX), 0);
+        assert_eq!(s.apply(Num::Float(0.5), 0), Err(Overflow));
+        assert_eq!(s.apply(Num::Int(-1), 0).unwrap().count, 2);
+    }
+
+    #[test]
+    fn the_version_and_count_refuse_to_wrap() {
+        let mut s = KeyState::first(Aggregate::Max, Num::Int(1), 0);
+        s.version = u64::MAX;
+        assert_eq!(s.apply(Num::Int(2), 0), Err(Overflow));
+        s.version = 1;
+        s.count = u64::MAX;
+        assert_eq!(s.apply(Num::Int(2), 0), Err(Overflow));
+    }
+
+    #[test]
     fn a_float_turns_the_sum_into_floating_point() {
         let s = KeyState::first(Aggregate::Sum, Num::Int(1), 0);
         let s = s.apply(Num::Float(0.5), 0).unwrap();

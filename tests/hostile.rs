@@ -1,0 +1,378 @@
+//! Hostile input (issue 10): no record may panic the engine, since replay would meet the
+//! same panic on every restart, and whatever a record does must be recomputed exactly on
+//! replay (invariant 3).
+//!
+//! Every format and every aggregate, unwindowed and with tiny, ordinary and huge windows,
+//! in both emit modes, meets records built from extremes: 0, negatives, the `i64`/`u64`
+//! bounds, NaN and huge floats, event times near `u64::MAX`, times of receipt near 0 and
+//! near `u64::MAX`, and IDs and keys of odd shapes. After each checkpoint, a fresh engine
+//! started from the checkpoint before it applies the same records and must hand over the
+//! same checkpoint, byte for byte.
+
+use cairn::model::Record;
+use cairn::pipeline::engine::{Checkpoint, Engine};
+use cairn::pipeline::memory::MemState;
+use cairn::pipeline::spec::PipelineSpec;
+use cairn::pipeline::time::parse_rfc3339_ms;
+use proptest::prelude::*;
+
+const AGGREGATES: [&str; 6] = ["sum", "count", "min", "max", "avg", "last"];
+
+/// `(window table or "", max_future)`: no window; a 1 ms window with no lateness; an
+/// ordinary one; one so large that its end overflows for any time in the second half of
+/// the `u64` range.
+const WINDOWS: [&str; 4] = [
+    "",
+    r#"window = { size = "1ms" }"#,
+    r#"window = { size = "1m", allowed_lateness = "30s" }"#,
+    r#"window = { size = "200000000000d", allowed_lateness = "200000000000d" }"#,
+];
+
+/// Every format × aggregate × window, emit modes alternating. JSON pipelines read `j/#`
+/// and keep the default `max_future`; delimited ones read `d/#` and allow a year.
+fn specs() -> Vec<PipelineSpec> {
+    let mut out = Vec::new();
+    for (f, format) in ["json", "delimited"].iter().enumerate() {
+        for (a, agg) in AGGREGATES.iter().enumerate() {
+            for (w, window) in WINDOWS.iter().enumerate() {
+                let (fields, topic, future) = if *format == "json" {
+                    (["/id", "/k", "/v", "/ts"], "j/#", "")
+                } else {
+                    (["0", "1", "2", "3"], "d/#", "max_future = \"366d\"")
+                };
+                let value = if *agg == "count" {
+                    String::new()
+                } else {
+                    format!("value = \"{}\"", fields[2])
+                };
+                let emit = if (a + w) % 2 == 0 {
+                    "changelog"
+                } else {
+                    "upsert"
+                };
+                let output_topic = if window.is_empty() {
+                    "o/{key}"
+                } else {
+                    "o/{key}/{window_start}"
+                };
+                let toml = format!(
+                    r#"name = "p{f}{a}{w}"
+topics = ["{topic}"]
+format = "{format}"
+event_id = "{}"
+key = "{}"
+{value}
+event_time = "{}"
+aggregate = "{agg}"
+{window}
+output_topic = "{output_topic}"
+emit = "{emit}"
+max_keys = 8
+{future}"#,
+                    fields[0], fields[1], fields[3]
+                );
+                out.push(cairn::config::pipeline_from_toml(&toml).unwrap());
+            }
+        }
+    }
+    out
+}
+
+/// Text that is a JSON token (or deliberately not one) and a delimited field alike.
+fn extreme_number() -> impl Strategy<Value = String> {
+    prop_oneof![
+        Just("0".to_string()),
+        Just("-0".to_string()),
+        Just("-1".to_string()),
+        Just(i64::MAX.to_string()),
+        Just(i64::MIN.to_string()),
+        Just(u64::MAX.to_string()),
+        Just((u64::MAX - 1).to_string()),
+        Just("18446744073709551616".to_string()),
+        Just("0.5".to_string()),
+        Just("-0.0".to_string()),
+        Just("1e300".to_string()),
+        Just("-1e308".to_string()),
+        Just("1e400".to_string()),
+        Just("9007199254740991.0".to_string()),
+        Just("9007199254740992.5".to_string()),
+        Just("NaN".to_string()),
+        Just("inf".to_string()),
+        Just("-infinity".to_string()),
+        Just("4.9e-324".to_string()),
+        any::<i64>().prop_map(|n| n.to_string()),
+        any::<u64>().prop_map(|n| n.to_string()),
+        any::<f64>().prop_map(|n| format!("{n:e}")),
+        (-1000i64..1000).prop_map(|n| n.to_string()),
+    ]
+}
+
+/// Mostly small values, so keys live long enough to meet the extremes above.
+fn value() -> impl Strategy<Value = String> {
+    prop_oneof![
+        2 => extreme_number(),
+        1 => prop_oneof![Just(i64::MAX), Just(i64::MIN), Just(1 << 53)].prop_map(|n| n.to_string()),
+        2 => (-10i64..10).prop_map(|n| n.to_string()),
+    ]
+}
+
+/// An event time: as written, or relative to the time of receipt (in ms, saturating).
+#[derive(Debug, Clone)]
+enum Time {
+    Text(String),
+    Relative(i64),
+}
+
+/// Event times: the number shapes above, times around the time of receipt (the ordinary
+/// case, and just beyond `max_future`), and RFC 3339 at and beyond its edges.
+fn event_time() -> impl Strategy<Value = Time> {
+    prop_oneof![
+        4 => (-200_000i64..700_000).prop_map(Time::Relative),
+        2 => prop_oneof![Just(-1i64), Just(0), Just(600_000), Just(600_001), Just(i64::MAX)]
+            .prop_map(Time::Relative),
+        2 => time_text().prop_map(Time::Text),
+    ]
+}
+
+fn time_text() -> impl Strategy<Value = String> {
+    prop_oneof![
+        3 => extreme_number(),
+        3 => (0u64..2_000_000).prop_map(|n| n.to_string()),
+        1 => Just("\"2100-01-01T00:00:00Z\"".to_string()),
+        1 => Just("\"9999-12-31T23:59:60.999999+00:00\"".to_string()),
+        1 => Just("\"0000-01-01T00:00:00-23:59\"".to_string()),
+        1 => Just("\"1970-01-01T00:00:00.000+23:59\"".to_string()),
+        1 => Just("\"1970-01-01T00:00:00Z\"".to_string()),
+        1 => "[0-9T:Z.+-]{0,30}".prop_map(|s| format!("\"{s}\"")),
+    ]
+}
+
+/// IDs and keys: empty, long, reserved topic characters, placeholders, control
+/// characters, non-ASCII, the separator.
+fn odd_text() -> impl Strategy<Value = String> {
+    prop_oneof![
+        4 => "[ab]",
+        4 => "[a-z]{2,8}",
+        1 => Just(String::new()),
+        1 => Just("$SYS".to_string()),
+        1 => Just("{key}".to_string()),
+        1 => Just("X{window_start}".to_string()),
+        1 => Just("a/b+#%24".to_string()),
+        1 => Just("nul\u{0}".to_string()),
+        1 => Just("ключ ☃".to_string()),
+        1 => (100usize..400).prop_map(|n| "k".repeat(n)),
+        1 => any::<String>(),
+    ]
+}
+
+#[derive(Debug, Clone)]
+struct Event {
+    id: String,
+    key: String,
+    value: String,
+    time: Time,
+    received_at_ms: u64,
+}
+
+fn received_at() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        Just(0),
+        Just(u64::MAX),
+        Just(u64::MAX - 1),
+        (u64::MAX - 1_000_000..=u64::MAX),
+        0u64..2_000_000,
+        any::<u64>(),
+    ]
+}
+
+fn event() -> impl Strategy<Value = Event> {
+    (odd_text(), odd_text(), value(), event_time(), received_at()).prop_map(
+        |(id, key, value, time, received_at_ms)| Event {
+            id,
+            key,
+            value,
+            time,
+            received_at_ms,
+        },
+    )
+}
+
+#[derive(Debug, Clone)]
+enum Step {
+    /// The event, to both the JSON and the delimited pipelines.
+    Event(Event),
+    /// Arbitrary bytes to both.
+    Raw(Vec<u8>, u64),
+    Checkpoint,
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        8 => event().prop_map(Step::Event),
+        1 => (proptest::collection::vec(any::<u8>(), 0..64), received_at())
+            .prop_map(|(b, t)| Step::Raw(b, t)),
+        2 => Just(Step::Checkpoint),
+    ]
+}
+
+/// The records of one step, in log order.
+fn records(step: &Step, next_offset: &mut u64) -> Vec<Record> {
+    let mut out = Vec::new();
+    let mut push = |topic: &str, payload: Vec<u8>, received_at_ms: u64| {
+        out.push(Record {
+            offset: *next_offset,
+            received_at_ms,
+            topic: topic.to_string(),
+            payload,
+            qos: 1,
+            retain: false,
+        });
+        *next_offset += 1;
+    };
+    match step {
+        Step::Event(e) => {
+            let time = match &e.time {
+                Time::Text(t) => t.clone(),
+                Time::Relative(d) => e.received_at_ms.saturating_add_signed(*d).to_string(),
+            };
+            let json = format!(
+                r#"{{"id":{},"k":{},"v":{},"ts":{}}}"#,
+                serde_json::to_string(&e.id).unwrap(),
+                serde_json::to_string(&e.key).unwrap(),
+                e.value,
+                time
+            );
+            push("j/x", json.into_bytes(), e.received_at_ms);
+            let time = time.trim_matches('"');
+            let text = format!("{}/{}/{}/{time}", e.id, e.key, e.value);
+            push("d/x", text.into_bytes(), e.received_at_ms);
+        }
+        Step::Raw(bytes, t) => {
+            push("j/x", bytes.clone(), *t);
+            push("d/x", bytes.clone(), *t);
+        }
+        Step::Checkpoint => {}
+    }
+    out
+}
+
+/// What the store would report after a commit, as the agent feeds it back.
+fn sync_ledger_sizes(engine: &mut Engine, mem: &MemState) {
+    engine.set_dedup_entries(|name| {
+        mem.progress
+            .pipelines
+            .iter()
+            .find(|p| p.name == name)
+            .map_or(0, |p| p.dedup_entries)
+    });
+}
+
+/// Byte-for-byte comparison: `Debug` tells `-0.0` from `0.0`, where `PartialEq` does not.
+fn same(a: &Checkpoint, b: &Checkpoint) -> bool {
+    a == b && format!("{a:?}") == format!("{b:?}")
+}
+
+/// Applies `segment` to a fresh engine started from `before` and takes its checkpoint.
+fn replay(specs: &[PipelineSpec], before: &MemState, segment: &[Record]) -> Checkpoint {
+    let mut engine = Engine::new(specs.to_vec(), before.progress.clone());
+    sync_ledger_sizes(&mut engine, before);
+    for rec in segment {
+        engine.apply(before, rec).unwrap();
+    }
+    engine.take_checkpoint()
+}
+
+fn check_outputs(cp: &Checkpoint) -> Result<(), TestCaseError> {
+    for (_, o) in &cp.batch.outputs {
+        prop_assert!(!o.topic.starts_with('$'), "reserved topic {}", o.topic);
+        prop_assert!(o.topic.len() <= 65_535);
+        prop_assert!(!o.topic.contains(['+', '#', '\0']), "topic {}", o.topic);
+        let v: serde_json::Value = serde_json::from_slice(&o.payload).expect("JSON output");
+        prop_assert_eq!(v["id"].as_str(), Some(o.id.as_str()));
+    }
+    for d in &cp.batch.dead_letters {
+        prop_assert!(!d.reason.is_empty() && !d.detail.is_empty());
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    #[test]
+    fn no_record_panics_the_engine_and_replay_recomputes_every_checkpoint(
+        steps in proptest::collection::vec(step(), 1..40)
+    ) {
+        let specs = specs();
+        let mut engine = Engine::new(specs.clone(), Default::default());
+        let mut mem = MemState::default();
+        let mut offset = 0;
+        let mut segment = Vec::new();
+        let checkpoint = |engine: &mut Engine, mem: &mut MemState, segment: &mut Vec<Record>|
+            -> Result<(), TestCaseError> {
+            let cp = engine.take_checkpoint();
+            check_outputs(&cp)?;
+            let again = replay(&specs, mem, segment);
+            prop_assert!(same(&cp, &again), "replay differs:\n{cp:?}\n{again:?}");
+            mem.commit(&cp);
+            sync_ledger_sizes(engine, mem);
+            segment.clear();
+            Ok(())
+        };
+        for step in &steps {
+            if let Step::Checkpoint = step {
+                checkpoint(&mut engine, &mut mem, &mut segment)?;
+                continue;
+            }
+            for rec in records(step, &mut offset) {
+                engine.apply(&mem, &rec).unwrap();
+                segment.push(rec);
+            }
+        }
+        checkpoint(&mut engine, &mut mem, &mut segment)?;
+        let applied: u64 = mem.progress.pipelines.iter().map(|p| p.counters.applied).sum();
+        let dead: u64 = mem.progress.pipelines.iter().map(|p| p.counters.dead_letters).sum();
+        let dups: u64 = mem.progress.pipelines.iter().map(|p| p.counters.duplicates).sum();
+        // Every record reached every matching pipeline and was accounted for once.
+        prop_assert_eq!(applied + dead + dups, offset * (specs.len() as u64 / 2));
+    }
+
+    #[test]
+    fn rfc3339_parsing_never_panics(s in "[0-9T:Z.+ -]{0,34}|\\PC{0,34}") {
+        let _ = parse_rfc3339_ms(&s);
+    }
+}
+
+/// The field report's record, alone, through every pipeline: an event time of `u64::MAX - 1`
+/// received at `u64::MAX - 1`, so `max_future` does not stop it before the window math.
+#[test]
+fn an_event_time_at_the_end_of_time_reaches_every_pipeline_without_a_panic() {
+    let specs = specs();
+    let mut engine = Engine::new(specs.clone(), Default::default());
+    let mem = MemState::default();
+    let step = Step::Event(Event {
+        id: "E1".into(),
+        key: "A".into(),
+        value: "1".into(),
+        time: Time::Text((u64::MAX - 1).to_string()),
+        received_at_ms: u64::MAX - 1,
+    });
+    let mut offset = 0;
+    let mut reasons = std::collections::BTreeSet::new();
+    for rec in records(&step, &mut offset) {
+        for o in engine.apply(&mem, &rec).unwrap() {
+            reasons.insert(format!("{o:?}"));
+        }
+    }
+    let cp = engine.take_checkpoint();
+    // Unwindowed and 1 ms windows apply it; the 1-minute and the huge windows cannot end.
+    assert!(
+        reasons.contains("DeadLetter { reason: \"bad_event_time\" }"),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons.iter().any(|r| r.starts_with("Applied")),
+        "{reasons:?}"
+    );
+    assert!(!cp.batch.outputs.is_empty());
+}
