@@ -53,8 +53,8 @@
 //!    one ID two payloads (`tests/crash.rs`).
 //! 7. No queue, log, ledger or batch grows without a configured bound; reaching one stops
 //!    acknowledging instead of dropping (`tests/faults.rs`, `tests/e2e.rs`).
-//! 8. Bad input never stops processing: it becomes a dead letter with a reason
-//!    (`tests/pipeline.rs`).
+//! 8. Bad input never stops processing: it becomes a dead letter with a reason, and no
+//!    record can make the engine panic (`tests/pipeline.rs`, `tests/hostile.rs`).
 //!
 //! Only [`store`] imports sled; only [`mqtt`] imports rumqttc.
 
