@@ -107,4 +107,23 @@ mod tests {
         assert_eq!(parse_rfc3339_ms("2026-11-29 11:12"), None);
         assert_eq!(parse_rfc3339_ms("2026-11-29T11:12:39"), None);
     }
+
+    #[test]
+    fn rfc3339_extremes_parse_or_are_refused_without_a_panic() {
+        assert_eq!(
+            parse_rfc3339_ms("9999-12-31T23:59:60.999999+00:00"),
+            Some(253_402_300_799_999)
+        );
+        assert_eq!(
+            parse_rfc3339_ms("1970-01-01T00:00:00-23:59"),
+            Some(86_340_000)
+        );
+        // Before the epoch once the offset is applied.
+        assert_eq!(parse_rfc3339_ms("1970-01-01T00:00:00+00:01"), None);
+        assert_eq!(parse_rfc3339_ms("0000-01-01T00:00:00Z"), None);
+        assert_eq!(parse_rfc3339_ms("2026-11-29T11:12:39.Z"), None);
+        assert_eq!(parse_rfc3339_ms("2026-11-29T11:12:39+01:00x"), None);
+        assert_eq!(parse_rfc3339_ms("2026-1é-29T11:12:39Z"), None);
+        assert_eq!(parse_rfc3339_ms("2026-11-29T11:12:3é"), None);
+    }
 }
