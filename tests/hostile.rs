@@ -314,6 +314,11 @@ proptest! {
             check_outputs(&cp)?;
             let again = replay(&specs, mem, segment);
             prop_assert!(same(&cp, &again), "replay differs:\n{cp:?}\n{again:?}");
+            // No event time beyond `max_future` ever reached the watermark.
+            for (pp, spec) in cp.progress.pipelines.iter().zip(&specs) {
+                let bound = cp.progress.log_clock_ms.saturating_add(spec.max_future_ms);
+                prop_assert!(pp.max_event_time_ms <= bound, "{}: watermark poisoned", pp.name);
+            }
             mem.commit(&cp);
             sync_ledger_sizes(engine, mem);
             segment.clear();
