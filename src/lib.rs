@@ -29,7 +29,9 @@
 //! - [`log`]: the segmented, CRC-framed replay log: group commit, torn-tail recovery,
 //!   corruption detection and repair, retention.
 //! - [`store`]: the sled checkpoint store, savepoints, inspection.
-//! - [`processor`]: log records → engine → checkpoints; replay.
+//! - [`processor`]: log records → engine → checkpoints; replay. [`quarantine`]: a record
+//!   whose processing panics is retried a bounded number of times, then set aside.
+//! - [`clock`]: the time of receipt stamped on new records, monotonic across clock steps.
 //! - [`mqtt`]: the rumqttc facade: manual acks, packet-id binding, reconnect backoff, TLS.
 //! - [`agent`]: the event loop wiring them; backpressure; shutdown; metrics; savepoints.
 //! - [`config`]: TOML → validated [`config::Config`], every problem with file and line.
@@ -60,6 +62,7 @@
 
 pub mod agent;
 pub mod cli;
+pub mod clock;
 pub mod config;
 pub mod disk;
 pub mod failpoint;
@@ -72,6 +75,7 @@ pub mod mqtt;
 pub mod notify;
 pub mod pipeline;
 pub mod processor;
+pub mod quarantine;
 pub mod savepoint;
 pub mod signals;
 pub mod status;
