@@ -169,12 +169,12 @@ impl ReceiptClock {
     }
 }
 
-/// `1d2h3m4s`-style, for journal lines (whole seconds; under a second as `ms`).
+/// `1d2h3m4s`-style, for journal lines (to the nearest second; under a second as `ms`).
 pub fn human_ms(ms: u64) -> String {
     if ms < 1000 {
         return format!("{ms}ms");
     }
-    let mut rest = ms / 1000;
+    let mut rest = ms / 1000 + u64::from(ms % 1000 >= 500);
     let mut out = String::new();
     for (unit, secs) in [("d", 86_400), ("h", 3_600), ("m", 60), ("s", 1)] {
         if rest >= secs {
@@ -281,6 +281,7 @@ mod tests {
     fn durations_read_as_people_write_them() {
         assert_eq!(human_ms(250), "250ms");
         assert_eq!(human_ms(DAY + 3_723_000), "1d1h2m3s");
+        assert_eq!(human_ms(DAY - 2), "1d", "a step measured a moment late is still a day");
         assert_eq!(utc_ms(0), "1970-01-01T00:00:00.000Z");
     }
 }

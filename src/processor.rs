@@ -245,6 +245,15 @@ impl Processor {
                  goes on. This is a bug in Cairn: please report it with this record",
                 e.attempts, e.panic
             );
+            log::error!(
+                "quarantine: log record {} (topic `{}`) set aside as a dead letter `internal` \
+                 after {} failed attempts (last panic: {}); processing goes on. Please report \
+                 this bug with the record (`cairn inspect dead-letters`)",
+                rec.offset,
+                rec.topic,
+                e.attempts,
+                e.panic
+            );
             let keep = rec.too_large().map_or(&rec.payload[..], |t| t.prefix);
             return Ok(self
                 .engine
