@@ -281,7 +281,11 @@ mod tests {
     fn durations_read_as_people_write_them() {
         assert_eq!(human_ms(250), "250ms");
         assert_eq!(human_ms(DAY + 3_723_000), "1d1h2m3s");
-        assert_eq!(human_ms(DAY - 2), "1d", "a step measured a moment late is still a day");
+        assert_eq!(
+            human_ms(DAY - 2),
+            "1d",
+            "a step measured a moment late is still a day"
+        );
         assert_eq!(utc_ms(0), "1970-01-01T00:00:00.000Z");
     }
 }

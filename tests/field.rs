@@ -274,6 +274,18 @@ fn an_oversized_input_is_a_too_large_dead_letter_and_the_next_messages_go_on() {
         !agent.stderr().contains("ingest: refused"),
         "not the old acknowledge-and-drop"
     );
+    // The log holds a small stand-in, and `inspect log` says what it stands for.
+    let (status, out, err) = agent.command(&["inspect", "log", "--json"]);
+    assert!(status.success(), "{err}");
+    let stand_in: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["topic"] == "in/big")
+        .collect();
+    assert_eq!(stand_in.len(), 1, "{out}");
+    assert_eq!(stand_in[0]["too_large"]["size"], 100_000);
+    assert_eq!(stand_in[0]["too_large"]["limit"], 65_536);
+    assert_eq!(stand_in[0]["payload"].as_str().unwrap().len(), 1024);
 
     // Replay decides the same way: rebuild the store from the log alone.
     std::fs::remove_dir_all(agent.data_dir().join("store")).expect("move the store away");
