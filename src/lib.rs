@@ -56,7 +56,8 @@
 //! 7. No queue, log, ledger or batch grows without a configured bound; reaching one stops
 //!    acknowledging instead of dropping (`tests/faults.rs`, `tests/e2e.rs`).
 //! 8. Bad input never stops processing: it becomes a dead letter with a reason
-//!    (`tests/pipeline.rs`).
+//!    (`tests/pipeline.rs`; oversized inputs and records whose processing panics:
+//!    `tests/field.rs`).
 //!
 //! Only [`store`] imports sled; only [`mqtt`] imports rumqttc.
 
