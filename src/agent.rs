@@ -10,7 +10,8 @@
 //!
 //! The loop never waits on the MQTT thread: acks and publishes are queued without blocking
 //! (the MQTT module polls rumqttc in its own thread). Timers use the monotonic clock; the
-//! wall clock is read only to stamp `received_at_ms` on new records (invariant 3).
+//! wall clock is read to stamp `received_at_ms` on new records (invariant 3), through a
+//! [`ReceiptClock`] that never goes backwards (see [`crate::clock`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -19,6 +20,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use crate::clock::{Clock, Note, ReceiptClock};
 use crate::config::Config;
 use crate::fsio::Durability;
 use crate::log::{Log, LogError, LogOptions};
@@ -27,6 +29,7 @@ use crate::model::Record;
 use crate::mqtt::{AckToken, Event, Incoming, Mqtt, MqttError};
 use crate::pipeline::engine::Outcome;
 use crate::processor::{ProcessError, Processor};
+use crate::quarantine::Quarantine;
 use crate::store::{CheckpointInfo, SavepointInfo, Store};
 
 #[derive(Debug, thiserror::Error)]
@@ -126,6 +129,7 @@ pub struct Stats {
     pub published: u64,
     pub pubacked: u64,
     pub reconnects: u64,
+    /// Inputs over `log.max_payload`, logged as `too_large` stand-ins.
     pub oversize: u64,
 }
 
@@ -161,6 +165,10 @@ pub struct Agent {
     /// The newest savepoint: retention keeps the log back to its `next_offset`.
     newest_savepoint: Option<SavepointInfo>,
     next_savepoint: Option<Instant>,
+    /// The box's clocks, passed in so tests can step them.
+    clock: Box<dyn Clock>,
+    /// Times of receipt: never backwards, across clock steps and restarts.
+    receipt: ReceiptClock,
 }
 
 impl Agent {
@@ -176,11 +184,26 @@ impl Agent {
         sync: Durability,
         reset: &[String],
     ) -> Result<Agent, AgentError> {
-        let dir = cfg.storage.data_dir.clone();
-        Agent::recover(cfg, sync, reset).map_err(|e| e.explain_disk_full(&dir))
+        Agent::start_with_clock(cfg, sync, reset, crate::clock::from_env())
     }
 
-    fn recover(cfg: Config, sync: Durability, reset: &[String]) -> Result<Agent, AgentError> {
+    /// As [`Agent::start_with_reset`], stamping times of receipt from `clock`.
+    pub fn start_with_clock(
+        cfg: Config,
+        sync: Durability,
+        reset: &[String],
+        clock: Box<dyn Clock>,
+    ) -> Result<Agent, AgentError> {
+        let dir = cfg.storage.data_dir.clone();
+        Agent::recover(cfg, sync, reset, clock).map_err(|e| e.explain_disk_full(&dir))
+    }
+
+    fn recover(
+        cfg: Config,
+        sync: Durability,
+        reset: &[String],
+        clock: Box<dyn Clock>,
+    ) -> Result<Agent, AgentError> {
         let started = Instant::now();
         let (log, rec) = Log::open(
             LogOptions {
@@ -200,6 +223,22 @@ impl Agent {
         }
         let store = Store::open(&cfg.store_dir(), cfg.storage.cache_size, sync.clone())?;
         let mut proc = Processor::open_with_reset(store, cfg.pipelines.clone(), reset)?;
+        let data_dir = &cfg.storage.data_dir;
+        let quarantine = Quarantine::open(data_dir, sync.clone()).map_err(|source| {
+            ProcessError::Quarantine {
+                file: data_dir.join(crate::quarantine::FILE_NAME),
+                source,
+            }
+        })?;
+        proc.set_quarantine(quarantine)?;
+        if let Some(q) = proc.quarantine().filter(|q| !q.is_empty()) {
+            log::warn!(
+                "recovery: {} names log records whose processing panicked before; each is \
+                 retried up to {} times, then set aside as a dead letter with reason `internal`",
+                q.path().display(),
+                crate::quarantine::MAX_ATTEMPTS
+            );
+        }
         if log.next_offset() < proc.next_offset() {
             return Err(AgentError::Process(ProcessError::LogBehind {
                 checkpoint: proc.next_offset(),
@@ -232,6 +271,19 @@ impl Agent {
             stats.from,
             proc.engine().progress().checkpoint_id
         );
+        // The newest time of receipt recorded: the log's (its records) or the checkpoint's
+        // (records retention already deleted). Stamps never go below it.
+        let recorded = log
+            .segments()
+            .iter()
+            .map(|s| s.max_received_at_ms)
+            .chain([proc.engine().progress().log_clock_ms])
+            .max()
+            .unwrap_or(0);
+        let (receipt, note) = ReceiptClock::start(recorded, clock.wall_ms(), clock.monotonic());
+        if let Some(note) = note {
+            log_clock_note(&cfg, &note);
+        }
         let metrics = Metrics::new();
         let durable = proc.store().progress()?;
         let last_at = proc.store().checkpoints().next_back().transpose()?;
@@ -305,6 +357,8 @@ impl Agent {
             sync,
             newest_savepoint,
             next_savepoint,
+            clock,
+            receipt,
         })
     }
 
@@ -514,18 +568,27 @@ impl Agent {
             self.held.push_front(m);
             return Ok(false);
         }
-        let now = wall_ms();
-        let appended = match self.log.append(now, &m.topic, &m.payload, m.qos, m.retain) {
-            Ok(off) => Some(off),
-            Err(LogError::PayloadTooLarge { len, max }) => {
-                // Refused, with a clear error; acked so the broker does not redeliver it forever.
-                self.stats.oversize += 1;
-                log::warn!(
-                    "ingest: refused a {len}-byte payload on `{}` (max_payload is {max})",
-                    m.topic
-                );
-                None
+        let (now, note) = self
+            .receipt
+            .stamp(self.clock.wall_ms(), self.clock.monotonic());
+        if let Some(note) = note {
+            log_clock_note(&self.cfg, &note);
+        }
+        // Invariant 8: an oversized input is a dead letter like any other refusal, so it must
+        // be durable before its PUBACK. The log keeps a small stand-in (size, limit and a
+        // prefix) that processing turns into a `too_large` dead letter.
+        let max_payload = self.cfg.log.max_payload;
+        let stand_in = (m.payload.len() as u64 > max_payload)
+            .then(|| crate::model::TooLarge::encode(&m.payload, max_payload));
+        let appended = match &stand_in {
+            Some(p) => {
+                let qos = m.qos | crate::model::QOS_TOO_LARGE;
+                self.log.append_stand_in(now, &m.topic, p, qos, m.retain)
             }
+            None => self.log.append(now, &m.topic, &m.payload, m.qos, m.retain),
+        };
+        let offset = match appended {
+            Ok(off) => off,
             Err(LogError::Full { .. }) => {
                 self.set_backpressure(true, "the replay log is full");
                 self.held.push_front(m);
@@ -533,16 +596,21 @@ impl Agent {
             }
             Err(e) => return Err(e.into()),
         };
-        if let Some(offset) = appended {
-            self.unsynced_recs.push(Record {
-                offset,
-                received_at_ms: now,
-                topic: m.topic,
-                payload: m.payload,
-                qos: m.qos,
-                retain: m.retain,
-            });
-        }
+        let (payload, qos) = match stand_in {
+            Some(p) => {
+                self.stats.oversize += 1;
+                (p, m.qos | crate::model::QOS_TOO_LARGE)
+            }
+            None => (m.payload, m.qos),
+        };
+        self.unsynced_recs.push(Record {
+            offset,
+            received_at_ms: now,
+            topic: m.topic,
+            payload,
+            qos,
+            retain: m.retain,
+        });
         self.unsynced_acks.push_back(m.token);
         self.first_unsynced.get_or_insert_with(Instant::now);
         Ok(true)
@@ -907,6 +975,73 @@ fn pipeline_figures(
             (p.name.clone(), figures)
         })
         .collect()
+}
+
+/// Put a clock note in the journal, with what it means for this configuration.
+fn log_clock_note(cfg: &Config, note: &Note) {
+    use crate::clock::{human_ms, utc_ms};
+    match *note {
+        Note::BehindRecorded {
+            wall_ms,
+            recorded_ms,
+        } => log::warn!(
+            "clock: the wall clock ({}) is behind the newest time of receipt already recorded \
+             ({}): it was set back, or the box booted with a stale clock. New records are \
+             stamped from {} on at the monotonic clock's rate until the wall clock catches up, \
+             so times of receipt never go backwards",
+            utc_ms(wall_ms),
+            utc_ms(recorded_ms),
+            utc_ms(recorded_ms)
+        ),
+        Note::SteppedBack { by_ms } => log::warn!(
+            "clock: the wall clock stepped back by {}; times of receipt go on from the last one \
+             at the monotonic clock's rate until it catches up, so windows by time of receipt \
+             and the dedup window keep their real pace",
+            human_ms(by_ms)
+        ),
+        Note::CaughtUp => {
+            log::info!(
+                "clock: the wall clock caught up with the times of receipt; following it again"
+            )
+        }
+        Note::SteppedForward {
+            by_ms,
+            expected_ms,
+            to_ms,
+        } => {
+            let dedup = cfg
+                .pipelines
+                .iter()
+                .min_by_key(|p| p.dedup_window_ms)
+                .map(|p| {
+                    format!(
+                        "dedup entries first seen before {} (pipeline `{}`, dedup_window {}; \
+                         each pipeline by its own window) stop catching duplicates",
+                        utc_ms(to_ms.saturating_sub(p.dedup_window_ms)),
+                        p.name,
+                        human_ms(p.dedup_window_ms)
+                    )
+                })
+                .unwrap_or_else(|| "dedup entries age by as much".into());
+            let retention = u64::try_from(cfg.log.retention.as_millis()).unwrap_or(u64::MAX);
+            log::warn!(
+                "clock: the wall clock stepped forwards by {} beyond what the monotonic clock \
+                 counted since the last record; times of receipt follow it (now {} instead of \
+                 {}). The dedup window and log retention are measured in time of receipt, so \
+                 everything recorded so far ages by {} at once: {}, and log segments received \
+                 before {} (log.retention {}) are deleted once checkpointed. If the clock was \
+                 wrong before, this is the correction; if it is wrong now, fix it: times of \
+                 receipt never go back, so records keep the later time until it catches up",
+                human_ms(by_ms),
+                utc_ms(to_ms),
+                utc_ms(expected_ms),
+                human_ms(by_ms),
+                dedup,
+                utc_ms(to_ms.saturating_sub(retention)),
+                human_ms(retention)
+            );
+        }
+    }
 }
 
 /// How often freed heap is handed back to the system.

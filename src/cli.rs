@@ -389,21 +389,32 @@ fn inspect_log(cfg: &Config, from: u64, limit: usize, json: bool) -> Result<(), 
     let reader = crate::log::read_dir(&dir, from).map_err(Failure::runtime)?;
     for rec in reader.take(limit) {
         let r = rec.map_err(Failure::runtime)?;
+        // A stand-in for an oversized input shows what it stands for, not its header bytes.
+        let (payload, too_large) = match r.too_large() {
+            Some(t) => (t.prefix, json!({"size": t.size, "limit": t.limit})),
+            None => (&r.payload[..], serde_json::Value::Null),
+        };
         if json {
-            emit(
-                &json!({"offset": r.offset, "received_at_ms": r.received_at_ms, "topic": r.topic,
-                         "qos": r.qos, "retain": r.retain, "payload": payload_json(&r.payload)})
-                .to_string(),
-            )?;
+            let mut line = json!({"offset": r.offset, "received_at_ms": r.received_at_ms,
+                                  "topic": r.topic, "qos": r.qos & !crate::model::QOS_TOO_LARGE,
+                                  "retain": r.retain, "payload": payload_json(payload)});
+            if !too_large.is_null() {
+                line["too_large"] = too_large;
+            }
+            emit(&line.to_string())?;
         } else {
+            let note = match r.too_large() {
+                Some(t) => format!(" too_large({} bytes)", t.size),
+                None => String::new(),
+            };
             emit(&format!(
-                "{}\t{}\t{}\tq{}{}\t{}",
+                "{}\t{}\t{}\tq{}{}{note}\t{}",
                 r.offset,
                 r.received_at_ms,
                 r.topic,
-                r.qos,
+                r.qos & !crate::model::QOS_TOO_LARGE,
                 if r.retain { " retain" } else { "" },
-                String::from_utf8_lossy(&r.payload)
+                String::from_utf8_lossy(payload)
             ))?;
         }
     }

@@ -6,6 +6,9 @@
 //! - `error` fails the operation with an I/O error, which the agent treats as fatal;
 //! - `on` turns on a deliberately unsafe behaviour (names starting with `unsafe.`), used to
 //!   show that the crash harness detects the loss it would cause;
+//! - `panic:N` panics where the code passes the point with the value `N` (a log offset):
+//!   unlike `@n`, which counts hits in one process, a value names the same record in every
+//!   run, so a restart that replays it panics again, as a real bug would;
 //! - `@n` fires on the n-th hit only (1-based; default 1); `@n+` on the n-th and every later.
 //!
 //! | name | where |
@@ -20,6 +23,7 @@
 //! | `outbox.before_delete`, `outbox.after_delete` | around deleting an entry on PUBACK |
 //! | `unsafe.ack_before_fsync` (`on`) | PUBACK a batch *before* its log fsync |
 //! | `unsafe.skip_store_fsync` (`on`) | skip the fsync after `sled::Db::flush()` |
+//! | `engine.panic_at_offset` (`panic:N`) | applying the log record at offset N, live or in replay |
 
 use std::io;
 
@@ -34,6 +38,8 @@ mod armed {
         Abort,
         Error,
         On,
+        /// Panic when passed with this value.
+        Panic(u64),
     }
 
     #[derive(Debug)]
@@ -56,7 +62,10 @@ mod armed {
                     "abort" => Action::Abort,
                     "error" => Action::Error,
                     "on" => Action::On,
-                    other => panic!("CAIRN_FAILPOINTS: unknown action `{other}` for `{name}`"),
+                    other => match other.strip_prefix("panic:").map(str::parse) {
+                        Some(Ok(n)) => Action::Panic(n),
+                        _ => panic!("CAIRN_FAILPOINTS: unknown action `{other}` for `{name}`"),
+                    },
                 };
                 let and_later = at.ends_with('+');
                 let at: u64 = at
@@ -95,7 +104,19 @@ mod armed {
                 eprintln!("failpoint {name}: error");
                 Err(io::Error::other(format!("failpoint {name}")))
             }
-            Some(Action::On) | None => Ok(()),
+            Some(Action::On) | Some(Action::Panic(_)) | None => Ok(()),
+        }
+    }
+
+    pub fn panic_at(name: &str, value: u64) {
+        let armed = {
+            let t = table().lock().unwrap_or_else(|e| e.into_inner());
+            t.get(name)
+                .is_some_and(|p| p.action == Action::Panic(value))
+        };
+        // Outside the lock: the panic must not poison the table for the run that follows.
+        if armed {
+            panic!("failpoint {name}: panic at {value}");
         }
     }
 
@@ -116,6 +137,16 @@ pub fn hit(name: &str) -> io::Result<()> {
 pub fn enabled(name: &str) -> bool {
     armed::enabled(name)
 }
+
+/// Panic if `name` is armed with `panic:value` (a stand-in for a bug we have not found).
+#[cfg(feature = "failpoints")]
+pub fn panic_at(name: &str, value: u64) {
+    armed::panic_at(name, value)
+}
+
+#[cfg(not(feature = "failpoints"))]
+#[inline(always)]
+pub fn panic_at(_name: &str, _value: u64) {}
 
 #[cfg(not(feature = "failpoints"))]
 #[inline(always)]

@@ -145,6 +145,39 @@ pub fn create_dir_all_durable(path: &Path, sync: &Durability) -> io::Result<()> 
     Ok(())
 }
 
+/// Replace `path` with `bytes` so that a crash at any instant leaves either the old file
+/// or the new one, whole: write a sibling `.tmp`, fsync it, rename it over `path`, fsync
+/// the directory (without the last sync the rename itself may not survive a power cut).
+pub fn replace_file_durable(path: &Path, bytes: &[u8], sync: &Durability) -> io::Result<()> {
+    use std::io::Write;
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => std::path::PathBuf::from("."),
+    };
+    let mut tmp_name = path.file_name().unwrap_or_default().to_os_string();
+    tmp_name.push(".tmp");
+    let tmp = dir.join(tmp_name);
+    let mut file = File::create(&tmp)?;
+    file.write_all(bytes)?;
+    sync.sync_file(SyncKind::File, &file, &tmp, false)?;
+    drop(file);
+    std::fs::rename(&tmp, path)?;
+    sync.sync_dir(&dir)
+}
+
+/// Remove `path` (if it exists) and make the removal durable.
+pub fn remove_file_durable(path: &Path, sync: &Durability) -> io::Result<()> {
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    }
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => sync.sync_dir(p),
+        _ => sync.sync_dir(Path::new(".")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -160,5 +193,30 @@ mod tests {
         assert_eq!(seam.dir_syncs(), 3, "root, a and b each got a new entry");
         create_dir_all_durable(&deep, &durable).unwrap();
         assert_eq!(seam.dir_syncs(), 3, "nothing new, nothing synced");
+    }
+
+    #[test]
+    fn replace_file_durable_syncs_the_file_then_the_directory_and_leaves_no_tmp() {
+        let root = tempfile::tempdir().unwrap();
+        let seam = TestSync::new();
+        let durable: Durability = seam.clone();
+        let path = root.path().join("f");
+        replace_file_durable(&path, b"one", &durable).unwrap();
+        replace_file_durable(&path, b"two", &durable).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"two");
+        assert!(!root.path().join("f.tmp").exists());
+        assert_eq!((seam.file_syncs(), seam.dir_syncs()), (2, 2));
+        seam.fail.store(true, Ordering::SeqCst);
+        assert!(replace_file_durable(&path, b"three", &durable).is_err());
+        assert_eq!(
+            std::fs::read(&path).unwrap(),
+            b"two",
+            "a failed sync never renames"
+        );
+        seam.fail.store(false, Ordering::SeqCst);
+        remove_file_durable(&path, &durable).unwrap();
+        remove_file_durable(&path, &durable).unwrap();
+        assert!(!path.exists());
+        assert_eq!(seam.dir_syncs(), 3, "a missing file needs no sync");
     }
 }

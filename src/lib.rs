@@ -29,7 +29,9 @@
 //! - [`log`]: the segmented, CRC-framed replay log: group commit, torn-tail recovery,
 //!   corruption detection and repair, retention.
 //! - [`store`]: the sled checkpoint store, savepoints, inspection.
-//! - [`processor`]: log records → engine → checkpoints; replay.
+//! - [`processor`]: log records → engine → checkpoints; replay. [`quarantine`]: a record
+//!   whose processing panics is retried a bounded number of times, then set aside.
+//! - [`clock`]: the time of receipt stamped on new records, monotonic across clock steps.
 //! - [`mqtt`]: the rumqttc facade: manual acks, packet-id binding, reconnect backoff, TLS.
 //! - [`agent`]: the event loop wiring them; backpressure; shutdown; metrics; savepoints.
 //! - [`config`]: TOML → validated [`config::Config`], every problem with file and line.
@@ -54,12 +56,15 @@
 //! 7. No queue, log, ledger or batch grows without a configured bound; reaching one stops
 //!    acknowledging instead of dropping (`tests/faults.rs`, `tests/e2e.rs`).
 //! 8. Bad input never stops processing: it becomes a dead letter with a reason, and no
-//!    record can make the engine panic (`tests/pipeline.rs`, `tests/hostile.rs`).
+//!    record can make the engine panic or the agent crash-loop (`tests/pipeline.rs`,
+//!    `tests/hostile.rs`; oversized inputs and records whose processing panics:
+//!    `tests/field.rs`).
 //!
 //! Only [`store`] imports sled; only [`mqtt`] imports rumqttc.
 
 pub mod agent;
 pub mod cli;
+pub mod clock;
 pub mod config;
 pub mod disk;
 pub mod failpoint;
@@ -72,6 +77,7 @@ pub mod mqtt;
 pub mod notify;
 pub mod pipeline;
 pub mod processor;
+pub mod quarantine;
 pub mod savepoint;
 pub mod signals;
 pub mod status;

@@ -395,7 +395,7 @@ pub fn render_figures(f: &Figures, now_ms: u64) -> String {
     o.one(
         "cairn_oversize_refused_total",
         c,
-        "Inputs refused because the payload exceeded log.max_payload.",
+        "Inputs over log.max_payload, each logged as a too_large dead letter.",
         f.oversize_refused as f64,
     );
     o.one(

@@ -19,3 +19,94 @@ pub struct Record {
     pub qos: u8,
     pub retain: bool,
 }
+
+/// A bit in [`Record::qos`] that marks a stand-in for a message over `log.max_payload`:
+/// instead of the payload the record holds [`TooLarge::HEADER_LEN`] bytes (the original
+/// size and the limit, each a `u64` LE) and then at most [`TooLarge::PREFIX_MAX`] bytes of
+/// the payload. MQTT QoS is 0, 1 or 2, so no received message has this bit: logs written
+/// before it existed read exactly as before, and the frame format is unchanged.
+pub const QOS_TOO_LARGE: u8 = 0x80;
+
+/// What a stand-in record says about the message it stands for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TooLarge<'a> {
+    /// The payload's size as received, in bytes.
+    pub size: u64,
+    /// `log.max_payload` when it was received.
+    pub limit: u64,
+    /// The start of the payload.
+    pub prefix: &'a [u8],
+}
+
+impl TooLarge<'_> {
+    pub const HEADER_LEN: usize = 16;
+    /// As much of the payload as a dead letter keeps.
+    pub const PREFIX_MAX: usize = 1024;
+
+    /// The stand-in payload for a `size`-byte `payload` refused under `limit`.
+    pub fn encode(payload: &[u8], limit: u64) -> Vec<u8> {
+        let prefix = &payload[..payload.len().min(Self::PREFIX_MAX)];
+        let mut out = Vec::with_capacity(Self::HEADER_LEN + prefix.len());
+        out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+        out.extend_from_slice(&limit.to_le_bytes());
+        out.extend_from_slice(prefix);
+        out
+    }
+}
+
+impl Record {
+    /// The oversized message this record stands for, if it is a stand-in. A stand-in too
+    /// short for its header (never written so) reads as size 0 rather than failing.
+    pub fn too_large(&self) -> Option<TooLarge<'_>> {
+        if self.qos & QOS_TOO_LARGE == 0 {
+            return None;
+        }
+        let p = &self.payload;
+        if p.len() < TooLarge::HEADER_LEN {
+            return Some(TooLarge {
+                size: 0,
+                limit: 0,
+                prefix: p,
+            });
+        }
+        let word = |at: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&p[at..at + 8]);
+            u64::from_le_bytes(b)
+        };
+        Some(TooLarge {
+            size: word(0),
+            limit: word(8),
+            prefix: &p[TooLarge::HEADER_LEN..],
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stand_in_keeps_size_limit_and_a_bounded_prefix() {
+        let payload = vec![b'x'; 5000];
+        let rec = Record {
+            offset: 1,
+            received_at_ms: 2,
+            topic: "in/a".into(),
+            payload: TooLarge::encode(&payload, 4096),
+            qos: 1 | QOS_TOO_LARGE,
+            retain: false,
+        };
+        let t = rec.too_large().expect("a stand-in");
+        assert_eq!((t.size, t.limit), (5000, 4096));
+        assert_eq!(t.prefix, &payload[..TooLarge::PREFIX_MAX]);
+        let plain = Record { qos: 1, ..rec };
+        assert_eq!(plain.too_large(), None);
+        let short = Record {
+            qos: QOS_TOO_LARGE,
+            payload: vec![1, 2],
+            ..plain
+        };
+        assert_eq!(short.too_large().unwrap().size, 0);
+    }
+}

@@ -5,12 +5,15 @@
 //! [`Processor::replay`] re-applies every durable log record from its `next_offset`. Nothing
 //! else is read and nothing else is trusted.
 
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use crate::log::{Log, LogError};
 use crate::model::{Offset, Record};
 use crate::pipeline::engine::{Engine, Outcome, PipelineProgress, definition};
 use crate::pipeline::spec::PipelineSpec;
+use crate::quarantine::{MAX_ATTEMPTS, Quarantine};
 use crate::store::{CheckpointInfo, Store, StoreError};
 
 #[derive(Debug, thiserror::Error)]
@@ -58,6 +61,56 @@ pub enum ProcessError {
         checkpoint: Offset,
         log_next: Offset,
     },
+    /// Applying one record panicked: a bug. The attempt is on disk; the process must exit
+    /// (the engine may be half-way through a change) and a restart replays.
+    #[error(
+        "processing log record {offset} (topic `{topic}`) panicked: {message}. This is a bug \
+         in Cairn; the record is kept in the log (`cairn inspect log --from {offset} --limit 1`). \
+         Attempt {attempts} of {MAX_ATTEMPTS} is recorded in {}; exiting so that the service \
+         manager restarts the agent, which replays from the last checkpoint{}",
+        .file.display(),
+        what_next(*.attempts)
+    )]
+    Panicked {
+        offset: Offset,
+        topic: String,
+        message: String,
+        attempts: u32,
+        file: PathBuf,
+    },
+    #[error(
+        "{}: {source}; the quarantine file records failed attempts so that one bad record \
+         cannot stop the agent forever",
+        .file.display()
+    )]
+    Quarantine {
+        file: PathBuf,
+        source: std::io::Error,
+    },
+    /// A panic left the engine in an unknown state; nothing more may be applied.
+    #[error("an earlier record panicked during processing; restart the agent")]
+    Poisoned,
+}
+
+fn what_next(attempts: u32) -> String {
+    if attempts >= MAX_ATTEMPTS {
+        "; that start sets the record aside as a dead letter with reason `internal` and goes on"
+            .into()
+    } else {
+        format!(
+            "; after {MAX_ATTEMPTS} failed attempts the record is set aside as a dead letter \
+             with reason `internal`"
+        )
+    }
+}
+
+/// The text of a panic's payload (`panic!` gives a `&str` or a `String`).
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into())
 }
 
 fn replay_start(needed: Offset) -> String {
@@ -81,6 +134,11 @@ pub struct ReplayStats {
 pub struct Processor {
     engine: Engine,
     store: Store,
+    /// Failed attempts per log offset (see [`crate::quarantine`]). Without one (library
+    /// use, tests) a panic propagates as it always did.
+    quarantine: Option<Quarantine>,
+    /// Set when a panic was caught: the engine may be half-way through a change.
+    poisoned: bool,
 }
 
 impl Processor {
@@ -132,7 +190,23 @@ impl Processor {
         Ok(Processor {
             engine: Engine::new(specs, progress),
             store,
+            quarantine: None,
+            poisoned: false,
         })
+    }
+
+    /// Consult `q` for every record applied from now on, and record a panic's attempt in
+    /// it. Entries the checkpoint already settled are pruned first.
+    pub fn set_quarantine(&mut self, mut q: Quarantine) -> Result<(), ProcessError> {
+        let file = q.path().to_path_buf();
+        q.prune_below(self.next_offset())
+            .map_err(|source| ProcessError::Quarantine { file, source })?;
+        self.quarantine = Some(q);
+        Ok(())
+    }
+
+    pub fn quarantine(&self) -> Option<&Quarantine> {
+        self.quarantine.as_ref()
     }
 
     pub fn store(&self) -> &Store {
@@ -153,13 +227,89 @@ impl Processor {
         self.engine.pending_records()
     }
 
+    /// Apply one record. A stand-in for an oversized input becomes a `too_large` dead
+    /// letter; a record whose attempts are used up becomes an `internal` one; anything else
+    /// goes through the engine, and a panic there is caught, its attempt recorded, and
+    /// returned as [`ProcessError::Panicked`] (the caller must exit).
     pub fn apply(&mut self, rec: &Record) -> Result<Vec<Outcome>, ProcessError> {
-        Ok(self.engine.apply(&self.store, rec)?)
+        if self.poisoned {
+            return Err(ProcessError::Poisoned);
+        }
+        if let Some(e) = self.quarantine.as_ref().and_then(|q| {
+            q.exhausted(rec.offset)
+                .then(|| q.entry(rec.offset))
+                .flatten()
+        }) {
+            let detail = format!(
+                "processing panicked on {} attempts (last: {}); set aside so that processing \
+                 goes on. This is a bug in Cairn: please report it with this record",
+                e.attempts, e.panic
+            );
+            log::error!(
+                "quarantine: log record {} (topic `{}`) set aside as a dead letter `internal` \
+                 after {} failed attempts (last panic: {}); processing goes on. Please report \
+                 this bug with the record (`cairn inspect dead-letters`)",
+                rec.offset,
+                rec.topic,
+                e.attempts,
+                e.panic
+            );
+            let keep = rec.too_large().map_or(&rec.payload[..], |t| t.prefix);
+            return Ok(self
+                .engine
+                .refuse(&self.store, rec, "internal", &detail, keep)?);
+        }
+        let (engine, store) = (&mut self.engine, &self.store);
+        // Unwind safety: after a panic the engine is never used again (`poisoned`), and
+        // the store is only read here, so nothing half-changed is observed.
+        let run = catch_unwind(AssertUnwindSafe(|| {
+            crate::failpoint::panic_at("engine.panic_at_offset", rec.offset);
+            match rec.too_large() {
+                Some(t) => {
+                    let detail = format!(
+                        "payload of {} bytes is over log.max_payload ({} bytes); its first {} \
+                         bytes are kept",
+                        t.size,
+                        t.limit,
+                        t.prefix.len()
+                    );
+                    engine.refuse(store, rec, "too_large", &detail, t.prefix)
+                }
+                None => engine.apply(store, rec),
+            }
+        }));
+        match run {
+            Ok(outcomes) => Ok(outcomes?),
+            Err(payload) => {
+                self.poisoned = true;
+                let Some(q) = self.quarantine.as_mut() else {
+                    std::panic::resume_unwind(payload);
+                };
+                let message = panic_message(payload.as_ref());
+                let file = q.path().to_path_buf();
+                let attempts =
+                    q.record_attempt(rec.offset, &rec.topic, &message)
+                        .map_err(|source| ProcessError::Quarantine {
+                            file: file.clone(),
+                            source,
+                        })?;
+                Err(ProcessError::Panicked {
+                    offset: rec.offset,
+                    topic: rec.topic.clone(),
+                    message,
+                    attempts,
+                    file,
+                })
+            }
+        }
     }
 
     /// Commit everything applied since the last checkpoint. `None` if nothing was.
     /// On error the engine is ahead of the store: the caller must stop and restart.
     pub fn checkpoint(&mut self, now_ms: u64) -> Result<Option<CheckpointInfo>, ProcessError> {
+        if self.poisoned {
+            return Err(ProcessError::Poisoned);
+        }
         if self.engine.pending_records() == 0 {
             return Ok(None);
         }
@@ -175,6 +325,13 @@ impl Processor {
         let store = &self.store;
         self.engine.set_dedup_entries(|name| store.dedup_len(name));
         fp("checkpoint.after_commit")?;
+        if let Some(q) = self.quarantine.as_mut() {
+            // Settled records are never consulted again; a failed prune only leaves them
+            // in the file a little longer (the next checkpoint tries again).
+            if let Err(e) = q.prune_below(info.next_offset) {
+                log::warn!("quarantine: cannot prune {}: {e}", q.path().display());
+            }
+        }
         Ok(Some(info))
     }
 

@@ -98,6 +98,9 @@ pub use verify::{
 use reader::SegmentExtent;
 use scan::segment_file_name;
 
+/// Largest payload of a record appended with [`Log::append_stand_in`].
+pub const STAND_IN_MAX_PAYLOAD: u64 = 4096;
+
 /// Limits and location. All sizes in bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LogOptions {
@@ -343,11 +346,39 @@ impl Log {
         qos: u8,
         retain: bool,
     ) -> Result<Offset, LogError> {
+        let max = self.opts.max_payload;
+        self.append_within(received_at_ms, topic, payload, qos, retain, max)
+    }
+
+    /// As [`Log::append`], for a small record the caller builds (the stand-in for a
+    /// refused input): its payload is bounded by [`STAND_IN_MAX_PAYLOAD`] rather than by
+    /// `max_payload`, so that a refusal is durable whatever limit is configured.
+    pub fn append_stand_in(
+        &mut self,
+        received_at_ms: u64,
+        topic: &str,
+        payload: &[u8],
+        qos: u8,
+        retain: bool,
+    ) -> Result<Offset, LogError> {
+        let max = STAND_IN_MAX_PAYLOAD;
+        self.append_within(received_at_ms, topic, payload, qos, retain, max)
+    }
+
+    fn append_within(
+        &mut self,
+        received_at_ms: u64,
+        topic: &str,
+        payload: &[u8],
+        qos: u8,
+        retain: bool,
+        max_payload: u64,
+    ) -> Result<Offset, LogError> {
         self.check_usable()?;
-        if payload.len() as u64 > self.opts.max_payload {
+        if payload.len() as u64 > max_payload {
             return Err(LogError::PayloadTooLarge {
                 len: payload.len() as u64,
-                max: self.opts.max_payload,
+                max: max_payload,
             });
         }
         if topic.len() as u64 > frame::MAX_TOPIC_LEN {
@@ -711,6 +742,22 @@ mod tests {
             (log.next_offset(), log.size_bytes(), log.pending())
         );
         assert_eq!(log.commit().unwrap(), Some(1));
+    }
+
+    #[test]
+    fn a_stand_in_is_bounded_by_its_own_limit_not_max_payload() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut o = opts(tmp.path(), 1 << 16, 1 << 20);
+        o.max_payload = 16;
+        let (mut log, _) = Log::open(o, TestSync::new()).unwrap();
+        assert!(log.append(1, "t", &[0; 100], 1, false).is_err());
+        assert_eq!(log.append_stand_in(1, "t", &[0; 100], 1, false).unwrap(), 0);
+        let too_big = vec![0; STAND_IN_MAX_PAYLOAD as usize + 1];
+        assert!(matches!(
+            log.append_stand_in(1, "t", &too_big, 1, false),
+            Err(LogError::PayloadTooLarge { .. })
+        ));
+        assert_eq!(log.commit().unwrap(), Some(0));
     }
 
     #[test]

@@ -237,6 +237,45 @@ impl Engine {
         Ok(outcomes)
     }
 
+    /// Set a whole record aside as a dead letter in every pipeline it matches, without
+    /// parsing it: a stand-in for an oversized input (`too_large`), or a record whose
+    /// processing kept panicking (`internal`). `payload` is what the dead letter keeps (cut
+    /// to [`DEAD_LETTER_PAYLOAD_MAX`]); the identity for dedup is still the record's bytes.
+    /// Progress moves exactly as [`Engine::apply`] moves it, so replay agrees.
+    pub fn refuse<R: ReadState>(
+        &mut self,
+        base: &R,
+        rec: &Record,
+        reason: &'static str,
+        detail: &str,
+        payload: &[u8],
+    ) -> Result<Vec<Outcome>, ReadError> {
+        assert!(
+            rec.offset >= self.progress.next_offset,
+            "record {} applied twice (next is {})",
+            rec.offset,
+            self.progress.next_offset
+        );
+        self.progress.next_offset = rec.offset + 1;
+        self.progress.records += 1;
+        self.progress.log_clock_ms = self.progress.log_clock_ms.max(rec.received_at_ms);
+        self.batch.records += 1;
+        let mut outcomes = Vec::new();
+        for p in 0..self.specs.len() {
+            if self.specs[p].topics.iter().any(|f| matches(f, &rec.topic)) {
+                let r = Refusal {
+                    reason,
+                    detail: detail.to_string(),
+                };
+                outcomes.push(self.dead_with(base, p, rec, r, payload)?);
+            }
+        }
+        if outcomes.is_empty() {
+            self.progress.unmatched += 1;
+        }
+        Ok(outcomes)
+    }
+
     /// Record a refusal as a dead letter, once: a copy with the same topic and payload
     /// within the dedup window (a broker redelivery after a crash, or the same bad message
     /// published twice) is counted as a duplicate instead. Refused inputs may have no
@@ -247,6 +286,18 @@ impl Engine {
         p: usize,
         rec: &Record,
         r: Refusal,
+    ) -> Result<Outcome, ReadError> {
+        self.dead_with(base, p, rec, r, &rec.payload)
+    }
+
+    /// [`Engine::dead`], keeping `payload` (not the record's) in the dead letter.
+    fn dead_with<R: ReadState>(
+        &mut self,
+        base: &R,
+        p: usize,
+        rec: &Record,
+        r: Refusal,
+        payload: &[u8],
     ) -> Result<Outcome, ReadError> {
         let name = self.specs[p].name.clone();
         let content_id = dead_letter_id(&rec.topic, &rec.payload);
@@ -265,7 +316,7 @@ impl Engine {
             reason: r.reason.to_string(),
             detail: r.detail,
             received_at_ms: rec.received_at_ms,
-            payload: rec.payload[..rec.payload.len().min(DEAD_LETTER_PAYLOAD_MAX)].to_vec(),
+            payload: payload[..payload.len().min(DEAD_LETTER_PAYLOAD_MAX)].to_vec(),
         });
         Ok(Outcome::DeadLetter { reason: r.reason })
     }

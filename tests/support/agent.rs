@@ -77,6 +77,8 @@ pub struct CairnProcess {
     runs: usize,
     /// Byte length of the stderr file when the current run started.
     run_start: usize,
+    /// Extra environment for every run (failpoints, the test clock).
+    env: Vec<(String, String)>,
 }
 
 impl CairnProcess {
@@ -90,7 +92,14 @@ impl CairnProcess {
             child: None,
             runs: 0,
             run_start: 0,
+            env: Vec::new(),
         }
+    }
+
+    /// Sets an environment variable for every later run.
+    pub fn set_env(&mut self, key: &str, value: &str) {
+        self.env.retain(|(k, _)| k != key);
+        self.env.push((key.to_string(), value.to_string()));
     }
 
     pub fn config_path(&self) -> PathBuf {
@@ -153,6 +162,7 @@ impl CairnProcess {
                 std::env::var("CAIRN_TEST_LOG").unwrap_or("info,cairn::agent=debug".into()),
             )
             .env_remove("CAIRN_CONFIG")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::from(file))
