@@ -199,7 +199,9 @@ impl Agent {
             );
         }
         let store = Store::open(&cfg.store_dir(), cfg.storage.cache_size, sync.clone())?;
-        let mut proc = Processor::open_with_reset(store, cfg.pipelines.clone(), reset)?;
+        let generations = cfg.storage.data_dir.join(crate::generations::FILE_NAME);
+        let mut proc =
+            Processor::open_with(store, cfg.pipelines.clone(), reset, Some(&generations))?;
         if log.next_offset() < proc.next_offset() {
             return Err(AgentError::Process(ProcessError::LogBehind {
                 checkpoint: proc.next_offset(),

@@ -41,8 +41,9 @@ pub enum Command {
     /// Run the agent in the foreground until SIGINT/SIGTERM (drains, exits 0); SIGHUP
     /// reloads the safe parts of the config.
     Run {
-        /// Drop this pipeline's stored state and start it empty (after a change to its
-        /// definition that would misread the old state). Repeatable.
+        /// Drop this pipeline's stored state and start it empty, in a new generation of
+        /// output IDs (after a change to its definition that would misread the old state).
+        /// For a pipeline no longer configured, delete its stored state for good. Repeatable.
         #[arg(long = "reset-pipeline", value_name = "NAME")]
         reset_pipeline: Vec<String>,
     },
@@ -177,6 +178,9 @@ fn dispatch(cli: Cli) -> Result<(), Failure> {
         return match config::load(&cli.config) {
             Ok(cfg) => {
                 println!("{}", config::summary(&cfg));
+                for line in data_dir_report(&cfg) {
+                    println!("{line}");
+                }
                 Ok(())
             }
             Err(ConfigError::Invalid { problems, file }) => {
@@ -200,6 +204,43 @@ fn dispatch(cli: Cli) -> Result<(), Failure> {
         Command::Verify { repair, json } => verify(&cfg, repair, json),
         Command::Status { json, offline } => crate::status::run(&cfg, json, offline),
         Command::Savepoint { what } => crate::savepoint::run(&cfg, what),
+    }
+}
+
+/// What `validate` says about the data directory, when there is one: stored pipelines the
+/// config no longer names, and definitions a start would refuse. A report, not a problem:
+/// the config itself is valid, and `run --reset-pipeline` is the way on.
+fn data_dir_report(cfg: &Config) -> Vec<String> {
+    let dir = cfg.store_dir();
+    if !dir.join("db").exists() {
+        return Vec::new();
+    }
+    let store = match Store::open(&dir, cfg.storage.cache_size, crate::fsio::real()) {
+        Ok(s) => s,
+        Err(crate::store::StoreError::Locked { .. }) => {
+            return vec![format!(
+                "data_dir: the agent holds the store at {}; its pipelines were not compared \
+                 (`cairn status` lists them)",
+                dir.display()
+            )];
+        }
+        Err(e) => return vec![format!("data_dir: {e}")],
+    };
+    match crate::processor::audit(&store, &cfg.pipelines) {
+        Ok((unconfigured, refusals)) => {
+            let list = crate::status::unconfigured_json(&unconfigured);
+            let mut lines: Vec<String> = list
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|u| format!("data_dir: {}", crate::status::unconfigured_line(u)))
+                .collect();
+            for r in refusals {
+                lines.push(format!("data_dir: `cairn run` will refuse: {r}"));
+            }
+            lines
+        }
+        Err(e) => vec![format!("data_dir: {e}")],
     }
 }
 
@@ -314,7 +355,8 @@ fn inspect(cfg: &Config, what: Inspect) -> Result<(), Failure> {
             let mut n = 0;
             for r in store.outbox_from(0) {
                 let (seq, o) = r.map_err(rt)?;
-                let p = o.id.split('/').next().unwrap_or("").to_string();
+                // `name/...`, or `name@generation/...` from generation 2 on.
+                let p = o.id.split(['/', '@']).next().unwrap_or("").to_string();
                 if !keep(&f, &p, None) || f.limit.is_some_and(|l| n >= l) {
                     continue;
                 }

@@ -145,6 +145,24 @@ pub fn create_dir_all_durable(path: &Path, sync: &Durability) -> io::Result<()> 
     Ok(())
 }
 
+/// Replace `path` with `bytes` so that a crash leaves the old file or the new one, whole:
+/// write `path.tmp`, fsync it, rename it over `path`, fsync the directory.
+pub fn write_file_durable(path: &Path, bytes: &[u8], sync: &Durability) -> io::Result<()> {
+    use std::io::Write;
+    let tmp = path.with_extension("tmp");
+    {
+        let mut f = File::create(&tmp)?;
+        f.write_all(bytes)?;
+        sync.sync_file(SyncKind::File, &f, &tmp, false)?;
+    }
+    std::fs::rename(&tmp, path)?;
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    sync.sync_dir(dir)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

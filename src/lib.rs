@@ -29,7 +29,9 @@
 //! - [`log`]: the segmented, CRC-framed replay log: group commit, torn-tail recovery,
 //!   corruption detection and repair, retention.
 //! - [`store`]: the sled checkpoint store, savepoints, inspection.
-//! - [`processor`]: log records → engine → checkpoints; replay.
+//! - [`processor`]: log records → engine → checkpoints; replay; at start, stored pipeline
+//!   definitions against the config (changed, dormant, reset, dropped).
+//! - [`generations`]: the output-ID generation of each pipeline, in a file beside the store.
 //! - [`mqtt`]: the rumqttc facade: manual acks, packet-id binding, reconnect backoff, TLS.
 //! - [`agent`]: the event loop wiring them; backpressure; shutdown; metrics; savepoints.
 //! - [`config`]: TOML → validated [`config::Config`], every problem with file and line.
@@ -64,6 +66,7 @@ pub mod config;
 pub mod disk;
 pub mod failpoint;
 pub mod fsio;
+pub mod generations;
 pub mod log;
 pub mod logging;
 pub mod metrics;
