@@ -41,7 +41,7 @@
 //! One tree per kind; pipeline-scoped keys start with `pipeline_name 0x00` (names cannot
 //! contain NUL). `state`: p·skey → KeyState; `dedup`: p·min_seen·checkpoint·part → a chunk
 //! of ledger entries ([`ledger`]); `outbox`: first_seq → a chunk of outputs ([`outbox`]);
-//! `dead`: offset·p → DeadLetter; `meta`: `progress` → Progress, `format` → 2;
+//! `dead`: offset·p → DeadLetter; `meta`: `progress` → Progress, `format` → 3;
 //! `checkpoints`: id → CheckpointInfo (the newest [`CHECKPOINT_HISTORY`]).
 //!
 //! Format 3 is format 2 with a `generation` in each pipeline's progress (and the progress of
