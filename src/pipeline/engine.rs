@@ -90,6 +90,7 @@ impl PipelineProgress {
     }
 
     /// What output IDs start with: the name, and from generation 2 on `@generation`.
+    /// Pipeline names cannot contain `@`, so no generation's prefix is another pipeline's.
     pub fn id_prefix(&self) -> String {
         if self.generation > 1 {
             format!("{}@{}", self.name, self.generation)
