@@ -364,3 +364,27 @@ fn human(v: &Value) -> String {
     }
     lines.join("\n")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_running_agents_dormant_pipelines_are_listed_apart_from_the_configured_ones() {
+        let cfg = crate::config::parse_str(
+            "[mqtt]\nclient_id = \"t\"\n[storage]\ndata_dir = \".\"\n[[pipeline]]\n\
+             name = \"kept\"\ntopics = [\"a/#\"]\nevent_id = \"/id\"\nkey = \"/k\"\n\
+             aggregate = \"count\"\noutput_topic = \"o/{key}\"\n",
+            std::path::Path::new("t.toml"),
+        )
+        .unwrap();
+        let text = "cairn_state_keys{pipeline=\"kept\"} 1\ncairn_state_keys{pipeline=\"gone\"} 4\n";
+        let mut v = from_metrics("127.0.0.1:1", &parse(text));
+        split_unconfigured(&mut v, &cfg);
+        assert_eq!(v["pipelines"].as_array().unwrap().len(), 1, "{v}");
+        assert_eq!(v["pipelines"][0]["name"], "kept");
+        let u = &v["unconfigured_pipelines"][0];
+        assert_eq!((&u["name"], &u["keys"]), (&json!("gone"), &json!(4)), "{v}");
+        assert!(human(&v).contains("pipeline `gone` is not configured: 4 keys"));
+    }
+}
