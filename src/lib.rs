@@ -57,6 +57,10 @@
 //!    acknowledging instead of dropping (`tests/faults.rs`, `tests/e2e.rs`).
 //! 8. Bad input never stops processing: it becomes a dead letter with a reason
 //!    (`tests/pipeline.rs`).
+//! 9. State is never read under a definition other than the one that wrote it, even for a
+//!    pipeline removed from the config and added back; and a reset, a rebuilt store or a
+//!    pipeline added back never gives an output ID that went out a second payload: each new
+//!    lineage is a new generation of IDs (`tests/definitions.rs`).
 //!
 //! Only [`store`] imports sled; only [`mqtt`] imports rumqttc.
 
