@@ -283,18 +283,30 @@ fn spec_of<'a>(cfg: &'a Config, name: &str) -> Option<&'a PipelineSpec> {
     cfg.pipelines.iter().find(|p| p.name == name)
 }
 
-/// Split a stored key into (key, window bounds) using the pipeline's definition.
-fn decode_skey(spec: Option<&PipelineSpec>, skey: &[u8]) -> (String, Option<(u64, u64)>) {
-    match spec.and_then(|s| s.window) {
-        Some(w) if skey.len() >= 8 => {
+/// Split a stored key into (key, window bounds) using the window size of the definition
+/// that wrote it (`None`: not windowed).
+fn decode_skey(window_ms: Option<u64>, skey: &[u8]) -> (String, Option<(u64, u64)>) {
+    match window_ms {
+        Some(size) if skey.len() >= 8 => {
             let start = u64::from_be_bytes(skey[..8].try_into().expect("8 bytes"));
             (
                 String::from_utf8_lossy(&skey[8..]).into_owned(),
-                Some((start, start + w.size_ms)),
+                Some((start, start.saturating_add(size))),
             )
         }
         _ => (String::from_utf8_lossy(skey).into_owned(), None),
     }
+}
+
+/// The window size a pipeline's state was written with: from the config, or for a pipeline
+/// no longer configured from the definition the store kept for it.
+fn window_of(cfg: &Config, stored: &crate::pipeline::Progress, name: &str) -> Option<u64> {
+    if let Some(spec) = spec_of(cfg, name) {
+        return spec.window.map(|w| w.size_ms);
+    }
+    let p = stored.pipelines.iter().find(|p| p.name == name)?;
+    let def: serde_json::Value = serde_json::from_str(&p.definition).ok()?;
+    def["window"]["size_ms"].as_u64()
 }
 
 fn inspect(cfg: &Config, what: Inspect) -> Result<(), Failure> {
@@ -309,10 +321,11 @@ fn inspect(cfg: &Config, what: Inspect) -> Result<(), Failure> {
     match what {
         Inspect::Log { .. } => unreachable!(),
         Inspect::State(f) => {
+            let stored = store.progress().map_err(rt)?;
             let mut n = 0;
             for r in store.states(f.pipeline.as_deref()) {
                 let (p, skey, st) = r.map_err(rt)?;
-                let (key, window) = decode_skey(spec_of(cfg, &p), &skey);
+                let (key, window) = decode_skey(window_of(cfg, &stored, &p), &skey);
                 if !keep(&f, &p, Some(&key)) || f.limit.is_some_and(|l| n >= l) {
                     continue;
                 }

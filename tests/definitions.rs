@@ -463,3 +463,43 @@ fn results_of_a_store_rebuilt_under_a_new_definition_go_out_as_a_new_generation(
     }
     assert!(by_id.contains_key("balances@2/A/2"), "{by_id:?}");
 }
+
+#[test]
+fn inspect_shows_a_dormant_windowed_pipelines_state_with_its_stored_window() {
+    let dir = tempfile::tempdir().unwrap();
+    let windowed = "[[pipeline]]\nname = \"per_minute\"\ntopics = [\"pay/#\"]\n\
+        format = \"delimited\"\nevent_id = \"0\"\nkey = \"1\"\nevent_time = \"2\"\n\
+        aggregate = \"count\"\nwindow = { size = \"1m\" }\n\
+        output_topic = \"per_minute/{key}/{window_start}\"\n";
+    let write = |pipelines: &str| {
+        let text = format!(
+            "[mqtt]\nclient_id = \"defs\"\n[storage]\ndata_dir = \"{}\"\n{pipelines}",
+            dir.path().display()
+        );
+        std::fs::write(dir.path().join("cairn.toml"), text).unwrap();
+    };
+    write(&format!("{BALANCES}\n{windowed}"));
+    let cfg = cairn::config::load(&dir.path().join("cairn.toml")).unwrap();
+    let mut proc = open(dir.path(), cfg.pipelines.clone(), &[]).unwrap();
+    run(dir.path(), &mut proc, &["E1/A/60500"]);
+    drop(proc);
+    write(BALANCES);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cairn"))
+        .arg("--config")
+        .arg(dir.path().join("cairn.toml"))
+        .args(["inspect", "state", "--pipeline", "per_minute", "--json"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value =
+        serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("{e}: {text}"));
+    assert_eq!(
+        (&v["key"], &v["window_start"], &v["window_end"]),
+        (
+            &serde_json::json!("A"),
+            &serde_json::json!(60000),
+            &serde_json::json!(120000)
+        ),
+        "{v}"
+    );
+}
