@@ -222,7 +222,9 @@ impl Agent {
             );
         }
         let store = Store::open(&cfg.store_dir(), cfg.storage.cache_size, sync.clone())?;
-        let mut proc = Processor::open_with_reset(store, cfg.pipelines.clone(), reset)?;
+        let generations = cfg.storage.data_dir.join(crate::generations::FILE_NAME);
+        let mut proc =
+            Processor::open_with(store, cfg.pipelines.clone(), reset, Some(&generations))?;
         let data_dir = &cfg.storage.data_dir;
         let quarantine = Quarantine::open(data_dir, sync.clone()).map_err(|source| {
             ProcessError::Quarantine {

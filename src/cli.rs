@@ -41,8 +41,9 @@ pub enum Command {
     /// Run the agent in the foreground until SIGINT/SIGTERM (drains, exits 0); SIGHUP
     /// reloads the safe parts of the config.
     Run {
-        /// Drop this pipeline's stored state and start it empty (after a change to its
-        /// definition that would misread the old state). Repeatable.
+        /// Drop this pipeline's stored state and start it empty, in a new generation of
+        /// output IDs (after a change to its definition that would misread the old state).
+        /// For a pipeline no longer configured, delete its stored state for good. Repeatable.
         #[arg(long = "reset-pipeline", value_name = "NAME")]
         reset_pipeline: Vec<String>,
     },
@@ -177,6 +178,9 @@ fn dispatch(cli: Cli) -> Result<(), Failure> {
         return match config::load(&cli.config) {
             Ok(cfg) => {
                 println!("{}", config::summary(&cfg));
+                for line in data_dir_report(&cfg) {
+                    println!("{line}");
+                }
                 Ok(())
             }
             Err(ConfigError::Invalid { problems, file }) => {
@@ -200,6 +204,43 @@ fn dispatch(cli: Cli) -> Result<(), Failure> {
         Command::Verify { repair, json } => verify(&cfg, repair, json),
         Command::Status { json, offline } => crate::status::run(&cfg, json, offline),
         Command::Savepoint { what } => crate::savepoint::run(&cfg, what),
+    }
+}
+
+/// What `validate` says about the data directory, when there is one: stored pipelines the
+/// config no longer names, and definitions a start would refuse. A report, not a problem:
+/// the config itself is valid, and `run --reset-pipeline` is the way on.
+fn data_dir_report(cfg: &Config) -> Vec<String> {
+    let dir = cfg.store_dir();
+    if !dir.join("db").exists() {
+        return Vec::new();
+    }
+    let store = match Store::open(&dir, cfg.storage.cache_size, crate::fsio::real()) {
+        Ok(s) => s,
+        Err(crate::store::StoreError::Locked { .. }) => {
+            return vec![format!(
+                "data_dir: the agent holds the store at {}; its pipelines were not compared \
+                 (`cairn status` lists them)",
+                dir.display()
+            )];
+        }
+        Err(e) => return vec![format!("data_dir: {e}")],
+    };
+    match crate::processor::audit(&store, &cfg.pipelines) {
+        Ok((unconfigured, refusals)) => {
+            let list = crate::status::unconfigured_json(&unconfigured);
+            let mut lines: Vec<String> = list
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|u| format!("data_dir: {}", crate::status::unconfigured_line(u)))
+                .collect();
+            for r in refusals {
+                lines.push(format!("data_dir: `cairn run` will refuse: {r}"));
+            }
+            lines
+        }
+        Err(e) => vec![format!("data_dir: {e}")],
     }
 }
 
@@ -242,18 +283,30 @@ fn spec_of<'a>(cfg: &'a Config, name: &str) -> Option<&'a PipelineSpec> {
     cfg.pipelines.iter().find(|p| p.name == name)
 }
 
-/// Split a stored key into (key, window bounds) using the pipeline's definition.
-fn decode_skey(spec: Option<&PipelineSpec>, skey: &[u8]) -> (String, Option<(u64, u64)>) {
-    match spec.and_then(|s| s.window) {
-        Some(w) if skey.len() >= 8 => {
+/// Split a stored key into (key, window bounds) using the window size of the definition
+/// that wrote it (`None`: not windowed).
+fn decode_skey(window_ms: Option<u64>, skey: &[u8]) -> (String, Option<(u64, u64)>) {
+    match window_ms {
+        Some(size) if skey.len() >= 8 => {
             let start = u64::from_be_bytes(skey[..8].try_into().expect("8 bytes"));
             (
                 String::from_utf8_lossy(&skey[8..]).into_owned(),
-                Some((start, start + w.size_ms)),
+                Some((start, start.saturating_add(size))),
             )
         }
         _ => (String::from_utf8_lossy(skey).into_owned(), None),
     }
+}
+
+/// The window size a pipeline's state was written with: from the config, or for a pipeline
+/// no longer configured from the definition the store kept for it.
+fn window_of(cfg: &Config, stored: &crate::pipeline::Progress, name: &str) -> Option<u64> {
+    if let Some(spec) = spec_of(cfg, name) {
+        return spec.window.map(|w| w.size_ms);
+    }
+    let p = stored.pipelines.iter().find(|p| p.name == name)?;
+    let def: serde_json::Value = serde_json::from_str(&p.definition).ok()?;
+    def["window"]["size_ms"].as_u64()
 }
 
 fn inspect(cfg: &Config, what: Inspect) -> Result<(), Failure> {
@@ -268,10 +321,11 @@ fn inspect(cfg: &Config, what: Inspect) -> Result<(), Failure> {
     match what {
         Inspect::Log { .. } => unreachable!(),
         Inspect::State(f) => {
+            let stored = store.progress().map_err(rt)?;
             let mut n = 0;
             for r in store.states(f.pipeline.as_deref()) {
                 let (p, skey, st) = r.map_err(rt)?;
-                let (key, window) = decode_skey(spec_of(cfg, &p), &skey);
+                let (key, window) = decode_skey(window_of(cfg, &stored, &p), &skey);
                 if !keep(&f, &p, Some(&key)) || f.limit.is_some_and(|l| n >= l) {
                     continue;
                 }
@@ -314,7 +368,8 @@ fn inspect(cfg: &Config, what: Inspect) -> Result<(), Failure> {
             let mut n = 0;
             for r in store.outbox_from(0) {
                 let (seq, o) = r.map_err(rt)?;
-                let p = o.id.split('/').next().unwrap_or("").to_string();
+                // `name/...`, or `name@generation/...` from generation 2 on.
+                let p = o.id.split(['/', '@']).next().unwrap_or("").to_string();
                 if !keep(&f, &p, None) || f.limit.is_some_and(|l| n >= l) {
                     continue;
                 }

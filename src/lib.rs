@@ -29,8 +29,10 @@
 //! - [`log`]: the segmented, CRC-framed replay log: group commit, torn-tail recovery,
 //!   corruption detection and repair, retention.
 //! - [`store`]: the sled checkpoint store, savepoints, inspection.
-//! - [`processor`]: log records → engine → checkpoints; replay. [`quarantine`]: a record
-//!   whose processing panics is retried a bounded number of times, then set aside.
+//! - [`processor`]: log records → engine → checkpoints; replay; at start, stored pipeline
+//!   definitions against the config (changed, dormant, reset, dropped). [`quarantine`]: a
+//!   record whose processing panics is retried a bounded number of times, then set aside.
+//! - [`generations`]: the output-ID generation of each pipeline, in a file beside the store.
 //! - [`clock`]: the time of receipt stamped on new records, monotonic across clock steps.
 //! - [`mqtt`]: the rumqttc facade: manual acks, packet-id binding, reconnect backoff, TLS.
 //! - [`agent`]: the event loop wiring them; backpressure; shutdown; metrics; savepoints.
@@ -59,6 +61,10 @@
 //!    record can make the engine panic or the agent crash-loop (`tests/pipeline.rs`,
 //!    `tests/hostile.rs`; oversized inputs and records whose processing panics:
 //!    `tests/field.rs`).
+//! 9. State is never read under a definition other than the one that wrote it, even for a
+//!    pipeline removed from the config and added back; and a reset, a rebuilt store or a
+//!    pipeline added back never gives an output ID that went out a second payload: each new
+//!    lineage is a new generation of IDs (`tests/definitions.rs`).
 //!
 //! Only [`store`] imports sled; only [`mqtt`] imports rumqttc.
 
@@ -69,6 +75,7 @@ pub mod config;
 pub mod disk;
 pub mod failpoint;
 pub mod fsio;
+pub mod generations;
 pub mod log;
 pub mod logging;
 pub mod metrics;

@@ -6,12 +6,14 @@
 //! else is read and nothing else is trusted.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use crate::generations::{Generations, GenerationsError};
 use crate::log::{Log, LogError};
 use crate::model::{Offset, Record};
-use crate::pipeline::engine::{Engine, Outcome, PipelineProgress, definition};
+use crate::pipeline::describe::explain_changes;
+use crate::pipeline::engine::{Engine, Outcome, PipelineProgress, Progress, definition};
 use crate::pipeline::spec::PipelineSpec;
 use crate::quarantine::{MAX_ATTEMPTS, Quarantine};
 use crate::store::{CheckpointInfo, Store, StoreError};
@@ -24,18 +26,32 @@ pub enum ProcessError {
     Log(#[from] LogError),
     #[error("{0}")]
     Read(#[from] crate::pipeline::engine::ReadError),
-    #[error("--reset-pipeline {name}: no pipeline of that name in the config")]
+    #[error("--reset-pipeline {name}: no pipeline of that name in the config or in the store")]
     UnknownReset { name: String },
+    /// `stored` and `current` are the definitions as the store keeps them (JSON); the
+    /// message shows the settings that differ as the config writes them.
     #[error(
-        "pipeline `{name}` changed in a way that would misread its stored state \
-         (was {stored}, now {current}); restore the old definition, or reset the pipeline's state \
-         with `cairn run --reset-pipeline {name}`"
+        "pipeline `{name}` changed in a way that would misread its stored state:\n{}\nRestore \
+         the old definition, or reset the pipeline's state with `cairn run --reset-pipeline \
+         {name}` (its results then continue in a new generation of output IDs)",
+        explain_changes(stored, current)
     )]
     IncompatiblePipeline {
         name: String,
         stored: String,
         current: String,
     },
+    /// State under a configured pipeline's name, but no progress record says which
+    /// definition wrote it: an earlier cairn forgot removed pipelines' progress and kept
+    /// their state. It cannot be trusted to be this definition's.
+    #[error(
+        "pipeline `{name}` has state in the store but no record of the definition that wrote \
+         it (an earlier cairn forgot it when the pipeline was removed from the config), so it \
+         will not be read as this definition's. Drop it with `cairn run --reset-pipeline {name}`"
+    )]
+    UnknownDefinition { name: String },
+    #[error(transparent)]
+    Generations(#[from] GenerationsError),
     /// The log no longer reaches back to where the store's checkpoint ends, so replay
     /// cannot rebuild the state (DESIGN §4: keep the log back to the newest savepoint).
     #[error(
@@ -113,6 +129,68 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "(no message)".into())
 }
 
+/// A pipeline whose state the store holds but the config does not name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unconfigured {
+    pub name: String,
+    pub keys: u64,
+    pub dedup_entries: u64,
+    /// `None` when the store has state but no progress record for it (see
+    /// [`ProcessError::UnknownDefinition`]).
+    pub generation: Option<u32>,
+}
+
+/// What the store holds against the config, without changing either: the pipelines it
+/// keeps that are not configured, and why a start would refuse (one message each). For
+/// `cairn status` and `cairn validate`.
+pub fn audit(
+    store: &Store,
+    specs: &[PipelineSpec],
+) -> Result<(Vec<Unconfigured>, Vec<String>), StoreError> {
+    let progress = store.progress()?;
+    let with_data = store.pipelines_with_data()?;
+    let mut unconfigured = Vec::new();
+    for p in &progress.pipelines {
+        if !specs.iter().any(|s| s.name == p.name) {
+            unconfigured.push(Unconfigured {
+                name: p.name.clone(),
+                keys: p.keys,
+                dedup_entries: p.dedup_entries,
+                generation: Some(p.generation.max(1)),
+            });
+        }
+    }
+    let mut refusals = Vec::new();
+    for name in &with_data {
+        if progress.pipelines.iter().any(|p| &p.name == name) {
+            continue;
+        }
+        if specs.iter().any(|s| &s.name == name) {
+            refusals.push(ProcessError::UnknownDefinition { name: name.clone() }.to_string());
+        } else {
+            unconfigured.push(Unconfigured {
+                name: name.clone(),
+                keys: store.states(Some(name)).count() as u64,
+                dedup_entries: store.dedup_entries(Some(name)).count() as u64,
+                generation: None,
+            });
+        }
+    }
+    for spec in specs {
+        if let Some(p) = progress.pipelines.iter().find(|p| p.name == spec.name) {
+            if p.definition != definition(spec) {
+                let e = ProcessError::IncompatiblePipeline {
+                    name: spec.name.clone(),
+                    stored: p.definition.clone(),
+                    current: definition(spec),
+                };
+                refusals.push(e.to_string());
+            }
+        }
+    }
+    Ok((unconfigured, refusals))
+}
+
 fn replay_start(needed: Offset) -> String {
     if needed == 0 {
         "the store is empty (new, or moved aside), so replay must start at log offset 0".into()
@@ -148,44 +226,147 @@ impl Processor {
         Processor::open_with_reset(store, specs, &[])
     }
 
-    /// Load the last checkpoint. A pipeline whose stored definition differs from the
-    /// configured one is refused, unless it is named in `reset`: then its state and dedup
-    /// ledger are dropped (durably, before anything else happens) and it starts empty from
-    /// the checkpoint's offset, its versions continuing above the old ones.
+    /// As [`Processor::open_with`], with generations counted in memory only (no data
+    /// directory: tests and tools).
     pub fn open_with_reset(
         store: Store,
         specs: Vec<PipelineSpec>,
         reset: &[String],
     ) -> Result<Processor, ProcessError> {
+        Processor::open_with(store, specs, reset, None)
+    }
+
+    /// Load the last checkpoint, after comparing every configured pipeline with what the
+    /// store holds for it (including a pipeline that was removed and comes back):
+    ///
+    /// - a stored definition that differs is refused, unless the pipeline is named in
+    ///   `reset`: then its state and dedup ledger are dropped and it starts empty in a new
+    ///   generation, its versions continuing above the old ones;
+    /// - state under its name whose definition the store does not know is refused likewise;
+    /// - a pipeline the store does not know starts empty: in generation 1 if it never ran
+    ///   here, else in a new generation (its store was moved aside, or it was dropped);
+    /// - a stored pipeline that is not configured stays dormant (kept, reported in the
+    ///   journal), unless named in `reset`: then its state, ledger and progress are dropped.
+    ///
+    /// Everything this changes in the store commits in one transaction before anything else
+    /// happens, then `generations` (the file beside the store, see [`crate::generations`])
+    /// records the new generations.
+    pub fn open_with(
+        store: Store,
+        specs: Vec<PipelineSpec>,
+        reset: &[String],
+        generations: Option<&Path>,
+    ) -> Result<Processor, ProcessError> {
+        let mut gens = match generations {
+            Some(path) => Generations::load(path)?,
+            None => Generations::in_memory(),
+        };
         let mut progress = store.progress()?;
-        for name in reset {
-            if !specs.iter().any(|s| &s.name == name) {
-                return Err(ProcessError::UnknownReset { name: name.clone() });
-            }
-        }
-        for spec in &specs {
-            let Some(i) = progress.pipelines.iter().position(|p| p.name == spec.name) else {
-                continue;
-            };
-            let current = definition(spec);
-            if reset.contains(&spec.name) {
-                let old = progress.pipelines[i].clone();
-                progress.pipelines[i] = PipelineProgress::reset(&old, spec);
-                store.reset_pipeline(&spec.name, &progress)?;
-                log::warn!(
-                    "pipeline `{}` reset: {} keys and {} dedup entries dropped; versions continue above {}",
-                    spec.name,
-                    old.keys,
-                    old.dedup_entries,
-                    old.max_version
-                );
-            } else if progress.pipelines[i].definition != current {
-                return Err(ProcessError::IncompatiblePipeline {
-                    name: spec.name.clone(),
-                    stored: progress.pipelines[i].definition.clone(),
-                    current,
+        let with_data = store.pipelines_with_data()?;
+        let configured = |n: &str| specs.iter().any(|s| s.name == n);
+        let position = |p: &Progress, n: &str| p.pipelines.iter().position(|x| x.name == n);
+        let mut reset: Vec<&String> = reset.iter().collect();
+        reset.sort();
+        reset.dedup();
+        for name in &reset {
+            if !configured(name) && position(&progress, name).is_none() && !with_data.contains(name)
+            {
+                return Err(ProcessError::UnknownReset {
+                    name: name.to_string(),
                 });
             }
+        }
+        for pp in &progress.pipelines {
+            gens.observe(&pp.name, pp.generation);
+        }
+        let mut wiped: Vec<&str> = Vec::new();
+        let mut changed = false;
+        for name in reset.iter().filter(|n| !configured(n)) {
+            let old = position(&progress, name).map(|i| progress.pipelines.remove(i));
+            log::warn!(
+                "pipeline `{name}` dropped (not configured): its state and dedup ledger are deleted{}",
+                old.map(|o| format!(" ({} keys, {} dedup entries)", o.keys, o.dedup_entries))
+                    .unwrap_or_default()
+            );
+            wiped.push(name);
+            changed = true;
+        }
+        for spec in &specs {
+            let name = spec.name.as_str();
+            let asked = reset.iter().any(|r| *r == name);
+            if let Some(i) = position(&progress, name) {
+                let old = &progress.pipelines[i];
+                if asked {
+                    let generation = gens.start_new(name, old.generation);
+                    log::warn!(
+                        "pipeline `{name}` reset: {} keys and {} dedup entries dropped; versions \
+                         continue above {}, in generation {generation} (output IDs `{name}@{generation}/...`)",
+                        old.keys,
+                        old.dedup_entries,
+                        old.max_version
+                    );
+                    progress.pipelines[i] = PipelineProgress::reset(old, spec, generation);
+                    wiped.push(name);
+                    changed = true;
+                } else if old.definition != definition(spec) {
+                    return Err(ProcessError::IncompatiblePipeline {
+                        name: name.to_string(),
+                        stored: old.definition.clone(),
+                        current: definition(spec),
+                    });
+                } else if old.generation > 1 {
+                    log::info!("pipeline `{name}`: generation {}", old.generation);
+                }
+                continue;
+            }
+            // Not in the progress record: new here, or its state was forgotten or moved.
+            let mut at_least = 0;
+            if with_data.iter().any(|n| n == name) {
+                if !asked {
+                    return Err(ProcessError::UnknownDefinition {
+                        name: name.to_string(),
+                    });
+                }
+                log::warn!("pipeline `{name}` reset: state of an unknown definition dropped");
+                wiped.push(name);
+                // That state's results went out in generation 1 (it predates generations).
+                at_least = 1;
+            }
+            let generation = gens.start_new(name, at_least);
+            if generation > 1 {
+                log::warn!(
+                    "pipeline `{name}` starts empty in generation {generation}: results of an \
+                     earlier generation went out under this name (its store was moved aside, \
+                     or it was dropped), so its output IDs are now `{name}@{generation}/...`"
+                );
+            }
+            progress
+                .pipelines
+                .push(PipelineProgress::new(spec, generation));
+            changed = true;
+        }
+        if changed {
+            store.reset_pipelines(&wiped, &progress)?;
+        }
+        gens.save(store.durability())?;
+        for p in progress.pipelines.iter().filter(|p| !configured(&p.name)) {
+            log::warn!(
+                "pipeline `{}` is not configured, and its stored state is kept ({} keys, {} dedup \
+                 entries): add it back with the same definition to continue it, or drop it with \
+                 `cairn run --reset-pipeline {}`",
+                p.name,
+                p.keys,
+                p.dedup_entries,
+                p.name
+            );
+        }
+        for name in with_data.iter().filter(|n| {
+            !configured(n) && position(&progress, n).is_none() && !wiped.contains(&n.as_str())
+        }) {
+            log::warn!(
+                "the store holds state of pipeline `{name}`, which is not configured and whose \
+                 definition is unknown: drop it with `cairn run --reset-pipeline {name}`"
+            );
         }
         Ok(Processor {
             engine: Engine::new(specs, progress),

@@ -37,7 +37,11 @@ pub fn run(cfg: &Config, as_json: bool, offline: bool) -> Result<(), Failure> {
         _ => None,
     };
     let status = match online {
-        Some((addr, text)) => from_metrics(&addr, &parse(&text)),
+        Some((addr, text)) => {
+            let mut v = from_metrics(&addr, &parse(&text));
+            split_unconfigured(&mut v, cfg);
+            v
+        }
         None => from_data_dir(cfg)?,
     };
     let mut out = std::io::stdout().lock();
@@ -155,6 +159,26 @@ fn from_metrics(addr: &str, samples: &[Sample]) -> Value {
     })
 }
 
+/// The agent reports every pipeline its store keeps; those the config does not name are
+/// dormant state, listed apart so they are not read as running pipelines.
+fn split_unconfigured(v: &mut Value, cfg: &Config) {
+    let all = v["pipelines"].as_array().cloned().unwrap_or_default();
+    let (on, off): (Vec<Value>, Vec<Value>) = all.into_iter().partition(|p| {
+        cfg.pipelines
+            .iter()
+            .any(|s| Some(s.name.as_str()) == p["name"].as_str())
+    });
+    v["pipelines"] = json!(on);
+    v["unconfigured_pipelines"] = off
+        .iter()
+        .map(|p| {
+            json!({"name": p["name"], "keys": p["keys"], "dedup_entries": p["dedup_entries"],
+                   "generation": null,
+                   "drop_with": format!("cairn run --reset-pipeline {}", p["name"].as_str().unwrap_or("?"))})
+        })
+        .collect();
+}
+
 fn num(v: f64) -> Value {
     if v.fract() == 0.0 && (0.0..9.0e15).contains(&v) {
         json!(v as u64)
@@ -221,15 +245,43 @@ fn from_data_dir(cfg: &Config) -> Result<Value, Failure> {
     v["pipelines"] = p
         .pipelines
         .iter()
+        .filter(|pp| cfg.pipelines.iter().any(|s| s.name == pp.name))
         .map(|pp| {
             json!({"name": pp.name, "keys": pp.keys, "dedup_entries": pp.dedup_entries,
                    "applied": pp.counters.applied, "duplicates": pp.counters.duplicates,
-                   "dead_letters": pp.counters.dead_letters, "outputs": pp.counters.outputs})
+                   "dead_letters": pp.counters.dead_letters, "outputs": pp.counters.outputs,
+                   "generation": pp.generation.max(1)})
         })
         .collect();
+    let (unconfigured, refusals) =
+        crate::processor::audit(&store, &cfg.pipelines).map_err(Failure::runtime)?;
+    v["unconfigured_pipelines"] = unconfigured_json(&unconfigured);
+    v["definition_problems"] = json!(refusals);
     v["outbox_entries"] = json!(store.outbox_len());
     v["dead_letters"] = json!(store.dead_letter_len());
     Ok(v)
+}
+
+/// Stored pipelines the config does not name, for `status` and `validate`.
+pub(crate) fn unconfigured_json(list: &[crate::processor::Unconfigured]) -> Value {
+    list.iter()
+        .map(|u| {
+            json!({"name": u.name, "keys": u.keys, "dedup_entries": u.dedup_entries,
+                   "generation": u.generation,
+                   "drop_with": format!("cairn run --reset-pipeline {}", u.name)})
+        })
+        .collect()
+}
+
+/// One line per stored pipeline the config does not name.
+pub(crate) fn unconfigured_line(u: &Value) -> String {
+    format!(
+        "stored      pipeline `{}` is not configured: {} keys and {} dedup entries kept; drop them with `{}`",
+        u["name"].as_str().unwrap_or("?"),
+        u["keys"],
+        u["dedup_entries"],
+        u["drop_with"].as_str().unwrap_or("")
+    )
 }
 
 fn human(v: &Value) -> String {
@@ -284,6 +336,12 @@ fn human(v: &Value) -> String {
             s(&p["outputs"])
         ));
     }
+    for u in v["unconfigured_pipelines"].as_array().into_iter().flatten() {
+        lines.push(unconfigured_line(u));
+    }
+    for r in v["definition_problems"].as_array().into_iter().flatten() {
+        lines.push(format!("definition  {}", s(r)));
+    }
     if !v["outbox_entries"].is_null() {
         lines.push(format!(
             "outbox      {} entries; dead letters {}",
@@ -305,4 +363,28 @@ fn human(v: &Value) -> String {
         lines.push(format!("note        {n}"));
     }
     lines.join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_running_agents_dormant_pipelines_are_listed_apart_from_the_configured_ones() {
+        let cfg = crate::config::parse_str(
+            "[mqtt]\nclient_id = \"t\"\n[storage]\ndata_dir = \".\"\n[[pipeline]]\n\
+             name = \"kept\"\ntopics = [\"a/#\"]\nevent_id = \"/id\"\nkey = \"/k\"\n\
+             aggregate = \"count\"\noutput_topic = \"o/{key}\"\n",
+            std::path::Path::new("t.toml"),
+        )
+        .unwrap();
+        let text = "cairn_state_keys{pipeline=\"kept\"} 1\ncairn_state_keys{pipeline=\"gone\"} 4\n";
+        let mut v = from_metrics("127.0.0.1:1", &parse(text));
+        split_unconfigured(&mut v, &cfg);
+        assert_eq!(v["pipelines"].as_array().unwrap().len(), 1, "{v}");
+        assert_eq!(v["pipelines"][0]["name"], "kept");
+        let u = &v["unconfigured_pipelines"][0];
+        assert_eq!((&u["name"], &u["keys"]), (&json!("gone"), &json!(4)), "{v}");
+        assert!(human(&v).contains("pipeline `gone` is not configured: 4 keys"));
+    }
 }

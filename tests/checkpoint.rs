@@ -217,6 +217,15 @@ fn a_changed_pipeline_definition_is_refused_at_open() {
         .expect("refused")
         .to_string();
     assert!(err.contains("pipeline `balances` changed"), "{err}");
+    // The definition as the user wrote it, only what changed, not Rust's or JSON's syntax.
+    assert!(
+        err.contains("stored:     aggregate = \"sum\"")
+            && err.contains("configured: aggregate = \"max\""),
+        "{err}"
+    );
+    for noise in ["Sum", "Max", "{\"", "Index", "key ="] {
+        assert!(!err.contains(noise), "`{noise}` in {err}");
+    }
 }
 
 #[test]
@@ -262,7 +271,10 @@ fn a_named_reset_drops_the_pipelines_state_and_continues_its_versions() {
         .outbox_from(0)
         .map(|r| r.unwrap().1.id)
         .collect();
-    assert!(ids.contains(&"balances/A/3".to_string()), "{ids:?}");
+    assert!(
+        ids.contains(&"balances@2/A/3".to_string()),
+        "a reset starts generation 2: {ids:?}"
+    );
     drop(proc);
     // The reset is durable and the new definition is now the stored one.
     let store = Store::open(&dir.path().join("store"), 1 << 20, fsio::real()).unwrap();

@@ -59,18 +59,43 @@ pub struct PipelineProgress {
     pub version_base: u64,
     /// Highest version this pipeline ever gave a key.
     pub max_version: u64,
+    /// Which lineage of state this is: a new one starts whenever the pipeline starts over
+    /// from empty state where results of an earlier one may already have gone out (a reset, a
+    /// store rebuilt from the log, a pipeline dropped and added again). Output IDs of
+    /// generation 2 and later carry it (`name@2/key/version`), so a new generation never
+    /// reuses an ID that went out with another payload. 0 and 1 both mean the first: IDs
+    /// without a generation, as before generations existed.
+    pub generation: u32,
 }
 
 impl PipelineProgress {
-    /// The progress of a pipeline whose state is reset: empty, with versions continuing above
-    /// everything it emitted before.
-    pub fn reset(old: &PipelineProgress, spec: &PipelineSpec) -> PipelineProgress {
+    /// The progress of a pipeline that starts empty in `generation`.
+    pub fn new(spec: &PipelineSpec, generation: u32) -> PipelineProgress {
         PipelineProgress {
             name: spec.name.clone(),
             definition: definition(spec),
+            generation,
+            ..Default::default()
+        }
+    }
+
+    /// The progress of a pipeline whose state is reset: empty, in a new `generation`, with
+    /// versions continuing above everything it emitted before.
+    pub fn reset(old: &PipelineProgress, spec: &PipelineSpec, generation: u32) -> PipelineProgress {
+        PipelineProgress {
             version_base: old.max_version,
             max_version: old.max_version,
-            ..Default::default()
+            ..PipelineProgress::new(spec, generation)
+        }
+    }
+
+    /// What output IDs start with: the name, and from generation 2 on `@generation`.
+    /// Pipeline names cannot contain `@`, so no generation's prefix is another pipeline's.
+    pub fn id_prefix(&self) -> String {
+        if self.generation > 1 {
+            format!("{}@{}", self.name, self.generation)
+        } else {
+            self.name.clone()
         }
     }
 }
@@ -90,6 +115,10 @@ pub struct Progress {
     pub unmatched: u64,
     /// Next outbox sequence number.
     pub outbox_seq: u64,
+    /// The configured pipelines first, in config order (the engine indexes them by their
+    /// position in the config), then dormant ones: stored but no longer configured. Dormant
+    /// entries are kept so that a pipeline that comes back is compared with the definition
+    /// that wrote its state, and so that their state can be reported and dropped.
     pub pipelines: Vec<PipelineProgress>,
 }
 
@@ -172,22 +201,21 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Start from a checkpoint's progress. Pipelines new to the checkpoint start empty.
+    /// Start from a checkpoint's progress. Pipelines new to the checkpoint start empty (in
+    /// generation 1; [`crate::processor::Processor`] assigns generations before this). The
+    /// progress of stored pipelines that are not configured is kept, untouched, after the
+    /// configured ones: dropping it would forget which definition wrote their state.
     pub fn new(specs: Vec<PipelineSpec>, mut progress: Progress) -> Engine {
-        let mut pipelines = Vec::with_capacity(specs.len());
+        let mut stored = std::mem::take(&mut progress.pipelines);
+        let mut pipelines = Vec::with_capacity(specs.len().max(stored.len()));
         for spec in &specs {
-            let p = progress
-                .pipelines
-                .iter()
-                .find(|p| p.name == spec.name)
-                .cloned()
-                .unwrap_or_else(|| PipelineProgress {
-                    name: spec.name.clone(),
-                    definition: definition(spec),
-                    ..Default::default()
-                });
+            let p = match stored.iter().position(|p| p.name == spec.name) {
+                Some(i) => stored.remove(i),
+                None => PipelineProgress::new(spec, 1),
+            };
             pipelines.push(p);
         }
+        pipelines.append(&mut stored);
         progress.pipelines = pipelines;
         Engine {
             specs,
@@ -529,14 +557,19 @@ impl Engine {
         };
         let key = String::from_utf8_lossy(key);
         let ek = escape_key(&key);
+        let generation = self.progress.pipelines[p].generation;
+        let prefix = self.progress.pipelines[p].id_prefix();
         let id = match window {
-            Some((start, _)) => format!("{}/{}/{}/{}", spec.name, ek, start, st.version),
-            None => format!("{}/{}/{}", spec.name, ek, st.version),
+            Some((start, _)) => format!("{prefix}/{ek}/{start}/{}", st.version),
+            None => format!("{prefix}/{ek}/{}", st.version),
         };
         let mut body = serde_json::json!({
             "id": id, "pipeline": spec.name, "key": key, "version": st.version,
             "value": st.value_json(), "count": st.count,
         });
+        if generation > 1 {
+            body["generation"] = generation.into();
+        }
         if let Some((start, size)) = window {
             body["window_start"] = start.into();
             // Never saturates: `slot` refused every window whose end does not fit.

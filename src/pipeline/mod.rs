@@ -3,6 +3,7 @@
 //! last checkpoint and the record, so replay recomputes exactly what a crash lost
 //! (invariant 3; guarded by `tests/model.rs`).
 
+pub mod describe;
 pub mod engine;
 pub mod memory;
 pub mod parse;

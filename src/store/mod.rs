@@ -36,13 +36,19 @@
 //!   keys are bounded by `max_key_len`, outputs by the key and a few numbers, dead letters
 //!   keep at most 1 KiB of payload.
 //!
-//! # Layout (store format 2)
+//! # Layout (store format 3)
 //!
 //! One tree per kind; pipeline-scoped keys start with `pipeline_name 0x00` (names cannot
 //! contain NUL). `state`: p·skey → KeyState; `dedup`: p·min_seen·checkpoint·part → a chunk
 //! of ledger entries ([`ledger`]); `outbox`: first_seq → a chunk of outputs ([`outbox`]);
-//! `dead`: offset·p → DeadLetter; `meta`: `progress` → Progress, `format` → 2;
+//! `dead`: offset·p → DeadLetter; `meta`: `progress` → Progress, `format` → 3;
 //! `checkpoints`: id → CheckpointInfo (the newest [`CHECKPOINT_HISTORY`]).
+//!
+//! Format 3 is format 2 with a `generation` in each pipeline's progress (and the progress of
+//! pipelines no longer configured kept): a format-2 store is read as generation 1 for every
+//! pipeline, and its first commit rewrites the progress record and the format together, in
+//! one transaction (`store::tests::a_format_2_store_loads_as_generation_1`). Only commits
+//! write: reading a format-2 store (`cairn status`) leaves it format 2.
 //!
 //! Format 1 kept one sled key per ledger entry (plus an expiry index) and per output (plus
 //! an ID index): about seven sled writes per event, the largest cost of processing
@@ -67,8 +73,11 @@ pub const CHECKPOINT_HISTORY: u64 = 1000;
 
 const PROGRESS_KEY: &[u8] = b"progress";
 const FORMAT_KEY: &[u8] = b"format";
-/// The layout this build reads and writes (see the module docs).
-pub const STORE_FORMAT: u32 = 2;
+/// The layout this build writes (see the module docs).
+pub const STORE_FORMAT: u32 = 3;
+/// The older layout this build still reads: the same trees, a progress record without
+/// generations.
+const STORE_FORMAT_V2: u32 = 2;
 
 mod index;
 mod ledger;
@@ -104,7 +113,7 @@ pub enum StoreError {
     #[error("the store is corrupt: {0}")]
     Corrupt(String),
     #[error(
-        "the store at {path} has layout {found}, this cairn reads layout {STORE_FORMAT}. Move it \
+        "the store at {path} has layout {found}, this cairn reads layouts 2 and {STORE_FORMAT}. Move it \
          aside (`mv {path} {path}.old`) and start again: the state is rebuilt from the log if \
          it still starts at offset 0 (`cairn inspect log --limit 1`)"
     )]
@@ -271,7 +280,7 @@ impl Store {
             }
             None => 1,
         };
-        if found != STORE_FORMAT {
+        if found != STORE_FORMAT && found != STORE_FORMAT_V2 {
             return Err(StoreError::Format {
                 path: self.dir.clone(),
                 found,
@@ -336,12 +345,23 @@ impl Store {
         &self.dir
     }
 
-    /// The last durable checkpoint's progress (empty for a new store).
+    /// The last durable checkpoint's progress (empty for a new store). The layout is read
+    /// from the format record each time: a savepoint restore replaces both under an open store.
     pub fn progress(&self) -> Result<Progress, StoreError> {
-        match self.meta.get(PROGRESS_KEY)? {
-            None => Ok(Progress::default()),
-            Some(v) => decode("progress", &v),
+        let Some(v) = self.meta.get(PROGRESS_KEY)? else {
+            return Ok(Progress::default());
+        };
+        match self.meta.get(FORMAT_KEY)? {
+            Some(f) if f.as_ref() == STORE_FORMAT_V2.to_be_bytes() => {
+                Ok(decode::<v2::Progress>("format-2 progress", &v)?.into())
+            }
+            _ => decode("progress", &v),
         }
+    }
+
+    /// The durability seam this store syncs through (for files kept beside it).
+    pub fn durability(&self) -> &Durability {
+        &self.sync
     }
 
     /// Commit one checkpoint atomically and durably (see the module docs).
@@ -465,6 +485,8 @@ impl Store {
                 tx[4].apply_batch(&dead)?;
                 tx[5].apply_batch(&checkpoints)?;
                 tx[0].insert(PROGRESS_KEY, progress.as_slice())?;
+                // The progress record is written in this build's layout: say so with it.
+                tx[0].insert(FORMAT_KEY, &STORE_FORMAT.to_be_bytes())?;
                 Ok::<(), sled::transaction::ConflictableTransactionError<()>>(())
             })
             .map_err(|e| match e {
@@ -562,11 +584,25 @@ impl Store {
     /// pipeline starts over), in one transaction followed by the fsync. Its outbox entries
     /// and dead letters stay: they were results and refusals of the old definition.
     pub fn reset_pipeline(&self, pipeline: &str, progress: &Progress) -> Result<(), StoreError> {
-        let prefix = pkey(pipeline, &[]);
+        self.reset_pipelines(&[pipeline], progress)
+    }
+
+    /// Forget the state and dedup ledgers of `pipelines` (reset, or dropped because no
+    /// longer configured) and record `progress`, all in one transaction followed by the
+    /// fsync, like a checkpoint: after a crash either all of it happened or none. With no
+    /// pipelines it only records `progress` (new pipelines and their generations).
+    pub fn reset_pipelines(
+        &self,
+        pipelines: &[&str],
+        progress: &Progress,
+    ) -> Result<(), StoreError> {
         let mut batches = [sled::Batch::default(), sled::Batch::default()];
-        for (i, tree) in [&self.state, &self.dedup].into_iter().enumerate() {
-            for k in tree.scan_prefix(&prefix).keys() {
-                batches[i].remove(k?);
+        for pipeline in pipelines {
+            let prefix = pkey(pipeline, &[]);
+            for (i, tree) in [&self.state, &self.dedup].into_iter().enumerate() {
+                for k in tree.scan_prefix(&prefix).keys() {
+                    batches[i].remove(k?);
+                }
             }
         }
         let progress = encode(progress);
@@ -576,6 +612,7 @@ impl Store {
                 tx[1].apply_batch(&batches[0])?;
                 tx[2].apply_batch(&batches[1])?;
                 tx[0].insert(PROGRESS_KEY, progress.as_slice())?;
+                tx[0].insert(FORMAT_KEY, &STORE_FORMAT.to_be_bytes())?;
                 Ok::<(), sled::transaction::ConflictableTransactionError<()>>(())
             })
             .map_err(|e| match e {
@@ -583,10 +620,31 @@ impl Store {
                 sled::transaction::TransactionError::Abort(()) => unreachable!("never aborts"),
             })?;
         let mut mem = self.lock();
-        mem.ledgers.remove(pipeline);
+        for pipeline in pipelines {
+            mem.ledgers.remove(*pipeline);
+        }
         mem.chunks.clear();
         drop(mem);
         self.sync()
+    }
+
+    /// Names of the pipelines that have state or ledger entries in the store, whether or not
+    /// the progress record knows them (a store written before dormant pipelines were kept
+    /// can hold state whose pipeline it forgot). One seek per pipeline, not a scan.
+    pub fn pipelines_with_data(&self) -> Result<Vec<String>, StoreError> {
+        let mut names = std::collections::BTreeSet::new();
+        for tree in [&self.state, &self.dedup] {
+            let mut from = Vec::new();
+            while let Some(kv) = tree.range(from.as_slice()..).next() {
+                let (k, _) = kv?;
+                let (p, _) = split_pkey(&k)?;
+                // Every key of `p` starts `p 0x00`: the first key after them all is `p 0x01`.
+                from = pkey(&p, &[]);
+                *from.last_mut().expect("pkey ends in 0") = 1;
+                names.insert(p);
+            }
+        }
+        Ok(names.into_iter().collect())
     }
 
     // ---- outbox (publisher side) ----
@@ -823,6 +881,67 @@ impl ReadState for Store {
                     .map_err(|e| read_err(e.into()))
             })
             .collect()
+    }
+}
+
+/// Format 2's progress record, read to load an older store (see the module docs).
+mod v2 {
+    use serde::Deserialize;
+
+    use crate::pipeline::engine::{self, Counters};
+
+    #[derive(Deserialize)]
+    pub(super) struct Progress {
+        next_offset: u64,
+        checkpoint_id: u64,
+        log_clock_ms: u64,
+        records: u64,
+        unmatched: u64,
+        outbox_seq: u64,
+        pipelines: Vec<PipelineProgress>,
+    }
+
+    #[derive(Deserialize)]
+    struct PipelineProgress {
+        name: String,
+        max_event_time_ms: u64,
+        evicted_below: u64,
+        keys: u64,
+        dedup_entries: u64,
+        counters: Counters,
+        definition: String,
+        version_base: u64,
+        max_version: u64,
+    }
+
+    impl From<Progress> for engine::Progress {
+        fn from(p: Progress) -> engine::Progress {
+            engine::Progress {
+                next_offset: p.next_offset,
+                checkpoint_id: p.checkpoint_id,
+                log_clock_ms: p.log_clock_ms,
+                records: p.records,
+                unmatched: p.unmatched,
+                outbox_seq: p.outbox_seq,
+                pipelines: p
+                    .pipelines
+                    .into_iter()
+                    .map(|pp| engine::PipelineProgress {
+                        name: pp.name,
+                        max_event_time_ms: pp.max_event_time_ms,
+                        evicted_below: pp.evicted_below,
+                        keys: pp.keys,
+                        dedup_entries: pp.dedup_entries,
+                        counters: pp.counters,
+                        definition: pp.definition,
+                        version_base: pp.version_base,
+                        max_version: pp.max_version,
+                        // Every result a format-2 store made went out without a generation.
+                        generation: 1,
+                    })
+                    .collect(),
+            }
+        }
     }
 }
 

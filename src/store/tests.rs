@@ -310,3 +310,91 @@ fn expired_ledger_chunks_are_dropped_so_the_ledger_stays_bounded() {
         "the checkpoint records the ledger size it leaves"
     );
 }
+
+/// Format 2's progress record, written here as a cairn of that layout wrote it.
+#[derive(serde::Serialize)]
+struct ProgressV2 {
+    next_offset: u64,
+    checkpoint_id: u64,
+    log_clock_ms: u64,
+    records: u64,
+    unmatched: u64,
+    outbox_seq: u64,
+    pipelines: Vec<PipelineV2>,
+}
+
+#[derive(serde::Serialize)]
+struct PipelineV2 {
+    name: String,
+    max_event_time_ms: u64,
+    evicted_below: u64,
+    keys: u64,
+    dedup_entries: u64,
+    counters: crate::pipeline::engine::Counters,
+    definition: String,
+    version_base: u64,
+    max_version: u64,
+}
+
+#[test]
+fn a_format_2_store_loads_as_generation_1() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    let mut engine = Engine::new(vec![spec()], store.progress().unwrap());
+    engine.apply(&store, &rec(0, "E1/A/5")).unwrap();
+    store.commit(&engine.take_checkpoint(), 0).unwrap();
+    let now = store.progress().unwrap();
+    let pp = &now.pipelines[0];
+    let old = ProgressV2 {
+        next_offset: now.next_offset,
+        checkpoint_id: now.checkpoint_id,
+        log_clock_ms: now.log_clock_ms,
+        records: now.records,
+        unmatched: now.unmatched,
+        outbox_seq: now.outbox_seq,
+        pipelines: vec![PipelineV2 {
+            name: pp.name.clone(),
+            max_event_time_ms: pp.max_event_time_ms,
+            evicted_below: pp.evicted_below,
+            keys: pp.keys,
+            dedup_entries: pp.dedup_entries,
+            counters: pp.counters.clone(),
+            definition: pp.definition.clone(),
+            version_base: pp.version_base,
+            max_version: 9,
+        }],
+    };
+    store.meta.insert(PROGRESS_KEY, encode(&old)).unwrap();
+    store.meta.insert(FORMAT_KEY, &2u32.to_be_bytes()).unwrap();
+    store.sync().unwrap();
+    drop(store);
+
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    let p = store.progress().unwrap();
+    assert_eq!(
+        (
+            p.next_offset,
+            p.pipelines[0].max_version,
+            p.pipelines[0].generation
+        ),
+        (1, 9, 1),
+        "read as it was written, in generation 1"
+    );
+    assert_eq!(
+        store.meta.get(FORMAT_KEY).unwrap().unwrap().as_ref(),
+        2u32.to_be_bytes(),
+        "opening alone does not rewrite it"
+    );
+    // The first commit writes this build's layout and says so, in the same transaction.
+    let mut engine = Engine::new(vec![spec()], p);
+    engine.apply(&store, &rec(1, "E2/A/7")).unwrap();
+    store.commit(&engine.take_checkpoint(), 0).unwrap();
+    drop(store);
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    assert_eq!(
+        store.meta.get(FORMAT_KEY).unwrap().unwrap().as_ref(),
+        STORE_FORMAT.to_be_bytes()
+    );
+    let p = store.progress().unwrap();
+    assert_eq!((p.next_offset, p.pipelines[0].generation), (2, 1));
+}

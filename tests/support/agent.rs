@@ -136,8 +136,19 @@ impl CairnProcess {
         self.runs
     }
 
+    /// Replaces `cairn.toml` with `cfg` (same data directory), for the next start.
+    pub fn rewrite_config(&self, cfg: &AgentConfig) {
+        let text = cfg.render(&self.data_dir());
+        std::fs::write(self.config_path(), text).expect("rewrite cairn.toml");
+    }
+
     /// Starts `cairn run` (debug logs for the agent module: checkpoints are visible).
     pub fn start(&mut self) {
+        self.start_with_args(&[]);
+    }
+
+    /// Starts `cairn run ARGS...`, e.g. `--reset-pipeline NAME`.
+    pub fn start_with_args(&mut self, args: &[&str]) {
         assert!(self.child.is_none(), "the agent is already running");
         self.runs += 1;
         let header = format!("=== run {} ===\n", self.runs);
@@ -156,6 +167,7 @@ impl CairnProcess {
             .arg("run")
             .arg("--config")
             .arg(self.config_path())
+            .args(args)
             .env(
                 "RUST_LOG",
                 // The checkpoint lines are debug; CAIRN_TEST_LOG asks for more when debugging.
