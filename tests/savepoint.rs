@@ -427,3 +427,61 @@ fn the_agent_takes_periodic_savepoints_and_keeps_the_newest() {
         "{names:?}"
     );
 }
+
+#[test]
+fn savepoints_keep_the_order_they_were_taken_in_across_a_store_rebuild() {
+    let dir = tempfile::tempdir().unwrap();
+    let (config, cfg) = setup(dir.path(), 1, "");
+    let mut log = open_log(&cfg, 1 << 20);
+    let old = {
+        let mut proc = open_proc(&cfg);
+        for i in 0..3 {
+            log_events(&mut log, &[&format!("E{i}/A/1")]);
+            process_and_checkpoint(&log, &mut proc);
+        }
+        proc.store()
+            .write_savepoint(&cfg.savepoint_dir(), &fsio::real())
+            .unwrap()
+    };
+    assert_eq!((old.checkpoint_id, old.next_offset), (3, 3));
+    // The store is rebuilt (here: from scratch, replaying the whole log): its checkpoint
+    // IDs start again, so the newer savepoint carries the lower ID.
+    std::fs::remove_dir_all(cfg.store_dir()).unwrap();
+    log_events(&mut log, &["E3/A/1"]);
+    let new = {
+        let mut proc = open_proc(&cfg);
+        process_and_checkpoint(&log, &mut proc);
+        proc.store()
+            .write_savepoint(&cfg.savepoint_dir(), &fsio::real())
+            .unwrap()
+    };
+    assert_eq!((new.checkpoint_id, new.next_offset), (1, 4));
+    assert!(new.seq > old.seq, "{new:?} after {old:?}");
+
+    let listed = store::list_savepoints(&cfg.savepoint_dir()).unwrap();
+    assert_eq!(
+        listed.iter().map(|s| &s.path).collect::<Vec<_>>(),
+        [&old.path, &new.path],
+        "oldest first, by when taken"
+    );
+    let restored = ok(&cairn(
+        &config,
+        &["savepoint", "restore", "--latest", "--json"],
+    ));
+    let restored: serde_json::Value = serde_json::from_str(restored.trim()).unwrap();
+    assert_eq!(
+        (&restored["checkpoint_id"], &restored["next_offset"]),
+        (&1.into(), &4.into()),
+        "--latest is the last taken"
+    );
+    // Pruning keeps the newest, not the highest ID.
+    let removed = store::prune_savepoints(&cfg.savepoint_dir(), 1).unwrap();
+    assert_eq!(removed, [old.path.clone()]);
+    // And the next one still comes after it, whatever its checkpoint.
+    let proc = open_proc(&cfg);
+    let third = proc
+        .store()
+        .write_savepoint(&cfg.savepoint_dir(), &fsio::real())
+        .unwrap();
+    assert!(third.seq > new.seq);
+}

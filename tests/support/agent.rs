@@ -129,6 +129,11 @@ impl CairnProcess {
 
     /// Starts `cairn run` (debug logs for the agent module: checkpoints are visible).
     pub fn start(&mut self) {
+        self.start_with_env(&[]);
+    }
+
+    /// As [`CairnProcess::start`], with extra environment (e.g. `CAIRN_FAILPOINTS`).
+    pub fn start_with_env(&mut self, env: &[(&str, &str)]) {
         assert!(self.child.is_none(), "the agent is already running");
         self.runs += 1;
         let header = format!("=== run {} ===\n", self.runs);
@@ -153,6 +158,7 @@ impl CairnProcess {
                 std::env::var("CAIRN_TEST_LOG").unwrap_or("info,cairn::agent=debug".into()),
             )
             .env_remove("CAIRN_CONFIG")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::from(file))
