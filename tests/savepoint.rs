@@ -476,7 +476,7 @@ fn savepoints_keep_the_order_they_were_taken_in_across_a_store_rebuild() {
     );
     // Pruning keeps the newest, not the highest ID.
     let removed = store::prune_savepoints(&cfg.savepoint_dir(), 1).unwrap();
-    assert_eq!(removed, [old.path.clone()]);
+    assert_eq!(removed, vec![old.path]);
     // And the next one still comes after it, whatever its checkpoint.
     let proc = open_proc(&cfg);
     let third = proc
