@@ -1,5 +1,7 @@
-//! Invariant 7, log retention: a segment is deleted only when it lies wholly before the
-//! durable checkpoint *and* outside the configured retention.
+//! Invariant 7, log retention (rule: `src/log/mod.rs`, "Retention"): a segment is deleted
+//! only when it lies wholly before the durable checkpoint, and, while the log has room, only
+//! outside the configured retention; a log short of room evicts processed segments instead
+//! of stalling (issue 11).
 
 mod support;
 
