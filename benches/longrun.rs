@@ -19,9 +19,18 @@ use rumqttc::{Client, Event, MqttOptions, Packet, QoS};
 use support::Broker;
 use support::agent::{AgentConfig, CairnProcess};
 
-const MAX_SIZE: u64 = 16 << 20;
 const INTERVAL: Duration = Duration::from_secs(1);
 const RUN_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// `log.max_size` in MiB: `CAIRN_LONGRUN_MAX_MIB` (default 16). A size larger than the
+/// stream (e.g. 2048) is the control run: the same load with a log that never fills.
+fn max_size() -> u64 {
+    std::env::var("CAIRN_LONGRUN_MAX_MIB")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(16)
+        << 20
+}
 
 fn events() -> usize {
     std::env::var("CAIRN_LONGRUN_EVENTS")
@@ -83,6 +92,7 @@ fn mib(bytes: f64) -> f64 {
 
 fn main() {
     let n = events();
+    let max_size = max_size();
     let broker = Broker::start();
     let metrics_port = support::free_port();
     let pipeline = format!(
@@ -95,7 +105,7 @@ fn main() {
     cfg.log = format!(
         "segment_size = \"1MiB\"\nmax_size = \"{}MiB\"\nretention = \"24h\"\n\
          commit_interval = \"5ms\"\nmax_payload = \"64KiB\"\n",
-        MAX_SIZE >> 20
+        max_size >> 20
     );
     cfg.checkpoint = "interval = \"50ms\"\nmax_records = 5000\n".into();
     let mut agent = CairnProcess::new(&cfg);
@@ -103,8 +113,8 @@ fn main() {
     println!(
         "cairn {}: {n} events of ~1 KiB (~{:.0}× log.max_size {} MiB, segments 1 MiB, retention 24h)",
         support::agent::cairn_bin().display(),
-        (n as f64 * 1024.0) / MAX_SIZE as f64,
-        MAX_SIZE >> 20
+        (n as f64 * 1024.0) / max_size as f64,
+        max_size >> 20
     );
     let port = broker.port();
     let publisher = std::thread::spawn(move || publish(port, n));
@@ -155,7 +165,15 @@ fn main() {
         }
     }
     publisher.join().expect("publisher");
+    let m = scrape(metrics_port);
+    let get = |k: &str| m.get(k).copied().unwrap_or(0.0);
+    let (reconnects, evicted) = (
+        get("cairn_mqtt_reconnects_total"),
+        get("cairn_log_segments_evicted_total"),
+    );
     let status = agent.terminate();
+    let said = agent.stderr();
+    let count = |needle: &str| said.matches(needle).count();
 
     // The last interval is partial (the stream ended inside it).
     let full = &rows[..rows.len().saturating_sub(1)];
@@ -186,7 +204,14 @@ fn main() {
     println!(
         "disk: log at most {:.2} MiB (max_size {} MiB); data dir at most {:.2} MiB; cairn exit {status}",
         mib(max_log),
-        MAX_SIZE >> 20,
+        max_size >> 20,
         mib(max_data)
+    );
+    println!(
+        "segments evicted {evicted:.0}; reconnects {reconnects:.0}; journal: {} backpressure on, \
+         {} mqtt disconnected, {} eviction warnings",
+        count("backpressure on"),
+        count("mqtt: disconnected"),
+        count("retention: the log is short of room")
     );
 }
