@@ -265,7 +265,9 @@ impl Agent {
             crate::metrics::serve(at, metrics.clone()).map_err(err)?;
             log::info!("metrics: serving http://{addr}/metrics");
         }
-        let newest_savepoint = crate::store::list_savepoints(&cfg.savepoint_dir())?.pop();
+        let savepoints = crate::store::list_savepoints(&cfg.savepoint_dir())?;
+        note_savepoint_files(&metrics, &savepoints);
+        let newest_savepoint = savepoints.last().cloned();
         let next_savepoint = savepoint_due(cfg.savepoint.interval, newest_savepoint.as_ref());
         let mut filters: Vec<String> = cfg
             .pipelines
@@ -888,6 +890,10 @@ impl Agent {
                 if let Err(e) = crate::store::prune_savepoints(&dir, keep) {
                     log::error!("savepoint: cannot prune {} to {keep}: {e}", dir.display());
                 }
+                match crate::store::list_savepoints(&dir) {
+                    Ok(all) => note_savepoint_files(&self.metrics, &all),
+                    Err(e) => log::warn!("savepoint: cannot list {}: {e}", dir.display()),
+                }
             }
             Err(e) => {
                 log::error!("savepoint: failed: {e}");
@@ -1053,6 +1059,15 @@ fn pipeline_figures(
             (p.name.clone(), figures)
         })
         .collect()
+}
+
+/// The savepoint directory's gauges: it is bounded by `[savepoint] keep`.
+fn note_savepoint_files(metrics: &Metrics, all: &[SavepointInfo]) {
+    let bytes = all.iter().map(|s| s.bytes).sum();
+    metrics.update(|f| {
+        f.savepoint_files = all.len() as u64;
+        f.savepoint_bytes = bytes;
+    });
 }
 
 /// When the next periodic savepoint is due: `every` after the newest one, at once if there

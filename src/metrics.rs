@@ -112,6 +112,9 @@ pub struct Figures {
     pub savepoints_for_room: u64,
     /// Times the savepoint floor was let go (a savepoint for room failed).
     pub savepoint_floor_released: u64,
+    /// Savepoint files kept (at most `[savepoint] keep`) and their bytes.
+    pub savepoint_files: u64,
+    pub savepoint_bytes: u64,
     /// The newest savepoint, if any: (checkpoint id, next_offset, created_at_ms).
     pub savepoint: Option<(u64, u64, u64)>,
     pub source_replayable: bool,
@@ -625,6 +628,18 @@ pub fn render_figures(f: &Figures, now_ms: u64) -> String {
         c,
         "Times the log was freed past the newest savepoint (a savepoint for room failed).",
         f.savepoint_floor_released as f64,
+    );
+    o.one(
+        "cairn_savepoint_files",
+        g,
+        "Savepoint files kept (at most [savepoint] keep).",
+        f.savepoint_files as f64,
+    );
+    o.one(
+        "cairn_savepoint_bytes",
+        g,
+        "Bytes of the savepoint files kept.",
+        f.savepoint_bytes as f64,
     );
     let (sp_id, sp_offset, sp_at) = f.savepoint.unwrap_or((0, 0, 0));
     o.one(

@@ -263,6 +263,12 @@ fn a_savepoint_taken_by_hand_does_not_stall_a_tiny_log_and_stays_restorable() {
         agent.stderr_tail(30)
     );
 
+    // Bounded: every savepoint taken for room pruned the directory to `keep` (3).
+    let files = std::fs::read_dir(agent.data_dir().join("savepoints"))
+        .unwrap()
+        .count();
+    assert!((1..=3).contains(&files), "{files} savepoint files");
+
     // The rebuild path is whole: the newest savepoint restores and the log completes it.
     let (st, out, err) = agent.command(&["savepoint", "restore", "--latest", "--json"]);
     assert!(st.success(), "{out}{err}");
