@@ -939,8 +939,8 @@ impl Agent {
             savepoint_due(self.cfg.savepoint.interval, self.newest_savepoint.as_ref());
         match self.cfg.savepoint.interval {
             Some(every) => log::info!(
-                "reload: savepoints every {every:?} (keep {}), the next at the next checkpoint \
-                 from {:?} on",
+                "reload: savepoints every {every:?}, keep {}; the next is due in {:?} (taken \
+                 at the first checkpoint after that)",
                 self.cfg.savepoint.keep,
                 self.next_savepoint
                     .map(|t| t.saturating_duration_since(Instant::now()))
