@@ -485,3 +485,24 @@ fn savepoints_keep_the_order_they_were_taken_in_across_a_store_rebuild() {
         .unwrap();
     assert!(third.seq > new.seq);
 }
+
+#[test]
+fn the_live_data_estimate_is_what_a_savepoint_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_config, cfg) = setup(dir.path(), 1, "");
+    let mut log = open_log(&cfg, 1 << 20);
+    let mut proc = open_proc(&cfg);
+    let events: Vec<String> = (0..200).map(|i| format!("E{i}/K{}/1", i % 20)).collect();
+    log_events(
+        &mut log,
+        &events.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    process_and_checkpoint(&log, &mut proc);
+    let live = proc.store().live_bytes().unwrap();
+    let sp = proc
+        .store()
+        .write_savepoint(&cfg.savepoint_dir(), &fsio::real())
+        .unwrap();
+    // The file is the entries plus 9 bytes of framing each, a header and a trailer.
+    assert_eq!(live + 9 * sp.entries + 52 + 12, sp.bytes);
+}
