@@ -169,6 +169,18 @@ pub struct Agent {
     clock: Box<dyn Clock>,
     /// Times of receipt: never backwards, across clock steps and restarts.
     receipt: ReceiptClock,
+    /// Warnings for processed segments deleted inside retention (a log short of room).
+    eviction_log: crate::logging::RateLimit,
+    /// sled's files against the live data (see [`Agent::watch_store`]).
+    store_watch: StoreWatch,
+}
+
+/// The last estimate of the store's live data, and when the journal was last told.
+#[derive(Debug, Default)]
+struct StoreWatch {
+    live_bytes: Option<u64>,
+    estimated: Option<Instant>,
+    warned: Option<Instant>,
 }
 
 impl Agent {
@@ -307,13 +319,10 @@ impl Agent {
             crate::metrics::serve(at, metrics.clone()).map_err(err)?;
             log::info!("metrics: serving http://{addr}/metrics");
         }
-        let newest_savepoint = crate::store::list_savepoints(&cfg.savepoint_dir())?.pop();
-        let next_savepoint = cfg.savepoint.interval.map(|every| {
-            let age = newest_savepoint.as_ref().map_or(every, |s| {
-                Duration::from_millis(wall_ms().saturating_sub(s.created_at_ms))
-            });
-            Instant::now() + every.saturating_sub(age)
-        });
+        let savepoints = crate::store::list_savepoints(&cfg.savepoint_dir())?;
+        note_savepoint_files(&metrics, &savepoints);
+        let newest_savepoint = savepoints.last().cloned();
+        let next_savepoint = savepoint_due(cfg.savepoint.interval, newest_savepoint.as_ref());
         let mut filters: Vec<String> = cfg
             .pipelines
             .iter()
@@ -361,6 +370,8 @@ impl Agent {
             next_savepoint,
             clock,
             receipt,
+            eviction_log: crate::logging::RateLimit::new(3, Duration::from_secs(60)),
+            store_watch: StoreWatch::default(),
         })
     }
 
@@ -442,6 +453,7 @@ impl Agent {
                 if new.outbox.inflight != old.outbox.inflight {
                     restart.push("outbox.inflight");
                 }
+                let savepoints_changed = new.savepoint.interval != self.cfg.savepoint.interval;
                 crate::logging::set_level(new.logging.level);
                 self.log.set_max_size(new.log.max_size);
                 let cfg = &mut self.cfg;
@@ -453,6 +465,9 @@ impl Agent {
                 cfg.outbox.max_entries = new.outbox.max_entries;
                 cfg.outbox.drain_timeout = new.outbox.drain_timeout;
                 cfg.savepoint = new.savepoint.clone();
+                if savepoints_changed {
+                    self.reschedule_savepoints();
+                }
                 if restart.is_empty() {
                     log::info!("reload: applied {}", self.cfg.source.display());
                 } else {
@@ -701,21 +716,57 @@ impl Agent {
         Ok(())
     }
 
-    /// Delete log segments wholly before the durable checkpoint and older than retention.
+    /// Delete log segments by the rule in the `log` module docs ("Retention"): never what
+    /// no committed checkpoint covers; outside `retention` and below the newest savepoint
+    /// while there is room; oldest processed first, whatever their age, when there is not.
     fn retention(&mut self) -> Result<(), AgentError> {
-        // Never below the newest savepoint: restoring it needs the log from its offset on.
-        let checkpointed = self.proc.next_offset().min(self.savepoint_floor());
-        let cutoff = wall_ms().saturating_sub(self.cfg.log.retention.as_millis() as u64);
-        let mut below = self.log.first_offset();
-        for s in self.log.segments() {
-            if s.next_offset <= checkpointed && s.max_received_at_ms <= cutoff {
-                below = s.next_offset;
-            } else {
-                break;
-            }
+        // Durable progress only, never the engine's applied offset: after a crash the
+        // replay starts at the committed checkpoint, so everything from there must stay.
+        let durable = self.proc.store().progress()?.next_offset;
+        let keep_ms = u64::try_from(self.cfg.log.retention.as_millis()).unwrap_or(u64::MAX);
+        // Segment ages are times of receipt: measure them with the receipt clock, which never
+        // goes back (by a wall clock stepped back, segments would be kept for as long as it
+        // stays behind).
+        let now_ms = self
+            .receipt
+            .peek(self.clock.wall_ms(), self.clock.monotonic());
+        let cutoff = now_ms.saturating_sub(keep_ms);
+        let mut plan = self
+            .log
+            .plan_retention(durable, self.savepoint_floor(), cutoff);
+        if plan.floor_blocks {
+            self.savepoint_for_room();
+            plan = self
+                .log
+                .plan_retention(durable, self.savepoint_floor(), cutoff);
         }
-        if below > self.log.first_offset() {
-            self.log.truncate_before(below)?;
+        if plan.below <= self.log.first_offset() {
+            return Ok(());
+        }
+        self.log.truncate_before(plan.below)?;
+        // Segments are gone, the next checkpoint has not run: a crash here must replay
+        // from the committed checkpoint without a gap (tests/retention.rs).
+        failpoint("retention.after_delete")?;
+        if plan.evicted > 0 {
+            self.metrics
+                .update(|f| f.log_segments_evicted += plan.evicted as u64);
+            let verdict = self.eviction_log.check(Instant::now());
+            if verdict.suppressed > 0 {
+                log::warn!(
+                    "retention: {} more evictions in the last minute",
+                    verdict.suppressed
+                );
+            }
+            if verdict.allowed {
+                log::warn!(
+                    "retention: the log is short of room (log.max_size {} bytes): deleted {} \
+                     processed segment(s) still inside log.retention, up to offset {}. Nothing \
+                     is lost (all of it is checkpointed); raise log.max_size to keep more history",
+                    self.cfg.log.max_size,
+                    plan.evicted,
+                    plan.below
+                );
+            }
         }
         Ok(())
     }
@@ -755,9 +806,16 @@ impl Agent {
             return Ok(());
         }
         if !self.held.is_empty() {
-            // Retention is time-based too: with everything checkpointed and no new input,
-            // no checkpoint would ever run it again, and a full log would stay full.
-            self.retention()?;
+            if self.log.short_of_room() && self.proc.pending_records() > 0 {
+                // Applied but not yet checkpointed records hold their segments: checkpoint
+                // now rather than at the timer, and retention (which the checkpoint runs)
+                // can free what it covers.
+                self.checkpoint()?;
+            } else {
+                // Retention is time-based too: with everything checkpointed and no new
+                // input, no checkpoint would ever run it again.
+                self.retention()?;
+            }
         }
         while let Some(m) = self.held.pop_front() {
             if !self.ingest(m)? {
@@ -877,19 +935,24 @@ impl Agent {
             f.checkpoint_at_ms = info.committed_at_ms;
             f.log_next_offset = self.log.next_offset();
         });
-        if self.next_savepoint.is_none_or(|t| Instant::now() < t) {
-            return;
+        if self.next_savepoint.is_some_and(|t| Instant::now() >= t) {
+            // A failed savepoint costs no data (the checkpoint is durable, retention keeps
+            // the log back to the previous savepoint): it is reported, and tried again next
+            // interval.
+            let _ = self.take_savepoint();
         }
+    }
+
+    /// Write a savepoint of the durable checkpoint, prune to `keep`, make it the floor, and
+    /// schedule the next periodic one. The store holds exactly the last committed
+    /// checkpoint whenever this thread is not inside a commit, so any call here is
+    /// consistent.
+    fn take_savepoint(&mut self) -> Result<SavepointInfo, crate::store::StoreError> {
         let (dir, keep) = (self.cfg.savepoint_dir(), self.cfg.savepoint.keep);
         let began = Instant::now();
-        let written = self
-            .proc
-            .store()
-            .write_savepoint(&dir, &self.sync)
-            .and_then(|sp| crate::store::prune_savepoints(&dir, keep).map(|_| sp));
-        // A failed savepoint costs no data (the checkpoint is durable, retention keeps the
-        // log back to the previous savepoint): report it and try again next interval.
-        match written {
+        self.next_savepoint = self.cfg.savepoint.interval.map(|i| began + i);
+        let written = self.proc.store().write_savepoint(&dir, &self.sync);
+        match &written {
             Ok(sp) => {
                 log::info!(
                     "savepoint: checkpoint {} at offset {} ({} bytes) in {} ms",
@@ -899,14 +962,108 @@ impl Agent {
                     began.elapsed().as_millis()
                 );
                 self.metrics.update(|f| f.savepoints += 1);
-                self.newest_savepoint = Some(sp);
+                self.newest_savepoint = Some(sp.clone());
+                if let Err(e) = crate::store::prune_savepoints(&dir, keep) {
+                    log::error!("savepoint: cannot prune {} to {keep}: {e}", dir.display());
+                }
+                match crate::store::list_savepoints(&dir) {
+                    Ok(all) => note_savepoint_files(&self.metrics, &all),
+                    Err(e) => log::warn!("savepoint: cannot list {}: {e}", dir.display()),
+                }
             }
             Err(e) => {
                 log::error!("savepoint: failed: {e}");
                 self.metrics.update(|f| f.savepoint_failures += 1);
             }
         }
-        self.next_savepoint = self.cfg.savepoint.interval.map(|i| Instant::now() + i);
+        written
+    }
+
+    /// The newest savepoint holds a log that is short of room. Replace it with a savepoint
+    /// of the durable checkpoint, so the old segments can go and the store can still be
+    /// rebuilt from what is left; if that fails, let the floor go (loudly) rather than stop
+    /// acknowledging input. Either way the savepoint floor never stalls ingest.
+    fn savepoint_for_room(&mut self) {
+        let held = self.savepoint_floor();
+        match self.take_savepoint() {
+            Ok(sp) => {
+                log::warn!(
+                    "savepoint: the one at offset {held} held a replay log short of room; took \
+                     a new one at offset {} so older segments can go (size log.max_size to \
+                     hold a savepoint interval of input to avoid these)",
+                    sp.next_offset
+                );
+                self.metrics.update(|f| f.savepoints_for_room += 1);
+            }
+            Err(_) => {
+                log::error!(
+                    "savepoint: the one at offset {held} holds a replay log short of room and \
+                     a new one could not be written (see above): deleting processed segments \
+                     below it anyway. It can no longer be restored; until a savepoint succeeds \
+                     a damaged store cannot be rebuilt"
+                );
+                self.newest_savepoint = None;
+                self.metrics.update(|f| f.savepoint_floor_released += 1);
+            }
+        }
+    }
+
+    /// `[savepoint] interval` changed by SIGHUP: on, the first is due as at start (now, if
+    /// the newest is older than the interval); off, none is scheduled.
+    fn reschedule_savepoints(&mut self) {
+        self.next_savepoint =
+            savepoint_due(self.cfg.savepoint.interval, self.newest_savepoint.as_ref());
+        match self.cfg.savepoint.interval {
+            Some(every) => log::info!(
+                "reload: savepoints every {every:?}, keep {}; the next is due in {:?} (taken \
+                 at the first checkpoint after that)",
+                self.cfg.savepoint.keep,
+                self.next_savepoint
+                    .map(|t| t.saturating_duration_since(Instant::now()))
+                    .unwrap_or_default()
+            ),
+            None => log::info!("reload: periodic savepoints off"),
+        }
+    }
+
+    /// When sled's files grow far past the live data (sled reclaims space lazily, and a
+    /// store can keep growing after the state stopped), say so and what to do. Estimating
+    /// the live data walks the trees, so it is done only when the files are large and have
+    /// outgrown the last estimate, and at most every [`STORE_ESTIMATE_INTERVAL`].
+    fn watch_store(&mut self, store_bytes: u64) -> Result<(), AgentError> {
+        let now = Instant::now();
+        let w = &self.store_watch;
+        let outgrown = w
+            .live_bytes
+            .is_none_or(|l| store_bytes > l.saturating_mul(STORE_BLOAT_FACTOR));
+        if store_bytes < STORE_WATCH_MIN_BYTES
+            || !outgrown
+            || w.estimated
+                .is_some_and(|t| now < t + STORE_ESTIMATE_INTERVAL)
+        {
+            return Ok(());
+        }
+        let live = self.proc.store().live_bytes()?;
+        self.store_watch.live_bytes = Some(live);
+        self.store_watch.estimated = Some(now);
+        self.metrics.update(|f| f.store_live_bytes = live);
+        let bloated = store_bytes > live.saturating_mul(STORE_BLOAT_FACTOR);
+        if bloated
+            && self
+                .store_watch
+                .warned
+                .is_none_or(|t| now >= t + STORE_WARN_INTERVAL)
+        {
+            self.store_watch.warned = Some(now);
+            log::warn!(
+                "store: sled's files take {store_bytes} bytes, more than {STORE_BLOAT_FACTOR}× \
+                 the {live} bytes of live data (sled reclaims space lazily). If disk space is \
+                 tight: stop the agent, run `cairn savepoint create` and then `cairn savepoint \
+                 restore --latest`, which rebuilds a compact store (the old one is kept as \
+                 store.old-N: delete it once the agent runs)"
+            );
+        }
+        Ok(())
     }
 
     /// Copy the loop's figures (every tick, so one scrape sees one consistent moment); the
@@ -931,6 +1088,7 @@ impl Agent {
                 f.store_bytes = store_bytes;
                 f.log_segments = segments;
             });
+            self.watch_store(store_bytes)?;
         }
         let progress = self.proc.engine().progress();
         let (log, stats) = (&self.log, &self.stats);
@@ -1045,6 +1203,33 @@ fn log_clock_note(cfg: &Config, note: &Note) {
         }
     }
 }
+
+/// The savepoint directory's gauges: it is bounded by `[savepoint] keep`.
+fn note_savepoint_files(metrics: &Metrics, all: &[SavepointInfo]) {
+    let bytes = all.iter().map(|s| s.bytes).sum();
+    metrics.update(|f| {
+        f.savepoint_files = all.len() as u64;
+        f.savepoint_bytes = bytes;
+    });
+}
+
+/// When the next periodic savepoint is due: `every` after the newest one, at once if there
+/// is none or it is older (wall clock: that is all a file's age can be measured by).
+fn savepoint_due(every: Option<Duration>, newest: Option<&SavepointInfo>) -> Option<Instant> {
+    every.map(|every| {
+        let age = newest.map_or(every, |s| {
+            Duration::from_millis(wall_ms().saturating_sub(s.created_at_ms))
+        });
+        Instant::now() + every.saturating_sub(age)
+    })
+}
+
+/// Below this the store's size is not worth a walk of its trees.
+const STORE_WATCH_MIN_BYTES: u64 = 64 << 20;
+/// sled's files beyond this multiple of the live data get a warning.
+const STORE_BLOAT_FACTOR: u64 = 4;
+const STORE_ESTIMATE_INTERVAL: Duration = Duration::from_secs(600);
+const STORE_WARN_INTERVAL: Duration = Duration::from_secs(3600);
 
 /// How often freed heap is handed back to the system.
 const TRIM_INTERVAL: Duration = Duration::from_secs(10);

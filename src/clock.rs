@@ -136,6 +136,14 @@ impl ReceiptClock {
         (clock, note)
     }
 
+    /// The time of receipt a record received now would get, without taking it: what
+    /// retention measures segment ages against, so they age in the same time as the stamps.
+    pub fn peek(&self, wall_ms: u64, now: Instant) -> u64 {
+        let elapsed = now.saturating_duration_since(self.anchor_at);
+        let elapsed_ms = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
+        wall_ms.max(self.anchor_ms.saturating_add(elapsed_ms))
+    }
+
     /// The stamp for a record received now: `max(wall, anchor + monotonic elapsed)`.
     pub fn stamp(&mut self, wall_ms: u64, now: Instant) -> (u64, Option<Note>) {
         let elapsed = now.saturating_duration_since(self.anchor_at);

@@ -16,6 +16,7 @@
 //! | `log.before_fsync`, `log.after_fsync` | around each log segment fdatasync (the seam) |
 //! | `log.segment_roll` | a new segment file exists, its directory entry is not yet synced |
 //! | `log.segment_delete` | a segment was unlinked, the directory not yet synced |
+//! | `retention.after_delete` | retention deleted segments (dir synced), the next checkpoint not yet run |
 //! | `ingest.before_puback`, `ingest.after_puback` | around the acks of a committed batch |
 //! | `checkpoint.before_commit`, `checkpoint.after_commit` | around the whole checkpoint |
 //! | `checkpoint.before_fsync`, `checkpoint.after_fsync` | around the fsync of sled's `db` |

@@ -56,7 +56,9 @@
 //! 6. The publisher never sends an entry whose checkpoint is not durable, and never gives
 //!    one ID two payloads (`tests/crash.rs`).
 //! 7. No queue, log, ledger or batch grows without a configured bound; reaching one stops
-//!    acknowledging instead of dropping (`tests/faults.rs`, `tests/e2e.rs`).
+//!    acknowledging instead of dropping (`tests/faults.rs`, `tests/e2e.rs`). A full log
+//!    first deletes segments every durable checkpoint covers, so it never stays full
+//!    (`tests/retention.rs`; the rule is in `log`'s docs).
 //! 8. Bad input never stops processing: it becomes a dead letter with a reason, and no
 //!    record can make the engine panic or the agent crash-loop (`tests/pipeline.rs`,
 //!    `tests/hostile.rs`; oversized inputs and records whose processing panics:

@@ -86,6 +86,8 @@ pub struct Figures {
     pub log_segments: u64,
     pub log_first_offset: u64,
     pub log_next_offset: u64,
+    /// Processed segments deleted inside `retention` because the log was short of room.
+    pub log_segments_evicted: u64,
     // Checkpoints.
     pub checkpoints: u64,
     pub checkpoint_failures: u64,
@@ -97,6 +99,8 @@ pub struct Figures {
     pub records_unmatched: u64,
     // Store.
     pub store_bytes: u64,
+    /// Bytes of keys and values in the checkpoint trees at the last estimate (0: none yet).
+    pub store_live_bytes: u64,
     pub outbox_entries: u64,
     /// Wall-clock age of the oldest outbox entry (0 when empty).
     pub outbox_oldest_age_ms: u64,
@@ -104,6 +108,13 @@ pub struct Figures {
     // Savepoints and replayability.
     pub savepoints: u64,
     pub savepoint_failures: u64,
+    /// Savepoints taken because the newest one held a log short of room.
+    pub savepoints_for_room: u64,
+    /// Times the savepoint floor was let go (a savepoint for room failed).
+    pub savepoint_floor_released: u64,
+    /// Savepoint files kept (at most `[savepoint] keep`) and their bytes.
+    pub savepoint_files: u64,
+    pub savepoint_bytes: u64,
     /// The newest savepoint, if any: (checkpoint id, next_offset, created_at_ms).
     pub savepoint: Option<(u64, u64, u64)>,
     pub source_replayable: bool,
@@ -458,6 +469,12 @@ pub fn render_figures(f: &Figures, now_ms: u64) -> String {
         f.log_segments as f64,
     );
     o.one(
+        "cairn_log_segments_evicted_total",
+        c,
+        "Processed log segments deleted inside retention because the log was short of room.",
+        f.log_segments_evicted as f64,
+    );
+    o.one(
         "cairn_log_first_offset",
         g,
         "Oldest offset the replay log still holds.",
@@ -529,6 +546,12 @@ pub fn render_figures(f: &Figures, now_ms: u64) -> String {
         f.store_bytes as f64,
     );
     o.one(
+        "cairn_store_live_bytes_estimate",
+        g,
+        "Keys and values in the checkpoint trees at the last estimate (0 if none yet).",
+        f.store_live_bytes as f64,
+    );
+    o.one(
         "cairn_outbox_entries",
         g,
         "Results waiting for the broker's PUBACK.",
@@ -593,6 +616,30 @@ pub fn render_figures(f: &Figures, now_ms: u64) -> String {
         c,
         "Savepoints that failed to be written.",
         f.savepoint_failures as f64,
+    );
+    o.one(
+        "cairn_savepoints_for_room_total",
+        c,
+        "Savepoints taken because the newest one held a replay log short of room.",
+        f.savepoints_for_room as f64,
+    );
+    o.one(
+        "cairn_savepoint_floor_released_total",
+        c,
+        "Times the log was freed past the newest savepoint (a savepoint for room failed).",
+        f.savepoint_floor_released as f64,
+    );
+    o.one(
+        "cairn_savepoint_files",
+        g,
+        "Savepoint files kept (at most [savepoint] keep).",
+        f.savepoint_files as f64,
+    );
+    o.one(
+        "cairn_savepoint_bytes",
+        g,
+        "Bytes of the savepoint files kept.",
+        f.savepoint_bytes as f64,
     );
     let (sp_id, sp_offset, sp_at) = f.savepoint.unwrap_or((0, 0, 0));
     o.one(

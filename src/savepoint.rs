@@ -23,7 +23,7 @@ pub enum SavepointCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Savepoints in the data directory, oldest first.
+    /// Savepoints in the data directory, oldest first (in the order they were taken).
     List {
         #[arg(long)]
         json: bool,
@@ -33,7 +33,7 @@ pub enum SavepointCommand {
         /// The savepoint file.
         #[arg(required_unless_present = "latest", conflicts_with = "latest")]
         file: Option<PathBuf>,
-        /// The newest savepoint in the data directory.
+        /// The newest savepoint in the data directory (the last taken, whatever its checkpoint ID).
         #[arg(long)]
         latest: bool,
         #[arg(long)]
@@ -49,7 +49,7 @@ fn line(s: &str) -> Result<(), Failure> {
 }
 
 fn info_json(i: &SavepointInfo) -> serde_json::Value {
-    json!({"checkpoint_id": i.checkpoint_id, "next_offset": i.next_offset, "entries": i.entries,
+    json!({"seq": i.seq, "checkpoint_id": i.checkpoint_id, "next_offset": i.next_offset, "entries": i.entries,
            "bytes": i.bytes, "created_at_ms": i.created_at_ms, "file": i.path.display().to_string()})
 }
 

@@ -149,6 +149,8 @@ fn from_metrics(addr: &str, samples: &[Sample]) -> Value {
             m.insert("name".into(), json!(name));
             Value::Object(m)
         }).collect::<Vec<_>>(),
+        "store": {"size_bytes": one("cairn_store_size_bytes"),
+                  "live_bytes_estimate": one("cairn_store_live_bytes_estimate")},
         "outbox_entries": one("cairn_outbox_entries"),
         "dead_letters": num(dead),
         "savepoint": savepoint,
@@ -242,6 +244,8 @@ fn from_data_dir(cfg: &Config) -> Result<Value, Failure> {
     v["checkpoint"] = json!({"id": p.checkpoint_id, "next_offset": p.next_offset,
                              "committed_at_ms": last.map(|c| c.committed_at_ms),
                              "keys": store.state_len(), "store_bytes": store.size_on_disk()});
+    v["store"] = json!({"size_bytes": crate::metrics::dir_size_bytes(&store_dir),
+                        "live_bytes_estimate": store.live_bytes().map_err(Failure::runtime)?});
     v["pipelines"] = p
         .pipelines
         .iter()
@@ -347,6 +351,13 @@ fn human(v: &Value) -> String {
             "outbox      {} entries; dead letters {}",
             s(&v["outbox_entries"]),
             s(&v["dead_letters"])
+        ));
+    }
+    if v["store"].is_object() {
+        lines.push(format!(
+            "store       {} bytes on disk; live data about {} bytes",
+            s(&v["store"]["size_bytes"]),
+            s(&v["store"]["live_bytes_estimate"])
         ));
     }
     let sp = &v["savepoint"];

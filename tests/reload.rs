@@ -299,3 +299,44 @@ fn a_pipeline_added_to_the_config_receives_its_topic_although_the_broker_kept_th
         "{st:?}"
     );
 }
+
+#[test]
+fn a_sighup_that_turns_on_savepoints_takes_one() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, err) = (dir.path().join("cairn.toml"), dir.path().join("stderr"));
+    let id = unique_id("spon").replace('-', "_");
+    std::fs::write(&cfg, config(dir.path(), broker.port(), &id, "", "sum")).unwrap();
+    let mut run = Run::start(&cfg, &err, &[]);
+    run.wait_log("mqtt: connected");
+    publish_all(
+        broker.port(),
+        &[("pay/x".into(), b"E1/A/5".to_vec(), false)],
+    );
+    let spdir = dir.path().join("data/savepoints");
+    let savepoints = || {
+        std::fs::read_dir(&spdir)
+            .map(|d| d.filter_map(Result::ok).count())
+            .unwrap_or(0)
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(savepoints(), 0, "savepoints are off");
+
+    let on = "[savepoint]\ninterval = \"1s\"\nkeep = 2\n";
+    std::fs::write(&cfg, config(dir.path(), broker.port(), &id, on, "sum")).unwrap();
+    run.signal("HUP");
+    run.wait_log("reload: applied");
+    // A savepoint is taken right after a checkpoint: the next input brings one.
+    publish_all(
+        broker.port(),
+        &[("pay/x".into(), b"E2/A/7".to_vec(), false)],
+    );
+    run.wait_log("savepoint: checkpoint");
+    assert!(
+        wait_until(Duration::from_secs(5), || savepoints() == 1),
+        "{}",
+        run.log()
+    );
+    run.signal("TERM");
+    assert_eq!(run.wait(), 0);
+}

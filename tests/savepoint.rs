@@ -332,8 +332,18 @@ fn run_agent(cfg: Config) -> (std::sync::Arc<cairn::metrics::Metrics>, impl FnOn
     })
 }
 
+/// The log's first offset, read while the agent runs: retention may delete a segment
+/// between the listing and the read of it, so a failed scan is tried again.
 fn first_offset(cfg: &Config) -> u64 {
-    cairn::log::verify_dir(&cfg.log_dir()).unwrap().first_offset
+    let mut last_err = None;
+    for _ in 0..50 {
+        match cairn::log::verify_dir(&cfg.log_dir()) {
+            Ok(v) => return v.first_offset,
+            Err(e) => last_err = Some(e),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("the log could not be scanned: {last_err:?}")
 }
 
 #[test]
@@ -426,4 +436,83 @@ fn the_agent_takes_periodic_savepoints_and_keeps_the_newest() {
             .all(|n| n.starts_with("savepoint-") && n.ends_with(".cairn")),
         "{names:?}"
     );
+}
+
+#[test]
+fn savepoints_keep_the_order_they_were_taken_in_across_a_store_rebuild() {
+    let dir = tempfile::tempdir().unwrap();
+    let (config, cfg) = setup(dir.path(), 1, "");
+    let mut log = open_log(&cfg, 1 << 20);
+    let old = {
+        let mut proc = open_proc(&cfg);
+        for i in 0..3 {
+            log_events(&mut log, &[&format!("E{i}/A/1")]);
+            process_and_checkpoint(&log, &mut proc);
+        }
+        proc.store()
+            .write_savepoint(&cfg.savepoint_dir(), &fsio::real())
+            .unwrap()
+    };
+    assert_eq!((old.checkpoint_id, old.next_offset), (3, 3));
+    // The store is rebuilt (here: from scratch, replaying the whole log): its checkpoint
+    // IDs start again, so the newer savepoint carries the lower ID.
+    std::fs::remove_dir_all(cfg.store_dir()).unwrap();
+    log_events(&mut log, &["E3/A/1"]);
+    let new = {
+        let mut proc = open_proc(&cfg);
+        process_and_checkpoint(&log, &mut proc);
+        proc.store()
+            .write_savepoint(&cfg.savepoint_dir(), &fsio::real())
+            .unwrap()
+    };
+    assert_eq!((new.checkpoint_id, new.next_offset), (1, 4));
+    assert!(new.seq > old.seq, "{new:?} after {old:?}");
+
+    let listed = store::list_savepoints(&cfg.savepoint_dir()).unwrap();
+    assert_eq!(
+        listed.iter().map(|s| &s.path).collect::<Vec<_>>(),
+        [&old.path, &new.path],
+        "oldest first, by when taken"
+    );
+    let restored = ok(&cairn(
+        &config,
+        &["savepoint", "restore", "--latest", "--json"],
+    ));
+    let restored: serde_json::Value = serde_json::from_str(restored.trim()).unwrap();
+    assert_eq!(
+        (&restored["checkpoint_id"], &restored["next_offset"]),
+        (&1.into(), &4.into()),
+        "--latest is the last taken"
+    );
+    // Pruning keeps the newest, not the highest ID.
+    let removed = store::prune_savepoints(&cfg.savepoint_dir(), 1).unwrap();
+    assert_eq!(removed, vec![old.path]);
+    // And the next one still comes after it, whatever its checkpoint.
+    let proc = open_proc(&cfg);
+    let third = proc
+        .store()
+        .write_savepoint(&cfg.savepoint_dir(), &fsio::real())
+        .unwrap();
+    assert!(third.seq > new.seq);
+}
+
+#[test]
+fn the_live_data_estimate_is_what_a_savepoint_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_config, cfg) = setup(dir.path(), 1, "");
+    let mut log = open_log(&cfg, 1 << 20);
+    let mut proc = open_proc(&cfg);
+    let events: Vec<String> = (0..200).map(|i| format!("E{i}/K{}/1", i % 20)).collect();
+    log_events(
+        &mut log,
+        &events.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    process_and_checkpoint(&log, &mut proc);
+    let live = proc.store().live_bytes().unwrap();
+    let sp = proc
+        .store()
+        .write_savepoint(&cfg.savepoint_dir(), &fsio::real())
+        .unwrap();
+    // The file is the entries plus 9 bytes of framing each, a header and a trailer.
+    assert_eq!(live + 9 * sp.entries + 52 + 12, sp.bytes);
 }

@@ -24,6 +24,33 @@
 //!   lost data. The log therefore answers [`LogError::Failed`] to every later call; the
 //!   process must exit and restart so recovery re-reads what is really on disk.
 //!
+//! # Retention: what may be deleted, and when (invariant 7)
+//!
+//! The log decides nothing by itself; the agent calls [`Log::plan_retention`] after every
+//! checkpoint and while input is held back, then [`Log::truncate_before`]. The rule:
+//!
+//! 1. **Records no durable checkpoint covers are never deleted.** The bound is the
+//!    `next_offset` of the last *committed* checkpoint (the store's progress), never what
+//!    the engine has applied in memory: a crash replays from the committed checkpoint, so
+//!    everything from there on must still be in the log.
+//! 2. **`retention` is how long processed records are kept when there is room.** While the
+//!    log has room (see 3), a processed segment goes once its newest
+//!    record is older than `retention` and it lies below the savepoint floor (the newest
+//!    savepoint's offset: restoring it replays the log from there).
+//! 3. **When the log is short of room, processed segments go oldest first regardless of
+//!    age**, until there is room for two segments again (one, in a log of fewer than
+//!    three: room for the active segment to roll, and for the input between checkpoints). Each such segment is counted
+//!    (`cairn_log_segments_evicted_total`) and the agent warns (rate-limited). So sustained
+//!    input never stalls on a full log: it needs only `max_size >= 2 × segment_size`, one
+//!    sealed segment to delete and the active one.
+//! 4. **A savepoint holds the floor only while there is room.** When it is what keeps a
+//!    short log from freeing space, [`RetentionPlan::floor_blocks`] says so, and the agent
+//!    takes a fresh savepoint of the durable checkpoint (the rebuild path stays whole), or,
+//!    if that fails, lets the floor go with an error in the journal.
+//!
+//! The active segment is never deleted. Tests: `tests/retention.rs`, and
+//! `retention_plan_*` below.
+//!
 //! # Mechanism
 //!
 //! Segment files in one directory are named by their first offset,
@@ -136,6 +163,18 @@ pub struct SegmentInfo {
     pub bytes: u64,
     /// Highest `received_at_ms` in the segment (0 if empty): retention decides on it.
     pub max_received_at_ms: u64,
+}
+
+/// What retention may delete now; see the module docs, "Retention".
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetentionPlan {
+    /// Delete the segments wholly below this offset ([`Log::truncate_before`]).
+    pub below: Offset,
+    /// How many of them go only because the log is short of room (inside `retention`).
+    pub evicted: usize,
+    /// The log is short of room and the next processed segment is held only by the
+    /// savepoint floor: take a fresh savepoint, or plan again without the floor.
+    pub floor_blocks: bool,
 }
 
 /// Errors of the log. `Io` and `Failed` are operational; `Corrupt` needs an operator.
@@ -625,6 +664,57 @@ impl Log {
         result.map(|()| removed)
     }
 
+    /// Is the log short of room: do fewer than two more segments fit under `max_size` (one,
+    /// in a log of fewer than three)?
+    pub fn short_of_room(&self) -> bool {
+        self.needs_room(self.size_bytes())
+    }
+
+    /// Room for two more segments (one in a log of fewer than three): with only one, a
+    /// burst between two checkpoints fills it before retention runs again, and ingest
+    /// flaps in and out of backpressure (seen in `benches/longrun.rs`).
+    fn needs_room(&self, size: u64) -> bool {
+        let (seg, max) = (self.opts.segment_size, self.opts.max_size);
+        let want = seg
+            .saturating_mul(2)
+            .min(max.saturating_sub(seg))
+            .max(seg.min(max));
+        size.saturating_add(want) > max
+    }
+
+    /// Decide what retention deletes (the rule is in the module docs). `durable` is the
+    /// `next_offset` of the last committed checkpoint: nothing at or above it is ever chosen.
+    /// `floor` is the newest savepoint's offset (`u64::MAX` for none); `cutoff_ms` the
+    /// newest `received_at_ms` a segment may hold to count as outside retention.
+    pub fn plan_retention(&self, durable: Offset, floor: Offset, cutoff_ms: u64) -> RetentionPlan {
+        let mut plan = RetentionPlan {
+            below: self.first_offset(),
+            evicted: 0,
+            floor_blocks: false,
+        };
+        let mut size = self.size_bytes();
+        let sealed = self.segments.len().saturating_sub(1);
+        for s in &self.segments[..sealed] {
+            if s.next_offset > durable {
+                break;
+            }
+            let expired = s.next_offset <= floor && s.max_received_at_ms <= cutoff_ms;
+            if !expired {
+                if !self.needs_room(size) {
+                    break;
+                }
+                if s.next_offset > floor {
+                    plan.floor_blocks = true;
+                    break;
+                }
+                plan.evicted += 1;
+            }
+            plan.below = s.next_offset;
+            size = size.saturating_sub(s.bytes);
+        }
+        plan
+    }
+
     /// Change the size bound (a config reload). Lowering it below the current size only
     /// refuses appends until retention frees space; nothing is deleted for it.
     pub fn set_max_size(&mut self, max_size: u64) {
@@ -773,6 +863,59 @@ mod tests {
         assert!(first > 0 && first <= 6);
         assert!(matches!(log.read_from(0), Err(LogError::Truncated { .. })));
         assert_eq!(log.read_from(first).unwrap().count() as u64, 10 - first);
+    }
+
+    /// 10 segments of 2 records each (`segment_size` 100, frames of ~50 bytes).
+    fn ten_segments(dir: &Path, max_size: u64) -> Log {
+        let (mut log, _) = Log::open(opts(dir, 100, max_size), TestSync::new()).unwrap();
+        for i in 0..20u64 {
+            log.append(1000 + i, "t", &[0; 30], 0, false).unwrap();
+        }
+        log.commit().unwrap();
+        assert_eq!(log.segments().len(), 10);
+        log
+    }
+
+    #[test]
+    fn retention_plan_with_room_keeps_what_is_recent_or_above_the_floor_or_unprocessed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let log = ten_segments(tmp.path(), 1 << 20);
+        let plan = |durable, floor, cutoff| log.plan_retention(durable, floor, cutoff);
+        // Everything old and processed: all sealed segments go, never the active one.
+        assert_eq!(plan(20, u64::MAX, u64::MAX).below, 18);
+        // Only durable progress counts: a checkpoint at 7 frees [0, 6).
+        assert_eq!(plan(7, u64::MAX, u64::MAX).below, 6);
+        // The savepoint floor at 5 holds from [4, 6) on.
+        assert_eq!(plan(20, 5, u64::MAX).below, 4);
+        // Records received after the cutoff (1005) stay: segment [4, 6) holds 1005.
+        let p = plan(20, u64::MAX, 1004);
+        assert_eq!((p.below, p.evicted, p.floor_blocks), (4, 0, false));
+    }
+
+    #[test]
+    fn retention_plan_short_of_room_evicts_processed_segments_oldest_first_but_never_unprocessed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut log = ten_segments(tmp.path(), 1 << 20);
+        let seg = log.segments()[0].bytes;
+        assert!(log.segments().iter().all(|s| s.bytes == seg) && (90..180).contains(&seg));
+        // Room for two segments (200) only once two segments (2 × seg >= 180) are gone.
+        let size = log.size_bytes();
+        log.set_max_size(size + 20);
+        assert!(log.short_of_room());
+        let plan = |durable, floor, cutoff| {
+            let p = log.plan_retention(durable, floor, cutoff);
+            (p.below, p.evicted, p.floor_blocks)
+        };
+        // Inside retention, yet processed: the two oldest go, and no more than needed.
+        assert_eq!(plan(20, u64::MAX, 0), (4, 2, false));
+        // Unprocessed records stay even when short of room.
+        assert_eq!(plan(3, u64::MAX, 0), (2, 1, false));
+        assert_eq!(plan(0, u64::MAX, u64::MAX), (0, 0, false));
+        // Expired segments go first without counting as evicted.
+        assert_eq!(plan(20, 4, 1001), (4, 1, false));
+        // A savepoint floor in the way is reported, not silently obeyed or ignored.
+        assert_eq!(plan(20, 1, 0), (0, 0, true));
+        assert_eq!(plan(20, 2, 1001), (2, 0, true));
     }
 
     #[test]

@@ -12,8 +12,15 @@
 //!   assertion: a concurrent commit would be a bug in the caller).
 //! - **A savepoint exists under its name only complete and durable.** It is written to a
 //!   `.savepoint-*.tmp` file in the savepoints directory, fsynced, its CRC checked by reading
-//!   it back, then renamed to `savepoint-<checkpoint id, 20 digits>-<next_offset>.cairn`, and
-//!   the directory fsynced. A crash leaves at most a temp file, removed by the next write.
+//!   it back, then renamed to `savepoint-<seq, 20 digits>-<checkpoint id>-<next_offset>.cairn`,
+//!   and the directory fsynced. A crash leaves at most a temp file, removed by the next write.
+//! - **Savepoints are ordered by when they were taken**, by `seq`: one more than the highest
+//!   in the directory. Not by checkpoint ID (IDs start again after a store is rebuilt, so a
+//!   newer savepoint can carry a lower ID) and not by wall clock (edge boxes step theirs).
+//!   Pruning keeps the newest, `restore --latest` and the agent's floor take the newest.
+//!   Files named by older builds (`savepoint-<id, 20 digits>-<next_offset>.cairn`) count as
+//!   `seq` 0, older than any new one.
+//! - **The directory is bounded**: every write prunes to `[savepoint] keep`.
 //! - **Restore trusts nothing it has not checked.** [`restore_savepoint`] verifies the CRC of
 //!   the whole file before it builds anything, checks it again while building, and checks
 //!   that the built store's progress matches the header.
@@ -79,6 +86,8 @@ pub struct SavepointInfo {
     /// Wall clock when written (for operators only).
     pub created_at_ms: u64,
     pub bytes: u64,
+    /// Order of writing, from the file name (see the module docs); 0 for older names.
+    pub seq: u64,
 }
 
 struct Header {
@@ -145,13 +154,45 @@ fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
-/// `savepoint-<id, 20 digits>-<next_offset>.cairn`: names sort by checkpoint id.
-pub fn savepoint_file_name(checkpoint_id: u64, next_offset: u64) -> String {
-    format!("{FILE_PREFIX}{checkpoint_id:020}-{next_offset}{FILE_SUFFIX}")
+/// `savepoint-<seq, 20 digits>-<id>-<next_offset>.cairn`: names sort by when they were taken.
+pub fn savepoint_file_name(seq: u64, checkpoint_id: u64, next_offset: u64) -> String {
+    format!("{FILE_PREFIX}{seq:020}-{checkpoint_id}-{next_offset}{FILE_SUFFIX}")
 }
 
-fn is_savepoint_name(name: &str) -> bool {
-    name.starts_with(FILE_PREFIX) && name.ends_with(FILE_SUFFIX)
+/// The `seq` a savepoint name carries: `Some(0)` for the two-field names of older builds,
+/// `None` for a name that is not a savepoint's.
+fn seq_of_name(name: &str) -> Option<u64> {
+    let middle = name.strip_prefix(FILE_PREFIX)?.strip_suffix(FILE_SUFFIX)?;
+    let fields: Vec<&str> = middle.split('-').collect();
+    if !fields
+        .iter()
+        .all(|f| !f.is_empty() && f.bytes().all(|b| b.is_ascii_digit()))
+    {
+        return None;
+    }
+    match fields.len() {
+        2 => Some(0),
+        3 => fields[0].parse().ok(),
+        _ => None,
+    }
+}
+
+/// One more than the highest `seq` named in `dir`, damaged files included (their number
+/// must not be reused either).
+fn next_seq(dir: &Path) -> Result<u64, StoreError> {
+    let mut high = 0u64;
+    for entry in fs::read_dir(dir).map_err(io_err(dir))? {
+        let entry = entry.map_err(io_err(dir))?;
+        if let Some(seq) = seq_of_name(&entry.file_name().to_string_lossy()) {
+            high = high.max(seq);
+        }
+    }
+    high.checked_add(1).ok_or_else(|| {
+        StoreError::Corrupt(format!(
+            "savepoint sequence exhausted in {}: a file claims seq {high}",
+            dir.display()
+        ))
+    })
 }
 
 /// Hashes everything written through it.
@@ -183,6 +224,20 @@ impl Store {
         ]
     }
 
+    /// Bytes of keys and values in the checkpoint trees: what a savepoint holds, and about
+    /// what a store rebuilt from one needs. The agent compares sled's files with it to tell
+    /// when sled keeps far more than the live data. Walks every tree: call it rarely.
+    pub fn live_bytes(&self) -> Result<u64, StoreError> {
+        let mut total = 0u64;
+        for tree in self.trees() {
+            for kv in tree.iter() {
+                let (k, v) = kv?;
+                total = total.saturating_add((k.len() + v.len()) as u64);
+            }
+        }
+        Ok(total)
+    }
+
     /// Write a savepoint of the last durable checkpoint into `dir` (created if needed).
     ///
     /// The caller must not commit while this runs (see the module docs); the agent calls it
@@ -199,6 +254,7 @@ impl Store {
             }
         }
         remove_stale_temp_files(dir)?;
+        let seq = next_seq(dir)?;
         let before = self.progress()?;
         let tmp = dir.join(format!("{TMP_PREFIX}{}.tmp", before.checkpoint_id));
         let file = OpenOptions::new()
@@ -257,6 +313,7 @@ impl Store {
         // that would only be found bad on the day it is needed.
         verify_savepoint(&tmp)?;
         let path = dir.join(savepoint_file_name(
+            seq,
             header.checkpoint_id,
             header.next_offset,
         ));
@@ -311,6 +368,10 @@ pub fn read_savepoint_header(file: &Path) -> Result<SavepointInfo, StoreError> {
         entries: header.entries,
         created_at_ms: header.created_at_ms,
         bytes,
+        seq: file
+            .file_name()
+            .and_then(|n| seq_of_name(&n.to_string_lossy()))
+            .unwrap_or(0),
     })
 }
 
@@ -347,7 +408,7 @@ pub fn verify_savepoint(file: &Path) -> Result<SavepointInfo, StoreError> {
     Ok(info)
 }
 
-/// Savepoints in `dir`, oldest first (by checkpoint id). Files whose header does not check
+/// Savepoints in `dir`, oldest first (by `seq`, see the module docs). Files whose header does not check
 /// out are skipped with a warning (and never pruned); a missing directory is an empty list.
 pub fn list_savepoints(dir: &Path) -> Result<Vec<SavepointInfo>, StoreError> {
     let entries = match fs::read_dir(dir) {
@@ -359,7 +420,7 @@ pub fn list_savepoints(dir: &Path) -> Result<Vec<SavepointInfo>, StoreError> {
     for entry in entries {
         let entry = entry.map_err(io_err(dir))?;
         let name = entry.file_name();
-        if !is_savepoint_name(&name.to_string_lossy()) {
+        if seq_of_name(&name.to_string_lossy()).is_none() {
             continue;
         }
         match read_savepoint_header(&entry.path()) {
@@ -367,7 +428,8 @@ pub fn list_savepoints(dir: &Path) -> Result<Vec<SavepointInfo>, StoreError> {
             Err(e) => log::warn!("savepoint: skipping {}: {e}", entry.path().display()),
         }
     }
-    out.sort_by_key(|i| (i.checkpoint_id, i.next_offset, i.created_at_ms));
+    // Ties (only among older names, all seq 0) by when written, then by checkpoint.
+    out.sort_by_key(|i| (i.seq, i.created_at_ms, i.checkpoint_id, i.next_offset));
     Ok(out)
 }
 

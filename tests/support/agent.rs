@@ -144,11 +144,21 @@ impl CairnProcess {
 
     /// Starts `cairn run` (debug logs for the agent module: checkpoints are visible).
     pub fn start(&mut self) {
-        self.start_with_args(&[]);
+        self.start_with(&[], &[]);
     }
 
     /// Starts `cairn run ARGS...`, e.g. `--reset-pipeline NAME`.
     pub fn start_with_args(&mut self, args: &[&str]) {
+        self.start_with(args, &[]);
+    }
+
+    /// As [`CairnProcess::start`], with extra environment (e.g. `CAIRN_FAILPOINTS`).
+    pub fn start_with_env(&mut self, env: &[(&str, &str)]) {
+        self.start_with(&[], env);
+    }
+
+    /// Starts `cairn run ARGS...` with the environment set by `set_env` plus `env`.
+    pub fn start_with(&mut self, args: &[&str], env: &[(&str, &str)]) {
         assert!(self.child.is_none(), "the agent is already running");
         self.runs += 1;
         let header = format!("=== run {} ===\n", self.runs);
@@ -174,7 +184,8 @@ impl CairnProcess {
                 std::env::var("CAIRN_TEST_LOG").unwrap_or("info,cairn::agent=debug".into()),
             )
             .env_remove("CAIRN_CONFIG")
-            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::from(file))
