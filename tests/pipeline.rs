@@ -19,7 +19,7 @@ max_key_len = 32
 max_keys = 3"#,
     )
     .unwrap();
-    spec.aggregate = aggregate;
+    spec.aggregate = AggregateSpec::One(aggregate);
     spec
 }
 
@@ -551,4 +551,77 @@ fn a_topic_over_the_mqtt_limit_is_a_dead_letter_not_a_disconnect() {
     h.checkpoint();
     assert_eq!(h.mem.outbox.len(), 1);
     assert!(h.mem.outbox.values().all(|o| o.topic.len() <= 65_535));
+}
+
+/// Issue 15.1: a list of aggregates gives one result with `values`, one entry per name.
+#[test]
+fn a_list_of_aggregates_gives_one_result_with_every_value() {
+    let spec = cairn::config::pipeline_from_toml(
+        r#"name = "telemetry"
+topics = ["payments/#"]
+event_id = "/id"
+key = "/account"
+value = "/amount"
+aggregate = ["min", "max", "avg", "count", "sum", "last", "stddev", "variance", "p50", "p95", "p99.9"]
+output_topic = "t/{key}""#,
+    )
+    .unwrap();
+    let mut h = Harness::new(vec![spec]);
+    for (i, v) in [2, 4, 4, 4, 5, 5, 7, 9].iter().enumerate() {
+        let e = format!(r#"{{"id":"E{i}","account":"A","amount":{v}}}"#);
+        assert_eq!(h.feed(&e), applied("A", i as u64 + 1));
+    }
+    h.checkpoint();
+    assert_eq!(h.mem.outbox.len(), 1, "one result per key and checkpoint");
+    let out = h.mem.outbox.values().next().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.payload).unwrap();
+    assert_eq!(
+        v,
+        serde_json::json!({
+            "id": "telemetry/A/8", "pipeline": "telemetry", "key": "A", "version": 8,
+            "count": 8,
+            "values": {
+                "min": 2, "max": 9, "avg": 5.0, "count": 8, "sum": 40, "last": 9,
+                "stddev": 2.0, "variance": 4.0, "p50": 4.0, "p95": 9.0, "p99.9": 9.0,
+            },
+        })
+    );
+    assert!(v.get("value").is_none());
+}
+
+/// A single aggregate keeps today's payload exactly: `value`, no `values`.
+#[test]
+fn a_single_aggregate_payload_is_unchanged() {
+    let mut h = Harness::new(vec![json_spec(Aggregate::Sum)]);
+    h.feed(r#"{"id":"E1","account":"A","amount":5}"#);
+    h.checkpoint();
+    let out = h.mem.outbox.values().next().unwrap();
+    assert_eq!(
+        String::from_utf8(out.payload.clone()).unwrap(),
+        r#"{"count":1,"id":"balances/A/1","key":"A","pipeline":"balances","value":5,"version":1}"#
+    );
+}
+
+#[test]
+fn stddev_variance_and_percentiles_alone() {
+    let run = |agg: Aggregate| {
+        let mut h = Harness::new(vec![json_spec(agg)]);
+        for (i, v) in [1.5, 2.5, -3.0, 10.0].iter().enumerate() {
+            h.feed(&format!(r#"{{"id":"E{i}","account":"A","amount":{v}}}"#));
+        }
+        h.checkpoint();
+        h.value("A").unwrap().as_f64().unwrap()
+    };
+    let mean = (1.5 + 2.5 - 3.0 + 10.0) / 4.0;
+    let var = [1.5f64, 2.5, -3.0, 10.0]
+        .iter()
+        .map(|x| (x - mean) * (x - mean))
+        .sum::<f64>()
+        / 4.0;
+    assert!((run(Aggregate::Variance) - var).abs() < 1e-12);
+    assert!((run(Aggregate::Stddev) - var.sqrt()).abs() < 1e-12);
+    assert_eq!(run(Aggregate::Percentile(500)), 1.5);
+    assert_eq!(run(Aggregate::Percentile(10)), -3.0);
+    let p99 = run(Aggregate::Percentile(990));
+    assert!((10.0 * (1.0 - 1.0 / 128.0)..=10.0).contains(&p99));
 }

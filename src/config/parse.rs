@@ -32,7 +32,7 @@ use super::{
     SavepointConfig, StorageConfig, TlsConfig,
 };
 use crate::pipeline::spec::{
-    Aggregate, Emit, Field, Format, PipelineSpec, TemplatePart, WindowSpec,
+    Aggregate, AggregateSpec, Emit, Field, Format, PipelineSpec, TemplatePart, WindowSpec,
 };
 
 #[path = "locate.rs"]
@@ -367,7 +367,7 @@ pub fn summary(cfg: &Config) -> String {
             "pipeline    {}: {} [{format}] -> {}{value} by {}{window} -> {} ({}, {}, dedup {}, <= {} keys)",
             p.name,
             p.topics.join(", "),
-            aggregate_name(p.aggregate),
+            aggregate_text(&p.aggregate),
             field_text(&p.key),
             p.output_topic,
             if p.retain { "retained" } else { "not retained" },
@@ -401,20 +401,19 @@ fn field_text(f: &Field) -> String {
     }
 }
 
-const AGGREGATES: [(&str, Aggregate); 6] = [
-    ("sum", Aggregate::Sum),
-    ("count", Aggregate::Count),
-    ("min", Aggregate::Min),
-    ("max", Aggregate::Max),
-    ("avg", Aggregate::Avg),
-    ("last", Aggregate::Last),
-];
+const AGGREGATE_NAMES: &str = "one of sum, count, min, max, avg, last, stddev, variance, or a percentile such as p50, p95, p99.9";
 
-fn aggregate_name(a: Aggregate) -> &'static str {
-    AGGREGATES
-        .iter()
-        .find(|(_, x)| *x == a)
-        .map_or("?", |(name, _)| name)
+/// Most aggregates in one list: each is a field of every result.
+const MAX_AGGREGATES: usize = 32;
+
+fn aggregate_text(a: &AggregateSpec) -> String {
+    match a {
+        AggregateSpec::One(a) => a.name(),
+        AggregateSpec::List(l) => {
+            let names: Vec<String> = l.iter().map(|a| a.name()).collect();
+            format!("[{}]", names.join(", "))
+        }
+    }
 }
 
 fn one_line(s: &str) -> String {
@@ -528,7 +527,7 @@ struct RawPipeline {
     key: Option<String>,
     value: Option<String>,
     event_time: Option<String>,
-    aggregate: Option<String>,
+    aggregate: Option<RawAggregate>,
     window: Option<RawWindow>,
     dedup_window: Option<DurationText>,
     output_topic: Option<String>,
@@ -538,6 +537,17 @@ struct RawPipeline {
     max_keys: Option<i64>,
     max_id_len: Option<i64>,
     max_future: Option<DurationText>,
+}
+
+/// `aggregate = "sum"` or `aggregate = ["min", "max"]`.
+#[derive(Debug, Deserialize)]
+#[serde(
+    untagged,
+    expecting = "a string such as \"sum\", or a list such as [\"min\", \"max\"]"
+)]
+enum RawAggregate {
+    One(String),
+    List(Vec<String>),
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -1306,6 +1316,40 @@ impl Validator {
         ok.then_some(out)
     }
 
+    /// A list of aggregates: not empty, each known, none twice.
+    fn aggregate_list(&mut self, key: &str, list: Vec<String>) -> Option<AggregateSpec> {
+        if list.is_empty() || list.len() > MAX_AGGREGATES {
+            self.problem(
+                key,
+                format!(
+                    "must list 1 to {MAX_AGGREGATES} aggregates, found {}",
+                    list.len()
+                ),
+            );
+            return None;
+        }
+        let mut out: Vec<Aggregate> = Vec::with_capacity(list.len());
+        let mut ok = true;
+        for (j, a) in list.iter().enumerate() {
+            let at = format!("{key}[{j}]");
+            match Aggregate::parse(a) {
+                Some(agg) if out.contains(&agg) => {
+                    self.problem(&at, format!("`{a}` is listed twice"));
+                    ok = false;
+                }
+                Some(agg) => out.push(agg),
+                None => {
+                    self.problem(
+                        &at,
+                        format!("`{a}` is not an aggregate: expected {AGGREGATE_NAMES}"),
+                    );
+                    ok = false;
+                }
+            }
+        }
+        ok.then_some(AggregateSpec::List(out))
+    }
+
     fn pipeline(
         &mut self,
         i: usize,
@@ -1414,19 +1458,20 @@ impl Validator {
 
         let aggregate = match r.aggregate {
             None => {
-                self.missing(&k("aggregate"), "one of sum, count, min, max, avg, last");
+                self.missing(&k("aggregate"), AGGREGATE_NAMES);
                 None
             }
-            Some(a) => match AGGREGATES.iter().find(|(n, _)| *n == a) {
-                Some((_, agg)) => Some(*agg),
+            Some(RawAggregate::One(a)) => match Aggregate::parse(&a) {
+                Some(agg) => Some(AggregateSpec::One(agg)),
                 None => {
                     self.problem(
                         &k("aggregate"),
-                        format!("`{a}` is not an aggregate: expected one of sum, count, min, max, avg, last"),
+                        format!("`{a}` is not an aggregate: expected {AGGREGATE_NAMES}"),
                     );
                     None
                 }
             },
+            Some(RawAggregate::List(list)) => self.aggregate_list(&k("aggregate"), list),
         };
 
         // Fields are read with the pipeline's format; without a valid format, skip them.
@@ -1465,21 +1510,20 @@ impl Validator {
                 "the field whose value names the aggregate, e.g. \"/account\"",
             );
         }
-        let value = match (aggregate, value_present) {
-            (Some(Aggregate::Count), true) => {
+        let needs_value = aggregate.as_ref().map(AggregateSpec::needs_value);
+        let value = match (needs_value, value_present) {
+            (Some(false), true) => {
                 self.problem(
                     &k("value"),
                     "count counts events and reads no value: remove `value`, or use another aggregate",
                 );
                 None
             }
-            (Some(agg), false) if agg != Aggregate::Count => {
+            (Some(true), false) => {
+                let agg = aggregate.as_ref().map(aggregate_text).unwrap_or_default();
                 self.missing(
                     &k("value"),
-                    &format!(
-                        "`{}` needs the field to aggregate, e.g. \"/amount\"",
-                        aggregate_name(agg)
-                    ),
+                    &format!("`{agg}` needs the field to aggregate, e.g. \"/amount\""),
                 );
                 None
             }

@@ -172,7 +172,7 @@ fn a_minimal_config_gets_safe_default_limits() {
             key: Field::Pointer("/account".into()),
             value: Some(Field::Pointer("/amount".into())),
             event_time: None,
-            aggregate: Aggregate::Sum,
+            aggregate: AggregateSpec::One(Aggregate::Sum),
             window: None,
             dedup_window_ms: 7 * 86_400_000,
             output_topic: "balances/{key}".into(),
@@ -656,7 +656,10 @@ fn count_needs_no_value_and_other_aggregates_do() {
         .replace("value = \"/amount\"\n", "")
         .replace("\"sum\"", "\"count\"");
     let p = &parse(&text).unwrap().pipelines[0];
-    assert_eq!((p.aggregate, p.value.clone()), (Aggregate::Count, None));
+    assert_eq!(
+        (p.aggregate.clone(), p.value.clone()),
+        (AggregateSpec::One(Aggregate::Count), None)
+    );
     let text = MINIMAL.replace("value = \"/amount\"\n", "");
     assert_problem(
         &only(&text),
@@ -923,4 +926,44 @@ allowed_lateness = "1m"
         s.contains("max(2) by 1 per 15m window (lateness 1m)"),
         "{s}"
     );
+}
+
+#[test]
+fn aggregate_lists_are_checked_name_by_name() {
+    let text = MINIMAL.replace(
+        "aggregate = \"sum\"",
+        "aggregate = [\"min\", \"p95\", \"median\", \"min\", \"p99.9\"]",
+    );
+    let p = problems(&text);
+    assert_eq!(p.len(), 2, "{p:#?}");
+    let line = line_of(&text, "median");
+    assert_problem(
+        &p[0],
+        "pipeline[0].aggregate[2]",
+        line,
+        "`median` is not an aggregate",
+    );
+    assert_problem(
+        &p[1],
+        "pipeline[0].aggregate[3]",
+        line,
+        "`min` is listed twice",
+    );
+    let ok = MINIMAL.replace("aggregate = \"sum\"", "aggregate = [\"p99.9\", \"stddev\"]");
+    let cfg = parse(&ok).unwrap();
+    assert_eq!(
+        cfg.pipelines[0].aggregate,
+        AggregateSpec::List(vec![Aggregate::Percentile(999), Aggregate::Stddev])
+    );
+    let empty = MINIMAL.replace("aggregate = \"sum\"", "aggregate = []");
+    assert_problem(
+        &only(&empty),
+        "pipeline[0].aggregate",
+        line_of(&empty, "aggregate"),
+        "1 to 32",
+    );
+    let count_only = MINIMAL
+        .replace("aggregate = \"sum\"", "aggregate = [\"count\"]")
+        .replace("value = \"/amount\"\n", "");
+    assert!(parse(&count_only).is_ok());
 }

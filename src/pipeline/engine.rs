@@ -318,11 +318,12 @@ impl Engine {
         self.remember(&name, ev.event_id.clone(), now);
         self.batch
             .state
-            .insert((name.clone(), slot.skey.clone()), Some(new));
+            .insert((name.clone(), slot.skey.clone()), Some(new.clone()));
         match self.specs[p].emit {
             Emit::Changelog => self.emit(p, &slot.skey, &new, slot.topic),
             Emit::Upsert => {
-                self.touched.insert((p, slot.skey), (new, slot.topic));
+                self.touched
+                    .insert((p, slot.skey), (new.clone(), slot.topic));
             }
         }
         if self.specs[p].window.is_some() {
@@ -419,7 +420,7 @@ impl Engine {
                 detail: format!("{} keys held, the limit is {}", pp.keys, spec.max_keys),
             }),
             None => {
-                let mut first = KeyState::first(spec.aggregate, value, slot.time_ms);
+                let mut first = KeyState::first(&spec.aggregate, value, slot.time_ms);
                 match first.version.checked_add(pp.version_base) {
                     Some(v) => {
                         first.version = v;
@@ -484,8 +485,10 @@ impl Engine {
         };
         let mut body = serde_json::json!({
             "id": id, "pipeline": spec.name, "key": key, "version": st.version,
-            "value": st.value_json(), "count": st.count,
+            "count": st.count,
         });
+        // Maps are sorted, so the field order is the same whenever a field is added.
+        body[if st.is_multi() { "values" } else { "value" }] = st.value_json();
         if let Some((start, size)) = window {
             body["window_start"] = start.into();
             // Never saturates: `slot` refused every window whose end does not fit.
@@ -511,7 +514,7 @@ impl Engine {
         skey: &[u8],
     ) -> Result<Option<KeyState>, ReadError> {
         match self.batch.state.get(&(p.to_string(), skey.to_vec())) {
-            Some(v) => Ok(*v),
+            Some(v) => Ok(v.clone()),
             None => base.state(p, skey),
         }
     }

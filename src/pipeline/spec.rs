@@ -37,6 +37,86 @@ pub enum Aggregate {
     Max,
     Avg,
     Last,
+    /// Population standard deviation.
+    Stddev,
+    /// Population variance.
+    Variance,
+    /// The quantile `permille / 1000` (1..=999), from a [`super::sketch::Sketch`].
+    Percentile(u16),
+}
+
+impl Aggregate {
+    /// The name a config and an output use: `sum`, ..., `p95`, `p99.9`.
+    pub fn name(self) -> String {
+        match self {
+            Aggregate::Sum => "sum".into(),
+            Aggregate::Count => "count".into(),
+            Aggregate::Min => "min".into(),
+            Aggregate::Max => "max".into(),
+            Aggregate::Avg => "avg".into(),
+            Aggregate::Last => "last".into(),
+            Aggregate::Stddev => "stddev".into(),
+            Aggregate::Variance => "variance".into(),
+            Aggregate::Percentile(q) if q % 10 == 0 => format!("p{}", q / 10),
+            Aggregate::Percentile(q) => format!("p{}.{}", q / 10, q % 10),
+        }
+    }
+
+    /// Parse a name: the fixed ones, or `pNN` / `pNN.N` strictly between 0 and 100.
+    pub fn parse(text: &str) -> Option<Aggregate> {
+        let fixed = [
+            Aggregate::Sum,
+            Aggregate::Count,
+            Aggregate::Min,
+            Aggregate::Max,
+            Aggregate::Avg,
+            Aggregate::Last,
+            Aggregate::Stddev,
+            Aggregate::Variance,
+        ];
+        if let Some(a) = fixed.into_iter().find(|a| a.name() == text) {
+            return Some(a);
+        }
+        let digits = text.strip_prefix('p')?;
+        let (whole, tenth) = match digits.split_once('.') {
+            Some((w, t)) if t.len() == 1 => (w, t),
+            Some(_) => return None,
+            None => (digits, "0"),
+        };
+        let ok = |d: &str| !d.is_empty() && d.len() <= 2 && d.bytes().all(|b| b.is_ascii_digit());
+        if !ok(whole) || !ok(tenth) {
+            return None;
+        }
+        let permille = whole.parse::<u16>().ok()? * 10 + tenth.parse::<u16>().ok()?;
+        (1..=999)
+            .contains(&permille)
+            .then_some(Aggregate::Percentile(permille))
+    }
+}
+
+/// One aggregate (the result's `value`), or a list (the result's `values`, one per name).
+/// Serialized untagged, so the definition of a single-aggregate pipeline reads exactly as it
+/// did before lists existed and its stored state keeps its meaning.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum AggregateSpec {
+    One(Aggregate),
+    List(Vec<Aggregate>),
+}
+
+impl AggregateSpec {
+    /// Every aggregate named, in order.
+    pub fn all(&self) -> &[Aggregate] {
+        match self {
+            AggregateSpec::One(a) => std::slice::from_ref(a),
+            AggregateSpec::List(l) => l,
+        }
+    }
+
+    /// Whether events need a value field: everything but a lone `count` does.
+    pub fn needs_value(&self) -> bool {
+        self.all().iter().any(|a| *a != Aggregate::Count)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -69,7 +149,7 @@ pub struct PipelineSpec {
     /// Event time in ms since the epoch (a number, or an RFC 3339 string). Absent: the
     /// record's `received_at_ms` is the event time.
     pub event_time: Option<Field>,
-    pub aggregate: Aggregate,
+    pub aggregate: AggregateSpec,
     pub window: Option<WindowSpec>,
     /// Event IDs are remembered this long, measured in record time.
     pub dedup_window_ms: u64,
@@ -189,6 +269,22 @@ mod tests {
         assert!(Field::parse("{/a", &Format::Json).is_err());
         assert!(Field::parse("a}", &Format::Json).is_err());
         assert!(Field::parse("plain{}", &Format::Json).is_err());
+    }
+
+    #[test]
+    fn aggregate_names_round_trip() {
+        for name in [
+            "sum", "count", "stddev", "variance", "p50", "p95", "p99.9", "p0.1", "p1",
+        ] {
+            assert_eq!(Aggregate::parse(name).unwrap().name(), name);
+        }
+        assert_eq!(Aggregate::parse("p99.9"), Some(Aggregate::Percentile(999)));
+        assert_eq!(Aggregate::parse("p95.0"), Some(Aggregate::Percentile(950)));
+        for bad in [
+            "p0", "p100", "p", "p9.99", "p-1", "p.5", "p5.", "p+5", "median", "P50",
+        ] {
+            assert_eq!(Aggregate::parse(bad), None, "{bad}");
+        }
     }
 
     #[test]
