@@ -625,3 +625,91 @@ fn stddev_variance_and_percentiles_alone() {
     let p99 = run(Aggregate::Percentile(990));
     assert!((10.0 * (1.0 - 1.0 / 128.0)..=10.0).contains(&p99));
 }
+
+/// Issue 15.2: inputs the filter skips are counted, not dead letters; inputs whose
+/// compared fields are missing or of the wrong type are dead letters.
+#[test]
+fn where_skips_and_counts_non_matching_inputs() {
+    let spec = cairn::config::pipeline_from_toml(
+        r#"name = "balances"
+topics = ["payments/#"]
+event_id = "/id"
+key = "/account"
+value = "/amount"
+aggregate = "sum"
+where = '/status == "running" and /amount > -40 and topic[1] != "test"'
+output_topic = "t/{key}""#,
+    )
+    .unwrap();
+    let mut h = Harness::new(vec![spec]);
+    let ev = |id: &str, status: &str, amount: &str| {
+        format!(r#"{{"id":"{id}","account":"A","status":{status},"amount":{amount}}}"#)
+    };
+    assert_eq!(h.feed(&ev("E1", r#""running""#, "5")), applied("A", 1));
+    assert_eq!(h.feed(&ev("E2", r#""idle""#, "7")), vec![Outcome::Filtered]);
+    // `and` stops at the first false: an idle machine need not send a number.
+    assert_eq!(
+        h.feed(&ev("E3", r#""idle""#, r#""n/a""#)),
+        vec![Outcome::Filtered]
+    );
+    assert_eq!(
+        h.feed(&ev("E4", r#""running""#, "-40")),
+        vec![Outcome::Filtered]
+    );
+    assert_eq!(
+        h.feed(&ev("E5", r#""running""#, r#""5""#)),
+        dead("wrong_type")
+    );
+    assert_eq!(h.feed(&ev("E6", "1", "5")), dead("wrong_type"));
+    assert_eq!(
+        h.feed(r#"{"id":"E7","account":"A","amount":5}"#),
+        dead("missing_field")
+    );
+    // A filtered input leaves no dedup entry: the same ID may still come in running.
+    assert_eq!(h.feed(&ev("E2", r#""running""#, "1")), applied("A", 2));
+    h.checkpoint();
+    let c = &h.mem.progress.pipelines[0].counters;
+    assert_eq!((c.applied, c.filtered, c.dead_letters), (2, 3, 3));
+    assert_eq!(h.value("A"), Some(serde_json::json!(6)));
+}
+
+/// Issue 15.3: keys and event IDs from topic levels, alone or mixed with fields.
+#[test]
+fn keys_and_event_ids_from_topic_levels() {
+    let spec = cairn::config::pipeline_from_toml(
+        r#"name = "balances"
+topics = ["payments/#"]
+event_id = "{topic[1]}-{/seq}"
+key = "{/site}/{topic[1]}"
+value = "/amount"
+aggregate = "sum"
+output_topic = "t/{key}""#,
+    )
+    .unwrap();
+    let mut h = Harness::new(vec![spec]);
+    // The harness publishes on `payments/eu`.
+    let r = h.feed(r#"{"seq":1,"site":"s1","amount":5}"#);
+    assert_eq!(r, applied("s1/eu", 1));
+    assert_eq!(
+        h.feed(r#"{"seq":1,"site":"s1","amount":5}"#),
+        vec![Outcome::Duplicate]
+    );
+    assert_eq!(
+        h.feed(r#"{"seq":2,"site":"s1","amount":5}"#),
+        applied("s1/eu", 2)
+    );
+    h.checkpoint();
+    let out = h.mem.outbox.values().next().unwrap();
+    assert_eq!(out.topic, "t/s1%2Feu");
+    let spec = cairn::config::pipeline_from_toml(
+        r#"name = "lvl"
+topics = ["payments/#"]
+event_id = "{topic[5]}"
+key = "{topic[0]}"
+aggregate = "count"
+output_topic = "t/{key}""#,
+    )
+    .unwrap();
+    let mut h = Harness::new(vec![spec]);
+    assert_eq!(h.feed("{}"), dead("missing_field"));
+}

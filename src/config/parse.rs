@@ -31,6 +31,7 @@ use super::{
     CheckpointConfig, Config, LogConfig, LoggingConfig, MetricsConfig, MqttConfig, OutboxConfig,
     SavepointConfig, StorageConfig, TlsConfig,
 };
+use crate::pipeline::filter::parse_filter;
 use crate::pipeline::spec::{
     Aggregate, AggregateSpec, Emit, Field, Format, PipelineSpec, TemplatePart, WindowSpec,
 };
@@ -391,6 +392,7 @@ fn field_text(f: &Field) -> String {
     match f {
         Field::Pointer(p) => p.clone(),
         Field::Index(i) => i.to_string(),
+        Field::Topic(i) => format!("topic[{i}]"),
         Field::Template(parts) => parts
             .iter()
             .map(|part| match part {
@@ -528,6 +530,8 @@ struct RawPipeline {
     value: Option<String>,
     event_time: Option<String>,
     aggregate: Option<RawAggregate>,
+    #[serde(rename = "where")]
+    filter: Option<String>,
     window: Option<RawWindow>,
     dedup_window: Option<DurationText>,
     output_topic: Option<String>,
@@ -1489,6 +1493,23 @@ impl Validator {
                 }
             }
         };
+        let filter = match (r.filter, format.as_ref()) {
+            (None, _) => Some(None),
+            (Some(_), None) => None,
+            (Some(text), Some(format)) => match parse_filter(&text, format) {
+                Ok(e) => Some(Some(e)),
+                Err(e) => {
+                    // The position within the expression: TOML drops the newline after an
+                    // opening `'''`, so a file line could be off by one.
+                    let at = match e.position(&text) {
+                        (0, col) => format!("column {col}"),
+                        (line, col) => format!("line {}, column {col}", line + 1),
+                    };
+                    self.problem(&k("where"), format!("{at} of the filter: {}", e.message));
+                    None
+                }
+            },
+        };
         let format_ok = format.is_some();
         let event_id_present = r.event_id.is_some();
         let key_present = r.key.is_some();
@@ -1657,6 +1678,7 @@ impl Validator {
             event_time: event_time?,
             aggregate: aggregate?,
             window: window?,
+            filter: filter?,
             dedup_window_ms: dedup_window_ms?,
             output_topic: output_topic?,
             retain: r.retain.unwrap_or(true),

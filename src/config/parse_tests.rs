@@ -182,6 +182,7 @@ fn a_minimal_config_gets_safe_default_limits() {
             max_keys: 1_000_000,
             max_id_len: 256,
             max_future_ms: 600_000,
+            filter: None,
         }]
     );
 }
@@ -966,4 +967,26 @@ fn aggregate_lists_are_checked_name_by_name() {
         .replace("aggregate = \"sum\"", "aggregate = [\"count\"]")
         .replace("value = \"/amount\"\n", "");
     assert!(parse(&count_only).is_ok());
+}
+
+#[test]
+fn a_bad_filter_is_reported_with_its_line_and_column() {
+    let text = with_pipeline("where = '/status == \"running\" and /temp >> -40'");
+    assert_problem(
+        &only(&text),
+        "pipeline[0].where",
+        line_of(&text, "where"),
+        "column 33 of the filter: expected a field or a literal, found an operator",
+    );
+    let text = with_pipeline("where = '''\n/status == \"running\"\n  and (/temp > -40'''");
+    assert_problem(
+        &only(&text),
+        "pipeline[0].where",
+        line_of(&text, "where"),
+        "line 2, column 19 of the filter: expected `)`",
+    );
+    let cfg = parse(&with_pipeline("where = 'not (/temp > 3)'")).unwrap();
+    assert!(cfg.pipelines[0].filter.is_some());
+    let text = with_pipeline("key2 = 1");
+    assert!(!problems(&text).is_empty());
 }

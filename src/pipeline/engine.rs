@@ -37,6 +37,8 @@ pub struct Counters {
     pub duplicates: u64,
     pub dead_letters: u64,
     pub outputs: u64,
+    /// Inputs the pipeline's `where` filter skipped.
+    pub filtered: u64,
 }
 
 /// Per-pipeline progress, checkpointed.
@@ -157,9 +159,16 @@ pub fn definition(spec: &PipelineSpec) -> String {
 /// What became of one record in one pipeline.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
-    Applied { key: String, version: u64 },
+    Applied {
+        key: String,
+        version: u64,
+    },
     Duplicate,
-    DeadLetter { reason: &'static str },
+    DeadLetter {
+        reason: &'static str,
+    },
+    /// The `where` filter did not match: skipped, counted, not a dead letter.
+    Filtered,
 }
 
 pub struct Engine {
@@ -282,7 +291,15 @@ impl Engine {
         rec: &Record,
     ) -> Result<Outcome, ReadError> {
         let spec = &self.specs[p];
-        let ev = match parse(spec, &rec.payload).and_then(|ev| check_key(spec, ev)) {
+        let ev = match parse(spec, &rec.topic, &rec.payload) {
+            Ok(None) => {
+                self.progress.pipelines[p].counters.filtered += 1;
+                return Ok(Outcome::Filtered);
+            }
+            Ok(Some(ev)) => check_key(spec, ev),
+            Err(r) => Err(r),
+        };
+        let ev = match ev {
             Ok(ev) => ev,
             Err(r) => return self.dead(base, p, rec, r),
         };

@@ -4,6 +4,7 @@
 //! (invariant 3; guarded by `tests/model.rs`).
 
 pub mod engine;
+pub mod filter;
 pub mod memory;
 pub mod parse;
 pub mod sketch;

@@ -27,6 +27,8 @@ pub enum Field {
     Index(usize),
     /// Concatenation of literals and fields, e.g. `{/device}-{/seq}`.
     Template(Vec<TemplatePart>),
+    /// A level of the input's topic, counted from 0: `topic[1]` of `plant/m7/temp` is `m7`.
+    Topic(usize),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -151,6 +153,8 @@ pub struct PipelineSpec {
     pub event_time: Option<Field>,
     pub aggregate: AggregateSpec,
     pub window: Option<WindowSpec>,
+    /// `where`: only inputs matching it are aggregated; the others are skipped and counted.
+    pub filter: Option<super::filter::Expr>,
     /// Event IDs are remembered this long, measured in record time.
     pub dedup_window_ms: u64,
     /// Output topic template; `{key}` (and `{window_start}` when windowed) are replaced.
@@ -183,6 +187,19 @@ impl Field {
 }
 
 fn parse_simple(text: &str, format: &Format) -> Result<Field, String> {
+    if let Some(inner) = text.strip_prefix("topic[") {
+        return inner
+            .strip_suffix(']')
+            .and_then(|n| {
+                n.parse::<usize>()
+                    .ok()
+                    .filter(|_| n.bytes().all(|b| b.is_ascii_digit()))
+            })
+            .map(Field::Topic)
+            .ok_or_else(|| {
+                format!("`{text}` is not a topic level: write `topic[N]`, N counted from 0")
+            });
+    }
     match format {
         Format::Json => {
             if !text.starts_with('/') {

@@ -68,7 +68,8 @@ pub const CHECKPOINT_HISTORY: u64 = 1000;
 const PROGRESS_KEY: &[u8] = b"progress";
 const FORMAT_KEY: &[u8] = b"format";
 /// The layout this build reads and writes (see the module docs).
-pub const STORE_FORMAT: u32 = 2;
+/// 3: per-pipeline counters gained `filtered` (issue 15), which changes the progress record.
+pub const STORE_FORMAT: u32 = 3;
 
 mod index;
 mod ledger;

@@ -40,8 +40,9 @@
 //!
 //! Keys and values are the trees' own bytes (big-endian integers and postcard), so the file
 //! is independent of sled's on-disk format. Tree numbers are [`TREES`]' indices. Version 1
-//! held store format 1's trees (a key per ledger entry and per output); this build refuses
-//! it by its version number rather than misread it.
+//! held store format 1's trees (a key per ledger entry and per output), version 2 store
+//! format 2's progress record (counters without `filtered`); this build refuses both by
+//! their version number rather than misread them.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
@@ -52,7 +53,7 @@ use crate::fsio::{Durability, SyncKind};
 
 const MAGIC: &[u8; 8] = b"CAIRNSP\0";
 const END_MAGIC: &[u8; 8] = b"CAIRNEND";
-pub const SAVEPOINT_FORMAT_VERSION: u32 = 2;
+pub const SAVEPOINT_FORMAT_VERSION: u32 = 3;
 const HEADER_LEN: usize = 52;
 const TRAILER_LEN: u64 = 12;
 /// No tree key or value comes near this (values stay below sled's 128 KiB blob threshold);
