@@ -253,6 +253,7 @@ fn late_events_within_lateness_update_their_window_beyond_it_are_dead_letters() 
     spec.window = Some(WindowSpec {
         size_ms: 60_000,
         allowed_lateness_ms: 30_000,
+        slide_ms: None,
     });
     spec.output_topic = "balances/{key}/{window_start}".into();
     spec.emit = Emit::Changelog;
@@ -712,4 +713,149 @@ output_topic = "t/{key}""#,
     .unwrap();
     let mut h = Harness::new(vec![spec]);
     assert_eq!(h.feed("{}"), dead("missing_field"));
+}
+
+fn hopping(emit: &str) -> PipelineSpec {
+    cairn::config::pipeline_from_toml(&format!(
+        r#"name = "balances"
+topics = ["payments/#"]
+event_id = "/id"
+key = "/account"
+value = "/amount"
+event_time = "/ts"
+aggregate = "sum"
+window = {{ size = "30s", slide = "10s", allowed_lateness = "5s" }}
+output_topic = "t/{{key}}/{{window_start}}"
+emit = "{emit}""#
+    ))
+    .unwrap()
+}
+
+fn ev_at(id: &str, amount: i64, ts: u64) -> Vec<u8> {
+    format!(r#"{{"id":"{id}","account":"A","amount":{amount},"ts":{ts}}}"#).into_bytes()
+}
+
+/// Issue 15.4: an event lands in every window covering it; windows close one by one.
+#[test]
+fn hopping_windows_take_each_event_in_every_window_covering_it() {
+    let mut h = Harness::new(vec![hopping("changelog")]);
+    // 25s is covered by the windows starting at 0s, 10s and 20s.
+    assert_eq!(
+        h.feed_at(&ev_at("E1", 1, NOW + 25_000), NOW),
+        applied("A", 1)
+    );
+    assert_eq!(h.engine.progress().pipelines[0].keys, 3);
+    // 35s: windows at 10s, 20s, 30s. The one at 10s now holds both.
+    assert_eq!(
+        h.feed_at(&ev_at("E2", 2, NOW + 35_000), NOW),
+        applied("A", 1)
+    );
+    // Watermark 45s - 5s = 40s: the window [0s, 30s) closed, [10s, 40s) closes too.
+    assert_eq!(
+        h.feed_at(&ev_at("E3", 4, NOW + 45_000), NOW),
+        applied("A", 1)
+    );
+    // 29s: its windows at 0s and 10s are closed, 20s (E1, E2, E3) is open: applied there.
+    assert_eq!(
+        h.feed_at(&ev_at("E4", 8, NOW + 29_000), NOW),
+        applied("A", 4)
+    );
+    // 5s: only window 0s, closed: late.
+    assert_eq!(h.feed_at(&ev_at("E5", 16, NOW + 5_000), NOW), dead("late"));
+    h.checkpoint();
+    let mut sums: Vec<(u64, i64)> = h
+        .mem
+        .state
+        .iter()
+        .map(|((_, k), st)| {
+            let start = u64::from_be_bytes(k[..8].try_into().unwrap());
+            ((start - NOW) / 1000, st.value_json().as_i64().unwrap())
+        })
+        .collect();
+    sums.sort();
+    assert_eq!(sums, [(20, 1 + 2 + 4 + 8), (30, 2 + 4), (40, 4)]);
+    let p = &h.mem.progress.pipelines[0];
+    assert_eq!(p.keys, 3);
+    assert_eq!(p.evicted_below, NOW + 20_000);
+    // Changelog: one output per window per event: 3 + 3 + 3 + 1.
+    assert_eq!(h.mem.outbox.len(), 10);
+}
+
+/// Issue 15.5: one result per window when the watermark passes its end plus the allowed
+/// lateness, never again; inputs after that are `late`.
+#[test]
+fn final_emit_publishes_each_window_once_when_it_closes() {
+    let mut h = Harness::new(vec![hopping("final")]);
+    h.feed_at(&ev_at("E1", 1, NOW + 25_000), NOW);
+    h.feed_at(&ev_at("E2", 2, NOW + 28_000), NOW);
+    h.checkpoint();
+    assert!(h.mem.outbox.is_empty(), "nothing closed yet");
+    // Watermark 40s: windows [0s, 30s) and [10s, 40s) close.
+    h.feed_at(&ev_at("E3", 4, NOW + 45_000), NOW);
+    h.checkpoint();
+    let outs: Vec<serde_json::Value> = h
+        .mem
+        .outbox
+        .values()
+        .map(|o| serde_json::from_slice(&o.payload).unwrap())
+        .collect();
+    assert_eq!(outs.len(), 2);
+    assert_eq!(outs[0]["window_start"], NOW);
+    assert_eq!(outs[0]["window_end"], NOW + 30_000);
+    assert_eq!(outs[0]["value"], 3);
+    assert_eq!(outs[1]["window_start"], NOW + 10_000);
+    assert_eq!(outs[1]["id"], format!("balances/A/{}/2", NOW + 10_000));
+    let topics: Vec<&str> = h.mem.outbox.values().map(|o| o.topic.as_str()).collect();
+    assert_eq!(topics[0], format!("t/A/{NOW}"));
+    // A late input to a closed window is a dead letter and changes no result.
+    assert_eq!(h.feed_at(&ev_at("E4", 8, NOW + 9_000), NOW), dead("late"));
+    h.feed_at(&ev_at("E5", 1, NOW + 100_000), NOW);
+    h.checkpoint();
+    let starts: Vec<u64> = h
+        .mem
+        .outbox
+        .values()
+        .map(|o| {
+            serde_json::from_slice::<serde_json::Value>(&o.payload).unwrap()["window_start"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(
+        starts,
+        [NOW, NOW + 10_000, NOW + 20_000, NOW + 30_000, NOW + 40_000]
+    );
+}
+
+#[test]
+fn window_slide_and_final_emit_are_validated() {
+    let base = |window: &str, emit: &str| {
+        cairn::config::pipeline_from_toml(&format!(
+            r#"name = "p"
+topics = ["a/#"]
+event_id = "/id"
+key = "/k"
+aggregate = "count"
+{window}
+output_topic = "p/{{key}}"
+emit = "{emit}""#
+        ))
+    };
+    let err = |w: &str, e: &str| base(w, e).unwrap_err().to_string();
+    assert!(err("", "final").contains("needs a `window`"));
+    assert!(
+        err(r#"window = { size = "1m", slide = "2m" }"#, "upsert")
+            .contains("at most the window size")
+    );
+    assert!(err(r#"window = { size = "1m", slide = "0s" }"#, "upsert").contains("longer than 0s"));
+    assert!(err(r#"window = { size = "1h", slide = "1s" }"#, "upsert").contains("3600 windows"));
+    let same = base(r#"window = { size = "1m", slide = "1m" }"#, "final").unwrap();
+    assert_eq!(
+        same.window.unwrap().slide_ms,
+        None,
+        "a slide equal to the size is tumbling"
+    );
+    assert_eq!(same.emit, Emit::Final);
+    // A tumbling window keeps its definition, so existing state stays valid.
+    assert!(!cairn::pipeline::engine::definition(&same).contains("slide"));
 }

@@ -33,7 +33,8 @@ use super::{
 };
 use crate::pipeline::filter::parse_filter;
 use crate::pipeline::spec::{
-    Aggregate, AggregateSpec, Emit, Field, Format, PipelineSpec, TemplatePart, WindowSpec,
+    Aggregate, AggregateSpec, Emit, Field, Format, MAX_WINDOWS_PER_EVENT, PipelineSpec,
+    TemplatePart, WindowSpec,
 };
 
 #[path = "locate.rs"]
@@ -357,8 +358,12 @@ pub fn summary(cfg: &Config) -> String {
         let window = p
             .window
             .map(|w| {
+                let slide = w
+                    .slide_ms
+                    .map(|s| format!(" sliding {}", format_duration_ms(s)))
+                    .unwrap_or_default();
                 format!(
-                    " per {} window (lateness {})",
+                    " per {} window{slide} (lateness {})",
                     format_duration_ms(w.size_ms),
                     format_duration_ms(w.allowed_lateness_ms)
                 )
@@ -375,6 +380,7 @@ pub fn summary(cfg: &Config) -> String {
             match p.emit {
                 Emit::Upsert => "upsert",
                 Emit::Changelog => "changelog",
+                Emit::Final => "final",
             },
             format_duration_ms(p.dedup_window_ms),
             p.max_keys
@@ -558,6 +564,7 @@ enum RawAggregate {
 #[serde(deny_unknown_fields)]
 struct RawWindow {
     size: Option<DurationText>,
+    slide: Option<DurationText>,
     allowed_lateness: Option<DurationText>,
 }
 
@@ -1320,6 +1327,36 @@ impl Validator {
         ok.then_some(out)
     }
 
+    /// A window's slide: `None` when it equals the size (tumbling, stored as before).
+    fn slide(&mut self, key: &str, slide: u64, size: Option<u64>) -> Option<Option<u64>> {
+        let size = size?;
+        if slide == 0 || slide > size {
+            self.problem(
+                key,
+                format!(
+                    "must be longer than 0s and at most the window size {}, found {}",
+                    format_duration_ms(size),
+                    format_duration_ms(slide)
+                ),
+            );
+            return None;
+        }
+        if size.div_ceil(slide) > MAX_WINDOWS_PER_EVENT {
+            self.problem(
+                key,
+                format!(
+                    "a {} window sliding every {} puts each event in {} windows; at most \
+                     {MAX_WINDOWS_PER_EVENT} are allowed (each is a state write per event)",
+                    format_duration_ms(size),
+                    format_duration_ms(slide),
+                    size.div_ceil(slide)
+                ),
+            );
+            return None;
+        }
+        Some((slide != size).then_some(slide))
+    }
+
     /// A list of aggregates: not empty, each known, none twice.
     fn aggregate_list(&mut self, key: &str, list: Vec<String>) -> Option<AggregateSpec> {
         if list.is_empty() || list.len() > MAX_AGGREGATES {
@@ -1571,13 +1608,22 @@ impl Validator {
                     }),
                 };
                 let lateness = self.duration(&k("window.allowed_lateness"), w.allowed_lateness, 0);
+                let slide = match w.slide {
+                    None => Some(None),
+                    some => self
+                        .duration(&k("window.slide"), some, 0)
+                        .and_then(|slide| self.slide(&k("window.slide"), slide, size)),
+                };
                 // No `?` here: it would return from the whole pipeline and skip the checks
                 // below, hiding their problems.
-                match (size, lateness) {
-                    (Some(size_ms), Some(allowed_lateness_ms)) => Some(Some(WindowSpec {
-                        size_ms,
-                        allowed_lateness_ms,
-                    })),
+                match (size, lateness, slide) {
+                    (Some(size_ms), Some(allowed_lateness_ms), Some(slide_ms)) => {
+                        Some(Some(WindowSpec {
+                            size_ms,
+                            allowed_lateness_ms,
+                            slide_ms,
+                        }))
+                    }
                     _ => None,
                 }
             }
@@ -1624,10 +1670,21 @@ impl Validator {
         let emit = match r.emit.as_deref() {
             None | Some("upsert") => Some(Emit::Upsert),
             Some("changelog") => Some(Emit::Changelog),
+            // Whether there is a window is known only if `window` itself is valid.
+            Some("final") if matches!(window, Some(None)) => {
+                self.problem(
+                    &k("emit"),
+                    "\"final\" emits a result when its window closes: it needs a `window`",
+                );
+                None
+            }
+            Some("final") => Some(Emit::Final),
             Some(other) => {
                 self.problem(
                     &k("emit"),
-                    format!("`{other}` is not an emit mode: expected \"upsert\" or \"changelog\""),
+                    format!(
+                        "`{other}` is not an emit mode: expected \"upsert\", \"changelog\" or \"final\""
+                    ),
                 );
                 None
             }

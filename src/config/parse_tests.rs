@@ -646,7 +646,8 @@ fn output_topics_are_checked() {
         p.window,
         Some(WindowSpec {
             size_ms: 60_000,
-            allowed_lateness_ms: 0
+            allowed_lateness_ms: 0,
+            slide_ms: None
         })
     );
 }
@@ -913,7 +914,8 @@ allowed_lateness = "1m"
         p.window,
         Some(WindowSpec {
             size_ms: 900_000,
-            allowed_lateness_ms: 60_000
+            allowed_lateness_ms: 60_000,
+            slide_ms: None
         })
     );
     assert_eq!(p.event_time, Some(Field::Index(3)));

@@ -127,14 +127,46 @@ pub enum Emit {
     Upsert,
     /// One output per applied event.
     Changelog,
+    /// One output per window, when the watermark closes it (windowed pipelines only).
+    Final,
 }
 
-/// A tumbling event-time window. `size_ms` is above zero (config validation); any size and
-/// lateness is safe, since window bounds are computed with checked arithmetic.
+/// An event-time window: tumbling, or hopping when `slide_ms` is set. `size_ms` is above
+/// zero and a slide lies in `(0, size_ms)` with at most [`MAX_WINDOWS_PER_EVENT`] windows
+/// covering any instant (config validation); any size and lateness is safe, since window
+/// bounds are computed with checked arithmetic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WindowSpec {
     pub size_ms: u64,
     pub allowed_lateness_ms: u64,
+    /// Windows start every `slide_ms` (hopping); `None` is tumbling (a slide of `size_ms`).
+    /// Left out of the definition when `None`, so a tumbling pipeline's stored state keeps
+    /// the definition it had before hopping windows existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slide_ms: Option<u64>,
+}
+
+/// Most windows one event may land in (`ceil(size / slide)`): each is a state write.
+pub const MAX_WINDOWS_PER_EVENT: u64 = 100;
+
+impl WindowSpec {
+    pub fn slide(&self) -> u64 {
+        self.slide_ms.unwrap_or(self.size_ms)
+    }
+
+    /// The smallest window start (a multiple of the slide) still open when the greatest
+    /// event time applied is `max_event_time_ms`: a window closes once the watermark
+    /// (`max_event_time_ms - allowed_lateness`) reaches its end. For tumbling windows this is
+    /// the watermark rounded down to the size, as before hopping windows existed.
+    pub fn open_from(&self, max_event_time_ms: u64) -> u64 {
+        let watermark = max_event_time_ms.saturating_sub(self.allowed_lateness_ms);
+        match watermark.checked_sub(self.size_ms) {
+            None => 0,
+            // Open: start + size > watermark, i.e. start > watermark - size. Never
+            // overflows: the result is at most watermark - size + slide <= watermark.
+            Some(x) => (x / self.slide() + 1) * self.slide(),
+        }
+    }
 }
 
 /// A validated pipeline definition.
