@@ -269,7 +269,7 @@ fn an_unknown_key_inside_an_inline_window_is_named() {
         &only(&text),
         "pipeline[0].window.lateness",
         line_of(&text, "window ="),
-        "unknown key `lateness`, expected `size` or `allowed_lateness`",
+        "unknown key `lateness`, expected one of `size`, `slide`, `allowed_lateness`",
     );
 }
 
