@@ -859,3 +859,56 @@ emit = "{emit}""#
     // A tumbling window keeps its definition, so existing state stays valid.
     assert!(!cairn::pipeline::engine::definition(&same).contains("slide"));
 }
+
+/// The README's worked example (issue 15's machine-telemetry job), exactly as documented.
+#[test]
+fn the_readme_machine_telemetry_example() {
+    let spec = cairn::config::pipeline_from_toml(
+        r#"name = "machines"
+topics = ["plant/+/telemetry"]
+event_id = "{topic[1]}-{/seq}"
+key = "{topic[1]}"
+value = "/temp"
+event_time = "/ts"
+where = '/status == "running" and /temp > -40'
+aggregate = ["min", "max", "avg", "count", "stddev", "p95"]
+window = { size = "1m", allowed_lateness = "30s" }
+output_topic = "machines/{key}/{window_start}"
+emit = "final"
+retain = false"#,
+    )
+    .unwrap();
+    let mut engine = Engine::new(vec![spec], Default::default());
+    let mut mem = MemState::default();
+    let inputs = [
+        r#"{"seq":1,"ts":"2026-11-30T12:00:05Z","status":"running","temp":61.5}"#,
+        r#"{"seq":2,"ts":"2026-11-30T12:00:20Z","status":"running","temp":64.0}"#,
+        r#"{"seq":3,"ts":"2026-11-30T12:00:35Z","status":"idle","temp":20.0}"#,
+        r#"{"seq":2,"ts":"2026-11-30T12:00:20Z","status":"running","temp":64.0}"#,
+        r#"{"seq":4,"ts":"2026-11-30T12:00:50Z","status":"running","temp":70.5}"#,
+        r#"{"seq":5,"ts":"2026-11-30T12:01:31Z","status":"running","temp":66.0}"#,
+    ];
+    let mut outcomes = Vec::new();
+    for (i, p) in inputs.iter().enumerate() {
+        let rec = Record {
+            offset: i as u64,
+            received_at_ms: 1_796_040_100_000,
+            topic: "plant/m7/telemetry".into(),
+            payload: p.as_bytes().to_vec(),
+            qos: 1,
+            retain: false,
+        };
+        outcomes.extend(engine.apply(&mem, &rec).unwrap());
+    }
+    assert_eq!(outcomes[2], Outcome::Filtered);
+    assert_eq!(outcomes[3], Outcome::Duplicate);
+    let cp = engine.take_checkpoint();
+    mem.commit(&cp);
+    let outs: Vec<_> = mem.outbox.values().collect();
+    assert_eq!(outs.len(), 1, "only the closed minute has a result");
+    assert_eq!(outs[0].topic, "machines/m7/1796040000000");
+    assert_eq!(
+        String::from_utf8(outs[0].payload.clone()).unwrap(),
+        r#"{"count":3,"id":"machines/m7/1796040000000/3","key":"m7","pipeline":"machines","values":{"avg":65.33333333333333,"count":3,"max":70.5,"min":61.5,"p95":70.5,"stddev":3.7932688922470157},"version":3,"window_end":1796040060000,"window_start":1796040000000}"#
+    );
+}
