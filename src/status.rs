@@ -224,7 +224,8 @@ fn from_data_dir(cfg: &Config) -> Result<Value, Failure> {
         .map(|pp| {
             json!({"name": pp.name, "keys": pp.keys, "dedup_entries": pp.dedup_entries,
                    "applied": pp.counters.applied, "duplicates": pp.counters.duplicates,
-                   "dead_letters": pp.counters.dead_letters, "outputs": pp.counters.outputs})
+                   "dead_letters": pp.counters.dead_letters, "outputs": pp.counters.outputs,
+                   "filtered": pp.counters.filtered})
         })
         .collect();
     v["outbox_entries"] = json!(store.outbox_len());

@@ -150,8 +150,9 @@ pub struct WindowSpec {
 pub const MAX_WINDOWS_PER_EVENT: u64 = 100;
 
 impl WindowSpec {
+    /// The slide; never 0, even in a hand-built spec, since it divides.
     pub fn slide(&self) -> u64 {
-        self.slide_ms.unwrap_or(self.size_ms)
+        self.slide_ms.unwrap_or(self.size_ms).max(1)
     }
 
     /// The smallest window start (a multiple of the slide) still open when the greatest
