@@ -310,3 +310,24 @@ fn expired_ledger_chunks_are_dropped_so_the_ledger_stays_bounded() {
         "the checkpoint records the ledger size it leaves"
     );
 }
+
+#[test]
+fn a_layout_2_store_from_before_the_filtered_counter_is_refused_with_the_rebuild_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    let mut engine = Engine::new(vec![spec()], store.progress().unwrap());
+    engine.apply(&store, &rec(0, "E1/A/5")).unwrap();
+    store.commit(&engine.take_checkpoint(), 0).unwrap();
+    // Layout 2's progress record has no `filtered` counter: decoding it now would misread.
+    store.meta.insert(FORMAT_KEY, &2u32.to_be_bytes()).unwrap();
+    store.sync().unwrap();
+    drop(store);
+    let err = Store::open(dir.path(), 1 << 20, fsio::real())
+        .err()
+        .unwrap();
+    assert!(matches!(err, StoreError::Format { found: 2, .. }), "{err}");
+    assert!(
+        err.to_string().contains("this cairn reads layout 3"),
+        "{err}"
+    );
+}
