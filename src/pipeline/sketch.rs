@@ -18,9 +18,11 @@ use serde::{Deserialize, Serialize};
 /// Mantissa bits kept: 2^7 = 128 buckets per power of two.
 pub const MANTISSA_BITS: u32 = 7;
 /// Most buckets one sketch holds. A bucket costs 2 to 13 bytes in the store (a varint key
-/// and a varint count), typically 4, so a sketch stays below ~4 KiB typically and 13 KiB
-/// at worst: far below the size at which sled moves values out of its log.
-pub const MAX_BUCKETS: usize = 1024;
+/// and a varint count), typically 4, so a sketch stays near 2 KiB and below 6.5 KiB at
+/// worst. sled writes a leaf of up to ~17 values as one log item and moves items over
+/// ~128 KiB to blob files it never fsyncs, so even a leaf full of worst-case sketches
+/// must stay below that: 17 × 6.5 KiB leaves room for keys and the other aggregates.
+pub const MAX_BUCKETS: usize = 512;
 /// Largest relative error of a reported percentile with respect to the value at its rank,
 /// while no buckets were folded: 2^-MANTISSA_BITS.
 pub const RELATIVE_ERROR: f64 = 1.0 / 128.0;
@@ -217,7 +219,14 @@ mod tests {
         assert_eq!(s.buckets(), MAX_BUCKETS);
         assert_eq!(s.total(), i);
         let bytes = postcard::to_stdvec(&s).unwrap().len();
-        assert!(bytes <= 8 * 1024, "{bytes} bytes");
+        assert!(bytes <= 4 * 1024, "{bytes} bytes");
+        // The worst case: every count needs a 10-byte varint.
+        let mut worst = s.clone();
+        for b in &mut worst.buckets {
+            b.1 = u64::MAX;
+        }
+        let bytes = postcard::to_stdvec(&worst).unwrap().len();
+        assert!(17 * (bytes + 256) < 128 * 1024, "{bytes} bytes");
         // The largest values keep their accuracy; only those nearest zero were folded.
         let top = s.quantile(1000).unwrap();
         assert!(top > 3.9e15 * (1.0 - RELATIVE_ERROR) && top < 4.0e15);

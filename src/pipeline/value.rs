@@ -429,7 +429,7 @@ mod tests {
             x *= 1.01;
         }
         let bytes = postcard::to_stdvec(&s).unwrap().len();
-        assert!(bytes < 8 * 1024, "{bytes} bytes");
+        assert!(bytes < 4 * 1024, "{bytes} bytes");
         let back: KeyState = postcard::from_bytes(&postcard::to_stdvec(&s).unwrap()).unwrap();
         assert_eq!(back, s);
     }
