@@ -1131,6 +1131,7 @@ fn pipeline_figures(
                 duplicates: c.duplicates,
                 dead_letters: c.dead_letters,
                 outputs: c.outputs,
+                filtered: c.filtered,
             };
             (p.name.clone(), figures)
         })

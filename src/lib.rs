@@ -24,8 +24,9 @@
 //! ## Codemap
 //!
 //! - [`model`]: plain data (`Record`, `Offset`).
-//! - [`pipeline`]: pipeline definitions, payload parsing, dedup, aggregates, windows, output
-//!   IDs; the [`pipeline::engine::Engine`] and an in-memory reference store.
+//! - [`pipeline`]: pipeline definitions, payload parsing, `where` filters, dedup, aggregates
+//!   (with a deterministic quantile sketch), tumbling and hopping windows, output IDs; the
+//!   [`pipeline::engine::Engine`] and an in-memory reference store.
 //! - [`log`]: the segmented, CRC-framed replay log: group commit, torn-tail recovery,
 //!   corruption detection and repair, retention.
 //! - [`store`]: the sled checkpoint store, savepoints, inspection.

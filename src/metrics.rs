@@ -65,6 +65,8 @@ pub struct PipelineFigures {
     pub duplicates: u64,
     pub dead_letters: u64,
     pub outputs: u64,
+    /// Inputs skipped by the pipeline's `where` filter.
+    pub filtered: u64,
 }
 
 /// Everything exported. The agent writes it; [`render`] reads a copy.
@@ -597,6 +599,13 @@ pub fn render_figures(f: &Figures, now_ms: u64) -> String {
         "Inputs refused into the dead-letter tree.",
         f,
         |p| p.dead_letters,
+    );
+    o.per_pipeline(
+        "cairn_filtered_total",
+        c,
+        "Inputs skipped because they do not match the pipeline's `where` filter.",
+        f,
+        |p| p.filtered,
     );
     o.per_pipeline(
         "cairn_outputs_total",

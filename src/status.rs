@@ -96,6 +96,7 @@ fn from_metrics(addr: &str, samples: &[Sample]) -> Value {
             "cairn_duplicates_total" => "duplicates",
             "cairn_dead_letters_total" => "dead_letters",
             "cairn_outputs_total" => "outputs",
+            "cairn_filtered_total" => "filtered",
             _ => continue,
         };
         pipelines
@@ -254,6 +255,7 @@ fn from_data_dir(cfg: &Config) -> Result<Value, Failure> {
             json!({"name": pp.name, "keys": pp.keys, "dedup_entries": pp.dedup_entries,
                    "applied": pp.counters.applied, "duplicates": pp.counters.duplicates,
                    "dead_letters": pp.counters.dead_letters, "outputs": pp.counters.outputs,
+                   "filtered": pp.counters.filtered,
                    "generation": pp.generation.max(1)})
         })
         .collect();
@@ -331,13 +333,18 @@ fn human(v: &Value) -> String {
     }
     for p in v["pipelines"].as_array().into_iter().flatten() {
         lines.push(format!(
-            "pipeline    {}: keys {}, applied {}, duplicates {}, dead letters {}, outputs {}",
+            "pipeline    {}: keys {}, applied {}, duplicates {}, dead letters {}, outputs {}{}",
             s(&p["name"]),
             s(&p["keys"]),
             s(&p["applied"]),
             s(&p["duplicates"]),
             s(&p["dead_letters"]),
-            s(&p["outputs"])
+            s(&p["outputs"]),
+            // Only pipelines with a `where` skip anything; the others keep their line.
+            match p["filtered"].as_u64() {
+                Some(n) if n > 0 => format!(", filtered {n}"),
+                _ => String::new(),
+            }
         ));
     }
     for u in v["unconfigured_pipelines"].as_array().into_iter().flatten() {

@@ -210,7 +210,7 @@ fn a_changed_pipeline_definition_is_refused_at_open() {
         proc.checkpoint(0).unwrap();
     }
     let mut changed = spec();
-    changed.aggregate = Aggregate::Max;
+    changed.aggregate = AggregateSpec::One(Aggregate::Max);
     let store = Store::open(&dir.path().join("store"), 1 << 20, fsio::real()).unwrap();
     let err = Processor::open(store, vec![changed])
         .err()
@@ -239,7 +239,7 @@ fn a_named_reset_drops_the_pipelines_state_and_continues_its_versions() {
         proc.checkpoint(0).unwrap();
     }
     let mut changed = spec();
-    changed.aggregate = Aggregate::Max;
+    changed.aggregate = AggregateSpec::One(Aggregate::Max);
     let store = Store::open(&dir.path().join("store"), 1 << 20, fsio::real()).unwrap();
     let err = Processor::open_with_reset(store, vec![changed.clone()], &["nope".into()])
         .err()

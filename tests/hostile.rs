@@ -2,8 +2,9 @@
 //! same panic on every restart, and whatever a record does must be recomputed exactly on
 //! replay (invariant 3).
 //!
-//! Every format and every aggregate, unwindowed and with tiny, ordinary and huge windows,
-//! in both emit modes, meets records built from extremes: 0, negatives, the `i64`/`u64`
+//! Every format and every aggregate (alone and all in one list), unwindowed and with tiny,
+//! ordinary and huge tumbling and hopping windows, in every emit mode, half of them behind a
+//! `where` filter, meets records built from extremes: 0, negatives, the `i64`/`u64`
 //! bounds, NaN and huge floats, event times near `u64::MAX`, times of receipt near 0 and
 //! near `u64::MAX`, and IDs and keys of odd shapes. After each checkpoint, a fresh engine
 //! started from the checkpoint before it applies the same records and must hand over the
@@ -16,16 +17,32 @@ use cairn::pipeline::spec::PipelineSpec;
 use cairn::pipeline::time::parse_rfc3339_ms;
 use proptest::prelude::*;
 
-const AGGREGATES: [&str; 6] = ["sum", "count", "min", "max", "avg", "last"];
+/// TOML values of `aggregate`: every aggregate alone, and a list of all of them.
+const AGGREGATES: [&str; 11] = [
+    "\"sum\"",
+    "\"count\"",
+    "\"min\"",
+    "\"max\"",
+    "\"avg\"",
+    "\"last\"",
+    "\"stddev\"",
+    "\"variance\"",
+    "\"p50\"",
+    "\"p99.9\"",
+    r#"["count", "sum", "min", "max", "avg", "last", "stddev", "variance", "p1", "p95", "p99.9"]"#,
+];
 
 /// `(window table or "", max_future)`: no window; a 1 ms window with no lateness; an
 /// ordinary one; one so large that its end overflows for any time in the second half of
 /// the `u64` range.
-const WINDOWS: [&str; 4] = [
+/// Then hopping windows: an ordinary one, and a huge one with the most windows per event.
+const WINDOWS: [&str; 6] = [
     "",
     r#"window = { size = "1ms" }"#,
     r#"window = { size = "1m", allowed_lateness = "30s" }"#,
     r#"window = { size = "200000000000d", allowed_lateness = "200000000000d" }"#,
+    r#"window = { size = "1m", slide = "10s", allowed_lateness = "30s" }"#,
+    r#"window = { size = "200000000000d", slide = "2000000000d" }"#,
 ];
 
 /// Every format × aggregate × window, emit modes alternating. JSON pipelines read `j/#`
@@ -40,15 +57,22 @@ fn specs() -> Vec<PipelineSpec> {
                 } else {
                     (["0", "1", "2", "3"], "d/#", "max_future = \"366d\"")
                 };
-                let value = if *agg == "count" {
+                let value = if *agg == "\"count\"" {
                     String::new()
                 } else {
                     format!("value = \"{}\"", fields[2])
                 };
-                let emit = if (a + w) % 2 == 0 {
-                    "changelog"
-                } else {
-                    "upsert"
+                let emit = match (a + w) % 3 {
+                    0 => "changelog",
+                    1 if !window.is_empty() => "final",
+                    _ => "upsert",
+                };
+                // Every other pipeline filters on the value and the key (short-circuit
+                // `or`, so a bad value behind a matching key is never compared).
+                let filter = match ((a + w) % 2, *format) {
+                    (1, "json") => r#"where = '/k == "x" or not (/v < 0) and /v != 7'"#,
+                    (1, _) => r#"where = '{1} == "x" or not ({2} < 0) and {2} != 7'"#,
+                    _ => "",
                 };
                 let output_topic = if window.is_empty() {
                     "o/{key}"
@@ -63,7 +87,8 @@ event_id = "{}"
 key = "{}"
 {value}
 event_time = "{}"
-aggregate = "{agg}"
+aggregate = {agg}
+{filter}
 {window}
 output_topic = "{output_topic}"
 emit = "{emit}"
@@ -338,8 +363,9 @@ proptest! {
         let applied: u64 = mem.progress.pipelines.iter().map(|p| p.counters.applied).sum();
         let dead: u64 = mem.progress.pipelines.iter().map(|p| p.counters.dead_letters).sum();
         let dups: u64 = mem.progress.pipelines.iter().map(|p| p.counters.duplicates).sum();
+        let filtered: u64 = mem.progress.pipelines.iter().map(|p| p.counters.filtered).sum();
         // Every record reached every matching pipeline and was accounted for once.
-        prop_assert_eq!(applied + dead + dups, offset * (specs.len() as u64 / 2));
+        prop_assert_eq!(applied + dead + dups + filtered, offset * (specs.len() as u64 / 2));
     }
 
     #[test]

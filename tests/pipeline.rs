@@ -19,7 +19,7 @@ max_key_len = 32
 max_keys = 3"#,
     )
     .unwrap();
-    spec.aggregate = aggregate;
+    spec.aggregate = AggregateSpec::One(aggregate);
     spec
 }
 
@@ -253,6 +253,7 @@ fn late_events_within_lateness_update_their_window_beyond_it_are_dead_letters() 
     spec.window = Some(WindowSpec {
         size_ms: 60_000,
         allowed_lateness_ms: 30_000,
+        slide_ms: None,
     });
     spec.output_topic = "balances/{key}/{window_start}".into();
     spec.emit = Emit::Changelog;
@@ -551,4 +552,363 @@ fn a_topic_over_the_mqtt_limit_is_a_dead_letter_not_a_disconnect() {
     h.checkpoint();
     assert_eq!(h.mem.outbox.len(), 1);
     assert!(h.mem.outbox.values().all(|o| o.topic.len() <= 65_535));
+}
+
+/// Issue 15.1: a list of aggregates gives one result with `values`, one entry per name.
+#[test]
+fn a_list_of_aggregates_gives_one_result_with_every_value() {
+    let spec = cairn::config::pipeline_from_toml(
+        r#"name = "telemetry"
+topics = ["payments/#"]
+event_id = "/id"
+key = "/account"
+value = "/amount"
+aggregate = ["min", "max", "avg", "count", "sum", "last", "stddev", "variance", "p50", "p95", "p99.9"]
+output_topic = "t/{key}""#,
+    )
+    .unwrap();
+    let mut h = Harness::new(vec![spec]);
+    for (i, v) in [2, 4, 4, 4, 5, 5, 7, 9].iter().enumerate() {
+        let e = format!(r#"{{"id":"E{i}","account":"A","amount":{v}}}"#);
+        assert_eq!(h.feed(&e), applied("A", i as u64 + 1));
+    }
+    h.checkpoint();
+    assert_eq!(h.mem.outbox.len(), 1, "one result per key and checkpoint");
+    let out = h.mem.outbox.values().next().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.payload).unwrap();
+    assert_eq!(
+        v,
+        serde_json::json!({
+            "id": "telemetry/A/8", "pipeline": "telemetry", "key": "A", "version": 8,
+            "count": 8,
+            "values": {
+                "min": 2, "max": 9, "avg": 5.0, "count": 8, "sum": 40, "last": 9,
+                "stddev": 2.0, "variance": 4.0, "p50": 4.0, "p95": 9.0, "p99.9": 9.0,
+            },
+        })
+    );
+    assert!(v.get("value").is_none());
+}
+
+/// A single aggregate keeps today's payload exactly: `value`, no `values`.
+#[test]
+fn a_single_aggregate_payload_is_unchanged() {
+    let mut h = Harness::new(vec![json_spec(Aggregate::Sum)]);
+    h.feed(r#"{"id":"E1","account":"A","amount":5}"#);
+    h.checkpoint();
+    let out = h.mem.outbox.values().next().unwrap();
+    assert_eq!(
+        String::from_utf8(out.payload.clone()).unwrap(),
+        r#"{"count":1,"id":"balances/A/1","key":"A","pipeline":"balances","value":5,"version":1}"#
+    );
+}
+
+#[test]
+fn stddev_variance_and_percentiles_alone() {
+    let run = |agg: Aggregate| {
+        let mut h = Harness::new(vec![json_spec(agg)]);
+        for (i, v) in [1.5, 2.5, -3.0, 10.0].iter().enumerate() {
+            h.feed(&format!(r#"{{"id":"E{i}","account":"A","amount":{v}}}"#));
+        }
+        h.checkpoint();
+        h.value("A").unwrap().as_f64().unwrap()
+    };
+    let mean = (1.5 + 2.5 - 3.0 + 10.0) / 4.0;
+    let var = [1.5f64, 2.5, -3.0, 10.0]
+        .iter()
+        .map(|x| (x - mean) * (x - mean))
+        .sum::<f64>()
+        / 4.0;
+    assert!((run(Aggregate::Variance) - var).abs() < 1e-12);
+    assert!((run(Aggregate::Stddev) - var.sqrt()).abs() < 1e-12);
+    assert_eq!(run(Aggregate::Percentile(500)), 1.5);
+    assert_eq!(run(Aggregate::Percentile(10)), -3.0);
+    let p99 = run(Aggregate::Percentile(990));
+    assert!((10.0 * (1.0 - 1.0 / 128.0)..=10.0).contains(&p99));
+}
+
+/// Issue 15.2: inputs the filter skips are counted, not dead letters; inputs whose
+/// compared fields are missing or of the wrong type are dead letters.
+#[test]
+fn where_skips_and_counts_non_matching_inputs() {
+    let spec = cairn::config::pipeline_from_toml(
+        r#"name = "balances"
+topics = ["payments/#"]
+event_id = "/id"
+key = "/account"
+value = "/amount"
+aggregate = "sum"
+where = '/status == "running" and /amount > -40 and topic[1] != "test"'
+output_topic = "t/{key}""#,
+    )
+    .unwrap();
+    let mut h = Harness::new(vec![spec]);
+    let ev = |id: &str, status: &str, amount: &str| {
+        format!(r#"{{"id":"{id}","account":"A","status":{status},"amount":{amount}}}"#)
+    };
+    assert_eq!(h.feed(&ev("E1", r#""running""#, "5")), applied("A", 1));
+    assert_eq!(h.feed(&ev("E2", r#""idle""#, "7")), vec![Outcome::Filtered]);
+    // `and` stops at the first false: an idle machine need not send a number.
+    assert_eq!(
+        h.feed(&ev("E3", r#""idle""#, r#""n/a""#)),
+        vec![Outcome::Filtered]
+    );
+    assert_eq!(
+        h.feed(&ev("E4", r#""running""#, "-40")),
+        vec![Outcome::Filtered]
+    );
+    assert_eq!(
+        h.feed(&ev("E5", r#""running""#, r#""5""#)),
+        dead("wrong_type")
+    );
+    assert_eq!(h.feed(&ev("E6", "1", "5")), dead("wrong_type"));
+    assert_eq!(
+        h.feed(r#"{"id":"E7","account":"A","amount":5}"#),
+        dead("missing_field")
+    );
+    // A filtered input leaves no dedup entry: the same ID may still come in running.
+    assert_eq!(h.feed(&ev("E2", r#""running""#, "1")), applied("A", 2));
+    h.checkpoint();
+    let c = &h.mem.progress.pipelines[0].counters;
+    assert_eq!((c.applied, c.filtered, c.dead_letters), (2, 3, 3));
+    assert_eq!(h.value("A"), Some(serde_json::json!(6)));
+}
+
+/// Issue 15.3: keys and event IDs from topic levels, alone or mixed with fields.
+#[test]
+fn keys_and_event_ids_from_topic_levels() {
+    let spec = cairn::config::pipeline_from_toml(
+        r#"name = "balances"
+topics = ["payments/#"]
+event_id = "{topic[1]}-{/seq}"
+key = "{/site}/{topic[1]}"
+value = "/amount"
+aggregate = "sum"
+output_topic = "t/{key}""#,
+    )
+    .unwrap();
+    let mut h = Harness::new(vec![spec]);
+    // The harness publishes on `payments/eu`.
+    let r = h.feed(r#"{"seq":1,"site":"s1","amount":5}"#);
+    assert_eq!(r, applied("s1/eu", 1));
+    assert_eq!(
+        h.feed(r#"{"seq":1,"site":"s1","amount":5}"#),
+        vec![Outcome::Duplicate]
+    );
+    assert_eq!(
+        h.feed(r#"{"seq":2,"site":"s1","amount":5}"#),
+        applied("s1/eu", 2)
+    );
+    h.checkpoint();
+    let out = h.mem.outbox.values().next().unwrap();
+    assert_eq!(out.topic, "t/s1%2Feu");
+    let spec = cairn::config::pipeline_from_toml(
+        r#"name = "lvl"
+topics = ["payments/#"]
+event_id = "{topic[5]}"
+key = "{topic[0]}"
+aggregate = "count"
+output_topic = "t/{key}""#,
+    )
+    .unwrap();
+    let mut h = Harness::new(vec![spec]);
+    assert_eq!(h.feed("{}"), dead("missing_field"));
+}
+
+fn hopping(emit: &str) -> PipelineSpec {
+    cairn::config::pipeline_from_toml(&format!(
+        r#"name = "balances"
+topics = ["payments/#"]
+event_id = "/id"
+key = "/account"
+value = "/amount"
+event_time = "/ts"
+aggregate = "sum"
+window = {{ size = "30s", slide = "10s", allowed_lateness = "5s" }}
+output_topic = "t/{{key}}/{{window_start}}"
+emit = "{emit}""#
+    ))
+    .unwrap()
+}
+
+fn ev_at(id: &str, amount: i64, ts: u64) -> Vec<u8> {
+    format!(r#"{{"id":"{id}","account":"A","amount":{amount},"ts":{ts}}}"#).into_bytes()
+}
+
+/// Issue 15.4: an event lands in every window covering it; windows close one by one.
+#[test]
+fn hopping_windows_take_each_event_in_every_window_covering_it() {
+    let mut h = Harness::new(vec![hopping("changelog")]);
+    // 25s is covered by the windows starting at 0s, 10s and 20s.
+    assert_eq!(
+        h.feed_at(&ev_at("E1", 1, NOW + 25_000), NOW),
+        applied("A", 1)
+    );
+    assert_eq!(h.engine.progress().pipelines[0].keys, 3);
+    // 35s: windows at 10s, 20s, 30s. The one at 10s now holds both.
+    assert_eq!(
+        h.feed_at(&ev_at("E2", 2, NOW + 35_000), NOW),
+        applied("A", 1)
+    );
+    // Watermark 45s - 5s = 40s: the window [0s, 30s) closed, [10s, 40s) closes too.
+    assert_eq!(
+        h.feed_at(&ev_at("E3", 4, NOW + 45_000), NOW),
+        applied("A", 1)
+    );
+    // 29s: its windows at 0s and 10s are closed, 20s (E1, E2, E3) is open: applied there.
+    assert_eq!(
+        h.feed_at(&ev_at("E4", 8, NOW + 29_000), NOW),
+        applied("A", 4)
+    );
+    // 5s: only window 0s, closed: late.
+    assert_eq!(h.feed_at(&ev_at("E5", 16, NOW + 5_000), NOW), dead("late"));
+    h.checkpoint();
+    let mut sums: Vec<(u64, i64)> = h
+        .mem
+        .state
+        .iter()
+        .map(|((_, k), st)| {
+            let start = u64::from_be_bytes(k[..8].try_into().unwrap());
+            ((start - NOW) / 1000, st.value_json().as_i64().unwrap())
+        })
+        .collect();
+    sums.sort();
+    assert_eq!(sums, [(20, 1 + 2 + 4 + 8), (30, 2 + 4), (40, 4)]);
+    let p = &h.mem.progress.pipelines[0];
+    assert_eq!(p.keys, 3);
+    assert_eq!(p.evicted_below, NOW + 20_000);
+    // Changelog: one output per window per event: 3 + 3 + 3 + 1.
+    assert_eq!(h.mem.outbox.len(), 10);
+}
+
+/// Issue 15.5: one result per window when the watermark passes its end plus the allowed
+/// lateness, never again; inputs after that are `late`.
+#[test]
+fn final_emit_publishes_each_window_once_when_it_closes() {
+    let mut h = Harness::new(vec![hopping("final")]);
+    h.feed_at(&ev_at("E1", 1, NOW + 25_000), NOW);
+    h.feed_at(&ev_at("E2", 2, NOW + 28_000), NOW);
+    h.checkpoint();
+    assert!(h.mem.outbox.is_empty(), "nothing closed yet");
+    // Watermark 40s: windows [0s, 30s) and [10s, 40s) close.
+    h.feed_at(&ev_at("E3", 4, NOW + 45_000), NOW);
+    h.checkpoint();
+    let outs: Vec<serde_json::Value> = h
+        .mem
+        .outbox
+        .values()
+        .map(|o| serde_json::from_slice(&o.payload).unwrap())
+        .collect();
+    assert_eq!(outs.len(), 2);
+    assert_eq!(outs[0]["window_start"], NOW);
+    assert_eq!(outs[0]["window_end"], NOW + 30_000);
+    assert_eq!(outs[0]["value"], 3);
+    assert_eq!(outs[1]["window_start"], NOW + 10_000);
+    assert_eq!(outs[1]["id"], format!("balances/A/{}/2", NOW + 10_000));
+    let topics: Vec<&str> = h.mem.outbox.values().map(|o| o.topic.as_str()).collect();
+    assert_eq!(topics[0], format!("t/A/{NOW}"));
+    // A late input to a closed window is a dead letter and changes no result.
+    assert_eq!(h.feed_at(&ev_at("E4", 8, NOW + 9_000), NOW), dead("late"));
+    h.feed_at(&ev_at("E5", 1, NOW + 100_000), NOW);
+    h.checkpoint();
+    let starts: Vec<u64> = h
+        .mem
+        .outbox
+        .values()
+        .map(|o| {
+            serde_json::from_slice::<serde_json::Value>(&o.payload).unwrap()["window_start"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(
+        starts,
+        [NOW, NOW + 10_000, NOW + 20_000, NOW + 30_000, NOW + 40_000]
+    );
+}
+
+#[test]
+fn window_slide_and_final_emit_are_validated() {
+    let base = |window: &str, emit: &str| {
+        cairn::config::pipeline_from_toml(&format!(
+            r#"name = "p"
+topics = ["a/#"]
+event_id = "/id"
+key = "/k"
+aggregate = "count"
+{window}
+output_topic = "p/{{key}}"
+emit = "{emit}""#
+        ))
+    };
+    let err = |w: &str, e: &str| base(w, e).unwrap_err().to_string();
+    assert!(err("", "final").contains("needs a `window`"));
+    assert!(
+        err(r#"window = { size = "1m", slide = "2m" }"#, "upsert")
+            .contains("at most the window size")
+    );
+    assert!(err(r#"window = { size = "1m", slide = "0s" }"#, "upsert").contains("longer than 0s"));
+    assert!(err(r#"window = { size = "1h", slide = "1s" }"#, "upsert").contains("3600 windows"));
+    let same = base(r#"window = { size = "1m", slide = "1m" }"#, "final").unwrap();
+    assert_eq!(
+        same.window.unwrap().slide_ms,
+        None,
+        "a slide equal to the size is tumbling"
+    );
+    assert_eq!(same.emit, Emit::Final);
+    // A tumbling window keeps its definition, so existing state stays valid.
+    assert!(!cairn::pipeline::engine::definition(&same).contains("slide"));
+}
+
+/// The README's worked example (issue 15's machine-telemetry job), exactly as documented.
+#[test]
+fn the_readme_machine_telemetry_example() {
+    let spec = cairn::config::pipeline_from_toml(
+        r#"name = "machines"
+topics = ["plant/+/telemetry"]
+event_id = "{topic[1]}-{/seq}"
+key = "{topic[1]}"
+value = "/temp"
+event_time = "/ts"
+where = '/status == "running" and /temp > -40'
+aggregate = ["min", "max", "avg", "count", "stddev", "p95"]
+window = { size = "1m", allowed_lateness = "30s" }
+output_topic = "machines/{key}/{window_start}"
+emit = "final"
+retain = false"#,
+    )
+    .unwrap();
+    let mut engine = Engine::new(vec![spec], Default::default());
+    let mut mem = MemState::default();
+    let inputs = [
+        r#"{"seq":1,"ts":"2026-11-30T12:00:05Z","status":"running","temp":61.5}"#,
+        r#"{"seq":2,"ts":"2026-11-30T12:00:20Z","status":"running","temp":64.0}"#,
+        r#"{"seq":3,"ts":"2026-11-30T12:00:35Z","status":"idle","temp":20.0}"#,
+        r#"{"seq":2,"ts":"2026-11-30T12:00:20Z","status":"running","temp":64.0}"#,
+        r#"{"seq":4,"ts":"2026-11-30T12:00:50Z","status":"running","temp":70.5}"#,
+        r#"{"seq":5,"ts":"2026-11-30T12:01:31Z","status":"running","temp":66.0}"#,
+    ];
+    let mut outcomes = Vec::new();
+    for (i, p) in inputs.iter().enumerate() {
+        let rec = Record {
+            offset: i as u64,
+            received_at_ms: 1_796_040_100_000,
+            topic: "plant/m7/telemetry".into(),
+            payload: p.as_bytes().to_vec(),
+            qos: 1,
+            retain: false,
+        };
+        outcomes.extend(engine.apply(&mem, &rec).unwrap());
+    }
+    assert_eq!(outcomes[2], Outcome::Filtered);
+    assert_eq!(outcomes[3], Outcome::Duplicate);
+    let cp = engine.take_checkpoint();
+    mem.commit(&cp);
+    let outs: Vec<_> = mem.outbox.values().collect();
+    assert_eq!(outs.len(), 1, "only the closed minute has a result");
+    assert_eq!(outs[0].topic, "machines/m7/1796040000000");
+    assert_eq!(
+        String::from_utf8(outs[0].payload.clone()).unwrap(),
+        r#"{"count":3,"id":"machines/m7/1796040000000/3","key":"m7","pipeline":"machines","values":{"avg":65.33333333333333,"count":3,"max":70.5,"min":61.5,"p95":70.5,"stddev":3.7932688922470157},"version":3,"window_end":1796040060000,"window_start":1796040000000}"#
+    );
 }

@@ -31,8 +31,10 @@ use super::{
     CheckpointConfig, Config, LogConfig, LoggingConfig, MetricsConfig, MqttConfig, OutboxConfig,
     SavepointConfig, StorageConfig, TlsConfig,
 };
+use crate::pipeline::filter::parse_filter;
 use crate::pipeline::spec::{
-    Aggregate, Emit, Field, Format, PipelineSpec, TemplatePart, WindowSpec,
+    Aggregate, AggregateSpec, Emit, Field, Format, MAX_WINDOWS_PER_EVENT, PipelineSpec,
+    TemplatePart, WindowSpec,
 };
 
 #[path = "locate.rs"]
@@ -356,8 +358,12 @@ pub fn summary(cfg: &Config) -> String {
         let window = p
             .window
             .map(|w| {
+                let slide = w
+                    .slide_ms
+                    .map(|s| format!(" sliding {}", format_duration_ms(s)))
+                    .unwrap_or_default();
                 format!(
-                    " per {} window (lateness {})",
+                    " per {} window{slide} (lateness {})",
                     format_duration_ms(w.size_ms),
                     format_duration_ms(w.allowed_lateness_ms)
                 )
@@ -367,13 +373,14 @@ pub fn summary(cfg: &Config) -> String {
             "pipeline    {}: {} [{format}] -> {}{value} by {}{window} -> {} ({}, {}, dedup {}, <= {} keys)",
             p.name,
             p.topics.join(", "),
-            aggregate_name(p.aggregate),
+            aggregate_text(&p.aggregate),
             field_text(&p.key),
             p.output_topic,
             if p.retain { "retained" } else { "not retained" },
             match p.emit {
                 Emit::Upsert => "upsert",
                 Emit::Changelog => "changelog",
+                Emit::Final => "final",
             },
             format_duration_ms(p.dedup_window_ms),
             p.max_keys
@@ -391,6 +398,7 @@ fn field_text(f: &Field) -> String {
     match f {
         Field::Pointer(p) => p.clone(),
         Field::Index(i) => i.to_string(),
+        Field::Topic(i) => format!("topic[{i}]"),
         Field::Template(parts) => parts
             .iter()
             .map(|part| match part {
@@ -401,20 +409,19 @@ fn field_text(f: &Field) -> String {
     }
 }
 
-const AGGREGATES: [(&str, Aggregate); 6] = [
-    ("sum", Aggregate::Sum),
-    ("count", Aggregate::Count),
-    ("min", Aggregate::Min),
-    ("max", Aggregate::Max),
-    ("avg", Aggregate::Avg),
-    ("last", Aggregate::Last),
-];
+const AGGREGATE_NAMES: &str = "one of sum, count, min, max, avg, last, stddev, variance, or a percentile such as p50, p95, p99.9";
 
-fn aggregate_name(a: Aggregate) -> &'static str {
-    AGGREGATES
-        .iter()
-        .find(|(_, x)| *x == a)
-        .map_or("?", |(name, _)| name)
+/// Most aggregates in one list: each is a field of every result.
+const MAX_AGGREGATES: usize = 32;
+
+fn aggregate_text(a: &AggregateSpec) -> String {
+    match a {
+        AggregateSpec::One(a) => a.name(),
+        AggregateSpec::List(l) => {
+            let names: Vec<String> = l.iter().map(|a| a.name()).collect();
+            format!("[{}]", names.join(", "))
+        }
+    }
 }
 
 fn one_line(s: &str) -> String {
@@ -528,7 +535,9 @@ struct RawPipeline {
     key: Option<String>,
     value: Option<String>,
     event_time: Option<String>,
-    aggregate: Option<String>,
+    aggregate: Option<RawAggregate>,
+    #[serde(rename = "where")]
+    filter: Option<String>,
     window: Option<RawWindow>,
     dedup_window: Option<DurationText>,
     output_topic: Option<String>,
@@ -540,10 +549,22 @@ struct RawPipeline {
     max_future: Option<DurationText>,
 }
 
+/// `aggregate = "sum"` or `aggregate = ["min", "max"]`.
+#[derive(Debug, Deserialize)]
+#[serde(
+    untagged,
+    expecting = "a string such as \"sum\", or a list such as [\"min\", \"max\"]"
+)]
+enum RawAggregate {
+    One(String),
+    List(Vec<String>),
+}
+
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawWindow {
     size: Option<DurationText>,
+    slide: Option<DurationText>,
     allowed_lateness: Option<DurationText>,
 }
 
@@ -1306,6 +1327,70 @@ impl Validator {
         ok.then_some(out)
     }
 
+    /// A window's slide: `None` when it equals the size (tumbling, stored as before).
+    fn slide(&mut self, key: &str, slide: u64, size: Option<u64>) -> Option<Option<u64>> {
+        let size = size?;
+        if slide == 0 || slide > size {
+            self.problem(
+                key,
+                format!(
+                    "must be longer than 0s and at most the window size {}, found {}",
+                    format_duration_ms(size),
+                    format_duration_ms(slide)
+                ),
+            );
+            return None;
+        }
+        if size.div_ceil(slide) > MAX_WINDOWS_PER_EVENT {
+            self.problem(
+                key,
+                format!(
+                    "a {} window sliding every {} puts each event in {} windows; at most \
+                     {MAX_WINDOWS_PER_EVENT} are allowed (each is a state write per event)",
+                    format_duration_ms(size),
+                    format_duration_ms(slide),
+                    size.div_ceil(slide)
+                ),
+            );
+            return None;
+        }
+        Some((slide != size).then_some(slide))
+    }
+
+    /// A list of aggregates: not empty, each known, none twice.
+    fn aggregate_list(&mut self, key: &str, list: Vec<String>) -> Option<AggregateSpec> {
+        if list.is_empty() || list.len() > MAX_AGGREGATES {
+            self.problem(
+                key,
+                format!(
+                    "must list 1 to {MAX_AGGREGATES} aggregates, found {}",
+                    list.len()
+                ),
+            );
+            return None;
+        }
+        let mut out: Vec<Aggregate> = Vec::with_capacity(list.len());
+        let mut ok = true;
+        for (j, a) in list.iter().enumerate() {
+            let at = format!("{key}[{j}]");
+            match Aggregate::parse(a) {
+                Some(agg) if out.contains(&agg) => {
+                    self.problem(&at, format!("`{a}` is listed twice"));
+                    ok = false;
+                }
+                Some(agg) => out.push(agg),
+                None => {
+                    self.problem(
+                        &at,
+                        format!("`{a}` is not an aggregate: expected {AGGREGATE_NAMES}"),
+                    );
+                    ok = false;
+                }
+            }
+        }
+        ok.then_some(AggregateSpec::List(out))
+    }
+
     fn pipeline(
         &mut self,
         i: usize,
@@ -1414,19 +1499,20 @@ impl Validator {
 
         let aggregate = match r.aggregate {
             None => {
-                self.missing(&k("aggregate"), "one of sum, count, min, max, avg, last");
+                self.missing(&k("aggregate"), AGGREGATE_NAMES);
                 None
             }
-            Some(a) => match AGGREGATES.iter().find(|(n, _)| *n == a) {
-                Some((_, agg)) => Some(*agg),
+            Some(RawAggregate::One(a)) => match Aggregate::parse(&a) {
+                Some(agg) => Some(AggregateSpec::One(agg)),
                 None => {
                     self.problem(
                         &k("aggregate"),
-                        format!("`{a}` is not an aggregate: expected one of sum, count, min, max, avg, last"),
+                        format!("`{a}` is not an aggregate: expected {AGGREGATE_NAMES}"),
                     );
                     None
                 }
             },
+            Some(RawAggregate::List(list)) => self.aggregate_list(&k("aggregate"), list),
         };
 
         // Fields are read with the pipeline's format; without a valid format, skip them.
@@ -1443,6 +1529,23 @@ impl Validator {
                     None
                 }
             }
+        };
+        let filter = match (r.filter, format.as_ref()) {
+            (None, _) => Some(None),
+            (Some(_), None) => None,
+            (Some(text), Some(format)) => match parse_filter(&text, format) {
+                Ok(e) => Some(Some(e)),
+                Err(e) => {
+                    // The position within the expression: TOML drops the newline after an
+                    // opening `'''`, so a file line could be off by one.
+                    let at = match e.position(&text) {
+                        (0, col) => format!("column {col}"),
+                        (line, col) => format!("line {}, column {col}", line + 1),
+                    };
+                    self.problem(&k("where"), format!("{at} of the filter: {}", e.message));
+                    None
+                }
+            },
         };
         let format_ok = format.is_some();
         let event_id_present = r.event_id.is_some();
@@ -1465,21 +1568,20 @@ impl Validator {
                 "the field whose value names the aggregate, e.g. \"/account\"",
             );
         }
-        let value = match (aggregate, value_present) {
-            (Some(Aggregate::Count), true) => {
+        let needs_value = aggregate.as_ref().map(AggregateSpec::needs_value);
+        let value = match (needs_value, value_present) {
+            (Some(false), true) => {
                 self.problem(
                     &k("value"),
                     "count counts events and reads no value: remove `value`, or use another aggregate",
                 );
                 None
             }
-            (Some(agg), false) if agg != Aggregate::Count => {
+            (Some(true), false) => {
+                let agg = aggregate.as_ref().map(aggregate_text).unwrap_or_default();
                 self.missing(
                     &k("value"),
-                    &format!(
-                        "`{}` needs the field to aggregate, e.g. \"/amount\"",
-                        aggregate_name(agg)
-                    ),
+                    &format!("`{agg}` needs the field to aggregate, e.g. \"/amount\""),
                 );
                 None
             }
@@ -1506,13 +1608,22 @@ impl Validator {
                     }),
                 };
                 let lateness = self.duration(&k("window.allowed_lateness"), w.allowed_lateness, 0);
+                let slide = match w.slide {
+                    None => Some(None),
+                    some => self
+                        .duration(&k("window.slide"), some, 0)
+                        .and_then(|slide| self.slide(&k("window.slide"), slide, size)),
+                };
                 // No `?` here: it would return from the whole pipeline and skip the checks
                 // below, hiding their problems.
-                match (size, lateness) {
-                    (Some(size_ms), Some(allowed_lateness_ms)) => Some(Some(WindowSpec {
-                        size_ms,
-                        allowed_lateness_ms,
-                    })),
+                match (size, lateness, slide) {
+                    (Some(size_ms), Some(allowed_lateness_ms), Some(slide_ms)) => {
+                        Some(Some(WindowSpec {
+                            size_ms,
+                            allowed_lateness_ms,
+                            slide_ms,
+                        }))
+                    }
                     _ => None,
                 }
             }
@@ -1559,10 +1670,21 @@ impl Validator {
         let emit = match r.emit.as_deref() {
             None | Some("upsert") => Some(Emit::Upsert),
             Some("changelog") => Some(Emit::Changelog),
+            // Whether there is a window is known only if `window` itself is valid.
+            Some("final") if matches!(window, Some(None)) => {
+                self.problem(
+                    &k("emit"),
+                    "\"final\" emits a result when its window closes: it needs a `window`",
+                );
+                None
+            }
+            Some("final") => Some(Emit::Final),
             Some(other) => {
                 self.problem(
                     &k("emit"),
-                    format!("`{other}` is not an emit mode: expected \"upsert\" or \"changelog\""),
+                    format!(
+                        "`{other}` is not an emit mode: expected \"upsert\", \"changelog\" or \"final\""
+                    ),
                 );
                 None
             }
@@ -1613,6 +1735,7 @@ impl Validator {
             event_time: event_time?,
             aggregate: aggregate?,
             window: window?,
+            filter: filter?,
             dedup_window_ms: dedup_window_ms?,
             output_topic: output_topic?,
             retain: r.retain.unwrap_or(true),

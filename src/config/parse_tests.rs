@@ -172,7 +172,7 @@ fn a_minimal_config_gets_safe_default_limits() {
             key: Field::Pointer("/account".into()),
             value: Some(Field::Pointer("/amount".into())),
             event_time: None,
-            aggregate: Aggregate::Sum,
+            aggregate: AggregateSpec::One(Aggregate::Sum),
             window: None,
             dedup_window_ms: 7 * 86_400_000,
             output_topic: "balances/{key}".into(),
@@ -182,6 +182,7 @@ fn a_minimal_config_gets_safe_default_limits() {
             max_keys: 1_000_000,
             max_id_len: 256,
             max_future_ms: 600_000,
+            filter: None,
         }]
     );
 }
@@ -268,7 +269,7 @@ fn an_unknown_key_inside_an_inline_window_is_named() {
         &only(&text),
         "pipeline[0].window.lateness",
         line_of(&text, "window ="),
-        "unknown key `lateness`, expected `size` or `allowed_lateness`",
+        "unknown key `lateness`, expected one of `size`, `slide`, `allowed_lateness`",
     );
 }
 
@@ -645,7 +646,8 @@ fn output_topics_are_checked() {
         p.window,
         Some(WindowSpec {
             size_ms: 60_000,
-            allowed_lateness_ms: 0
+            allowed_lateness_ms: 0,
+            slide_ms: None
         })
     );
 }
@@ -656,7 +658,10 @@ fn count_needs_no_value_and_other_aggregates_do() {
         .replace("value = \"/amount\"\n", "")
         .replace("\"sum\"", "\"count\"");
     let p = &parse(&text).unwrap().pipelines[0];
-    assert_eq!((p.aggregate, p.value.clone()), (Aggregate::Count, None));
+    assert_eq!(
+        (p.aggregate.clone(), p.value.clone()),
+        (AggregateSpec::One(Aggregate::Count), None)
+    );
     let text = MINIMAL.replace("value = \"/amount\"\n", "");
     assert_problem(
         &only(&text),
@@ -909,7 +914,8 @@ allowed_lateness = "1m"
         p.window,
         Some(WindowSpec {
             size_ms: 900_000,
-            allowed_lateness_ms: 60_000
+            allowed_lateness_ms: 60_000,
+            slide_ms: None
         })
     );
     assert_eq!(p.event_time, Some(Field::Index(3)));
@@ -923,4 +929,66 @@ allowed_lateness = "1m"
         s.contains("max(2) by 1 per 15m window (lateness 1m)"),
         "{s}"
     );
+}
+
+#[test]
+fn aggregate_lists_are_checked_name_by_name() {
+    let text = MINIMAL.replace(
+        "aggregate = \"sum\"",
+        "aggregate = [\"min\", \"p95\", \"median\", \"min\", \"p99.9\"]",
+    );
+    let p = problems(&text);
+    assert_eq!(p.len(), 2, "{p:#?}");
+    let line = line_of(&text, "median");
+    assert_problem(
+        &p[0],
+        "pipeline[0].aggregate[2]",
+        line,
+        "`median` is not an aggregate",
+    );
+    assert_problem(
+        &p[1],
+        "pipeline[0].aggregate[3]",
+        line,
+        "`min` is listed twice",
+    );
+    let ok = MINIMAL.replace("aggregate = \"sum\"", "aggregate = [\"p99.9\", \"stddev\"]");
+    let cfg = parse(&ok).unwrap();
+    assert_eq!(
+        cfg.pipelines[0].aggregate,
+        AggregateSpec::List(vec![Aggregate::Percentile(999), Aggregate::Stddev])
+    );
+    let empty = MINIMAL.replace("aggregate = \"sum\"", "aggregate = []");
+    assert_problem(
+        &only(&empty),
+        "pipeline[0].aggregate",
+        line_of(&empty, "aggregate"),
+        "1 to 32",
+    );
+    let count_only = MINIMAL
+        .replace("aggregate = \"sum\"", "aggregate = [\"count\"]")
+        .replace("value = \"/amount\"\n", "");
+    assert!(parse(&count_only).is_ok());
+}
+
+#[test]
+fn a_bad_filter_is_reported_with_its_line_and_column() {
+    let text = with_pipeline("where = '/status == \"running\" and /temp >> -40'");
+    assert_problem(
+        &only(&text),
+        "pipeline[0].where",
+        line_of(&text, "where"),
+        "column 33 of the filter: expected a field or a literal, found an operator",
+    );
+    let text = with_pipeline("where = '''\n/status == \"running\"\n  and (/temp > -40'''");
+    assert_problem(
+        &only(&text),
+        "pipeline[0].where",
+        line_of(&text, "where"),
+        "line 2, column 19 of the filter: expected `)`",
+    );
+    let cfg = parse(&with_pipeline("where = 'not (/temp > 3)'")).unwrap();
+    assert!(cfg.pipelines[0].filter.is_some());
+    let text = with_pipeline("key2 = 1");
+    assert!(!problems(&text).is_empty());
 }

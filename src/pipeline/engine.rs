@@ -37,6 +37,8 @@ pub struct Counters {
     pub duplicates: u64,
     pub dead_letters: u64,
     pub outputs: u64,
+    /// Inputs the pipeline's `where` filter skipped.
+    pub filtered: u64,
 }
 
 /// Per-pipeline progress, checkpointed.
@@ -186,9 +188,16 @@ pub fn definition(spec: &PipelineSpec) -> String {
 /// What became of one record in one pipeline.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
-    Applied { key: String, version: u64 },
+    Applied {
+        key: String,
+        version: u64,
+    },
     Duplicate,
-    DeadLetter { reason: &'static str },
+    DeadLetter {
+        reason: &'static str,
+    },
+    /// The `where` filter did not match: skipped, counted, not a dead letter.
+    Filtered,
 }
 
 pub struct Engine {
@@ -361,7 +370,15 @@ impl Engine {
         rec: &Record,
     ) -> Result<Outcome, ReadError> {
         let spec = &self.specs[p];
-        let ev = match parse(spec, &rec.payload).and_then(|ev| check_key(spec, ev)) {
+        let ev = match parse(spec, &rec.topic, &rec.payload) {
+            Ok(None) => {
+                self.progress.pipelines[p].counters.filtered += 1;
+                return Ok(Outcome::Filtered);
+            }
+            Ok(Some(ev)) => check_key(spec, ev),
+            Err(r) => Err(r),
+        };
+        let ev = match ev {
             Ok(ev) => ev,
             Err(r) => return self.dead(base, p, rec, r),
         };
@@ -377,31 +394,44 @@ impl Engine {
             }
         }
 
-        let slot = match self.slot(p, &ev, rec) {
-            Ok(slot) => slot,
+        let (time_ms, slots) = match self.slots(p, &ev, rec) {
+            Ok(s) => s,
             Err(r) => return self.dead(base, p, rec, r),
         };
-        let (new, new_key) = match self.next_state(base, p, &slot, ev.value)? {
-            Ok(next) => next,
-            Err(r) => return self.dead(base, p, rec, r),
-        };
+        // Every window the event lands in takes it, or none does.
+        let mut states = Vec::with_capacity(slots.len());
+        let mut new_keys = 0u64;
+        for slot in &slots {
+            match self.next_state(base, p, &slot.skey, time_ms, ev.value, new_keys)? {
+                Ok((st, new_key)) => {
+                    new_keys += u64::from(new_key);
+                    states.push(st);
+                }
+                Err(r) => return self.dead(base, p, rec, r),
+            }
+        }
 
-        // Accepted: remember the ID, store the state, emit.
+        // Accepted: remember the ID, store the states, emit.
         let pp = &mut self.progress.pipelines[p];
         pp.counters.applied += 1;
-        if new_key {
-            pp.keys += 1;
-        }
-        pp.max_version = pp.max_version.max(new.version);
-        pp.max_event_time_ms = pp.max_event_time_ms.max(slot.time_ms);
+        pp.keys += new_keys;
+        pp.max_event_time_ms = pp.max_event_time_ms.max(time_ms);
         self.remember(&name, ev.event_id.clone(), now);
-        self.batch
-            .state
-            .insert((name.clone(), slot.skey.clone()), Some(new));
-        match self.specs[p].emit {
-            Emit::Changelog => self.emit(p, &slot.skey, &new, slot.topic),
-            Emit::Upsert => {
-                self.touched.insert((p, slot.skey), (new, slot.topic));
+        let mut version = 0;
+        for (slot, new) in slots.into_iter().zip(states) {
+            let pp = &mut self.progress.pipelines[p];
+            pp.max_version = pp.max_version.max(new.version);
+            version = new.version;
+            self.batch
+                .state
+                .insert((name.clone(), slot.skey.clone()), Some(new.clone()));
+            match self.specs[p].emit {
+                Emit::Changelog => self.emit(p, &slot.skey, &new, slot.topic),
+                Emit::Upsert => {
+                    self.touched.insert((p, slot.skey), (new, slot.topic));
+                }
+                // Emitted once, when the watermark closes the window (`evict_closed`).
+                Emit::Final => {}
             }
         }
         if self.specs[p].window.is_some() {
@@ -409,14 +439,15 @@ impl Engine {
         }
         Ok(Outcome::Applied {
             key: ev.key,
-            version: new.version,
+            version,
         })
     }
 
-    /// Where an event goes: its time, its state key (window start and key) and its output
-    /// topic; or why it can go nowhere. Every bound here is checked arithmetic, since the
-    /// event time is whatever the sender wrote.
-    fn slot(&self, p: usize, ev: &Parsed, rec: &Record) -> Result<Slot, Refusal> {
+    /// Where an event goes: its time, and for each window that covers it and is still open
+    /// (one slot when unwindowed or tumbling) its state key and output topic; or why it can
+    /// go nowhere. Every bound here is checked arithmetic, since the event time is whatever
+    /// the sender wrote.
+    fn slots(&self, p: usize, ev: &Parsed, rec: &Record) -> Result<(u64, Vec<Slot>), Refusal> {
         let spec = &self.specs[p];
         let time_ms = match ev.event_time_ms {
             None => rec.received_at_ms,
@@ -435,53 +466,77 @@ impl Engine {
                 t
             }
         };
-        let mut skey = Vec::with_capacity(8 + ev.key.len());
-        let mut window_start = None;
-        if let Some(w) = spec.window {
-            let start = time_ms - time_ms % w.size_ms;
-            let Some(end) = start.checked_add(w.size_ms) else {
-                return Err(Refusal {
-                    reason: "bad_event_time",
-                    detail: format!(
-                        "event time {time_ms} falls in a window starting at {start} that ends \
-                         beyond the largest time this pipeline can represent"
-                    ),
-                });
-            };
+        let escaped = escape_key(&ev.key);
+        let slot = |start: Option<u64>| -> Result<Slot, Refusal> {
+            let mut skey = Vec::with_capacity(8 + ev.key.len());
+            if let Some(start) = start {
+                skey.extend_from_slice(&start.to_be_bytes());
+            }
+            skey.extend_from_slice(ev.key.as_bytes());
+            let topic = render(&spec.output_topic, &escaped, start);
+            check_publish_topic(&topic)?;
+            Ok(Slot { skey, topic })
+        };
+        let Some(w) = spec.window else {
+            return Ok((time_ms, vec![slot(None)?]));
+        };
+        // The newest window covering the event ends last: if its end fits, all do.
+        let newest = time_ms - time_ms % w.slide();
+        let Some(end) = newest.checked_add(w.size_ms) else {
+            return Err(Refusal {
+                reason: "bad_event_time",
+                detail: format!(
+                    "event time {time_ms} falls in a window starting at {newest} that ends \
+                     beyond the largest time this pipeline can represent"
+                ),
+            });
+        };
+        let open_from = w.open_from(self.progress.pipelines[p].max_event_time_ms);
+        // Windows covering the event: starts in (time - size, time], a multiple of the slide,
+        // oldest first. At most MAX_WINDOWS_PER_EVENT (config validation).
+        let mut starts = Vec::new();
+        let mut start = newest;
+        loop {
+            if start < open_from {
+                break;
+            }
+            starts.push(start);
+            match start.checked_sub(w.slide()) {
+                Some(s) if s + w.size_ms > time_ms => start = s,
+                _ => break,
+            }
+        }
+        if starts.is_empty() {
             let watermark = self.progress.pipelines[p]
                 .max_event_time_ms
                 .saturating_sub(w.allowed_lateness_ms);
-            let close_bound = watermark - watermark % w.size_ms;
-            if start < close_bound {
-                return Err(Refusal {
-                    reason: "late",
-                    detail: format!(
-                        "event time {time_ms} falls in window [{start}, {end}), closed at \
-                         watermark {watermark}"
-                    ),
-                });
-            }
-            skey.extend_from_slice(&start.to_be_bytes());
-            window_start = Some(start);
+            return Err(Refusal {
+                reason: "late",
+                detail: format!(
+                    "event time {time_ms} falls in window [{newest}, {end}), closed at \
+                     watermark {watermark}"
+                ),
+            });
         }
-        skey.extend_from_slice(ev.key.as_bytes());
-        let topic = render(&spec.output_topic, &escape_key(&ev.key), window_start);
-        check_publish_topic(&topic)?;
-        Ok(Slot {
-            time_ms,
-            skey,
-            topic,
-        })
+        starts.reverse();
+        let slots = starts
+            .into_iter()
+            .map(|s| slot(Some(s)))
+            .collect::<Result<_, _>>()?;
+        Ok((time_ms, slots))
     }
 
-    /// The state after applying `value` to the slot, and whether the key is new; or why
-    /// the event cannot be applied (a new key beyond `max_keys`, an overflow).
+    /// The state after applying `value` to the state at `skey`, and whether the key is new;
+    /// or why the event cannot be applied (a new key beyond `max_keys`, counting
+    /// `pending_new` keys this event already adds; an overflow).
     fn next_state<R: ReadState>(
         &self,
         base: &R,
         p: usize,
-        slot: &Slot,
+        skey: &[u8],
+        time_ms: u64,
         value: Num,
+        pending_new: u64,
     ) -> Result<Result<(KeyState, bool), Refusal>, ReadError> {
         let spec = &self.specs[p];
         let pp = &self.progress.pipelines[p];
@@ -492,13 +547,13 @@ impl Engine {
                  its count or its version"
             ),
         };
-        Ok(match self.state_get(base, &spec.name, &slot.skey)? {
-            None if pp.keys >= spec.max_keys => Err(Refusal {
+        Ok(match self.state_get(base, &spec.name, skey)? {
+            None if pp.keys.saturating_add(pending_new) >= spec.max_keys => Err(Refusal {
                 reason: "key_limit",
                 detail: format!("{} keys held, the limit is {}", pp.keys, spec.max_keys),
             }),
             None => {
-                let mut first = KeyState::first(spec.aggregate, value, slot.time_ms);
+                let mut first = KeyState::first(&spec.aggregate, value, time_ms);
                 match first.version.checked_add(pp.version_base) {
                     Some(v) => {
                         first.version = v;
@@ -508,18 +563,18 @@ impl Engine {
                 }
             }
             Some(old) => old
-                .apply(value, slot.time_ms)
+                .apply(value, time_ms)
                 .map(|s| (s, false))
                 .map_err(|_| overflow()),
         })
     }
 
-    /// Drop windows the watermark has closed: no event can change them any more.
+    /// Drop windows the watermark has closed: no event can change them any more. With
+    /// `emit = "final"`, this is when each one's single result is emitted.
     fn evict_closed<R: ReadState>(&mut self, base: &R, p: usize) -> Result<(), ReadError> {
         let w = self.specs[p].window.expect("windowed");
         let pp = &self.progress.pipelines[p];
-        let watermark = pp.max_event_time_ms.saturating_sub(w.allowed_lateness_ms);
-        let close_bound = watermark - watermark % w.size_ms;
+        let close_bound = w.open_from(pp.max_event_time_ms);
         if close_bound <= pp.evicted_below {
             return Ok(());
         }
@@ -538,7 +593,17 @@ impl Engine {
         keys.sort();
         keys.dedup();
         for k in keys {
-            if self.state_get(base, &name, &k)?.is_some() {
+            if let Some(st) = self.state_get(base, &name, &k)? {
+                if self.specs[p].emit == Emit::Final {
+                    // Rendered and checked when the window took its first event.
+                    let key = String::from_utf8_lossy(&k[8..]);
+                    let topic = render(
+                        &self.specs[p].output_topic,
+                        &escape_key(&key),
+                        Some(start_of(&k)),
+                    );
+                    self.emit(p, &k, &st, topic);
+                }
                 self.batch.state.insert((name.clone(), k), None);
                 self.progress.pipelines[p].keys -= 1;
             }
@@ -565,8 +630,10 @@ impl Engine {
         };
         let mut body = serde_json::json!({
             "id": id, "pipeline": spec.name, "key": key, "version": st.version,
-            "value": st.value_json(), "count": st.count,
+            "count": st.count,
         });
+        // Maps are sorted, so the field order is the same whenever a field is added.
+        body[if st.is_multi() { "values" } else { "value" }] = st.value_json();
         if generation > 1 {
             body["generation"] = generation.into();
         }
@@ -595,7 +662,7 @@ impl Engine {
         skey: &[u8],
     ) -> Result<Option<KeyState>, ReadError> {
         match self.batch.state.get(&(p.to_string(), skey.to_vec())) {
-            Some(v) => Ok(*v),
+            Some(v) => Ok(v.clone()),
             None => base.state(p, skey),
         }
     }
@@ -646,10 +713,8 @@ impl Engine {
     }
 }
 
-/// Where an accepted event lands.
+/// Where an accepted event lands (one of possibly several windows).
 struct Slot {
-    /// The event time, or the time of receipt when the pipeline has no event-time field.
-    time_ms: u64,
     /// State key: the window start (big-endian, when windowed) then the key.
     skey: Vec<u8>,
     topic: String,

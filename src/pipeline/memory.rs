@@ -20,7 +20,7 @@ impl MemState {
     pub fn commit(&mut self, cp: &Checkpoint) {
         for ((p, k), v) in &cp.batch.state {
             match v {
-                Some(s) => self.state.insert((p.clone(), k.clone()), *s),
+                Some(s) => self.state.insert((p.clone(), k.clone()), s.clone()),
                 None => self.state.remove(&(p.clone(), k.clone())),
             };
         }
@@ -50,7 +50,7 @@ impl ReadState for MemState {
         Ok(self
             .state
             .get(&(pipeline.to_string(), skey.to_vec()))
-            .copied())
+            .cloned())
     }
 
     fn dedup(&self, pipeline: &str, event_id: &str) -> Result<Option<u64>, ReadError> {

@@ -5,8 +5,10 @@
 
 pub mod describe;
 pub mod engine;
+pub mod filter;
 pub mod memory;
 pub mod parse;
+pub mod sketch;
 pub mod spec;
 pub mod time;
 pub mod topic;
@@ -16,5 +18,5 @@ pub use engine::{
     Batch, Checkpoint, Counters, DeadLetter, Engine, Outcome, Output, PipelineProgress, Progress,
     ReadError, ReadState,
 };
-pub use spec::{Aggregate, Emit, Field, Format, PipelineSpec, WindowSpec};
+pub use spec::{Aggregate, AggregateSpec, Emit, Field, Format, PipelineSpec, WindowSpec};
 pub use value::{Agg, KeyState, Num};

@@ -2,6 +2,7 @@
 
 use serde_json::Value;
 
+use super::filter::Value as FilterValue;
 use super::spec::{Field, Format, PipelineSpec, TemplatePart};
 use super::time::parse_rfc3339_ms;
 use super::value::{MAX_EXACT_FLOAT, Num};
@@ -42,7 +43,15 @@ enum Doc<'a> {
     Fields(Vec<&'a str>),
 }
 
-pub fn parse(spec: &PipelineSpec, payload: &[u8]) -> Result<Parsed, Refusal> {
+/// An input: its payload, read once, and its topic (for `topic[N]`).
+struct Src<'a> {
+    doc: Doc<'a>,
+    topic: &'a str,
+}
+
+/// The event in a payload received on `topic`; `Ok(None)` when the pipeline's `where`
+/// filter does not match it (skipped, not a dead letter).
+pub fn parse(spec: &PipelineSpec, topic: &str, payload: &[u8]) -> Result<Option<Parsed>, Refusal> {
     if payload.is_empty() {
         return Err(refuse("empty", "the payload is empty"));
     }
@@ -63,6 +72,12 @@ pub fn parse(spec: &PipelineSpec, payload: &[u8]) -> Result<Parsed, Refusal> {
                 .collect(),
         ),
     };
+    let doc = Src { doc, topic };
+    if let Some(filter) = &spec.filter {
+        if !filter.eval(&mut |f| filter_value(&doc, f))? {
+            return Ok(None);
+        }
+    }
     let event_id = text_of(&doc, &spec.event_id, spec.max_id_len)?;
     let key = text_of(&doc, &spec.key, spec.max_key_len)?;
     let value = match &spec.value {
@@ -92,18 +107,51 @@ pub fn parse(spec: &PipelineSpec, payload: &[u8]) -> Result<Parsed, Refusal> {
             "the event ID contains a control character",
         ));
     }
-    Ok(Parsed {
+    Ok(Some(Parsed {
         event_id,
         key,
         value,
         event_time_ms,
+    }))
+}
+
+/// A field's value for a filter comparison. Text (delimited fields, topic levels,
+/// templates) stays untyped; JSON keeps its type.
+fn filter_value(src: &Src<'_>, field: &Field) -> Result<FilterValue, Refusal> {
+    Ok(match lookup(src, field, usize::MAX)? {
+        Scalar::Text(t) => FilterValue::Text(t.into_owned()),
+        Scalar::Json(Value::String(s)) => FilterValue::Str(s.clone()),
+        Scalar::Json(Value::Bool(b)) => FilterValue::Bool(*b),
+        Scalar::Json(Value::Number(n)) => match n.as_i64() {
+            Some(i) => FilterValue::Num(Num::Int(i)),
+            None => FilterValue::Num(Num::Float(n.as_f64().unwrap_or(f64::NAN))),
+        },
+        Scalar::Json(other) => {
+            return Err(refuse(
+                "wrong_type",
+                format!(
+                    "{} is {}, which `where` cannot compare",
+                    describe(field),
+                    kind(other)
+                ),
+            ));
+        }
     })
 }
 
 /// The scalar at `field`. A template stops growing once it is longer than `max_len` bytes
 /// (the caller refuses it as too long), so repeated parts cannot build a huge string.
-fn lookup<'a>(doc: &'a Doc<'a>, field: &Field, max_len: usize) -> Result<Scalar<'a>, Refusal> {
-    match (doc, field) {
+fn lookup<'a>(src: &'a Src<'a>, field: &Field, max_len: usize) -> Result<Scalar<'a>, Refusal> {
+    if let Field::Topic(i) = field {
+        return match src.topic.split('/').nth(*i) {
+            Some(level) => Ok(Scalar::Text(level.into())),
+            None => Err(refuse(
+                "missing_field",
+                format!("the topic `{}` has no level {i}", src.topic),
+            )),
+        };
+    }
+    match (&src.doc, field) {
         (Doc::Json(v), Field::Pointer(p)) => match v.pointer(p) {
             Some(Value::Null) | None => Err(refuse("missing_field", format!("no value at {p}"))),
             Some(x) => Ok(Scalar::Json(x)),
@@ -115,7 +163,7 @@ fn lookup<'a>(doc: &'a Doc<'a>, field: &Field, max_len: usize) -> Result<Scalar<
                 format!("no field {i} (the payload has {})", f.len()),
             )),
         },
-        (doc, Field::Template(parts)) => {
+        (_, Field::Template(parts)) => {
             let mut out = String::new();
             for part in parts {
                 if out.len() > max_len {
@@ -124,7 +172,7 @@ fn lookup<'a>(doc: &'a Doc<'a>, field: &Field, max_len: usize) -> Result<Scalar<
                 match part {
                     TemplatePart::Literal(l) => out.push_str(l),
                     TemplatePart::Field(f) => {
-                        out.push_str(&scalar_text(lookup(doc, f, max_len)?, f)?)
+                        out.push_str(&scalar_text(lookup(src, f, max_len)?, f)?)
                     }
                 }
             }
@@ -154,11 +202,11 @@ fn scalar_text(s: Scalar<'_>, field: &Field) -> Result<String, Refusal> {
     }
 }
 
-fn text_of(doc: &Doc<'_>, field: &Field, max_len: usize) -> Result<String, Refusal> {
+fn text_of(doc: &Src<'_>, field: &Field, max_len: usize) -> Result<String, Refusal> {
     scalar_text(lookup(doc, field, max_len)?, field)
 }
 
-fn number_of(doc: &Doc<'_>, field: &Field) -> Result<Num, Refusal> {
+fn number_of(doc: &Src<'_>, field: &Field) -> Result<Num, Refusal> {
     let n = match lookup(doc, field, usize::MAX)? {
         Scalar::Json(Value::Number(n)) => {
             if let Some(i) = n.as_i64() {
@@ -215,7 +263,7 @@ fn number_of(doc: &Doc<'_>, field: &Field) -> Result<Num, Refusal> {
     Ok(n)
 }
 
-fn time_of(doc: &Doc<'_>, field: &Field) -> Result<u64, Refusal> {
+fn time_of(doc: &Src<'_>, field: &Field) -> Result<u64, Refusal> {
     match lookup(doc, field, usize::MAX)? {
         Scalar::Json(Value::Number(n)) => n.as_u64().ok_or_else(|| {
             refuse(
@@ -253,6 +301,7 @@ fn describe(field: &Field) -> String {
         Field::Pointer(p) => p.clone(),
         Field::Index(i) => format!("field {i}"),
         Field::Template(_) => "template field".into(),
+        Field::Topic(i) => format!("topic[{i}]"),
     }
 }
 

@@ -76,7 +76,7 @@ const FORMAT_KEY: &[u8] = b"format";
 /// The layout this build writes (see the module docs).
 pub const STORE_FORMAT: u32 = 3;
 /// The older layout this build still reads: the same trees, a progress record without
-/// generations.
+/// generations and with counters that have no `filtered`.
 const STORE_FORMAT_V2: u32 = 2;
 
 mod index;
@@ -888,7 +888,16 @@ impl ReadState for Store {
 mod v2 {
     use serde::Deserialize;
 
-    use crate::pipeline::engine::{self, Counters};
+    use crate::pipeline::engine;
+
+    /// Counters before `where` filters (issue 15) added `filtered`.
+    #[derive(Deserialize)]
+    struct Counters {
+        applied: u64,
+        duplicates: u64,
+        dead_letters: u64,
+        outputs: u64,
+    }
 
     #[derive(Deserialize)]
     pub(super) struct Progress {
@@ -932,7 +941,13 @@ mod v2 {
                         evicted_below: pp.evicted_below,
                         keys: pp.keys,
                         dedup_entries: pp.dedup_entries,
-                        counters: pp.counters,
+                        counters: engine::Counters {
+                            applied: pp.counters.applied,
+                            duplicates: pp.counters.duplicates,
+                            dead_letters: pp.counters.dead_letters,
+                            outputs: pp.counters.outputs,
+                            filtered: 0,
+                        },
                         definition: pp.definition,
                         version_base: pp.version_base,
                         max_version: pp.max_version,

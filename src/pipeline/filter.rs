@@ -1,0 +1,588 @@
+//! `where` filters: a small boolean language over the fields of an input, parsed once when
+//! the config is loaded and evaluated by the pure engine.
+//!
+//! ```text
+//! expr    := or
+//! or      := and ("or" and)*
+//! and     := not ("and" not)*
+//! not     := "not" not | "(" expr ")" | cmp
+//! cmp     := operand ("==" | "!=" | "<" | "<=" | ">" | ">=") operand
+//! operand := /json/pointer | {field} | topic[N] | "string" | number | true | false
+//! ```
+//!
+//! `{field}` is anything `key` and `value` accept (`{/a b}`, `{2}` for a delimited position,
+//! `{topic[1]}`); a bare `/pointer` ends at a space, a parenthesis or an operator.
+//! `and` and `or` evaluate left to right and stop as soon as the answer is known, so
+//! `/status == "running" and /temp > -40` skips a stopped machine even if it sends no
+//! temperature.
+
+use std::cmp::Ordering;
+
+use serde::{Deserialize, Serialize};
+
+use super::parse::Refusal;
+use super::spec::{Field, Format};
+use super::value::Num;
+
+/// Deepest nesting of `not` and parentheses: the parser recurses once per level.
+pub const MAX_DEPTH: usize = 64;
+/// Longest expression, in bytes.
+pub const MAX_LEN: usize = 4096;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CmpOp {
+    Eq,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Literal {
+    Str(String),
+    Num(Num),
+    Bool(bool),
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Operand {
+    Field(Field),
+    Literal(Literal),
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Expr {
+    Or(Box<Expr>, Box<Expr>),
+    And(Box<Expr>, Box<Expr>),
+    Not(Box<Expr>),
+    Cmp(Operand, CmpOp, Operand),
+}
+
+// `Num` holds floats, so the derive cannot promise `Eq`; literals are never NaN (the parser
+// accepts finite numbers only), so equality is an equivalence here.
+impl Eq for Literal {}
+impl Eq for Operand {}
+impl Eq for Expr {}
+
+/// A value read from an input for a comparison.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Value {
+    /// Untyped text: a delimited field or a topic level. It compares as whatever the other
+    /// side is (a number, a boolean or a string).
+    Text(String),
+    Str(String),
+    Num(Num),
+    Bool(bool),
+}
+
+/// A parse error at a byte offset of the expression.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SyntaxError {
+    pub offset: usize,
+    pub message: String,
+}
+
+impl SyntaxError {
+    /// 0-based line and 1-based column (in characters) of the error within the expression.
+    pub fn position(&self, text: &str) -> (usize, usize) {
+        let before = &text[..self.offset.min(text.len())];
+        let line = before.matches('\n').count();
+        let col = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+        (line, col)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Tok {
+    Field(Field),
+    Lit(Literal),
+    Op(CmpOp),
+    And,
+    Or,
+    Not,
+    Open,
+    Close,
+}
+
+fn err<T>(offset: usize, message: impl Into<String>) -> Result<T, SyntaxError> {
+    Err(SyntaxError {
+        offset,
+        message: message.into(),
+    })
+}
+
+/// Parse a filter for a pipeline of the given format.
+pub fn parse_filter(text: &str, format: &Format) -> Result<Expr, SyntaxError> {
+    if text.len() > MAX_LEN {
+        return err(0, format!("longer than {MAX_LEN} bytes"));
+    }
+    let toks = lex(text, format)?;
+    let mut p = Parser {
+        toks,
+        pos: 0,
+        end: text.len(),
+    };
+    let e = p.or(0)?;
+    match p.toks.get(p.pos) {
+        None => Ok(e),
+        Some((at, t)) => err(*at, format!("unexpected {}", describe(t))),
+    }
+}
+
+fn describe(t: &Tok) -> &'static str {
+    match t {
+        Tok::Field(_) => "a field",
+        Tok::Lit(_) => "a literal",
+        Tok::Op(_) => "an operator",
+        Tok::And => "`and`",
+        Tok::Or => "`or`",
+        Tok::Not => "`not`",
+        Tok::Open => "`(`",
+        Tok::Close => "`)`",
+    }
+}
+
+/// A bare word ends at one of these.
+fn ends_word(c: char) -> bool {
+    c.is_whitespace() || "()=!<>\"".contains(c)
+}
+
+fn lex(text: &str, format: &Format) -> Result<Vec<(usize, Tok)>, SyntaxError> {
+    let mut out = Vec::new();
+    let b = text.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        let c = text[i..].chars().next().expect("in bounds");
+        if c.is_whitespace() {
+            i += c.len_utf8();
+            continue;
+        }
+        let start = i;
+        let two = text.get(i..i + 2);
+        let (tok, len) =
+            match c {
+                '(' => (Tok::Open, 1),
+                ')' => (Tok::Close, 1),
+                '=' if two == Some("==") => (Tok::Op(CmpOp::Eq), 2),
+                '!' if two == Some("!=") => (Tok::Op(CmpOp::Ne), 2),
+                '<' if two == Some("<=") => (Tok::Op(CmpOp::Le), 2),
+                '>' if two == Some(">=") => (Tok::Op(CmpOp::Ge), 2),
+                '<' => (Tok::Op(CmpOp::Lt), 1),
+                '>' => (Tok::Op(CmpOp::Gt), 1),
+                '=' => return err(i, "`=` compares nothing: write `==`"),
+                '!' => return err(i, "`!` alone is not an operator: write `!=` or `not`"),
+                '"' => {
+                    let (s, len) = string(text, i)?;
+                    (Tok::Lit(Literal::Str(s)), len)
+                }
+                '{' => {
+                    let Some(close) = text[i..].find('}') else {
+                        return err(i, "unclosed `{`");
+                    };
+                    let inner = &text[i + 1..i + close];
+                    let f = Field::parse(inner, format).map_err(|m| SyntaxError {
+                        offset: i + 1,
+                        message: m,
+                    })?;
+                    (Tok::Field(f), close + 1)
+                }
+                '/' => {
+                    if !matches!(format, Format::Json) {
+                        return err(
+                            i,
+                            "a JSON pointer needs format = \"json\"; a delimited field is `{2}`",
+                        );
+                    }
+                    let len = text[i..].find(ends_word).unwrap_or(text.len() - i);
+                    let f = Field::parse(&text[i..i + len], format).map_err(|m| SyntaxError {
+                        offset: i,
+                        message: m,
+                    })?;
+                    (Tok::Field(f), len)
+                }
+                _ => {
+                    let len = text[i..].find(ends_word).unwrap_or(text.len() - i);
+                    let word = &text[i..i + len];
+                    if len == 0 {
+                        return err(i, format!("unexpected `{c}`"));
+                    }
+                    let tok = match word {
+                    "and" => Tok::And,
+                    "or" => Tok::Or,
+                    "not" => Tok::Not,
+                    "true" => Tok::Lit(Literal::Bool(true)),
+                    "false" => Tok::Lit(Literal::Bool(false)),
+                    w if w.starts_with("topic[") => Tok::Field(
+                        Field::parse(w, format).map_err(|m| SyntaxError { offset: i, message: m })?,
+                    ),
+                    w => Tok::Lit(Literal::Num(number(w).ok_or_else(|| SyntaxError {
+                        offset: i,
+                        message: format!(
+                            "`{w}` is not a field, a number, a string, true, false, and, or, not; \
+                             strings are in double quotes, fields start with `/` or are in `{{}}`"
+                        ),
+                    })?)),
+                };
+                    (tok, len)
+                }
+            };
+        out.push((start, tok));
+        i += len;
+    }
+    Ok(out)
+}
+
+/// A double-quoted string starting at `i`, with `\"` and `\\` escapes; its value and length.
+fn string(text: &str, i: usize) -> Result<(String, usize), SyntaxError> {
+    let mut out = String::new();
+    let mut chars = text[i + 1..].char_indices();
+    while let Some((j, c)) = chars.next() {
+        match c {
+            '"' => return Ok((out, j + 2)),
+            '\\' => match chars.next() {
+                Some((_, e @ ('"' | '\\'))) => out.push(e),
+                _ => return err(i + 1 + j, "only `\\\"` and `\\\\` are escapes in a string"),
+            },
+            c => out.push(c),
+        }
+    }
+    err(i, "unclosed string: it needs a closing `\"`")
+}
+
+/// A number literal: an integer, or a finite float below 2^53 like every value.
+fn number(w: &str) -> Option<Num> {
+    if let Ok(i) = w.parse::<i64>() {
+        return Some(Num::Int(i));
+    }
+    let ok_chars = w
+        .bytes()
+        .all(|c| c.is_ascii_digit() || matches!(c, b'-' | b'+' | b'.' | b'e' | b'E'));
+    let f = w.parse::<f64>().ok()?;
+    (ok_chars && f.is_finite() && f.abs() < super::value::MAX_EXACT_FLOAT).then_some(Num::Float(f))
+}
+
+struct Parser {
+    toks: Vec<(usize, Tok)>,
+    pos: usize,
+    end: usize,
+}
+
+impl Parser {
+    fn peek(&self) -> Option<&Tok> {
+        self.toks.get(self.pos).map(|(_, t)| t)
+    }
+
+    fn at(&self) -> usize {
+        self.toks.get(self.pos).map_or(self.end, |(o, _)| *o)
+    }
+
+    fn or(&mut self, depth: usize) -> Result<Expr, SyntaxError> {
+        let mut e = self.and(depth)?;
+        while self.peek() == Some(&Tok::Or) {
+            self.pos += 1;
+            e = Expr::Or(Box::new(e), Box::new(self.and(depth)?));
+        }
+        Ok(e)
+    }
+
+    fn and(&mut self, depth: usize) -> Result<Expr, SyntaxError> {
+        let mut e = self.not(depth)?;
+        while self.peek() == Some(&Tok::And) {
+            self.pos += 1;
+            e = Expr::And(Box::new(e), Box::new(self.not(depth)?));
+        }
+        Ok(e)
+    }
+
+    fn not(&mut self, depth: usize) -> Result<Expr, SyntaxError> {
+        if depth >= MAX_DEPTH {
+            return err(self.at(), format!("nested deeper than {MAX_DEPTH} levels"));
+        }
+        match self.peek() {
+            Some(Tok::Not) => {
+                self.pos += 1;
+                Ok(Expr::Not(Box::new(self.not(depth + 1)?)))
+            }
+            Some(Tok::Open) => {
+                self.pos += 1;
+                let e = self.or(depth + 1)?;
+                if self.peek() != Some(&Tok::Close) {
+                    return err(self.at(), "expected `)` to close the `(`");
+                }
+                self.pos += 1;
+                Ok(e)
+            }
+            _ => self.cmp(),
+        }
+    }
+
+    fn operand(&mut self) -> Result<Operand, SyntaxError> {
+        let at = self.at();
+        let o = match self.toks.get(self.pos).map(|(_, t)| t.clone()) {
+            Some(Tok::Field(f)) => Operand::Field(f),
+            Some(Tok::Lit(l)) => Operand::Literal(l),
+            Some(t) => {
+                return err(
+                    at,
+                    format!("expected a field or a literal, found {}", describe(&t)),
+                );
+            }
+            None => {
+                return err(
+                    at,
+                    "the expression ends here: expected a field or a literal",
+                );
+            }
+        };
+        self.pos += 1;
+        Ok(o)
+    }
+
+    fn cmp(&mut self) -> Result<Expr, SyntaxError> {
+        let start = self.at();
+        let left = self.operand()?;
+        let op = match self.peek() {
+            Some(Tok::Op(op)) => *op,
+            _ => {
+                return err(self.at(), "expected a comparison: ==, !=, <, <=, > or >=");
+            }
+        };
+        self.pos += 1;
+        let right = self.operand()?;
+        if let (Operand::Literal(_), Operand::Literal(_)) = (&left, &right) {
+            return err(start, "compares two literals: one side must be a field");
+        }
+        let ordering = !matches!(op, CmpOp::Eq | CmpOp::Ne);
+        if ordering
+            && [&left, &right]
+                .iter()
+                .any(|o| matches!(o, Operand::Literal(Literal::Bool(_))))
+        {
+            return err(start, "true and false can only be compared with == or !=");
+        }
+        Ok(Expr::Cmp(left, op, right))
+    }
+}
+
+fn wrong(detail: String) -> Refusal {
+    Refusal {
+        reason: "wrong_type",
+        detail,
+    }
+}
+
+impl Expr {
+    /// Whether an input matches; `get` reads a field (refusing a missing one). A comparison
+    /// of values of different types is a refusal (`wrong_type`), never silently false.
+    pub fn eval(
+        &self,
+        get: &mut dyn FnMut(&Field) -> Result<Value, Refusal>,
+    ) -> Result<bool, Refusal> {
+        match self {
+            Expr::Or(a, b) => Ok(a.eval(get)? || b.eval(get)?),
+            Expr::And(a, b) => Ok(a.eval(get)? && b.eval(get)?),
+            Expr::Not(a) => Ok(!a.eval(get)?),
+            Expr::Cmp(l, op, r) => {
+                let read =
+                    |o: &Operand, get: &mut dyn FnMut(&Field) -> Result<Value, Refusal>| match o {
+                        Operand::Field(f) => get(f),
+                        Operand::Literal(Literal::Str(s)) => Ok(Value::Str(s.clone())),
+                        Operand::Literal(Literal::Num(n)) => Ok(Value::Num(*n)),
+                        Operand::Literal(Literal::Bool(b)) => Ok(Value::Bool(*b)),
+                    };
+                let (a, b) = (read(l, get)?, read(r, get)?);
+                Ok(match (compare(&a, &b)?, op) {
+                    (Compared::Unordered { equal }, CmpOp::Eq) => equal,
+                    (Compared::Unordered { equal }, CmpOp::Ne) => !equal,
+                    (Compared::Unordered { .. }, _) => {
+                        return Err(wrong("true and false have no order".into()));
+                    }
+                    (Compared::Ordered(o), CmpOp::Eq) => o == Ordering::Equal,
+                    (Compared::Ordered(o), CmpOp::Ne) => o != Ordering::Equal,
+                    (Compared::Ordered(o), CmpOp::Lt) => o == Ordering::Less,
+                    (Compared::Ordered(o), CmpOp::Le) => o != Ordering::Greater,
+                    (Compared::Ordered(o), CmpOp::Gt) => o == Ordering::Greater,
+                    (Compared::Ordered(o), CmpOp::Ge) => o != Ordering::Less,
+                })
+            }
+        }
+    }
+}
+
+/// Text taken as a number, for comparison with a number.
+fn text_num(t: &str) -> Result<Num, Refusal> {
+    number(t.trim()).ok_or_else(|| wrong(format!("`{t}` is not a number")))
+}
+
+/// How two values of one type compare: an order, or for booleans equality only. Text takes
+/// the type of the other side.
+enum Compared {
+    Ordered(Ordering),
+    Unordered { equal: bool },
+}
+
+fn text_bool(t: &str) -> Result<bool, Refusal> {
+    match t.trim() {
+        "true" => Ok(true),
+        "false" => Ok(false),
+        other => Err(wrong(format!("`{other}` is not true or false"))),
+    }
+}
+
+fn compare(a: &Value, b: &Value) -> Result<Compared, Refusal> {
+    use Value::*;
+    let ordered = Compared::Ordered;
+    Ok(match (a, b) {
+        (Num(x), Num(y)) => ordered(x.cmp_value(*y)),
+        (Str(x) | Text(x), Str(y) | Text(y)) => ordered(x.as_str().cmp(y.as_str())),
+        (Text(t), Num(y)) => ordered(text_num(t)?.cmp_value(*y)),
+        (Num(x), Text(t)) => ordered(x.cmp_value(text_num(t)?)),
+        (Bool(x), Bool(y)) => Compared::Unordered { equal: x == y },
+        (Text(t), Bool(y)) | (Bool(y), Text(t)) => Compared::Unordered {
+            equal: text_bool(t)? == *y,
+        },
+        (x, y) => {
+            return Err(wrong(format!(
+                "cannot compare {} with {}",
+                kind(x),
+                kind(y)
+            )));
+        }
+    })
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Text(_) => "text",
+        Value::Str(_) => "a string",
+        Value::Num(_) => "a number",
+        Value::Bool(_) => "a boolean",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn json(text: &str) -> Result<Expr, SyntaxError> {
+        parse_filter(text, &Format::Json)
+    }
+
+    /// Evaluate over a map of fields given as values.
+    fn eval(e: &Expr, fields: &[(&str, Value)]) -> Result<bool, &'static str> {
+        e.eval(&mut |f| {
+            let name = match f {
+                Field::Pointer(p) => p.clone(),
+                Field::Index(i) => i.to_string(),
+                Field::Topic(i) => format!("topic[{i}]"),
+                Field::Template(_) => "template".into(),
+            };
+            fields
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| v.clone())
+                .ok_or(Refusal {
+                    reason: "missing_field",
+                    detail: name,
+                })
+        })
+        .map_err(|r| r.reason)
+    }
+
+    #[test]
+    fn precedence_is_not_then_and_then_or() {
+        let e = json("/a == 1 or /b == 2 and not /c == 3").unwrap();
+        let n = |i| Value::Num(Num::Int(i));
+        assert_eq!(
+            eval(&e, &[("/a", n(1))]),
+            Ok(true),
+            "or stops at a true left side"
+        );
+        assert_eq!(
+            eval(&e, &[("/a", n(0)), ("/b", n(1))]),
+            Ok(false),
+            "and stops too"
+        );
+        assert_eq!(
+            eval(&e, &[("/a", n(0)), ("/b", n(2)), ("/c", n(4))]),
+            Ok(true)
+        );
+        let e = json("(/a == 1 or /b == 2) and not (/c == 3)").unwrap();
+        assert_eq!(
+            eval(&e, &[("/a", n(1)), ("/b", n(0)), ("/c", n(3))]),
+            Ok(false)
+        );
+    }
+
+    #[test]
+    fn comparisons_by_type() {
+        let e = json(r#"/status == "running" and /temp > -40 and /ok != false"#).unwrap();
+        let good = [
+            ("/status", Value::Str("running".into())),
+            ("/temp", Value::Num(Num::Float(-39.5))),
+            ("/ok", Value::Bool(true)),
+        ];
+        assert_eq!(eval(&e, &good), Ok(true));
+        let mut cold = good.clone();
+        cold[1].1 = Value::Num(Num::Int(-40));
+        assert_eq!(eval(&e, &cold), Ok(false));
+        // A string where a number is compared: a dead letter, not false.
+        let mut odd = good.clone();
+        odd[1].1 = Value::Str("-3".into());
+        assert_eq!(eval(&e, &odd), Err("wrong_type"));
+        assert_eq!(eval(&e, &good[..1]), Err("missing_field"));
+        // Untyped text (delimited fields, topic levels) takes the other side's type.
+        let d = parse_filter(
+            "{2} >= 10 and topic[1] == \"m7\" and {3} == true",
+            &Format::Delimited {
+                separator: "/".into(),
+            },
+        )
+        .unwrap();
+        let t = |s: &str| Value::Text(s.into());
+        let f = |a, b, c| [("2", t(a)), ("topic[1]", t(b)), ("3", t(c))];
+        assert_eq!(eval(&d, &f("10", "m7", "true")), Ok(true));
+        assert_eq!(eval(&d, &f("9.5", "m7", "true")), Ok(false));
+        assert_eq!(eval(&d, &f("ten", "m7", "true")), Err("wrong_type"));
+        assert_eq!(eval(&d, &f("10", "m7", "yes")), Err("wrong_type"));
+        let b = json("/ok < true");
+        assert!(b.is_err());
+        let b = json("/a < /b").unwrap();
+        let bools = [("/a", Value::Bool(true)), ("/b", Value::Bool(false))];
+        assert_eq!(eval(&b, &bools), Err("wrong_type"));
+    }
+
+    #[test]
+    fn syntax_errors_say_where() {
+        let cases = [
+            ("/a = 1", 4, "write `==`"),
+            ("/a == 1 and", 12, "the expression ends here"),
+            ("(/a == 1", 9, "expected `)`"),
+            ("/a == \"x", 7, "unclosed string"),
+            ("/a == 1 or\n  /b ~ 2", 6, "`~` is not a field"),
+            ("/a == 1 or /b 2", 15, "expected a comparison"),
+            ("1 == 2", 1, "one side must be a field"),
+            ("/a == 1 /b", 9, "unexpected a field"),
+            ("/a == running", 7, "not a field, a number"),
+            ("topic[x] == 1", 1, "not a topic level"),
+        ];
+        for (text, col, has) in cases {
+            let e = json(text).unwrap_err();
+            assert_eq!(e.position(text).1, col, "{text}: {e:?}");
+            assert!(e.message.contains(has), "{text}: {}", e.message);
+        }
+        assert_eq!(
+            json("/a == 1 or\n  /b ~ 2")
+                .unwrap_err()
+                .position("/a == 1 or\n  /b ~ 2")
+                .0,
+            1
+        );
+        let deep = format!("{}/a == 1{}", "(".repeat(100), ")".repeat(100));
+        assert!(json(&deep).unwrap_err().message.contains("nested deeper"));
+        let deep = format!("{}/a == 1", "not ".repeat(100));
+        assert!(json(&deep).unwrap_err().message.contains("nested deeper"));
+    }
+}
