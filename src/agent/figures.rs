@@ -8,7 +8,7 @@ use crate::metrics::Metrics;
 use crate::store::SavepointInfo;
 
 use super::checkpointer::STORE_BLOAT_FACTOR;
-use super::{Agent, AgentError, wall_ms};
+use super::{Agent, AgentError};
 
 /// When the figures that walk a tree or a directory were last refreshed.
 #[derive(Debug, Default)]
@@ -40,12 +40,12 @@ impl Agent {
     /// Copy the loop's figures (every tick, so one scrape sees one consistent moment); the
     /// ones that walk a tree or a directory at most every REFRESH_INTERVAL.
     pub(super) fn refresh_metrics(&mut self, force: bool) -> Result<(), AgentError> {
-        let now = Instant::now();
+        let now = self.now();
         if self.metrics_refreshed.take(now, force) {
             let store = self.proc.store();
             let first_seq = store.outbox_from(0).next().transpose()?.map(|(s, _)| s);
             self.metrics
-                .set_outbox(store.outbox_len() as u64, first_seq, wall_ms());
+                .set_outbox(store.outbox_len() as u64, first_seq, self.clock.wall_ms());
             // Not sled's `size_on_disk()`: it is slow enough to stall the loop (measured:
             // the e2e tests fell behind); the files' sizes are what an operator wants anyway.
             let store_bytes = crate::metrics::dir_size_bytes(store.dir());

@@ -42,7 +42,7 @@ mod start;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use crate::clock::Clock;
 use crate::config::Config;
@@ -79,11 +79,10 @@ impl Shutdown {
     }
 }
 
+/// The system's wall clock in ms since the epoch, for callers outside the agent (benches).
+/// The agent itself reads time only through the [`Clock`] it was started with.
 pub fn wall_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
+    crate::clock::SystemClock.wall_ms()
 }
 
 /// Figures the loop keeps (issue 6 exports them).
@@ -111,7 +110,7 @@ pub struct Agent {
     checkpointer: Checkpointer,
     /// Free space under the log and the store: below the reserve, stop acking (invariant 7).
     space: crate::disk::SpaceGuard,
-    pub stats: Stats,
+    stats: Stats,
     dead_letter_log: crate::logging::RateLimit,
     /// Figures for `/metrics` (issue 6); gauges refreshed every `metrics::REFRESH_INTERVAL`.
     metrics: Arc<Metrics>,
@@ -125,6 +124,12 @@ pub struct Agent {
 }
 
 impl Agent {
+    /// Now, on the monotonic clock. Every timer and time of day the agent uses comes from
+    /// the one [`Clock`] it was started with, so a test can drive them all.
+    fn now(&self) -> Instant {
+        self.clock.monotonic()
+    }
+
     /// Run until `shutdown` is requested; then drain and return.
     pub fn run(self, shutdown: &Shutdown) -> Result<(), AgentError> {
         let dir = self.cfg.storage.data_dir.clone();
@@ -135,9 +140,7 @@ impl Agent {
     fn run_loop(mut self, shutdown: &Shutdown) -> Result<(), AgentError> {
         let mut beat = crate::notify::Heartbeat::from_env();
         while shutdown.requested() == 0 {
-            let timeout = self
-                .next_deadline()
-                .saturating_duration_since(Instant::now());
+            let timeout = self.next_deadline().saturating_duration_since(self.now());
             match self
                 .events
                 .recv_timeout(timeout.min(Duration::from_millis(100)))
@@ -168,14 +171,14 @@ impl Agent {
             if crate::signals::take_reload() {
                 self.reload();
             }
-            beat.beat(Instant::now(), || self.status_line());
+            beat.beat(self.now(), || self.status_line());
         }
         self.drain(shutdown)
     }
 
     /// The next timer: the group commit's or the checkpoint's, at most 100 ms away.
     fn next_deadline(&self) -> Instant {
-        let far = Instant::now() + Duration::from_millis(100);
+        let far = self.now() + Duration::from_millis(100);
         let a = self
             .ingest
             .deadline(self.cfg.log.commit_interval)
@@ -228,7 +231,8 @@ impl Agent {
         // A nearly full disk is backpressure too: an ENOSPC would poison the log and stop
         // the agent. 64 bytes cover the frame header and the record's other fields.
         let bytes = (m.topic.len() + m.payload.len()) as u64 + 64;
-        if let Some(free) = self.space.check(Instant::now(), bytes)? {
+        let at = self.now();
+        if let Some(free) = self.space.check(at, bytes)? {
             let why = format!(
                 "the disk is nearly full: {free} bytes free under {}, below the reserve of {} \
                  bytes (2 × log.segment_size)",
@@ -274,7 +278,8 @@ impl Agent {
             qos,
             retain: m.retain,
         };
-        self.ingest.appended(rec, m.token, Instant::now());
+        let now = self.now();
+        self.ingest.appended(rec, m.token, now);
         Ok(true)
     }
 
@@ -299,10 +304,10 @@ impl Agent {
             std::thread::sleep(Duration::from_millis(25));
         }
         if self.log.pending() > 0 {
-            let began = Instant::now();
+            let began = self.now();
             self.log.commit()?;
             self.stats.log_commits += 1;
-            let took = began.elapsed();
+            let took = self.now().saturating_duration_since(began);
             self.metrics.update(|f| {
                 f.log_commits += 1;
                 f.log_commit.observe(took);
@@ -313,13 +318,15 @@ impl Agent {
         failpoint("ingest.after_puback")?;
         // The records go on to processing; acks the MQTT module had no room for wait for
         // the next commit interval.
-        for rec in self.ingest.committed(Instant::now()) {
+        let now = self.now();
+        for rec in self.ingest.committed(now) {
             for outcome in self.proc.apply(&rec)? {
                 if let Outcome::DeadLetter { reason } = outcome {
                     self.log_dead_letter(&rec, reason);
                 }
             }
-            self.checkpointer.applied(Instant::now());
+            let now = self.now();
+            self.checkpointer.applied(now);
         }
         if Checkpointer::records_due(self.proc.pending_records(), self.cfg.checkpoint.max_records) {
             self.checkpoint()?;
@@ -342,7 +349,7 @@ impl Agent {
     /// One journal line per dead letter, at most 10 per minute; the rest are counted and
     /// reported as suppressed (they are all in the store: `cairn inspect dead-letters`).
     fn log_dead_letter(&mut self, rec: &Record, reason: &str) {
-        let verdict = self.dead_letter_log.check(Instant::now());
+        let verdict = self.dead_letter_log.check(self.now());
         if verdict.suppressed > 0 {
             log::warn!(
                 "dead letter: {} more suppressed in the last minute",
@@ -359,8 +366,8 @@ impl Agent {
     }
 
     fn checkpoint(&mut self) -> Result<(), AgentError> {
-        let began = Instant::now();
-        let done = self.proc.checkpoint(wall_ms());
+        let began = self.now();
+        let done = self.proc.checkpoint(self.clock.wall_ms());
         if let Err(e) = &done {
             self.metrics.update(|f| f.checkpoint_failures += 1);
             // Fatal by design: the engine is now ahead of the store; a restart replays.
@@ -371,7 +378,8 @@ impl Agent {
         if let Some(info) = done? {
             self.stats.checkpoints += 1;
             log::debug!("checkpoint {} at offset {}", info.id, info.next_offset);
-            self.after_checkpoint(began.elapsed(), &info);
+            let took = self.now().saturating_duration_since(began);
+            self.after_checkpoint(took, &info);
         }
         self.checkpointer.checkpointed();
         self.retention()?;
@@ -411,7 +419,7 @@ impl Agent {
         if plan.evicted > 0 {
             self.metrics
                 .update(|f| f.log_segments_evicted += plan.evicted as u64);
-            let verdict = self.eviction_log.check(Instant::now());
+            let verdict = self.eviction_log.check(self.now());
             if verdict.suppressed > 0 {
                 log::warn!(
                     "retention: {} more evictions in the last minute",
@@ -435,7 +443,7 @@ impl Agent {
     /// The timers, in the order of the diagram: log commit, checkpoint, held input, publish;
     /// then the figures and the heap.
     fn tick(&mut self, force: bool) -> Result<(), AgentError> {
-        let now = Instant::now();
+        let now = self.now();
         if self
             .ingest
             .commit_due(now, self.cfg.log.commit_interval, force)
@@ -527,9 +535,9 @@ impl Agent {
             self.cfg.outbox.drain_timeout
         );
         self.tick(true)?;
-        let deadline = Instant::now() + self.cfg.outbox.drain_timeout;
+        let deadline = self.now() + self.cfg.outbox.drain_timeout;
         while !self.publisher.idle() || self.publish_cursor_behind()? {
-            if shutdown.requested() >= 2 || Instant::now() >= deadline {
+            if shutdown.requested() >= 2 || self.now() >= deadline {
                 break;
             }
             match self.events.recv_timeout(Duration::from_millis(20)) {
@@ -539,7 +547,7 @@ impl Agent {
                 Err(RecvTimeoutError::Disconnected) => break,
             }
             self.publish()?;
-            beat.beat(Instant::now(), || "stopping: publishing the outbox".into());
+            beat.beat(self.now(), || "stopping: publishing the outbox".into());
         }
         let left = self.proc.store().outbox_len();
         self.proc.store().sync()?;

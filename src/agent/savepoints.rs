@@ -2,7 +2,7 @@
 //! log short of room, and on a new interval. The files themselves are the store's
 //! (`store::savepoint`).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::store::{CheckpointInfo, SavepointInfo};
 
@@ -28,7 +28,7 @@ impl Agent {
             f.checkpoint_at_ms = info.committed_at_ms;
             f.log_next_offset = self.log.next_offset();
         });
-        if self.checkpointer.savepoint_due_now(Instant::now()) {
+        if self.checkpointer.savepoint_due_now(self.now()) {
             // A failed savepoint costs no data (the checkpoint is durable, retention keeps
             // the log back to the previous savepoint): it is reported, and tried again next
             // interval.
@@ -42,7 +42,7 @@ impl Agent {
     /// consistent.
     pub(super) fn take_savepoint(&mut self) -> Result<SavepointInfo, crate::store::StoreError> {
         let (dir, keep) = (self.cfg.savepoint_dir(), self.cfg.savepoint.keep);
-        let began = Instant::now();
+        let began = self.now();
         self.checkpointer
             .savepoint_started(began, self.cfg.savepoint.interval);
         let written = self.proc.store().write_savepoint(&dir, &self.sync);
@@ -53,7 +53,7 @@ impl Agent {
                     sp.checkpoint_id,
                     sp.next_offset,
                     sp.bytes,
-                    began.elapsed().as_millis()
+                    self.now().saturating_duration_since(began).as_millis()
                 );
                 self.metrics.update(|f| f.savepoints += 1);
                 self.checkpointer.savepoint_written(sp.clone());
@@ -105,11 +105,9 @@ impl Agent {
     /// `[savepoint] interval` changed by SIGHUP: on, the first is due as at start (now, if
     /// the newest is older than the interval); off, none is scheduled.
     pub(super) fn reschedule_savepoints(&mut self) {
-        self.checkpointer.reschedule(
-            self.cfg.savepoint.interval,
-            super::wall_ms(),
-            Instant::now(),
-        );
+        let (wall_ms, now) = (self.clock.wall_ms(), self.now());
+        self.checkpointer
+            .reschedule(self.cfg.savepoint.interval, wall_ms, now);
         match self.cfg.savepoint.interval {
             Some(every) => log::info!(
                 "reload: savepoints every {every:?}, keep {}; the next is due in {:?} (taken \
@@ -117,7 +115,7 @@ impl Agent {
                 self.cfg.savepoint.keep,
                 self.checkpointer
                     .next_savepoint()
-                    .map(|t| t.saturating_duration_since(Instant::now()))
+                    .map(|t| t.saturating_duration_since(now))
                     .unwrap_or_default()
             ),
             None => log::info!("reload: periodic savepoints off"),

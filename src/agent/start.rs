@@ -20,7 +20,7 @@ use super::figures::{Refresh, note_savepoint_files};
 use super::ingest::Ingest;
 use super::memory::{TRIM_INTERVAL, Trim, return_free_memory};
 use super::publisher::Publisher;
-use super::{Agent, AgentError, Stats, wall_ms};
+use super::{Agent, AgentError, Stats};
 
 impl Agent {
     /// Recover (truncate the torn tail, load the checkpoint, replay), then connect.
@@ -55,7 +55,7 @@ impl Agent {
         reset: &[String],
         clock: Box<dyn Clock>,
     ) -> Result<Agent, AgentError> {
-        let started = Instant::now();
+        let started = clock.monotonic();
         let log = open_log(&cfg, &sync)?;
         let mut proc = open_processor(&cfg, &sync, reset)?;
         if log.next_offset() < proc.next_offset() {
@@ -64,16 +64,17 @@ impl Agent {
                 log_next: log.next_offset(),
             }));
         }
-        let stats = replay(&cfg, &log, &mut proc, started)?;
+        let stats = replay(&cfg, &log, &mut proc, started, clock.as_ref())?;
         let receipt = start_receipt(&cfg, &log, &proc, clock.as_ref());
-        let metrics = start_metrics(&cfg, &proc, &stats, started)?;
+        let replay_time = clock.monotonic().saturating_duration_since(started);
+        let metrics = start_metrics(&cfg, &proc, &stats, replay_time)?;
         let savepoints = crate::store::list_savepoints(&cfg.savepoint_dir())?;
         note_savepoint_files(&metrics, &savepoints);
         let checkpointer = Checkpointer::new(
             savepoints.last().cloned(),
             cfg.savepoint.interval,
-            wall_ms(),
-            Instant::now(),
+            clock.wall_ms(),
+            clock.monotonic(),
         );
         let (mqtt, events) = subscribe(&cfg)?;
         let first_seq = proc
@@ -103,7 +104,7 @@ impl Agent {
             dead_letter_log: crate::logging::RateLimit::new(10, Duration::from_secs(60)),
             metrics,
             metrics_refreshed: Refresh::default(),
-            trim: Trim::new(Instant::now()),
+            trim: Trim::new(clock.monotonic()),
             sync,
             clock,
             eviction_log: crate::logging::RateLimit::new(3, Duration::from_secs(60)),
@@ -165,11 +166,14 @@ fn replay(
     log: &Log,
     proc: &mut Processor,
     started: Instant,
+    clock: &dyn Clock,
 ) -> Result<ReplayStats, AgentError> {
-    let mut trimmed = Instant::now();
+    let mut trimmed = clock.monotonic();
+    let wall_ms = || clock.wall_ms();
     let stats = proc.replay(log, cfg.checkpoint.max_records, &wall_ms, &mut |s| {
-        if trimmed.elapsed() >= TRIM_INTERVAL {
-            trimmed = Instant::now();
+        let now = clock.monotonic();
+        if now.saturating_duration_since(trimmed) >= TRIM_INTERVAL {
+            trimmed = now;
             return_free_memory();
         }
         log::info!(
@@ -185,7 +189,10 @@ fn replay(
     })?;
     log::info!(
         "recovery: done in {} ms: log offsets [{}, {}), replayed {} records from offset {}, checkpoint {}",
-        started.elapsed().as_millis(),
+        clock
+            .monotonic()
+            .saturating_duration_since(started)
+            .as_millis(),
         log.first_offset(),
         log.next_offset(),
         stats.records,
@@ -217,14 +224,14 @@ fn start_metrics(
     cfg: &Config,
     proc: &Processor,
     stats: &ReplayStats,
-    started: Instant,
+    replay_time: Duration,
 ) -> Result<Arc<Metrics>, AgentError> {
     let metrics = Metrics::new();
     let durable = proc.store().progress()?;
     let last_at = proc.store().checkpoints().next_back().transpose()?;
     metrics.update(|f| {
         f.replay_records = stats.records;
-        f.replay_seconds = started.elapsed().as_secs_f64();
+        f.replay_seconds = replay_time.as_secs_f64();
         f.checkpoint_id = durable.checkpoint_id;
         f.checkpoint_next_offset = durable.next_offset;
         f.checkpoint_at_ms = last_at.map_or(0, |c| c.committed_at_ms);
