@@ -36,7 +36,14 @@
 //! - [`generations`]: the output-ID generation of each pipeline, in a file beside the store.
 //! - [`clock`]: the time of receipt stamped on new records, monotonic across clock steps.
 //! - [`mqtt`]: the rumqttc facade: manual acks, packet-id binding, reconnect backoff, TLS.
-//! - [`agent`]: the event loop wiring them; backpressure; shutdown; metrics; savepoints.
+//! - [`agent`]: the event loop wiring them (`agent/mod.rs`), carrying out what its parts
+//!   decide without IO: `agent/ingest.rs` (group commit, ack order, held input and
+//!   backpressure, times of receipt, `too_large` stand-ins), `agent/publisher.rs` (the
+//!   outbox window; which entry a PUBACK deletes), `agent/checkpointer.rs` (when to
+//!   checkpoint, retention's cutoff, savepoint schedule and floor, the store watch),
+//!   `agent/reload.rs` (SIGHUP as a diff of two configs). Recovery and wiring in
+//!   `agent/start.rs`; savepoints carried out in `agent/savepoints.rs`; `/metrics` copying
+//!   and the status line in `agent/figures.rs`; heap trimming in `agent/memory.rs`.
 //! - [`config`]: TOML → validated [`config::Config`], every problem with file and line.
 //! - [`cli`], [`verify`], [`status`], [`savepoint`]: the `cairn` command.
 //! - [`fsio`]: the durability seam every fsync goes through; [`failpoint`]: crash injection

@@ -1,0 +1,570 @@
+//! The agent: one event loop wiring ingest, processor, checkpoints and publisher.
+//!
+//! ```text
+//!  mqtt thread ──Event──▶ loop: append to log ─(group commit: fsync)─▶ PUBACK in order
+//!                                 │                                     │
+//!                                 │            processor.apply(record) ◀┘
+//!                                 │            checkpoint (one sled tx + fsync)
+//!                                 └──────────▶ publish durable outbox entries; delete on PUBACK
+//! ```
+//!
+//! The loop never waits on the MQTT thread: acks and publishes are queued without blocking
+//! (the MQTT module polls rumqttc in its own thread). Timers use the monotonic clock; the
+//! wall clock is read to stamp `received_at_ms` on new records (invariant 3), through a
+//! [`ReceiptClock`](crate::clock::ReceiptClock) that never goes backwards (see
+//! [`crate::clock`]).
+//!
+//! ## Rooms
+//!
+//! The decisions live in parts that do no IO; they are told the time and what happened,
+//! and answer what to do. This file is the loop that carries the answers out against the
+//! log, the store and the broker.
+//!
+//! - `ingest`: group commit (unsynced acks and records), ack order, held input and
+//!   backpressure, times of receipt, the `too_large` stand-in.
+//! - `publisher`: the outbox cursor and inflight window; which entry a PUBACK deletes.
+//! - `checkpointer`: when to checkpoint, retention's cutoff, relief for held input,
+//!   savepoint scheduling and the savepoint floor, when to look at sled's files.
+//! - `reload`: SIGHUP as a pure diff of two configs, then applied.
+//! - `start`: recovery and wiring; `savepoints`: savepoints carried out; `figures`: metrics
+//!   and the `STATUS=` line; `memory`: heap trimming; `error`: [`AgentError`].
+
+mod checkpointer;
+mod error;
+mod figures;
+mod ingest;
+mod memory;
+mod publisher;
+mod reload;
+mod savepoints;
+mod start;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use crate::clock::Clock;
+use crate::config::Config;
+use crate::fsio::Durability;
+use crate::log::{Log, LogError};
+use crate::metrics::Metrics;
+use crate::model::Record;
+use crate::mqtt::{AckToken, Event, Incoming, Mqtt, MqttError};
+use crate::pipeline::engine::Outcome;
+use crate::processor::Processor;
+
+use checkpointer::{Checkpointer, Relief};
+pub use error::AgentError;
+use error::failpoint;
+use figures::Refresh;
+use ingest::Ingest;
+use memory::Trim;
+use publisher::Publisher;
+
+/// Shutdown requests: 0 none, 1 drain and exit, 2 or more exit now.
+#[derive(Debug, Clone, Default)]
+pub struct Shutdown(Arc<AtomicU8>);
+
+impl Shutdown {
+    pub fn new() -> Shutdown {
+        Shutdown::default()
+    }
+    /// Count one more request (a signal).
+    pub fn request(&self) -> u8 {
+        self.0.fetch_add(1, Ordering::SeqCst) + 1
+    }
+    pub fn requested(&self) -> u8 {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// The system's wall clock in ms since the epoch, for callers outside the agent (benches).
+/// The agent itself reads time only through the [`Clock`] it was started with.
+pub fn wall_ms() -> u64 {
+    crate::clock::SystemClock.wall_ms()
+}
+
+/// Figures the loop keeps (issue 6 exports them).
+#[derive(Debug, Clone, Default)]
+pub struct Stats {
+    pub received: u64,
+    pub acked: u64,
+    pub log_commits: u64,
+    pub checkpoints: u64,
+    pub published: u64,
+    pub pubacked: u64,
+    pub reconnects: u64,
+    /// Inputs over `log.max_payload`, logged as `too_large` stand-ins.
+    pub oversize: u64,
+}
+
+pub struct Agent {
+    cfg: Config,
+    log: Log,
+    proc: Processor,
+    mqtt: Mqtt,
+    events: Receiver<Event>,
+    ingest: Ingest<AckToken, Incoming>,
+    publisher: Publisher,
+    checkpointer: Checkpointer,
+    /// Free space under the log and the store: below the reserve, stop acking (invariant 7).
+    space: crate::disk::SpaceGuard,
+    stats: Stats,
+    dead_letter_log: crate::logging::RateLimit,
+    /// Figures for `/metrics` (issue 6); gauges refreshed every `metrics::REFRESH_INTERVAL`.
+    metrics: Arc<Metrics>,
+    metrics_refreshed: Refresh,
+    trim: Trim,
+    sync: Durability,
+    /// The box's clocks, passed in so tests can step them.
+    clock: Box<dyn Clock>,
+    /// Warnings for processed segments deleted inside retention (a log short of room).
+    eviction_log: crate::logging::RateLimit,
+}
+
+impl Agent {
+    /// Now, on the monotonic clock. Every timer and time of day the agent uses comes from
+    /// the one [`Clock`] it was started with, so a test can drive them all.
+    fn now(&self) -> Instant {
+        self.clock.monotonic()
+    }
+
+    /// Run until `shutdown` is requested; then drain and return.
+    pub fn run(self, shutdown: &Shutdown) -> Result<(), AgentError> {
+        let dir = self.cfg.storage.data_dir.clone();
+        self.run_loop(shutdown)
+            .map_err(|e| e.explain_disk_full(&dir))
+    }
+
+    fn run_loop(mut self, shutdown: &Shutdown) -> Result<(), AgentError> {
+        let mut beat = crate::notify::Heartbeat::from_env();
+        while shutdown.requested() == 0 {
+            let timeout = self.next_deadline().saturating_duration_since(self.now());
+            match self
+                .events
+                .recv_timeout(timeout.min(Duration::from_millis(100)))
+            {
+                Ok(ev) => {
+                    self.on_event(ev)?;
+                    // Group commit: everything already waiting joins this fsync, up to one
+                    // channel's worth per pass (so timed checkpoints and publishing still
+                    // run under steady input). The broker normally has at most its inflight
+                    // window unacknowledged, but mosquitto 2.0.11 was seen sending far more
+                    // (tests/e2e.rs): one fsync per `ingest_batch` then could not keep up,
+                    // the MQTT thread stalled on a full channel, its pings went unsent and
+                    // the broker dropped the connection and redelivered everything.
+                    for _ in 1..self.cfg.mqtt.channel_capacity {
+                        match self.events.try_recv() {
+                            Ok(ev) => self.on_event(ev)?,
+                            Err(_) => break,
+                        }
+                    }
+                    if self.ingest.batch_full(self.cfg.mqtt.ingest_batch) {
+                        self.commit_log()?;
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return Err(AgentError::MqttGone),
+            }
+            self.tick(false)?;
+            if crate::signals::take_reload() {
+                self.reload();
+            }
+            beat.beat(self.now(), || self.status_line());
+        }
+        self.drain(shutdown)
+    }
+
+    /// The next timer: the group commit's or the checkpoint's, at most 100 ms away.
+    fn next_deadline(&self) -> Instant {
+        let far = self.now() + Duration::from_millis(100);
+        let a = self
+            .ingest
+            .deadline(self.cfg.log.commit_interval)
+            .unwrap_or(far);
+        let b = self
+            .checkpointer
+            .deadline(self.cfg.checkpoint.interval)
+            .unwrap_or(far);
+        a.min(b)
+    }
+
+    fn on_event(&mut self, ev: Event) -> Result<(), AgentError> {
+        match ev {
+            Event::Message(m) => {
+                self.stats.received += 1;
+                if let Some(m) = self.ingest.arrive(m) {
+                    self.append(m)?;
+                }
+            }
+            Event::PubAcked { output_id } => {
+                if let Some(seq) = self.publisher.acked(&output_id) {
+                    failpoint("outbox.before_delete")?;
+                    self.proc.store().outbox_delete(seq, &output_id)?;
+                    failpoint("outbox.after_delete")?;
+                    self.stats.pubacked += 1;
+                }
+            }
+            Event::Connected { session_present } => {
+                log::info!(
+                    "mqtt: connected to {}:{} (session present: {session_present})",
+                    self.cfg.mqtt.host,
+                    self.cfg.mqtt.port
+                );
+                self.publisher.connected();
+            }
+            Event::Disconnected { reason } => {
+                if self.publisher.disconnected() {
+                    self.stats.reconnects += 1;
+                }
+                // Acks still queued for that connection are dropped by the MQTT module; the
+                // broker redelivers those messages (DUP=1) and dedup by event ID drops them.
+                log::warn!("mqtt: disconnected: {reason}");
+            }
+        }
+        Ok(())
+    }
+
+    /// Append one message; returns false (and holds it) when the log or the disk is full.
+    fn append(&mut self, m: Incoming) -> Result<bool, AgentError> {
+        // A nearly full disk is backpressure too: an ENOSPC would poison the log and stop
+        // the agent. 64 bytes cover the frame header and the record's other fields.
+        let bytes = (m.topic.len() + m.payload.len()) as u64 + 64;
+        let at = self.now();
+        if let Some(free) = self.space.check(at, bytes)? {
+            let why = format!(
+                "the disk is nearly full: {free} bytes free under {}, below the reserve of {} \
+                 bytes (2 × log.segment_size)",
+                self.space.lowest_dir().display(),
+                self.space.reserve()
+            );
+            self.set_backpressure(true, &why);
+            self.ingest.hold_again(m);
+            return Ok(false);
+        }
+        let (now, note) = self
+            .ingest
+            .stamp(self.clock.wall_ms(), self.clock.monotonic());
+        if let Some(note) = note {
+            start::log_clock_note(&self.cfg, &note);
+        }
+        let stand_in = ingest::stand_in(&m.payload, m.qos, self.cfg.log.max_payload);
+        let appended = match &stand_in {
+            Some((p, qos)) => self.log.append_stand_in(now, &m.topic, p, *qos, m.retain),
+            None => self.log.append(now, &m.topic, &m.payload, m.qos, m.retain),
+        };
+        let offset = match appended {
+            Ok(off) => off,
+            Err(LogError::Full { .. }) => {
+                self.set_backpressure(true, "the replay log is full");
+                self.ingest.hold_again(m);
+                return Ok(false);
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let (payload, qos) = match stand_in {
+            Some(s) => {
+                self.stats.oversize += 1;
+                s
+            }
+            None => (m.payload, m.qos),
+        };
+        let rec = Record {
+            offset,
+            received_at_ms: now,
+            topic: m.topic,
+            payload,
+            qos,
+            retain: m.retain,
+        };
+        let now = self.now();
+        self.ingest.appended(rec, m.token, now);
+        Ok(true)
+    }
+
+    fn set_backpressure(&mut self, on: bool, why: &str) {
+        if self.ingest.set_backpressure(on) {
+            if on {
+                log::warn!("backpressure on: {why}; not acknowledging, the broker queues");
+            } else {
+                log::info!("backpressure off: acknowledging again");
+            }
+        }
+    }
+
+    /// Invariant 1: fsync, then PUBACK in receipt order, then process.
+    fn commit_log(&mut self) -> Result<(), AgentError> {
+        // A deliberately unsafe build acks first, to show the crash harness catches it.
+        let unsafe_early_ack = crate::failpoint::enabled("unsafe.ack_before_fsync");
+        if unsafe_early_ack {
+            self.send_acks()?;
+            // Hold the window open as a slow flash write would, so that a cut in the harness
+            // lands inside it often enough to be seen, rather than once in a few hundred.
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        if self.log.pending() > 0 {
+            let began = self.now();
+            self.log.commit()?;
+            self.stats.log_commits += 1;
+            let took = self.now().saturating_duration_since(began);
+            self.metrics.update(|f| {
+                f.log_commits += 1;
+                f.log_commit.observe(took);
+            });
+        }
+        failpoint("ingest.before_puback")?;
+        self.send_acks()?;
+        failpoint("ingest.after_puback")?;
+        // The records go on to processing; acks the MQTT module had no room for wait for
+        // the next commit interval.
+        let now = self.now();
+        for rec in self.ingest.committed(now) {
+            for outcome in self.proc.apply(&rec)? {
+                if let Outcome::DeadLetter { reason } = outcome {
+                    self.log_dead_letter(&rec, reason);
+                }
+            }
+            let now = self.now();
+            self.checkpointer.applied(now);
+        }
+        if Checkpointer::records_due(self.proc.pending_records(), self.cfg.checkpoint.max_records) {
+            self.checkpoint()?;
+        }
+        Ok(())
+    }
+
+    /// Acks go to the MQTT module in receipt order, as many as its queue takes. The rest wait
+    /// here, still in order, for the next commit timer: a full queue (the broker sending
+    /// faster than rumqttc takes requests) is load, not a reason to exit (found by
+    /// tests/e2e.rs, where mosquitto 2.0.11 outran `max_inflight_messages`).
+    fn send_acks(&mut self) -> Result<(), AgentError> {
+        for t in self.ingest.acks_to_send(self.mqtt.ack_room()) {
+            self.mqtt.ack(t)?;
+            self.stats.acked += 1;
+        }
+        Ok(())
+    }
+
+    /// One journal line per dead letter, at most 10 per minute; the rest are counted and
+    /// reported as suppressed (they are all in the store: `cairn inspect dead-letters`).
+    fn log_dead_letter(&mut self, rec: &Record, reason: &str) {
+        let verdict = self.dead_letter_log.check(self.now());
+        if verdict.suppressed > 0 {
+            log::warn!(
+                "dead letter: {} more suppressed in the last minute",
+                verdict.suppressed
+            );
+        }
+        if verdict.allowed {
+            log::warn!(
+                "dead letter: offset {} topic `{}` reason {reason} (see `cairn inspect dead-letters`)",
+                rec.offset,
+                rec.topic
+            );
+        }
+    }
+
+    fn checkpoint(&mut self) -> Result<(), AgentError> {
+        let began = self.now();
+        let done = self.proc.checkpoint(self.clock.wall_ms());
+        if let Err(e) = &done {
+            self.metrics.update(|f| f.checkpoint_failures += 1);
+            // Fatal by design: the engine is now ahead of the store; a restart replays.
+            log::error!(
+                "checkpoint failed: {e}; exiting so that recovery replays from the last checkpoint"
+            );
+        }
+        if let Some(info) = done? {
+            self.stats.checkpoints += 1;
+            log::debug!("checkpoint {} at offset {}", info.id, info.next_offset);
+            let took = self.now().saturating_duration_since(began);
+            self.after_checkpoint(took, &info);
+        }
+        self.checkpointer.checkpointed();
+        self.retention()?;
+        Ok(())
+    }
+}
+
+impl Agent {
+    /// Delete log segments by the rule in the `log` module docs ("Retention"): never what
+    /// no committed checkpoint covers; outside `retention` and below the newest savepoint
+    /// while there is room; oldest processed first, whatever their age, when there is not.
+    fn retention(&mut self) -> Result<(), AgentError> {
+        // Durable progress only, never the engine's applied offset: after a crash the
+        // replay starts at the committed checkpoint, so everything from there must stay.
+        let durable = self.proc.store().progress()?.next_offset;
+        // Segment ages are times of receipt: measure them with the receipt clock, which never
+        // goes back (by a wall clock stepped back, segments would be kept for as long as it
+        // stays behind).
+        let now_ms = self
+            .ingest
+            .receipt_now(self.clock.wall_ms(), self.clock.monotonic());
+        let cutoff = Checkpointer::retention_cutoff(now_ms, self.cfg.log.retention);
+        let floor = self.checkpointer.savepoint_floor();
+        let mut plan = self.log.plan_retention(durable, floor, cutoff);
+        if plan.floor_blocks {
+            self.savepoint_for_room();
+            let floor = self.checkpointer.savepoint_floor();
+            plan = self.log.plan_retention(durable, floor, cutoff);
+        }
+        if plan.below <= self.log.first_offset() {
+            return Ok(());
+        }
+        self.log.truncate_before(plan.below)?;
+        // Segments are gone, the next checkpoint has not run: a crash here must replay
+        // from the committed checkpoint without a gap (tests/retention.rs).
+        failpoint("retention.after_delete")?;
+        if plan.evicted > 0 {
+            self.metrics
+                .update(|f| f.log_segments_evicted += plan.evicted as u64);
+            let verdict = self.eviction_log.check(self.now());
+            if verdict.suppressed > 0 {
+                log::warn!(
+                    "retention: {} more evictions in the last minute",
+                    verdict.suppressed
+                );
+            }
+            if verdict.allowed {
+                log::warn!(
+                    "retention: the log is short of room (log.max_size {} bytes): deleted {} \
+                     processed segment(s) still inside log.retention, up to offset {}. Nothing \
+                     is lost (all of it is checkpointed); raise log.max_size to keep more history",
+                    self.cfg.log.max_size,
+                    plan.evicted,
+                    plan.below
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The timers, in the order of the diagram: log commit, checkpoint, held input, publish;
+    /// then the figures and the heap.
+    fn tick(&mut self, force: bool) -> Result<(), AgentError> {
+        let now = self.now();
+        if self
+            .ingest
+            .commit_due(now, self.cfg.log.commit_interval, force)
+        {
+            self.commit_log()?;
+        }
+        if self
+            .checkpointer
+            .due(now, self.cfg.checkpoint.interval, force)
+        {
+            self.checkpoint()?;
+        }
+        self.relieve_backpressure()?;
+        self.publish()?;
+        self.refresh_metrics(force)?;
+        let work = self.stats.checkpoints + self.stats.pubacked;
+        if self.trim.take(now, work) {
+            memory::return_free_memory();
+        }
+        Ok(())
+    }
+
+    fn outbox_full(&self) -> bool {
+        self.proc.store().outbox_len() as u64 >= self.cfg.outbox.max_entries
+    }
+
+    fn relieve_backpressure(&mut self) -> Result<(), AgentError> {
+        if self.outbox_full() {
+            self.set_backpressure(true, "the outbox is full");
+            return Ok(());
+        }
+        let relief = Checkpointer::relief(self.ingest.has_held(), || {
+            (self.log.short_of_room(), self.proc.pending_records())
+        });
+        match relief {
+            Relief::Nothing => {}
+            Relief::Checkpoint => self.checkpoint()?,
+            Relief::Retention => self.retention()?,
+        }
+        while let Some(m) = self.ingest.next_held() {
+            if !self.append(m)? {
+                return Ok(()); // the log is still full: held again
+            }
+        }
+        self.set_backpressure(false, "");
+        Ok(())
+    }
+
+    /// Send durable outbox entries, in order, within the inflight window.
+    fn publish(&mut self) -> Result<(), AgentError> {
+        let room = self
+            .publisher
+            .room(self.cfg.outbox.inflight, || self.mqtt.inflight());
+        if room == 0 {
+            return Ok(());
+        }
+        let batch: Vec<_> = self
+            .proc
+            .store()
+            .outbox_from(self.publisher.cursor())
+            .take(room)
+            .collect::<Result<_, _>>()?;
+        for (seq, out) in batch {
+            failpoint("outbox.before_publish")?;
+            match self
+                .mqtt
+                .publish(out.id.clone(), &out.topic, out.payload, out.retain)
+            {
+                Ok(()) => {
+                    self.publisher.sent(out.id, seq);
+                    self.stats.published += 1;
+                    failpoint("outbox.after_publish")?;
+                }
+                Err(MqttError::InflightFull { .. }) => break,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+
+    /// First signal: stop taking input, make everything durable, give the outbox a bounded
+    /// time, exit. A second signal ends the wait at once; nothing is lost either way.
+    fn drain(mut self, shutdown: &Shutdown) -> Result<(), AgentError> {
+        crate::notify::stopping();
+        crate::notify::status("stopping: draining");
+        let mut beat = crate::notify::Heartbeat::from_env();
+        log::info!(
+            "shutdown: draining (log commit, checkpoint, outbox for up to {:?})",
+            self.cfg.outbox.drain_timeout
+        );
+        self.tick(true)?;
+        let deadline = self.now() + self.cfg.outbox.drain_timeout;
+        while !self.publisher.idle() || self.publish_cursor_behind()? {
+            if shutdown.requested() >= 2 || self.now() >= deadline {
+                break;
+            }
+            match self.events.recv_timeout(Duration::from_millis(20)) {
+                Ok(Event::Message(_)) => {} // not acked: the broker redelivers after restart
+                Ok(ev) => self.on_event(ev)?,
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+            self.publish()?;
+            beat.beat(self.now(), || "stopping: publishing the outbox".into());
+        }
+        let left = self.proc.store().outbox_len();
+        self.proc.store().sync()?;
+        log::info!("shutdown: done; {left} outbox entries left for the next start");
+        self.metrics.stop_server();
+        self.mqtt.shutdown();
+        Ok(())
+    }
+
+    /// Outbox entries at or after the cursor: not yet sent.
+    fn publish_cursor_behind(&self) -> Result<bool, AgentError> {
+        Ok(self
+            .proc
+            .store()
+            .outbox_from(self.publisher.cursor())
+            .next()
+            .transpose()?
+            .is_some())
+    }
+}

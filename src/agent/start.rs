@@ -1,0 +1,335 @@
+//! Start: recover (truncate the log's torn tail, load the checkpoint, replay), then serve
+//! metrics and connect. Each step in the order the journal reports it.
+
+use std::sync::Arc;
+use std::sync::mpsc::Receiver;
+use std::time::{Duration, Instant};
+
+use crate::clock::{Clock, Note, ReceiptClock};
+use crate::config::Config;
+use crate::fsio::Durability;
+use crate::log::{Log, LogOptions};
+use crate::metrics::Metrics;
+use crate::mqtt::{Event, Mqtt};
+use crate::processor::{ProcessError, Processor, ReplayStats};
+use crate::quarantine::Quarantine;
+use crate::store::Store;
+
+use super::checkpointer::Checkpointer;
+use super::figures::{Refresh, note_savepoint_files};
+use super::ingest::Ingest;
+use super::memory::{TRIM_INTERVAL, Trim, return_free_memory};
+use super::publisher::Publisher;
+use super::{Agent, AgentError, Stats};
+
+impl Agent {
+    /// Recover (truncate the torn tail, load the checkpoint, replay), then connect.
+    pub fn start(cfg: Config, sync: Durability) -> Result<Agent, AgentError> {
+        Agent::start_with_reset(cfg, sync, &[])
+    }
+
+    /// As [`Agent::start`], first resetting the named pipelines' state (see
+    /// [`Processor::open_with_reset`]).
+    pub fn start_with_reset(
+        cfg: Config,
+        sync: Durability,
+        reset: &[String],
+    ) -> Result<Agent, AgentError> {
+        Agent::start_with_clock(cfg, sync, reset, crate::clock::from_env())
+    }
+
+    /// As [`Agent::start_with_reset`], stamping times of receipt from `clock`.
+    pub fn start_with_clock(
+        cfg: Config,
+        sync: Durability,
+        reset: &[String],
+        clock: Box<dyn Clock>,
+    ) -> Result<Agent, AgentError> {
+        let dir = cfg.storage.data_dir.clone();
+        Agent::recover(cfg, sync, reset, clock).map_err(|e| e.explain_disk_full(&dir))
+    }
+
+    fn recover(
+        cfg: Config,
+        sync: Durability,
+        reset: &[String],
+        clock: Box<dyn Clock>,
+    ) -> Result<Agent, AgentError> {
+        let started = clock.monotonic();
+        let log = open_log(&cfg, &sync)?;
+        let mut proc = open_processor(&cfg, &sync, reset)?;
+        if log.next_offset() < proc.next_offset() {
+            return Err(AgentError::Process(ProcessError::LogBehind {
+                checkpoint: proc.next_offset(),
+                log_next: log.next_offset(),
+            }));
+        }
+        let stats = replay(&cfg, &log, &mut proc, started, clock.as_ref())?;
+        let receipt = start_receipt(&cfg, &log, &proc, clock.as_ref());
+        let replay_time = clock.monotonic().saturating_duration_since(started);
+        let metrics = start_metrics(&cfg, &proc, &stats, replay_time)?;
+        let savepoints = crate::store::list_savepoints(&cfg.savepoint_dir())?;
+        note_savepoint_files(&metrics, &savepoints);
+        let checkpointer = Checkpointer::new(
+            savepoints.last().cloned(),
+            cfg.savepoint.interval,
+            clock.wall_ms(),
+            clock.monotonic(),
+        );
+        let (mqtt, events) = subscribe(&cfg)?;
+        let first_seq = proc
+            .store()
+            .outbox_from(0)
+            .next()
+            .transpose()?
+            .map(|(s, _)| s)
+            .unwrap_or(0);
+        // Two segments: room to roll one and finish the batch in flight, and for the store
+        // to checkpoint what was already ingested (see `disk`).
+        let space = crate::disk::SpaceGuard::new(
+            vec![cfg.log_dir(), cfg.store_dir()],
+            2 * cfg.log.segment_size,
+        );
+        Ok(Agent {
+            cfg,
+            log,
+            proc,
+            mqtt,
+            events,
+            ingest: Ingest::new(receipt),
+            publisher: Publisher::new(first_seq),
+            checkpointer,
+            space,
+            stats: Stats::default(),
+            dead_letter_log: crate::logging::RateLimit::new(10, Duration::from_secs(60)),
+            metrics,
+            metrics_refreshed: Refresh::default(),
+            trim: Trim::new(clock.monotonic()),
+            sync,
+            clock,
+            eviction_log: crate::logging::RateLimit::new(3, Duration::from_secs(60)),
+        })
+    }
+}
+
+/// Open the replay log, dropping a torn tail (never acknowledged: invariant 1).
+fn open_log(cfg: &Config, sync: &Durability) -> Result<Log, AgentError> {
+    let (log, rec) = Log::open(
+        LogOptions {
+            dir: cfg.log_dir(),
+            segment_size: cfg.log.segment_size,
+            max_size: cfg.log.max_size,
+            max_payload: cfg.log.max_payload,
+        },
+        sync.clone(),
+    )?;
+    if rec.torn_bytes_dropped > 0 {
+        log::warn!(
+            "recovery: dropped torn log tail: {} bytes, {} records (never acknowledged)",
+            rec.torn_bytes_dropped,
+            rec.torn_records_dropped
+        );
+    }
+    Ok(log)
+}
+
+/// Open the store, the pipelines' definitions and generations, and the quarantine.
+fn open_processor(
+    cfg: &Config,
+    sync: &Durability,
+    reset: &[String],
+) -> Result<Processor, AgentError> {
+    let store = Store::open(&cfg.store_dir(), cfg.storage.cache_size, sync.clone())?;
+    let generations = cfg.storage.data_dir.join(crate::generations::FILE_NAME);
+    let mut proc = Processor::open_with(store, cfg.pipelines.clone(), reset, Some(&generations))?;
+    let data_dir = &cfg.storage.data_dir;
+    let quarantine =
+        Quarantine::open(data_dir, sync.clone()).map_err(|source| ProcessError::Quarantine {
+            file: data_dir.join(crate::quarantine::FILE_NAME),
+            source,
+        })?;
+    proc.set_quarantine(quarantine)?;
+    if let Some(q) = proc.quarantine().filter(|q| !q.is_empty()) {
+        log::warn!(
+            "recovery: {} names log records whose processing panicked before; each is \
+             retried up to {} times, then set aside as a dead letter with reason `internal`",
+            q.path().display(),
+            crate::quarantine::MAX_ATTEMPTS
+        );
+    }
+    Ok(proc)
+}
+
+/// Re-apply the log from the checkpoint's `next_offset`.
+fn replay(
+    cfg: &Config,
+    log: &Log,
+    proc: &mut Processor,
+    started: Instant,
+    clock: &dyn Clock,
+) -> Result<ReplayStats, AgentError> {
+    let mut trimmed = clock.monotonic();
+    let wall_ms = || clock.wall_ms();
+    let stats = proc.replay(log, cfg.checkpoint.max_records, &wall_ms, &mut |s| {
+        let now = clock.monotonic();
+        if now.saturating_duration_since(trimmed) >= TRIM_INTERVAL {
+            trimmed = now;
+            return_free_memory();
+        }
+        log::info!(
+            "recovery: replayed {} records up to offset {}",
+            s.records,
+            s.to
+        );
+        // A long replay is progress, not a hang: keep systemd's timeouts at bay.
+        crate::notify::still_starting(&format!(
+            "recovery: replayed {} records up to offset {}",
+            s.records, s.to
+        ));
+    })?;
+    log::info!(
+        "recovery: done in {} ms: log offsets [{}, {}), replayed {} records from offset {}, checkpoint {}",
+        clock
+            .monotonic()
+            .saturating_duration_since(started)
+            .as_millis(),
+        log.first_offset(),
+        log.next_offset(),
+        stats.records,
+        stats.from,
+        proc.engine().progress().checkpoint_id
+    );
+    Ok(stats)
+}
+
+/// The newest time of receipt recorded: the log's (its records) or the checkpoint's
+/// (records retention already deleted). Stamps never go below it.
+fn start_receipt(cfg: &Config, log: &Log, proc: &Processor, clock: &dyn Clock) -> ReceiptClock {
+    let recorded = log
+        .segments()
+        .iter()
+        .map(|s| s.max_received_at_ms)
+        .chain([proc.engine().progress().log_clock_ms])
+        .max()
+        .unwrap_or(0);
+    let (receipt, note) = ReceiptClock::start(recorded, clock.wall_ms(), clock.monotonic());
+    if let Some(note) = note {
+        log_clock_note(cfg, &note);
+    }
+    receipt
+}
+
+/// The recovery figures, and the `/metrics` server if one is configured.
+fn start_metrics(
+    cfg: &Config,
+    proc: &Processor,
+    stats: &ReplayStats,
+    replay_time: Duration,
+) -> Result<Arc<Metrics>, AgentError> {
+    let metrics = Metrics::new();
+    let durable = proc.store().progress()?;
+    let last_at = proc.store().checkpoints().next_back().transpose()?;
+    metrics.update(|f| {
+        f.replay_records = stats.records;
+        f.replay_seconds = replay_time.as_secs_f64();
+        f.checkpoint_id = durable.checkpoint_id;
+        f.checkpoint_next_offset = durable.next_offset;
+        f.checkpoint_at_ms = last_at.map_or(0, |c| c.committed_at_ms);
+    });
+    if let Some(addr) = &cfg.metrics.listen {
+        let err = |source| AgentError::Metrics {
+            addr: addr.clone(),
+            source,
+        };
+        let at = addr
+            .parse()
+            .map_err(|e| err(std::io::Error::new(std::io::ErrorKind::InvalidInput, e)))?;
+        crate::metrics::serve(at, metrics.clone()).map_err(err)?;
+        log::info!("metrics: serving http://{addr}/metrics");
+    }
+    Ok(metrics)
+}
+
+/// Connect, subscribed to every pipeline's topic filters (each once).
+fn subscribe(cfg: &Config) -> Result<(Mqtt, Receiver<Event>), AgentError> {
+    let mut filters: Vec<String> = cfg
+        .pipelines
+        .iter()
+        .flat_map(|p| p.topics.clone())
+        .collect();
+    filters.sort();
+    filters.dedup();
+    Ok(Mqtt::start(&cfg.mqtt, filters, cfg.outbox.inflight)?)
+}
+
+/// Put a clock note in the journal, with what it means for this configuration.
+pub(super) fn log_clock_note(cfg: &Config, note: &Note) {
+    use crate::clock::{human_ms, utc_ms};
+    match *note {
+        Note::BehindRecorded {
+            wall_ms,
+            recorded_ms,
+        } => log::warn!(
+            "clock: the wall clock ({}) is behind the newest time of receipt already recorded \
+             ({}): it was set back, or the box booted with a stale clock. New records are \
+             stamped from {} on at the monotonic clock's rate until the wall clock catches up, \
+             so times of receipt never go backwards",
+            utc_ms(wall_ms),
+            utc_ms(recorded_ms),
+            utc_ms(recorded_ms)
+        ),
+        Note::SteppedBack { by_ms } => log::warn!(
+            "clock: the wall clock stepped back by {}; times of receipt go on from the last one \
+             at the monotonic clock's rate until it catches up, so windows by time of receipt \
+             and the dedup window keep their real pace",
+            human_ms(by_ms)
+        ),
+        Note::CaughtUp => {
+            log::info!(
+                "clock: the wall clock caught up with the times of receipt; following it again"
+            )
+        }
+        Note::SteppedForward {
+            by_ms,
+            expected_ms,
+            to_ms,
+        } => log_clock_forward(cfg, by_ms, expected_ms, to_ms),
+    }
+}
+
+/// A forward step ages everything recorded at once: say what that does to dedup and
+/// retention under this configuration.
+fn log_clock_forward(cfg: &Config, by_ms: u64, expected_ms: u64, to_ms: u64) {
+    use crate::clock::{human_ms, utc_ms};
+    let dedup = cfg
+        .pipelines
+        .iter()
+        .min_by_key(|p| p.dedup_window_ms)
+        .map(|p| {
+            format!(
+                "dedup entries first seen before {} (pipeline `{}`, dedup_window {}; \
+                 each pipeline by its own window) stop catching duplicates",
+                utc_ms(to_ms.saturating_sub(p.dedup_window_ms)),
+                p.name,
+                human_ms(p.dedup_window_ms)
+            )
+        })
+        .unwrap_or_else(|| "dedup entries age by as much".into());
+    let retention = u64::try_from(cfg.log.retention.as_millis()).unwrap_or(u64::MAX);
+    log::warn!(
+        "clock: the wall clock stepped forwards by {} beyond what the monotonic clock \
+         counted since the last record; times of receipt follow it (now {} instead of \
+         {}). The dedup window and log retention are measured in time of receipt, so \
+         everything recorded so far ages by {} at once: {}, and log segments received \
+         before {} (log.retention {}) are deleted once checkpointed. If the clock was \
+         wrong before, this is the correction; if it is wrong now, fix it: times of \
+         receipt never go back, so records keep the later time until it catches up",
+        human_ms(by_ms),
+        utc_ms(to_ms),
+        utc_ms(expected_ms),
+        human_ms(by_ms),
+        dedup,
+        utc_ms(to_ms.saturating_sub(retention)),
+        human_ms(retention)
+    );
+}
