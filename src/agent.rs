@@ -198,7 +198,12 @@ impl Agent {
                 rec.torn_records_dropped
             );
         }
-        let store = Store::open(&cfg.store_dir(), cfg.storage.cache_size, sync.clone())?;
+        let store = Store::open_with(
+            &cfg.store_dir(),
+            cfg.storage.cache_size,
+            sync.clone(),
+            cfg.store_bounds(),
+        )?;
         let mut proc = Processor::open_with_reset(store, cfg.pipelines.clone(), reset)?;
         if log.next_offset() < proc.next_offset() {
             return Err(AgentError::Process(ProcessError::LogBehind {
@@ -235,7 +240,9 @@ impl Agent {
         let metrics = Metrics::new();
         let durable = proc.store().progress()?;
         let last_at = proc.store().checkpoints().next_back().transpose()?;
+        let bounds = proc.store().bound_figures();
         metrics.update(|f| {
+            set_bound_figures(f, &bounds);
             f.replay_records = stats.records;
             f.replay_seconds = started.elapsed().as_secs_f64();
             f.checkpoint_id = durable.checkpoint_id;
@@ -796,7 +803,9 @@ impl Agent {
         self.metrics
             .note_outbox_committed(outbox_end, info.committed_at_ms);
         let pipelines = pipeline_figures(self.proc.engine().progress());
+        let bounds = self.proc.store().bound_figures();
         self.metrics.update(|f| {
+            set_bound_figures(f, &bounds);
             // One update: a scrape sees the count, duration and offsets of one checkpoint,
             // and the pipeline figures with it (the ledger sizes change only at a commit).
             f.pipelines = pipelines;
@@ -885,6 +894,15 @@ impl Agent {
         });
         Ok(())
     }
+}
+
+/// The store's own bounds for `/metrics`.
+fn set_bound_figures(f: &mut crate::metrics::Figures, b: &crate::store::BoundFigures) {
+    f.dead_letters_stored = b.dead_letters.stored;
+    f.dead_letters_pruned_age = b.dead_letters.pruned_age;
+    f.dead_letters_pruned_count = b.dead_letters.pruned_count;
+    f.ledger_index_bytes = b.ledger_index_bytes;
+    f.ledger_unindexed_chunks = b.ledger_unindexed_chunks;
 }
 
 /// Each pipeline's figures for `/metrics`, from the engine's progress.

@@ -110,6 +110,12 @@ pub struct Figures {
     /// Wall-clock age of the oldest outbox entry (0 when empty).
     pub outbox_oldest_age_ms: u64,
     pub pipelines: BTreeMap<String, PipelineFigures>,
+    // The store's own bounds (as of the last checkpoint).
+    pub dead_letters_stored: u64,
+    pub dead_letters_pruned_age: u64,
+    pub dead_letters_pruned_count: u64,
+    pub ledger_index_bytes: u64,
+    pub ledger_unindexed_chunks: u64,
     // Savepoints and replayability.
     pub savepoints: u64,
     pub savepoint_failures: u64,
@@ -667,6 +673,39 @@ pub fn render_figures(f: &Figures, now_ms: u64) -> String {
         "Results produced into the outbox.",
         f,
         |p| p.outputs,
+    );
+    o.one(
+        "cairn_dead_letters_stored",
+        g,
+        "Dead letters in the store (bounded by dead_letters.max_entries and max_age).",
+        f.dead_letters_stored as f64,
+    );
+    o.head(
+        "cairn_dead_letters_pruned_total",
+        c,
+        "Dead letters dropped from the store, oldest first, by the bound that dropped them.",
+    );
+    let _ = writeln!(
+        o.0,
+        "cairn_dead_letters_pruned_total{{cause=\"age\"}} {}",
+        f.dead_letters_pruned_age
+    );
+    let _ = writeln!(
+        o.0,
+        "cairn_dead_letters_pruned_total{{cause=\"count\"}} {}",
+        f.dead_letters_pruned_count
+    );
+    o.one(
+        "cairn_ledger_index_bytes",
+        g,
+        "Bytes of the dedup ledger's in-memory index (bounded by storage.ledger_index_max).",
+        f.ledger_index_bytes as f64,
+    );
+    o.one(
+        "cairn_ledger_unindexed_chunks",
+        g,
+        "Ledger chunks left out of the full index; every lookup reads them (slower, exact).",
+        f.ledger_unindexed_chunks as f64,
     );
     o.one(
         "cairn_savepoints_total",
