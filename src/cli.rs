@@ -222,7 +222,9 @@ fn payload_json(payload: &[u8]) -> serde_json::Value {
     }
 }
 
-fn open_store_readonly(cfg: &Config) -> Result<Store, Failure> {
+/// The store for `inspect`: a private copy, so that looking never writes to it (sled has no
+/// read-only mode; see [`crate::store::StoreCopy`]).
+fn open_store_readonly(cfg: &Config) -> Result<crate::store::StoreCopy, Failure> {
     let dir = cfg.store_dir();
     if !dir.join("db").exists() {
         return Err(Failure::runtime(format!(
@@ -230,7 +232,7 @@ fn open_store_readonly(cfg: &Config) -> Result<Store, Failure> {
             dir.display()
         )));
     }
-    Store::open(&dir, cfg.storage.cache_size, crate::fsio::real()).map_err(|e| match e {
+    Store::open_copy(&dir, cfg.storage.cache_size).map_err(|e| match e {
         crate::store::StoreError::Locked { .. } => {
             Failure::runtime(format!("{e}: stop it first, or use `cairn status`"))
         }

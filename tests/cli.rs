@@ -256,3 +256,91 @@ fn inspect_shows_every_view_as_json_lines_with_filters() {
     assert_eq!(v["ok"], true);
     assert_eq!(v["store"]["next_offset"], 5);
 }
+
+/// Every file below `dir`: relative path → (length, modification time, contents).
+fn tree_snapshot(dir: &Path) -> std::collections::BTreeMap<String, (u64, i64, i64, Vec<u8>)> {
+    use std::os::unix::fs::MetadataExt;
+    let mut out = std::collections::BTreeMap::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            let m = std::fs::symlink_metadata(&p).unwrap();
+            let rel = p.strip_prefix(dir).unwrap().display().to_string();
+            if m.is_dir() {
+                out.insert(rel + "/", (0, m.mtime(), m.mtime_nsec(), Vec::new()));
+                todo.push(p);
+            } else {
+                let bytes = std::fs::read(&p).unwrap();
+                out.insert(rel, (m.len(), m.mtime(), m.mtime_nsec(), bytes));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn inspect_leaves_the_store_byte_for_byte_and_mtime_for_mtime_as_it_was() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path());
+    fill(dir.path());
+    // Let sled's background flusher settle, and make any later write visible in the mtimes.
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    let data = dir.path().join("data");
+    let before = tree_snapshot(&data);
+    for what in ["state", "dedup", "outbox", "checkpoints", "dead-letters"] {
+        for json in [false, true] {
+            let mut args = vec!["inspect", what];
+            if json {
+                args.push("--json");
+            }
+            let (code, out, err) = cairn(&cfg, &args);
+            assert_eq!(code, 0, "{args:?}: {out}{err}");
+        }
+    }
+    let (code, _, err) = cairn(&cfg, &["inspect", "log"]);
+    assert_eq!(code, 0, "{err}");
+    let after = tree_snapshot(&data);
+    let names = |s: &std::collections::BTreeMap<String, _>| s.keys().cloned().collect::<Vec<_>>();
+    assert_eq!(names(&after), names(&before), "files appeared or vanished");
+    for (path, b) in &before {
+        let a = &after[path];
+        assert_eq!((a.0, a.1, a.2), (b.0, b.1, b.2), "{path}: size or mtime changed");
+        assert!(a.3 == b.3, "{path}: contents changed");
+    }
+}
+
+#[test]
+fn inspect_refuses_a_store_another_process_holds_and_leaves_no_copy_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path());
+    fill(dir.path());
+    let tmp = dir.path().join("tmp");
+    std::fs::create_dir(&tmp).unwrap();
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_cairn"))
+            .arg("--config")
+            .arg(&cfg)
+            .args(args)
+            .env("TMPDIR", &tmp)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    {
+        // As the agent would: sled's lock on the store.
+        let c = cairn::config::load(&cfg).unwrap();
+        let _held = Store::open(&c.store_dir(), c.storage.cache_size, fsio::real()).unwrap();
+        let (code, err) = run(&["inspect", "state"]);
+        assert_eq!(code, Some(1), "{err}");
+        assert!(err.contains("in use by another process"), "{err}");
+    }
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let (code, err) = run(&["inspect", "state"]);
+    assert_eq!(code, Some(0), "{err}");
+    let left: Vec<_> = std::fs::read_dir(&tmp).unwrap().collect();
+    assert!(left.is_empty(), "the copy was left behind: {left:?}");
+}

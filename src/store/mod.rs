@@ -147,8 +147,10 @@ pub struct BoundFigures {
 /// The layout this build reads and writes (see the module docs).
 pub const STORE_FORMAT: u32 = 2;
 
+mod copy;
 mod index;
 mod ledger;
+pub use copy::StoreCopy;
 mod lru;
 mod outbox;
 use ledger::{Chunk, ChunkCache, Ledger};
