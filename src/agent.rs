@@ -182,6 +182,14 @@ impl Agent {
 
     fn recover(cfg: Config, sync: Durability, reset: &[String]) -> Result<Agent, AgentError> {
         let started = Instant::now();
+        // Before the log and the store make it with the default mode (issue 10: 0700).
+        crate::fsio::create_data_dir(&cfg.storage.data_dir, &sync).map_err(|source| {
+            crate::log::LogError::Io {
+                op: "create the data directory",
+                path: cfg.storage.data_dir.clone(),
+                source,
+            }
+        })?;
         let (log, rec) = Log::open(
             LogOptions {
                 dir: cfg.log_dir(),

@@ -150,6 +150,33 @@ impl Config {
         }
     }
 
+    /// What is allowed but unsafe, one line each: `validate` prints them, `run` logs them.
+    /// Today: a `password_file` that its group or everyone can read (the MQTT password is
+    /// in it; `chmod 600`, or `640` with the group the service runs as if root owns it).
+    pub fn warnings(&self) -> Vec<String> {
+        use std::os::unix::fs::PermissionsExt;
+        let mut out = Vec::new();
+        if let Some(path) = &self.mqtt.password_file
+            && let Ok(meta) = std::fs::metadata(path)
+        {
+            let mode = meta.permissions().mode() & 0o7777;
+            let who = match (mode & 0o040 != 0, mode & 0o004 != 0) {
+                (_, true) => Some("everyone"),
+                (true, false) => Some("its group"),
+                (false, false) => None,
+            };
+            if let Some(who) = who {
+                out.push(format!(
+                    "mqtt.password_file: {} is readable by {who} (mode {mode:04o}): it holds the \
+                     broker password; `chmod 600 {}` (or 640 with only the service's group)",
+                    path.display(),
+                    path.display()
+                ));
+            }
+        }
+        out
+    }
+
     pub fn log_dir(&self) -> PathBuf {
         self.storage.data_dir.join("log")
     }

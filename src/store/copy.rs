@@ -49,7 +49,10 @@ impl Drop for StoreCopy {
     fn drop(&mut self) {
         drop(self.store.take());
         if let Err(e) = fs::remove_dir_all(&self.copy) {
-            log::warn!("store: cannot remove the copy at {}: {e}", self.copy.display());
+            log::warn!(
+                "store: cannot remove the copy at {}: {e}",
+                self.copy.display()
+            );
         }
     }
 }
@@ -105,10 +108,8 @@ impl Store {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.subsec_nanos());
-        let copy = std::env::temp_dir().join(format!(
-            "cairn-inspect-{}-{nanos}",
-            std::process::id()
-        ));
+        let copy =
+            std::env::temp_dir().join(format!("cairn-inspect-{}-{nanos}", std::process::id()));
         // 0700: the copy holds the same data as the store.
         fs::DirBuilder::new()
             .mode(0o700)
