@@ -144,6 +144,7 @@ pub struct BoundFigures {
     /// Ledger chunks the memory bound left out of the index (lookups read them).
     pub ledger_unindexed_chunks: u64,
 }
+
 /// The layout this build reads and writes (see the module docs).
 pub const STORE_FORMAT: u32 = 2;
 
