@@ -178,6 +178,9 @@ fn dispatch(cli: Cli) -> Result<(), Failure> {
         return match config::load(&cli.config) {
             Ok(cfg) => {
                 println!("{}", config::summary(&cfg));
+                for w in cfg.warnings() {
+                    println!("{}: warning: {w}", cfg.source.display());
+                }
                 for line in data_dir_report(&cfg) {
                     println!("{line}");
                 }
@@ -199,7 +202,12 @@ fn dispatch(cli: Cli) -> Result<(), Failure> {
     crate::logging::set_level(cfg.logging.level);
     match cli.command {
         Command::Validate => unreachable!(),
-        Command::Run { reset_pipeline } => run(cfg, &reset_pipeline),
+        Command::Run { reset_pipeline } => {
+            for w in cfg.warnings() {
+                log::warn!("config: {w}");
+            }
+            run(cfg, &reset_pipeline)
+        }
         Command::Inspect { what } => inspect(&cfg, what),
         Command::Verify { repair, json } => verify(&cfg, repair, json),
         Command::Status { json, offline } => crate::status::run(&cfg, json, offline),
@@ -256,6 +264,35 @@ fn emit(line: &str) -> Result<(), Failure> {
     })
 }
 
+/// `s` safe to print on a terminal, one line: control characters (an escape sequence in a
+/// payload could rewrite the screen, a newline could fake a line) and the invisible
+/// direction overrides are shown as escapes; a backslash is doubled so that an escape is
+/// never ambiguous. Only the text output needs it: `--json` escapes for itself.
+pub fn printable(s: &str) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c.is_control()
+                || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}') =>
+            {
+                let _ = write!(out, "\\u{{{:x}}}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Bytes as printable text (invalid UTF-8 shown as U+FFFD).
+fn printable_bytes(b: &[u8]) -> String {
+    printable(&String::from_utf8_lossy(b))
+}
+
 fn payload_json(payload: &[u8]) -> serde_json::Value {
     match std::str::from_utf8(payload) {
         Ok(s) => json!(s),
@@ -263,7 +300,9 @@ fn payload_json(payload: &[u8]) -> serde_json::Value {
     }
 }
 
-fn open_store_readonly(cfg: &Config) -> Result<Store, Failure> {
+/// The store for `inspect`: a private copy, so that looking never writes to it (sled has no
+/// read-only mode; see [`crate::store::StoreCopy`]).
+fn open_store_readonly(cfg: &Config) -> Result<crate::store::StoreCopy, Failure> {
     let dir = cfg.store_dir();
     if !dir.join("db").exists() {
         return Err(Failure::runtime(format!(
@@ -271,7 +310,7 @@ fn open_store_readonly(cfg: &Config) -> Result<Store, Failure> {
             dir.display()
         )));
     }
-    Store::open(&dir, cfg.storage.cache_size, crate::fsio::real()).map_err(|e| match e {
+    Store::open_copy(&dir, cfg.storage.cache_size).map_err(|e| match e {
         crate::store::StoreError::Locked { .. } => {
             Failure::runtime(format!("{e}: stop it first, or use `cairn status`"))
         }
@@ -343,8 +382,12 @@ fn inspect(cfg: &Config, what: Inspect) -> Result<(), Failure> {
                         .map(|(s, e)| format!(" window=[{s},{e})"))
                         .unwrap_or_default();
                     emit(&format!(
-                        "{p}\t{key}{w}\tvalue={}\tcount={}\tversion={}",
-                        v["value"], st.count, st.version
+                        "{}\t{}{w}\tvalue={}\tcount={}\tversion={}",
+                        printable(&p),
+                        printable(&key),
+                        v["value"],
+                        st.count,
+                        st.version
                     ))?;
                 }
             }
@@ -360,7 +403,11 @@ fn inspect(cfg: &Config, what: Inspect) -> Result<(), Failure> {
                 if f.json {
                     emit(&json!({"pipeline": p, "event_id": id, "seen_ms": seen}).to_string())?;
                 } else {
-                    emit(&format!("{p}\t{id}\tseen_ms={seen}"))?;
+                    emit(&format!(
+                        "{}\t{}\tseen_ms={seen}",
+                        printable(&p),
+                        printable(&id)
+                    ))?;
                 }
             }
         }
@@ -383,9 +430,9 @@ fn inspect(cfg: &Config, what: Inspect) -> Result<(), Failure> {
                 } else {
                     emit(&format!(
                         "{seq}\t{}\t{}\t{}",
-                        o.id,
-                        o.topic,
-                        String::from_utf8_lossy(&o.payload)
+                        printable(&o.id),
+                        printable(&o.topic),
+                        printable_bytes(&o.payload)
                     ))?;
                 }
             }
@@ -426,8 +473,13 @@ fn inspect(cfg: &Config, what: Inspect) -> Result<(), Failure> {
                                  "payload": payload_json(&d.payload)}).to_string())?;
                 } else {
                     emit(&format!(
-                        "{}\t{}\t{}\t{}\t{}",
-                        d.offset, d.pipeline, d.topic, d.reason, d.detail
+                        "{}\t{}\t{}\t{}\t{}\t{}",
+                        d.offset,
+                        printable(&d.pipeline),
+                        printable(&d.topic),
+                        printable(&d.reason),
+                        printable(&d.detail),
+                        printable_bytes(&d.payload)
                     ))?;
                 }
             }
@@ -466,10 +518,10 @@ fn inspect_log(cfg: &Config, from: u64, limit: usize, json: bool) -> Result<(), 
                 "{}\t{}\t{}\tq{}{}{note}\t{}",
                 r.offset,
                 r.received_at_ms,
-                r.topic,
+                printable(&r.topic),
                 r.qos & !crate::model::QOS_TOO_LARGE,
                 if r.retain { " retain" } else { "" },
-                String::from_utf8_lossy(payload)
+                printable_bytes(payload)
             ))?;
         }
     }
@@ -502,4 +554,21 @@ fn run(cfg: Config, reset: &[String]) -> Result<(), Failure> {
     crate::notify::ready();
     crate::notify::status("running: recovery done");
     agent.run(&shutdown).map_err(Failure::runtime)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::printable;
+
+    #[test]
+    fn printable_escapes_control_and_direction_characters_and_backslashes() {
+        assert_eq!(printable("plain text/é"), "plain text/é");
+        assert_eq!(printable("a\nb\tc\rd"), "a\\nb\\tc\\rd");
+        assert_eq!(printable("\u{1b}[2J"), "\\u{1b}[2J");
+        assert_eq!(printable("\u{7f}\u{0}"), "\\u{7f}\\u{0}");
+        assert_eq!(printable("x\u{202e}y"), "x\\u{202e}y");
+        assert_eq!(printable("back\\slash"), "back\\\\slash");
+        // Unambiguous: an escaped text never equals another text's escape.
+        assert_ne!(printable("\\n"), printable("\n"));
+    }
 }

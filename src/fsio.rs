@@ -178,9 +178,53 @@ pub fn remove_file_durable(path: &Path, sync: &Durability) -> io::Result<()> {
     }
 }
 
+/// Create the data directory if it is missing: mode 0700 (it holds every input and result;
+/// the umask may only narrow that), its parents as [`create_dir_all_durable`] does, and its
+/// entry fsynced. An existing directory is left as it is: under systemd the unit's
+/// `StateDirectory=` made it with the mode the unit asks for.
+pub fn create_data_dir(path: &Path, sync: &Durability) -> io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    if path.exists() {
+        return Ok(());
+    }
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => std::path::PathBuf::from("."),
+    };
+    create_dir_all_durable(&parent, sync)?;
+    match std::fs::DirBuilder::new().mode(0o700).create(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => return Ok(()),
+        Err(e) => return Err(e),
+    }
+    sync.sync_dir(&parent)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_new_data_dir_is_0700_and_an_existing_one_keeps_its_mode() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let sync = TestSync::new();
+        let durable: Durability = sync.clone();
+        let dir = tmp.path().join("a/b/data");
+        create_data_dir(&dir, &durable).unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&dir), 0o700);
+        assert_eq!(
+            sync.dir_syncs(),
+            3,
+            "a, b and data each synced in its parent"
+        );
+        let shared = tmp.path().join("shared");
+        std::fs::create_dir(&shared).unwrap();
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o755)).unwrap();
+        create_data_dir(&shared, &durable).unwrap();
+        assert_eq!(mode(&shared), 0o755);
+    }
 
     #[test]
     fn create_dir_all_durable_syncs_the_parent_of_every_created_level() {

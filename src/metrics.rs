@@ -5,25 +5,34 @@
 //! checkpoint, and every [`REFRESH_INTERVAL`] for the gauges); the server thread only reads
 //! a copy. Nothing here feeds back into processing: the figures may use the wall clock.
 //!
-//! The server is bounded like everything else (invariant 7): one thread, one connection at
-//! a time, requests of at most [`MAX_REQUEST_BYTES`], a read and write timeout per
-//! connection, and it binds loopback addresses only (the figures carry no authentication).
+//! The server is bounded like everything else (invariant 7): one accepting thread that hands
+//! each connection to a handler thread of its own, at most [`MAX_HANDLERS`] at once (one more
+//! is answered `503` at once and closed), requests of at most [`MAX_REQUEST_BYTES`], and one
+//! deadline of [`REQUEST_DEADLINE`] per connection for reading the request head *and*
+//! writing the response. A per-read timeout alone is not enough: a client that sends one
+//! byte every 1.5 s never trips a 2 s read timeout, and it held the single-threaded listener
+//! for as long as it liked (issue 10). It binds loopback addresses only (the figures carry no
+//! authentication).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How often the agent recomputes gauges that cost a tree walk (outbox depth, store size).
 pub const REFRESH_INTERVAL: Duration = Duration::from_millis(250);
 /// Longest request head the server reads before answering 431.
 pub const MAX_REQUEST_BYTES: usize = 8 * 1024;
-/// Per-connection read and write timeout: a stuck client cannot hold the thread longer.
-pub const CONNECTION_TIMEOUT: Duration = Duration::from_secs(2);
+/// Time a connection gets from accept to the last byte of the response: a slow client is
+/// cut when it runs out, however it trickles its bytes.
+pub const REQUEST_DEADLINE: Duration = Duration::from_secs(2);
+/// Connections served at once (a thread each). Scrapers are few; the cap bounds the threads
+/// that slow or idle clients can pin, each for at most [`REQUEST_DEADLINE`].
+pub const MAX_HANDLERS: usize = 8;
 /// Outbox age marks kept (one per checkpoint that added outputs); beyond it the newest mark
 /// absorbs new entries, which only overstates their age.
 const MAX_OUTBOX_MARKS: usize = 4096;
@@ -107,6 +116,12 @@ pub struct Figures {
     /// Wall-clock age of the oldest outbox entry (0 when empty).
     pub outbox_oldest_age_ms: u64,
     pub pipelines: BTreeMap<String, PipelineFigures>,
+    // The store's own bounds (as of the last checkpoint).
+    pub dead_letters_stored: u64,
+    pub dead_letters_pruned_age: u64,
+    pub dead_letters_pruned_count: u64,
+    pub ledger_index_bytes: u64,
+    pub ledger_unindexed_chunks: u64,
     // Savepoints and replayability.
     pub savepoints: u64,
     pub savepoint_failures: u64,
@@ -133,6 +148,8 @@ pub struct Metrics {
     outbox_marks: Mutex<std::collections::VecDeque<(u64, u64)>>,
     server: Mutex<Option<SocketAddr>>,
     stop: AtomicBool,
+    /// Handler threads running now (at most [`MAX_HANDLERS`]).
+    handlers: AtomicUsize,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -241,11 +258,7 @@ pub fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> io::Result<JoinHandle<(
                     break;
                 }
                 match conn {
-                    Ok(stream) => {
-                        if let Err(e) = handle(stream, &metrics) {
-                            log::debug!("metrics: connection: {e}");
-                        }
-                    }
+                    Ok(stream) => dispatch(stream, &metrics),
                     Err(e) => {
                         // e.g. EMFILE: back off instead of spinning.
                         log::warn!("metrics: accept: {e}");
@@ -256,9 +269,59 @@ pub fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> io::Result<JoinHandle<(
         })
 }
 
-fn handle(mut stream: TcpStream, metrics: &Metrics) -> io::Result<()> {
-    stream.set_read_timeout(Some(CONNECTION_TIMEOUT))?;
-    stream.set_write_timeout(Some(CONNECTION_TIMEOUT))?;
+/// Give the connection a handler thread of its own, or answer 503 when [`MAX_HANDLERS`] are
+/// busy, so the accepting thread never waits on a client.
+fn dispatch(stream: TcpStream, metrics: &Arc<Metrics>) {
+    let deadline = Instant::now() + REQUEST_DEADLINE;
+    let busy = metrics
+        .handlers
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+            (n < MAX_HANDLERS).then_some(n + 1)
+        })
+        .is_err();
+    if busy {
+        // The answer fits in the socket's send buffer: the write does not wait on the client,
+        // and the short timeout bounds it if it ever did.
+        let mut stream = stream;
+        let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
+        let _ = respond(
+            &mut stream,
+            "503 Service Unavailable",
+            "text/plain",
+            "busy\n",
+            Instant::now() + Duration::from_millis(100),
+        );
+        return;
+    }
+    let m = metrics.clone();
+    let spawned = std::thread::Builder::new()
+        .name("cairn-metrics-conn".into())
+        .spawn(move || {
+            if let Err(e) = handle(stream, &m, deadline) {
+                log::debug!("metrics: connection: {e}");
+            }
+            m.handlers.fetch_sub(1, Ordering::SeqCst);
+        });
+    if let Err(e) = spawned {
+        metrics.handlers.fetch_sub(1, Ordering::SeqCst);
+        log::warn!("metrics: cannot start a handler thread: {e}");
+    }
+}
+
+/// Time left before `deadline`, or a `TimedOut` error once it has passed. Never zero: a zero
+/// socket timeout means "wait forever".
+fn remaining(deadline: Instant) -> io::Result<Duration> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "request deadline passed",
+        ));
+    }
+    Ok(left)
+}
+
+fn handle(mut stream: TcpStream, metrics: &Metrics, deadline: Instant) -> io::Result<()> {
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 1024];
     let head_end = loop {
@@ -268,6 +331,8 @@ fn handle(mut stream: TcpStream, metrics: &Metrics) -> io::Result<()> {
         if buf.len() >= MAX_REQUEST_BYTES {
             break None;
         }
+        // Each read may wait only for what is left of the whole request's time.
+        stream.set_read_timeout(Some(remaining(deadline)?))?;
         let n = stream.read(&mut chunk)?;
         if n == 0 {
             return Ok(());
@@ -280,6 +345,7 @@ fn handle(mut stream: TcpStream, metrics: &Metrics) -> io::Result<()> {
             "431 Request Header Fields Too Large",
             "text/plain",
             "",
+            deadline,
         );
     };
     let head = String::from_utf8_lossy(&buf[..head_end]);
@@ -292,24 +358,50 @@ fn handle(mut stream: TcpStream, metrics: &Metrics) -> io::Result<()> {
             "200 OK",
             "text/plain; version=0.0.4; charset=utf-8",
             &render(metrics),
+            deadline,
         ),
-        ("GET", _) => respond(&mut stream, "404 Not Found", "text/plain", "not found\n"),
+        ("GET", _) => respond(
+            &mut stream,
+            "404 Not Found",
+            "text/plain",
+            "not found\n",
+            deadline,
+        ),
         _ => respond(
             &mut stream,
             "405 Method Not Allowed",
             "text/plain",
             "only GET\n",
+            deadline,
         ),
     }
 }
 
-fn respond(stream: &mut TcpStream, status: &str, ctype: &str, body: &str) -> io::Result<()> {
+/// Write the response by `deadline`: a client that reads slowly is cut like one that writes
+/// slowly.
+fn respond(
+    stream: &mut TcpStream,
+    status: &str,
+    ctype: &str,
+    body: &str,
+    deadline: Instant,
+) -> io::Result<()> {
     let head = format!(
         "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     );
-    stream.write_all(head.as_bytes())?;
-    stream.write_all(body.as_bytes())?;
+    let mut out = head.into_bytes();
+    out.extend_from_slice(body.as_bytes());
+    let mut rest = &out[..];
+    while !rest.is_empty() {
+        stream.set_write_timeout(Some(remaining(deadline)?))?;
+        match stream.write(rest) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => rest = &rest[n..],
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
     stream.flush()
 }
 
@@ -615,6 +707,39 @@ pub fn render_figures(f: &Figures, now_ms: u64) -> String {
         |p| p.outputs,
     );
     o.one(
+        "cairn_dead_letters_stored",
+        g,
+        "Dead letters in the store (bounded by dead_letters.max_entries and max_age).",
+        f.dead_letters_stored as f64,
+    );
+    o.head(
+        "cairn_dead_letters_pruned_total",
+        c,
+        "Dead letters dropped from the store, oldest first, by the bound that dropped them.",
+    );
+    let _ = writeln!(
+        o.0,
+        "cairn_dead_letters_pruned_total{{cause=\"age\"}} {}",
+        f.dead_letters_pruned_age
+    );
+    let _ = writeln!(
+        o.0,
+        "cairn_dead_letters_pruned_total{{cause=\"count\"}} {}",
+        f.dead_letters_pruned_count
+    );
+    o.one(
+        "cairn_ledger_index_bytes",
+        g,
+        "Bytes of the dedup ledger's in-memory index (bounded by storage.ledger_index_max).",
+        f.ledger_index_bytes as f64,
+    );
+    o.one(
+        "cairn_ledger_unindexed_chunks",
+        g,
+        "Ledger chunks left out of the full index; every lookup reads them (slower, exact).",
+        f.ledger_unindexed_chunks as f64,
+    );
+    o.one(
         "cairn_savepoints_total",
         c,
         "Savepoints written since start.",
@@ -819,6 +944,110 @@ mod tests {
         assert_eq!(m.snapshot().outbox_oldest_age_ms, 4_000);
         m.set_outbox(0, None, 9_000);
         assert_eq!(m.snapshot().outbox_oldest_age_ms, 0);
+    }
+
+    /// A client trickling one byte every 1.5 s (under any per-read timeout) holds its
+    /// connection while a second scrape is answered promptly, and is cut at the deadline.
+    #[test]
+    fn a_slow_loris_client_is_cut_at_the_deadline_and_does_not_block_other_scrapes() {
+        let m = Metrics::new();
+        m.update(|f| f.received = 7);
+        let t = serve("127.0.0.1:0".parse().unwrap(), m.clone()).unwrap();
+        let addr = m.server_addr().unwrap();
+
+        let started = Instant::now();
+        let slow = std::thread::spawn(move || {
+            let mut s = TcpStream::connect(addr).unwrap();
+            s.set_read_timeout(Some(Duration::from_millis(100)))
+                .unwrap();
+            let request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
+            let mut last = Instant::now() - Duration::from_secs(2);
+            let mut sent = 0;
+            let mut probe = [0u8; 64];
+            // Until the server closes on us (or a generous 10 s pass: a failure).
+            while started.elapsed() < Duration::from_secs(10) {
+                if sent < request.len() && last.elapsed() >= Duration::from_millis(1500) {
+                    if s.write_all(&request[sent..sent + 1]).is_err() {
+                        return (started.elapsed(), sent, String::new());
+                    }
+                    sent += 1;
+                    last = Instant::now();
+                }
+                match s.read(&mut probe) {
+                    Ok(0) => return (started.elapsed(), sent, String::new()),
+                    Ok(n) => {
+                        return (
+                            started.elapsed(),
+                            sent,
+                            String::from_utf8_lossy(&probe[..n]).into_owned(),
+                        );
+                    }
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                        ) => {}
+                    Err(_) => return (started.elapsed(), sent, String::new()),
+                }
+            }
+            (started.elapsed(), sent, String::new())
+        });
+
+        // The slow client has its connection; a scrape now must not wait for it.
+        std::thread::sleep(Duration::from_millis(300));
+        let asked = Instant::now();
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        let took = asked.elapsed();
+        assert!(out.starts_with("HTTP/1.1 200 OK"), "{out}");
+        assert!(out.contains("\ncairn_received_total 7\n"), "{out}");
+        assert!(took < Duration::from_millis(500), "scrape took {took:?}");
+
+        let (cut_after, sent, answer) = slow.join().unwrap();
+        assert!(answer.is_empty(), "the slow client got an answer: {answer}");
+        assert!(
+            sent < 5,
+            "the slow client could send {sent} bytes before being cut"
+        );
+        assert!(
+            cut_after >= REQUEST_DEADLINE && cut_after < REQUEST_DEADLINE + Duration::from_secs(2),
+            "cut after {cut_after:?}"
+        );
+        m.stop_server();
+        t.join().unwrap();
+    }
+
+    #[test]
+    fn more_connections_than_handlers_get_503_while_a_slot_frees_within_the_deadline() {
+        let m = Metrics::new();
+        let t = serve("127.0.0.1:0".parse().unwrap(), m.clone()).unwrap();
+        let addr = m.server_addr().unwrap();
+        // Idle clients fill every handler.
+        let idle: Vec<TcpStream> = (0..MAX_HANDLERS)
+            .map(|_| TcpStream::connect(addr).unwrap())
+            .collect();
+        std::thread::sleep(Duration::from_millis(200));
+        let get = || {
+            let mut s = TcpStream::connect(addr).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            s.write_all(b"GET /metrics HTTP/1.1\r\n\r\n").unwrap();
+            let mut out = String::new();
+            let _ = s.read_to_string(&mut out);
+            out
+        };
+        let busy = get();
+        assert!(busy.starts_with("HTTP/1.1 503"), "{busy}");
+        // The idle ones are cut at the deadline, and scrapes are served again.
+        std::thread::sleep(REQUEST_DEADLINE + Duration::from_millis(300));
+        let ok = get();
+        assert!(ok.starts_with("HTTP/1.1 200 OK"), "{ok}");
+        drop(idle);
+        m.stop_server();
+        t.join().unwrap();
     }
 
     #[test]

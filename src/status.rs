@@ -109,6 +109,15 @@ fn from_metrics(addr: &str, samples: &[Sample]) -> Value {
         .filter(|s| s.name == "cairn_dead_letters_total")
         .map(|s| s.value)
         .sum();
+    let pruned = |cause: &str| {
+        samples
+            .iter()
+            .find(|s| {
+                s.name == "cairn_dead_letters_pruned_total"
+                    && s.labels.get("cause").map(String::as_str) == Some(cause)
+            })
+            .map_or(json!(null), |s| num(s.value))
+    };
     let sp_id = samples
         .iter()
         .find(|s| s.name == "cairn_savepoint_checkpoint_id")
@@ -154,6 +163,8 @@ fn from_metrics(addr: &str, samples: &[Sample]) -> Value {
                   "live_bytes_estimate": one("cairn_store_live_bytes_estimate")},
         "outbox_entries": one("cairn_outbox_entries"),
         "dead_letters": num(dead),
+        "dead_letters_stored": one("cairn_dead_letters_stored"),
+        "dead_letters_pruned": {"age": pruned("age"), "count": pruned("count")},
         "savepoint": savepoint,
         "source_replayable": one("cairn_source_replayable"),
         "backpressure": one("cairn_backpressure"),
@@ -265,6 +276,10 @@ fn from_data_dir(cfg: &Config) -> Result<Value, Failure> {
     v["definition_problems"] = json!(refusals);
     v["outbox_entries"] = json!(store.outbox_len());
     v["dead_letters"] = json!(store.dead_letter_len());
+    let b = store.bound_figures();
+    v["dead_letters_stored"] = json!(b.dead_letters.stored);
+    v["dead_letters_pruned"] =
+        json!({"age": b.dead_letters.pruned_age, "count": b.dead_letters.pruned_count});
     Ok(v)
 }
 
@@ -358,6 +373,13 @@ fn human(v: &Value) -> String {
             "outbox      {} entries; dead letters {}",
             s(&v["outbox_entries"]),
             s(&v["dead_letters"])
+        ));
+        let p = &v["dead_letters_pruned"];
+        lines.push(format!(
+            "dead store  {} kept; pruned {} by age, {} by count",
+            s(&v["dead_letters_stored"]),
+            s(&p["age"]),
+            s(&p["count"])
         ));
     }
     if v["store"].is_object() {

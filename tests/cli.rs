@@ -256,3 +256,228 @@ fn inspect_shows_every_view_as_json_lines_with_filters() {
     assert_eq!(v["ok"], true);
     assert_eq!(v["store"]["next_offset"], 5);
 }
+
+/// Every file below `dir`: relative path → (length, modification time, contents).
+fn tree_snapshot(dir: &Path) -> std::collections::BTreeMap<String, (u64, i64, i64, Vec<u8>)> {
+    use std::os::unix::fs::MetadataExt;
+    let mut out = std::collections::BTreeMap::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            let m = std::fs::symlink_metadata(&p).unwrap();
+            let rel = p.strip_prefix(dir).unwrap().display().to_string();
+            if m.is_dir() {
+                out.insert(rel + "/", (0, m.mtime(), m.mtime_nsec(), Vec::new()));
+                todo.push(p);
+            } else {
+                let bytes = std::fs::read(&p).unwrap();
+                out.insert(rel, (m.len(), m.mtime(), m.mtime_nsec(), bytes));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn inspect_leaves_the_store_byte_for_byte_and_mtime_for_mtime_as_it_was() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path());
+    fill(dir.path());
+    // Let sled's background flusher settle, and make any later write visible in the mtimes.
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    let data = dir.path().join("data");
+    let before = tree_snapshot(&data);
+    for what in ["state", "dedup", "outbox", "checkpoints", "dead-letters"] {
+        for json in [false, true] {
+            let mut args = vec!["inspect", what];
+            if json {
+                args.push("--json");
+            }
+            let (code, out, err) = cairn(&cfg, &args);
+            assert_eq!(code, 0, "{args:?}: {out}{err}");
+        }
+    }
+    let (code, _, err) = cairn(&cfg, &["inspect", "log"]);
+    assert_eq!(code, 0, "{err}");
+    let after = tree_snapshot(&data);
+    let names = |s: &std::collections::BTreeMap<String, _>| s.keys().cloned().collect::<Vec<_>>();
+    assert_eq!(names(&after), names(&before), "files appeared or vanished");
+    for (path, b) in &before {
+        let a = &after[path];
+        assert_eq!(
+            (a.0, a.1, a.2),
+            (b.0, b.1, b.2),
+            "{path}: size or mtime changed"
+        );
+        assert!(a.3 == b.3, "{path}: contents changed");
+    }
+}
+
+#[test]
+fn inspect_refuses_a_store_another_process_holds_and_leaves_no_copy_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path());
+    fill(dir.path());
+    let tmp = dir.path().join("tmp");
+    std::fs::create_dir(&tmp).unwrap();
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_cairn"))
+            .arg("--config")
+            .arg(&cfg)
+            .args(args)
+            .env("TMPDIR", &tmp)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    {
+        // As the agent would: sled's lock on the store.
+        let c = cairn::config::load(&cfg).unwrap();
+        let _held = Store::open(&c.store_dir(), c.storage.cache_size, fsio::real()).unwrap();
+        let (code, err) = run(&["inspect", "state"]);
+        assert_eq!(code, Some(1), "{err}");
+        assert!(err.contains("in use by another process"), "{err}");
+    }
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let (code, err) = run(&["inspect", "state"]);
+    assert_eq!(code, Some(0), "{err}");
+    let left: Vec<_> = std::fs::read_dir(&tmp).unwrap().collect();
+    assert!(left.is_empty(), "the copy was left behind: {left:?}");
+}
+
+#[test]
+fn text_output_escapes_control_characters_from_topics_and_payloads() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg_path = write_config(dir.path());
+    let cfg = cairn::config::load(&cfg_path).unwrap();
+    let opts = LogOptions {
+        dir: cfg.log_dir(),
+        segment_size: cfg.log.segment_size,
+        max_size: cfg.log.max_size,
+        max_payload: cfg.log.max_payload,
+    };
+    let (mut log, _) = Log::open(opts, fsio::real()).unwrap();
+    // A payload that clears the screen and fakes a second line, on a topic with a bell.
+    let hostile = "\u{1b}[2J\u{1b}[31mbroken\nFAKE\tline\u{7}";
+    log.append(1_000, "pay/\u{7}x", hostile.as_bytes(), 1, false)
+        .unwrap();
+    log.commit().unwrap();
+    let store = Store::open(&cfg.store_dir(), cfg.storage.cache_size, fsio::real()).unwrap();
+    let mut proc = Processor::open(store, cfg.pipelines.clone()).unwrap();
+    proc.replay(&log, 1000, &|| 42, &mut |_| {}).unwrap();
+    drop(proc);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+
+    for what in ["log", "dead-letters"] {
+        let (code, out, err) = cairn(&cfg_path, &["inspect", what]);
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            !out.chars()
+                .any(|c| c.is_control() && c != '\n' && c != '\t'),
+            "{what}: control characters reach the terminal: {out:?}"
+        );
+        let records = if what == "log" { 1 } else { 2 }; // one dead letter per pipeline
+        assert_eq!(out.lines().count(), records, "{what}: {out:?}");
+        assert!(out.contains("\\u{1b}[2J"), "{what}: {out:?}");
+        assert!(out.contains("\\nFAKE\\tline"), "{what}: {out:?}");
+        assert!(out.contains("pay/\\u{7}x"), "{what}: {out:?}");
+    }
+    // --json keeps the exact bytes (JSON escapes them itself).
+    let (_, out, _) = cairn(&cfg_path, &["inspect", "log", "--json"]);
+    assert_eq!(json_lines(&out)[0]["payload"], hostile);
+}
+
+fn mode_of(p: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p).unwrap().permissions().mode() & 0o777
+}
+
+/// A config with a username and a password file, on a loopback port nothing listens on.
+fn config_with_password(dir: &Path, pw_mode: u32) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let pw = dir.join("mqtt.password");
+    std::fs::write(&pw, "secret\n").unwrap();
+    std::fs::set_permissions(&pw, std::fs::Permissions::from_mode(pw_mode)).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let cfg = dir.join("cairn.toml");
+    let text = format!(
+        "[mqtt]\nclient_id = \"cli-test\"\nport = {port}\nusername = \"cairn\"\npassword_file = \"{}\"\n\n[storage]\ndata_dir = \"{}\"\n{PIPELINES}",
+        pw.display(),
+        dir.join("new/data").display()
+    );
+    std::fs::write(&cfg, text).unwrap();
+    cfg
+}
+
+#[test]
+fn validate_warns_about_a_password_file_its_group_or_everyone_can_read() {
+    let dir = tempfile::tempdir().unwrap();
+    for (mode, says) in [
+        (0o644, Some("readable by everyone (mode 0644)")),
+        (0o640, Some("readable by its group (mode 0640)")),
+        (0o600, None),
+        (0o400, None),
+    ] {
+        let cfg = config_with_password(dir.path(), mode);
+        let (code, out, err) = cairn(&cfg, &["validate"]);
+        assert_eq!(code, 0, "{out}{err}");
+        match says {
+            Some(says) => {
+                assert!(
+                    out.contains("warning: mqtt.password_file:"),
+                    "{mode:o}: {out}"
+                );
+                assert!(out.contains(says), "{mode:o}: {out}");
+                assert!(out.contains("chmod 600"), "{out}");
+            }
+            None => assert!(!out.contains("warning"), "{mode:o}: {out}"),
+        }
+    }
+}
+
+#[test]
+fn run_warns_about_a_readable_password_file_and_creates_the_data_dir_0700() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config_with_password(dir.path(), 0o644);
+    let stderr = dir.path().join("stderr");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_cairn"))
+        .arg("--config")
+        .arg(&cfg)
+        .arg("run")
+        .env_remove("RUST_LOG")
+        .env_remove("NOTIFY_SOCKET")
+        .env_remove("STATE_DIRECTORY")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&stderr).unwrap())
+        .spawn()
+        .unwrap();
+    let data = dir.path().join("new/data");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let mut log = String::new();
+    while std::time::Instant::now() < deadline {
+        log = std::fs::read_to_string(&stderr).unwrap_or_default();
+        if log.contains("recovery: done") {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let exited = child.wait().unwrap();
+    assert!(log.contains("recovery: done"), "{log}");
+    assert!(
+        log.contains("password_file") && log.contains("readable by everyone"),
+        "{log}"
+    );
+    assert_eq!(mode_of(&data), 0o700, "data dir mode");
+    assert!(exited.success(), "{exited:?}\n{log}");
+}

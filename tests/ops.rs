@@ -3,7 +3,7 @@
 //!
 //! Tools: `systemd-analyze` (package `systemd`), `mosquitto`, `dpkg-deb` (package `dpkg`) and
 //! `cargo deb` (`cargo install cargo-deb --locked`). A missing tool fails the test with the
-//! install command; `.ci/run` installs them.
+//! install command; `.ci/test` (the README's test command) installs them.
 //!
 //! The .deb test builds a release binary (about a minute with warm dependencies, a few on a
 //! cold cache).
@@ -33,8 +33,9 @@ fn cairn_bin() -> PathBuf {
 
 /// Runs `cmd`, or panics with how to install `tool` if it cannot be started.
 fn run_tool(cmd: &mut Command, tool: &str, install: &str) -> Output {
-    cmd.output()
-        .unwrap_or_else(|e| panic!("cannot run `{tool}` ({e}); install it with `{install}`"))
+    cmd.output().unwrap_or_else(|e| {
+        panic!("cannot run `{tool}` ({e}); install it with `{install}` (`.ci/test` does)")
+    })
 }
 
 fn systemd_analyze() -> Command {
@@ -675,13 +676,17 @@ fn dpkg_deb(args: &[&str], deb: &Path) -> String {
 #[test]
 fn cargo_deb_packages_the_binary_the_unit_the_conffile_and_the_mosquitto_snippet() {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    // Checked here, first, so that a box without it gets the fix in the failure message
+    // instead of an error from deep inside the packaging.
     let probe = Command::new(&cargo).args(["deb", "--version"]).output();
-    if !probe.as_ref().is_ok_and(|o| o.status.success()) {
-        panic!(
-            "`cargo deb` is not installed ({}); install it with `cargo install cargo-deb --locked`",
-            probe.map_or_else(|e| e.to_string(), |o| text(&o.stderr))
-        );
-    }
+    assert!(
+        probe.as_ref().is_ok_and(|o| o.status.success()),
+        "`cargo deb` is not installed ({}): install it with `cargo install cargo-deb --locked`, \
+         or run the suite with `.ci/test`, which installs it",
+        probe
+            .as_ref()
+            .map_or_else(|e| e.to_string(), |o| text(&o.stderr))
+    );
     let dir = tempfile::tempdir().unwrap();
     let started = Instant::now();
     let out = Command::new(&cargo)

@@ -197,3 +197,122 @@ output_topic = "balances/{{key}}"
         "{human}"
     );
 }
+
+/// Issue 10: the dead-letter tree is bounded, and what the bound dropped is counted in
+/// `/metrics` and in `cairn status`, online and offline.
+#[test]
+fn dead_letters_over_max_entries_are_dropped_and_counted_online_and_offline() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let mport = free_port();
+    let config = dir.path().join("cairn.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"[mqtt]
+port = {port}
+client_id = "{id}"
+[storage]
+data_dir = "{data}"
+cache_size = "1MiB"
+[checkpoint]
+interval = "20ms"
+[metrics]
+listen = "127.0.0.1:{mport}"
+[dead_letters]
+max_entries = 2
+[[pipeline]]
+name = "balances"
+topics = ["payments/#"]
+format = "delimited"
+separator = "/"
+event_id = "0"
+key = "1"
+value = "2"
+aggregate = "sum"
+output_topic = "balances/{{key}}"
+"#,
+            port = broker.port(),
+            id = unique_id("status-dead"),
+            data = dir.path().join("data").display()
+        ),
+    )
+    .unwrap();
+    let stderr = std::fs::File::create(dir.path().join("agent.log")).unwrap();
+    let mut agent = Command::new(env!("CARGO_BIN_EXE_cairn"))
+        .arg("--config")
+        .arg(&config)
+        .arg("run")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(stderr)
+        .spawn()
+        .unwrap();
+    let log = || std::fs::read_to_string(dir.path().join("agent.log")).unwrap_or_default();
+    assert!(
+        wait_until(Duration::from_secs(20), || get_metrics(mport)
+            .is_some_and(|m| m.contains("\ncairn_mqtt_connected 1\n"))),
+        "no metrics from the agent; log:\n{}",
+        log()
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let msgs: Vec<_> = (0..5)
+        .map(|i| {
+            (
+                "payments/in".to_string(),
+                format!("bad{i}").into_bytes(),
+                false,
+            )
+        })
+        .collect();
+    publish_all(broker.port(), &msgs);
+    let mut text = String::new();
+    let settled = wait_until(Duration::from_secs(15), || {
+        text = get_metrics(mport).unwrap_or_default();
+        value(&text, "cairn_checkpoint_next_offset") == Some(5.0)
+            && value(&text, "cairn_dead_letters_pruned_total{cause=\"count\"}") == Some(3.0)
+    });
+    assert!(settled, "metrics did not settle:\n{text}\nlog:\n{}", log());
+    assert_eq!(value(&text, "cairn_dead_letters_stored"), Some(2.0));
+    assert_eq!(
+        value(&text, "cairn_dead_letters_pruned_total{cause=\"age\"}"),
+        Some(0.0)
+    );
+    assert_eq!(
+        value(&text, "cairn_dead_letters_total{pipeline=\"balances\"}"),
+        Some(5.0),
+        "every refusal is still counted"
+    );
+    let online = status_json(&config, &[]);
+    assert_eq!(online["dead_letters_stored"], 2, "{online}");
+    assert_eq!(online["dead_letters_pruned"]["count"], 3, "{online}");
+    assert_eq!(online["dead_letters_pruned"]["age"], 0, "{online}");
+
+    Command::new("kill")
+        .arg("-TERM")
+        .arg(agent.id().to_string())
+        .status()
+        .unwrap();
+    assert_eq!(agent.wait().unwrap().code(), Some(0), "log:\n{}", log());
+    let offline = status_json(&config, &[]);
+    assert_eq!(offline["source"], "data_dir", "{offline}");
+    assert_eq!(offline["dead_letters"], 2, "{offline}");
+    assert_eq!(offline["dead_letters_stored"], 2, "{offline}");
+    assert_eq!(offline["dead_letters_pruned"]["count"], 3, "{offline}");
+    let human = cairn(&config, &["status"]);
+    let human = String::from_utf8_lossy(&human.stdout);
+    assert!(
+        human.contains("dead store  2 kept; pruned 0 by age, 3 by count"),
+        "{human}"
+    );
+    let listed = cairn(&config, &["inspect", "dead-letters", "--json"]);
+    let offsets: Vec<u64> = String::from_utf8_lossy(&listed.stdout)
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["offset"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(offsets, vec![3, 4], "the newest are kept");
+}

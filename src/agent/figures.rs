@@ -152,6 +152,15 @@ pub(super) fn note_savepoint_files(metrics: &Metrics, all: &[SavepointInfo]) {
     });
 }
 
+/// The store's own bounds for `/metrics`.
+pub(super) fn set_bound_figures(f: &mut crate::metrics::Figures, b: &crate::store::BoundFigures) {
+    f.dead_letters_stored = b.dead_letters.stored;
+    f.dead_letters_pruned_age = b.dead_letters.pruned_age;
+    f.dead_letters_pruned_count = b.dead_letters.pruned_count;
+    f.ledger_index_bytes = b.ledger_index_bytes;
+    f.ledger_unindexed_chunks = b.ledger_unindexed_chunks;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -17,7 +17,9 @@ impl Agent {
         self.metrics
             .note_outbox_committed(outbox_end, info.committed_at_ms);
         let pipelines = pipeline_figures(self.proc.engine().progress());
+        let bounds = self.proc.store().bound_figures();
         self.metrics.update(|f| {
+            super::figures::set_bound_figures(f, &bounds);
             // One update: a scrape sees the count, duration and offsets of one checkpoint,
             // and the pipeline figures with it (the ledger sizes change only at a commit).
             f.pipelines = pipelines;

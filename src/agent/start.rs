@@ -56,6 +56,14 @@ impl Agent {
         clock: Box<dyn Clock>,
     ) -> Result<Agent, AgentError> {
         let started = clock.monotonic();
+        // Before the log and the store make it with the default mode (issue 10: 0700).
+        crate::fsio::create_data_dir(&cfg.storage.data_dir, &sync).map_err(|source| {
+            crate::log::LogError::Io {
+                op: "create the data directory",
+                path: cfg.storage.data_dir.clone(),
+                source,
+            }
+        })?;
         let log = open_log(&cfg, &sync)?;
         let mut proc = open_processor(&cfg, &sync, reset)?;
         if log.next_offset() < proc.next_offset() {
@@ -139,7 +147,12 @@ fn open_processor(
     sync: &Durability,
     reset: &[String],
 ) -> Result<Processor, AgentError> {
-    let store = Store::open(&cfg.store_dir(), cfg.storage.cache_size, sync.clone())?;
+    let store = Store::open_with(
+        &cfg.store_dir(),
+        cfg.storage.cache_size,
+        sync.clone(),
+        cfg.store_bounds(),
+    )?;
     let generations = cfg.storage.data_dir.join(crate::generations::FILE_NAME);
     let mut proc = Processor::open_with(store, cfg.pipelines.clone(), reset, Some(&generations))?;
     let data_dir = &cfg.storage.data_dir;
@@ -229,7 +242,9 @@ fn start_metrics(
     let metrics = Metrics::new();
     let durable = proc.store().progress()?;
     let last_at = proc.store().checkpoints().next_back().transpose()?;
+    let bounds = proc.store().bound_figures();
     metrics.update(|f| {
+        super::figures::set_bound_figures(f, &bounds);
         f.replay_records = stats.records;
         f.replay_seconds = replay_time.as_secs_f64();
         f.checkpoint_id = durable.checkpoint_id;

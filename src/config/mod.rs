@@ -25,7 +25,17 @@ pub struct Config {
     pub metrics: MetricsConfig,
     pub savepoint: SavepointConfig,
     pub logging: LoggingConfig,
+    pub dead_letters: DeadLettersConfig,
     pub pipelines: Vec<PipelineSpec>,
+}
+
+/// `[dead_letters]`: how many and how old the stored dead letters may be; the oldest beyond
+/// either bound are dropped at a checkpoint, and counted.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeadLettersConfig {
+    pub max_entries: u64,
+    /// Measured on record time (the log clock), like the dedup window.
+    pub max_age: Duration,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -67,6 +77,9 @@ pub struct StorageConfig {
     pub data_dir: PathBuf,
     /// sled `cache_capacity` in bytes.
     pub cache_size: u64,
+    /// Most bytes of the dedup ledger's in-memory index (all pipelines); beyond it lookups
+    /// read the ledger (exact, slower).
+    pub ledger_index_max: u64,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -127,6 +140,43 @@ pub fn pipeline_from_toml(body: &str) -> Result<PipelineSpec, ConfigError> {
 }
 
 impl Config {
+    /// The bounds the store applies by itself.
+    pub fn store_bounds(&self) -> crate::store::StoreBounds {
+        crate::store::StoreBounds {
+            dead_letters_max_entries: self.dead_letters.max_entries,
+            dead_letters_max_age_ms: u64::try_from(self.dead_letters.max_age.as_millis())
+                .unwrap_or(u64::MAX),
+            ledger_index_max_bytes: self.storage.ledger_index_max,
+        }
+    }
+
+    /// What is allowed but unsafe, one line each: `validate` prints them, `run` logs them.
+    /// Today: a `password_file` that its group or everyone can read (the MQTT password is
+    /// in it; `chmod 600`, or `640` with the group the service runs as if root owns it).
+    pub fn warnings(&self) -> Vec<String> {
+        use std::os::unix::fs::PermissionsExt;
+        let mut out = Vec::new();
+        if let Some(path) = &self.mqtt.password_file
+            && let Ok(meta) = std::fs::metadata(path)
+        {
+            let mode = meta.permissions().mode() & 0o7777;
+            let who = match (mode & 0o040 != 0, mode & 0o004 != 0) {
+                (_, true) => Some("everyone"),
+                (true, false) => Some("its group"),
+                (false, false) => None,
+            };
+            if let Some(who) = who {
+                out.push(format!(
+                    "mqtt.password_file: {} is readable by {who} (mode {mode:04o}): it holds the \
+                     broker password; `chmod 600 {}` (or 640 with only the service's group)",
+                    path.display(),
+                    path.display()
+                ));
+            }
+        }
+        out
+    }
+
     pub fn log_dir(&self) -> PathBuf {
         self.storage.data_dir.join("log")
     }

@@ -28,8 +28,8 @@ use serde::de::{self, Deserializer, Visitor};
 use toml_edit::{DocumentMut, ImDocument, Table};
 
 use super::{
-    CheckpointConfig, Config, LogConfig, LoggingConfig, MetricsConfig, MqttConfig, OutboxConfig,
-    SavepointConfig, StorageConfig, TlsConfig,
+    CheckpointConfig, Config, DeadLettersConfig, LogConfig, LoggingConfig, MetricsConfig,
+    MqttConfig, OutboxConfig, SavepointConfig, StorageConfig, TlsConfig,
 };
 use crate::pipeline::filter::parse_filter;
 use crate::pipeline::spec::{
@@ -85,6 +85,15 @@ const PORTABLE_CLIENT_ID_LEN: usize = 23;
 const DEFAULT_CACHE_SIZE: u64 = 16 * MIB;
 const MIN_CACHE_SIZE: u64 = MIB;
 const MAX_CACHE_SIZE: u64 = GIB;
+// The dedup ledger's in-memory index (issue 10): below 1 MiB it would be full at ~60k events.
+const DEFAULT_LEDGER_INDEX_MAX: u64 = 64 * MIB;
+const MIN_LEDGER_INDEX_MAX: u64 = MIB;
+const MAX_LEDGER_INDEX_MAX: u64 = 16 * GIB;
+// Dead letters (issue 10): kept at most this many, this long.
+const DEFAULT_DEAD_LETTERS_MAX_ENTRIES: i64 = 100_000;
+const MAX_DEAD_LETTERS_MAX_ENTRIES: i64 = 100_000_000;
+const DEFAULT_DEAD_LETTERS_MAX_AGE_MS: u64 = 30 * 86_400_000;
+const MIN_DEAD_LETTERS_MAX_AGE_MS: u64 = 60_000;
 
 const DEFAULT_SEGMENT_SIZE: u64 = 64 * MIB;
 const MIN_SEGMENT_SIZE: u64 = MIB;
@@ -312,9 +321,15 @@ pub fn summary(cfg: &Config) -> String {
         d(m.reconnect_max)
     ));
     line(format!(
-        "data dir    {} (sled cache {})",
+        "data dir    {} (sled cache {}, ledger index <= {})",
         cfg.storage.data_dir.display(),
-        format_size(cfg.storage.cache_size)
+        format_size(cfg.storage.cache_size),
+        format_size(cfg.storage.ledger_index_max)
+    ));
+    line(format!(
+        "dead letters <= {}, <= {} old",
+        cfg.dead_letters.max_entries,
+        d(cfg.dead_letters.max_age)
     ));
     let l = &cfg.log;
     line(format!(
@@ -446,7 +461,15 @@ struct RawConfig {
     metrics: Option<RawMetrics>,
     savepoint: Option<RawSavepoint>,
     logging: Option<RawLogging>,
+    dead_letters: Option<RawDeadLetters>,
     pipeline: Option<Vec<RawPipeline>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDeadLetters {
+    max_entries: Option<i64>,
+    max_age: Option<DurationText>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -484,6 +507,7 @@ struct RawTls {
 struct RawStorage {
     data_dir: Option<String>,
     cache_size: Option<SizeText>,
+    ledger_index_max: Option<SizeText>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -819,6 +843,7 @@ impl Validator {
         );
         let metrics = self.metrics(raw.metrics.unwrap_or_default());
         let logging = self.logging(raw.logging.unwrap_or_default());
+        let dead_letters = self.dead_letters(raw.dead_letters.unwrap_or_default());
         let pipelines = self.pipelines(raw.pipeline);
         Some(Config {
             source: path.to_path_buf(),
@@ -830,7 +855,36 @@ impl Validator {
             metrics: metrics?,
             savepoint: savepoint?,
             logging: logging?,
+            dead_letters: dead_letters?,
             pipelines: pipelines?,
+        })
+    }
+
+    fn dead_letters(&mut self, r: RawDeadLetters) -> Option<DeadLettersConfig> {
+        let max_entries = self.int(
+            "dead_letters.max_entries",
+            r.max_entries,
+            DEFAULT_DEAD_LETTERS_MAX_ENTRIES,
+            1..=MAX_DEAD_LETTERS_MAX_ENTRIES,
+            ": the oldest dead letters are dropped (and counted) beyond it",
+        );
+        let max_age = self
+            .duration(
+                "dead_letters.max_age",
+                r.max_age,
+                DEFAULT_DEAD_LETTERS_MAX_AGE_MS,
+            )
+            .filter(|&ms| {
+                self.require("dead_letters.max_age", ms >= MIN_DEAD_LETTERS_MAX_AGE_MS, || {
+                    format!(
+                        "must be at least 1m, found {}: dead letters are kept for a person to read",
+                        format_duration_ms(ms)
+                    )
+                })
+            });
+        Some(DeadLettersConfig {
+            max_entries: u64::try_from(max_entries?).ok()?,
+            max_age: Duration::from_millis(max_age?),
         })
     }
 
@@ -1079,9 +1133,29 @@ impl Validator {
                     )
                 })
             });
+        let ledger_index_max = self
+            .size(
+                "storage.ledger_index_max",
+                r.ledger_index_max,
+                DEFAULT_LEDGER_INDEX_MAX,
+            )
+            .filter(|&n| {
+                self.require(
+                    "storage.ledger_index_max",
+                    (MIN_LEDGER_INDEX_MAX..=MAX_LEDGER_INDEX_MAX).contains(&n),
+                    || {
+                        format!(
+                            "must be between 1MiB and 16GiB, found {}: the dedup ledger's index \
+                             takes 9 to 18 bytes per event ID in the window",
+                            format_size(n)
+                        )
+                    },
+                )
+            });
         Some(StorageConfig {
             data_dir: data_dir?,
             cache_size: cache_size?,
+            ledger_index_max: ledger_index_max?,
         })
     }
 

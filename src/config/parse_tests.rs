@@ -992,3 +992,48 @@ fn a_bad_filter_is_reported_with_its_line_and_column() {
     let text = with_pipeline("key2 = 1");
     assert!(!problems(&text).is_empty());
 }
+
+#[test]
+fn dead_letter_bounds_and_the_ledger_index_bound_have_defaults_and_ranges() {
+    let cfg = parse(MINIMAL).unwrap();
+    assert_eq!(cfg.dead_letters.max_entries, 100_000);
+    assert_eq!(cfg.dead_letters.max_age, Duration::from_secs(30 * 86_400));
+    assert_eq!(cfg.storage.ledger_index_max, 64 << 20);
+    let b = cfg.store_bounds();
+    assert_eq!(b.dead_letters_max_age_ms, 30 * 86_400_000);
+    assert_eq!(b, crate::store::StoreBounds::default());
+
+    let text = with("dead_letters", "max_entries = 10\nmax_age = \"1h\"");
+    let text = text.replace("[storage]\n", "[storage]\nledger_index_max = \"8MiB\"\n");
+    let cfg = parse(&text).unwrap();
+    assert_eq!(cfg.dead_letters.max_entries, 10);
+    assert_eq!(cfg.dead_letters.max_age, Duration::from_secs(3600));
+    assert_eq!(cfg.storage.ledger_index_max, 8 << 20);
+
+    for (text, key, says) in [
+        (
+            with("dead_letters", "max_entries = 0"),
+            "dead_letters.max_entries",
+            "must be between 1 and",
+        ),
+        (
+            with("dead_letters", "max_age = \"5s\""),
+            "dead_letters.max_age",
+            "at least 1m",
+        ),
+        (
+            with("dead_letters", "max_size = 3"),
+            "dead_letters.max_size",
+            "",
+        ),
+        (
+            MINIMAL.replace("[storage]\n", "[storage]\nledger_index_max = \"64KiB\"\n"),
+            "storage.ledger_index_max",
+            "between 1MiB and 16GiB",
+        ),
+    ] {
+        let p = only(&text);
+        assert_eq!(p.key, key, "{p:#?}");
+        assert!(p.message.contains(says), "{p:#?}");
+    }
+}

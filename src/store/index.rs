@@ -174,6 +174,7 @@ impl FingerprintIndex {
     }
 
     /// The number of entries.
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.len
     }
@@ -288,6 +289,22 @@ impl FingerprintIndex {
     /// Bytes held by the table (slots * 8), for the footprint figures.
     pub fn memory_bytes(&self) -> usize {
         self.slots.len() * size_of::<u64>()
+    }
+
+    /// Bytes the table would hold after `extra` more inserts (it doubles until 7/8 of it
+    /// holds them), or `None` if no table of at most 2^31 slots can. The ledger asks before
+    /// it indexes a chunk, so that the index stays within its memory bound and never reaches
+    /// the panic in [`FingerprintIndex::insert_tag`].
+    pub fn bytes_to_hold(&self, extra: usize) -> Option<usize> {
+        let want = self.len.checked_add(extra)?;
+        let mut slots = self.slots.len();
+        while max_len(slots) < want {
+            if slots.trailing_zeros() >= MAX_SLOTS_LOG2 {
+                return None;
+            }
+            slots *= 2;
+        }
+        slots.checked_mul(size_of::<u64>())
     }
 
     /// Doubles the table, re-placing every entry from its slot alone.
@@ -636,6 +653,22 @@ mod tests {
             assert_eq!(sorted(&ix, x), vec![(4096, 5119)]);
         }
         assert_eq!(sorted(&ix, d), vec![]);
+    }
+
+    #[test]
+    fn bytes_to_hold_predicts_the_table_size_after_inserts() {
+        let mut ix = FingerprintIndex::new();
+        assert_eq!(ix.bytes_to_hold(0), Some(16 * 8));
+        assert_eq!(ix.bytes_to_hold(14), Some(16 * 8), "7/8 of 16 slots");
+        assert_eq!(ix.bytes_to_hold(15), Some(32 * 8));
+        for i in 0..15 {
+            ix.insert_tag(mix(i), 0);
+        }
+        assert_eq!(ix.memory_bytes(), 32 * 8);
+        assert_eq!(ix.bytes_to_hold(97), Some(128 * 8), "112 of 128 slots");
+        assert_eq!(ix.bytes_to_hold(98), Some(256 * 8));
+        assert_eq!(ix.bytes_to_hold(usize::MAX), None);
+        assert_eq!(ix.bytes_to_hold(1 << 31), None, "more than 2^31 slots");
     }
 
     /// One step of the property test; hashes and times are indices into small tables.

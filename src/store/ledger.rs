@@ -20,11 +20,24 @@
 //! directory of the chunks: key, greatest record time, number. Both are rebuilt from the tree
 //! at open; chunk numbers live only in memory.
 //!
+//! # The memory bound (`[storage] ledger_index_max`)
+//!
+//! The index costs 9 to 18 bytes per entry, so a long window of many events could take all
+//! the box's memory. Its bytes (all pipelines together) are bounded: a chunk whose entries
+//! would make a table grow beyond the bound is not indexed. It is still in the tree and in
+//! the directory, marked *unindexed*, and every lookup reads it (through the chunk cache)
+//! besides the chunks the index names. So a full index never costs a decision, only speed:
+//! exactly-once holds, processing slows while unindexed chunks exist, and the journal says
+//! so. Backpressure was the other choice, and it is not safe: the ledger expires by record
+//! time, which moves only when new records are logged, so refusing input would wait forever.
+//! When expiry frees room, unindexed chunks are indexed again, oldest first
+//! ([`Ledger::unindexed`]).
+//!
 //! Expiry drops whole chunks whose greatest record time has expired; entries in a chunk
 //! that is not yet wholly expired stay a little longer. Decisions never depend on it: the
 //! engine compares each entry's own record time with the window.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::hash::BuildHasher;
 use std::sync::Arc;
 
@@ -108,15 +121,43 @@ pub fn make_chunks(mut entries: Vec<(String, u64)>, checkpoint_id: u64) -> Vec<(
 #[derive(Default)]
 pub struct Ledger {
     pub index: FingerprintIndex,
-    /// Key suffix → (greatest record time in that chunk, its number).
-    chunks: BTreeMap<Vec<u8>, (u64, u32)>,
+    /// Key suffix → (greatest record time in that chunk, its number; `None`: not indexed).
+    chunks: BTreeMap<Vec<u8>, (u64, Option<u32>)>,
     /// Number → key suffix.
     by_number: HashMap<u32, Vec<u8>>,
+    /// Chunks left out of the index by the memory bound: every lookup reads them.
+    unindexed: BTreeSet<Vec<u8>>,
+    /// Entries in all chunks, indexed or not.
+    entries: u64,
     next_number: u32,
 }
 
 impl Ledger {
-    pub fn add_chunk(&mut self, hasher: &impl BuildHasher, suffix: Vec<u8>, chunk: &Chunk) {
+    /// Add a chunk, in the index if that keeps the index within `max_index_bytes`, else as
+    /// unindexed (see the module docs). Returns whether it was indexed.
+    pub fn add_chunk(
+        &mut self,
+        hasher: &impl BuildHasher,
+        suffix: Vec<u8>,
+        chunk: &Chunk,
+        max_index_bytes: usize,
+    ) -> bool {
+        self.entries += chunk.entries.len() as u64;
+        let fits = self
+            .index
+            .bytes_to_hold(chunk.entries.len())
+            .is_some_and(|b| b <= max_index_bytes);
+        if !fits {
+            self.chunks
+                .insert(suffix.clone(), (chunk.max_seen_ms, None));
+            self.unindexed.insert(suffix);
+            return false;
+        }
+        self.index_entries(hasher, suffix, chunk);
+        true
+    }
+
+    fn index_entries(&mut self, hasher: &impl BuildHasher, suffix: Vec<u8>, chunk: &Chunk) {
         // A number no live chunk has (they wrap after 2^32 chunks, long after the first
         // ones expired).
         let number = loop {
@@ -131,12 +172,37 @@ impl Ledger {
                 .insert_tag(hasher.hash_one(id.as_bytes()), number);
         }
         self.chunks
-            .insert(suffix.clone(), (chunk.max_seen_ms, number));
+            .insert(suffix.clone(), (chunk.max_seen_ms, Some(number)));
         self.by_number.insert(number, suffix);
+    }
+
+    /// Index an unindexed chunk if it now fits within `max_index_bytes`. Returns whether
+    /// it did.
+    pub fn promote(
+        &mut self,
+        hasher: &impl BuildHasher,
+        suffix: &[u8],
+        chunk: &Chunk,
+        max_index_bytes: usize,
+    ) -> bool {
+        let fits = self
+            .index
+            .bytes_to_hold(chunk.entries.len())
+            .is_some_and(|b| b <= max_index_bytes);
+        if !fits || !self.unindexed.remove(suffix) {
+            return false;
+        }
+        self.index_entries(hasher, suffix.to_vec(), chunk);
+        true
     }
 
     pub fn remove_chunk(&mut self, hasher: &impl BuildHasher, suffix: &[u8], chunk: &Chunk) {
         let Some((_, number)) = self.chunks.remove(suffix) else {
+            return;
+        };
+        self.entries = self.entries.saturating_sub(chunk.entries.len() as u64);
+        let Some(number) = number else {
+            self.unindexed.remove(suffix);
             return;
         };
         for (id, _) in &chunk.entries {
@@ -148,15 +214,32 @@ impl Ledger {
         self.by_number.remove(&number);
     }
 
-    /// Key suffixes of the chunks that may hold the ID with this hash (usually none; one
-    /// when it was recorded).
+    /// Key suffixes of the chunks that may hold the ID with this hash: the indexed ones
+    /// whose entries share its fingerprint (usually none; one when it was recorded), and
+    /// every unindexed one.
     pub fn chunks_for(&self, hash: u64, tags: &mut Vec<u32>) -> Vec<Vec<u8>> {
         self.index.tags(hash, tags);
         tags.sort_unstable();
         tags.dedup();
         tags.iter()
             .filter_map(|n| self.by_number.get(n).cloned())
+            .chain(self.unindexed.iter().cloned())
             .collect()
+    }
+
+    /// Entries in all chunks (what `dedup_entries` reports).
+    pub fn entries(&self) -> u64 {
+        self.entries
+    }
+
+    /// Key suffixes of up to `limit` unindexed chunks, oldest first.
+    pub fn unindexed(&self, limit: usize) -> Vec<Vec<u8>> {
+        self.unindexed.iter().take(limit).cloned().collect()
+    }
+
+    /// Chunks left out of the index.
+    pub fn unindexed_len(&self) -> usize {
+        self.unindexed.len()
     }
 
     /// Key suffixes of the oldest chunks that have wholly expired, oldest first.
@@ -225,7 +308,7 @@ mod tests {
                 .map(|i| (format!("E{cp}-{i}"), 1000 * cp + i))
                 .collect();
             for (suffix, c) in make_chunks(entries, cp) {
-                l.add_chunk(&h, suffix.clone(), &c);
+                l.add_chunk(&h, suffix.clone(), &c, usize::MAX);
                 chunks.push((suffix, c));
             }
         }

@@ -34,14 +34,29 @@
 //!   to open; such files are deleted before opening.
 //! - Values stay far below sled's ~128 KiB blob threshold (blob files are never fsynced):
 //!   keys are bounded by `max_key_len`, outputs by the key and a few numbers, dead letters
-//!   keep at most 1 KiB of payload.
+//!   keep at most 1 KiB of payload. Every value a commit writes is checked against
+//!   [`MAX_ENTRY_BYTES`] (key and value; [`MAX_META_BYTES`] in `meta`) before the
+//!   transaction: over it is a bug upstream (a debug assertion) and, in release, the typed
+//!   error [`StoreError::TooLarge`], never a blob file
+//!   (`store::tests::a_value_over_the_entry_bound_is_refused_before_anything_is_written`).
+//!
+//! # Bounds the store keeps by itself ([`StoreBounds`])
+//!
+//! - Dead letters: at each commit the oldest (by log offset) go, first those received more
+//!   than `max_age` before the checkpoint's log clock (record time, never the wall clock, so
+//!   replay prunes the same ones), then as many as keep at most `max_entries`. How many went,
+//!   by cause, is counted in `meta` with the commit that pruned them ([`DeadLetterStats`]).
+//!   Nothing processing decides reads the dead-letter tree.
+//! - The in-memory ledger index: at most `ledger_index_max` bytes; beyond it chunks stay
+//!   unindexed and lookups read them, slower but exact (see [`ledger`]).
 //!
 //! # Layout (store format 3)
 //!
 //! One tree per kind; pipeline-scoped keys start with `pipeline_name 0x00` (names cannot
 //! contain NUL). `state`: p·skey → KeyState; `dedup`: p·min_seen·checkpoint·part → a chunk
 //! of ledger entries ([`ledger`]); `outbox`: first_seq → a chunk of outputs ([`outbox`]);
-//! `dead`: offset·p → DeadLetter; `meta`: `progress` → Progress, `format` → 3;
+//! `dead`: offset·p → DeadLetter; `meta`: `progress` → Progress, `format` → 3,
+//! `dead_letters` → [`DeadLetterStats`];
 //! `checkpoints`: id → CheckpointInfo (the newest [`CHECKPOINT_HISTORY`]).
 //!
 //! Format 3 is format 2 with a `generation` in each pipeline's progress (and the progress of
@@ -73,14 +88,79 @@ pub const CHECKPOINT_HISTORY: u64 = 1000;
 
 const PROGRESS_KEY: &[u8] = b"progress";
 const FORMAT_KEY: &[u8] = b"format";
+const DEAD_STATS_KEY: &[u8] = b"dead_letters";
+
+/// Most bytes of one tree entry (key plus value) outside `meta`. sled writes a whole leaf
+/// node, up to 17 entries, as one log item, and an item over 128 KiB goes to a blob file that
+/// sled never fsyncs (DESIGN §4): 17 entries of 7 KiB stay below it. The chunks aim at 4 KiB.
+pub const MAX_ENTRY_BYTES: usize = 7 * 1024;
+/// Most bytes of one `meta` entry: `meta` holds three values, and the progress record grows
+/// with the number of pipelines (their definitions), which the config bounds, not a sender.
+pub const MAX_META_BYTES: usize = 96 * 1024;
+/// A dead letter's topic and detail are cut to these many bytes when the whole letter would
+/// not fit in [`MAX_ENTRY_BYTES`] (a topic may be 64 KiB long; the letter is for a person).
+const DEAD_TOPIC_KEEP: usize = 512;
+const DEAD_DETAIL_KEEP: usize = 1024;
+/// Most dead letters pruned by age in one commit beyond those the batch adds (bounds the
+/// transaction; the rest go at the next commits).
+pub const DEAD_PRUNE_MAX: usize = 1024;
+/// Most unindexed ledger chunks indexed again in one commit, per pipeline.
+const PROMOTE_MAX: usize = 16;
+
+/// Limits the store applies by itself (config `[dead_letters]` and
+/// `[storage] ledger_index_max`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreBounds {
+    /// Keep at most this many dead letters (the oldest go first).
+    pub dead_letters_max_entries: u64,
+    /// Drop dead letters received longer than this before the checkpoint's log clock.
+    pub dead_letters_max_age_ms: u64,
+    /// Most bytes the in-memory ledger indexes of all pipelines may hold together.
+    pub ledger_index_max_bytes: u64,
+}
+
+impl Default for StoreBounds {
+    fn default() -> Self {
+        StoreBounds {
+            dead_letters_max_entries: 100_000,
+            dead_letters_max_age_ms: 30 * 24 * 3600 * 1000,
+            ledger_index_max_bytes: 64 << 20,
+        }
+    }
+}
+
+/// What the dead-letter tree holds and what pruning took out of it (kept in `meta`, written
+/// by the commit that changes it).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeadLetterStats {
+    /// Dead letters in the tree.
+    pub stored: u64,
+    /// Pruned because they were older than `max_age`.
+    pub pruned_age: u64,
+    /// Pruned to keep at most `max_entries`.
+    pub pruned_count: u64,
+}
+
+/// Figures about the store's own bounds, for `/metrics` and `cairn status`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BoundFigures {
+    pub dead_letters: DeadLetterStats,
+    /// Bytes of the ledger indexes (all pipelines).
+    pub ledger_index_bytes: u64,
+    /// Ledger chunks the memory bound left out of the index (lookups read them).
+    pub ledger_unindexed_chunks: u64,
+}
+
 /// The layout this build writes (see the module docs).
 pub const STORE_FORMAT: u32 = 3;
 /// The older layout this build still reads: the same trees, a progress record without
 /// generations and with counters that have no `filtered`.
 const STORE_FORMAT_V2: u32 = 2;
 
+mod copy;
 mod index;
 mod ledger;
+pub use copy::StoreCopy;
 mod lru;
 mod outbox;
 use ledger::{Chunk, ChunkCache, Ledger};
@@ -112,6 +192,16 @@ pub enum StoreError {
     Sled(#[from] sled::Error),
     #[error("the store is corrupt: {0}")]
     Corrupt(String),
+    #[error(
+        "a {tree} entry of {bytes} bytes is over the store's bound of {limit} bytes (sled would \
+         put it in a blob file it never fsyncs); nothing was written. This is a bug: please \
+         report it with `cairn inspect log` around the checkpoint's offsets"
+    )]
+    TooLarge {
+        tree: &'static str,
+        bytes: usize,
+        limit: usize,
+    },
     #[error(
         "the store at {path} has layout {found}, this cairn reads layouts 2 and {STORE_FORMAT}. Move it \
          aside (`mv {path} {path}.old`) and start again: the state is rebuilt from the log if \
@@ -165,6 +255,7 @@ pub struct Store {
     /// Hashes event IDs for the ledger index. Random per process: the index only decides
     /// where to look, never what is decided, and hostile IDs cannot aim at its buckets.
     hasher: RandomState,
+    bounds: StoreBounds,
 }
 
 struct Mem {
@@ -173,6 +264,8 @@ struct Mem {
     outbox: OutboxMem,
     /// Reused by lookups.
     tags: Vec<u32>,
+    /// As of the last commit (the `meta` record).
+    dead: DeadLetterStats,
 }
 
 impl Default for Mem {
@@ -182,6 +275,7 @@ impl Default for Mem {
             chunks: ChunkCache::new(ledger::CACHE_CHUNKS),
             outbox: OutboxMem::default(),
             tags: Vec::new(),
+            dead: DeadLetterStats::default(),
         }
     }
 }
@@ -219,6 +313,63 @@ fn encode<T: Serialize>(v: &T) -> Vec<u8> {
     postcard::to_stdvec(v).expect("postcard encodes plain data")
 }
 
+/// `value` for `key` in `tree`, if the entry stays within the bound (see [`MAX_ENTRY_BYTES`]).
+/// Over it is a bug upstream: loud in debug builds, a typed error in release, and either way
+/// before anything is written.
+fn bounded(tree: &'static str, key: &[u8], value: Vec<u8>) -> Result<Vec<u8>, StoreError> {
+    let limit = if tree == "meta" {
+        MAX_META_BYTES
+    } else {
+        MAX_ENTRY_BYTES
+    };
+    let bytes = key.len().saturating_add(value.len());
+    debug_assert!(
+        bytes <= limit,
+        "a {tree} entry of {bytes} bytes is over the bound of {limit}"
+    );
+    if bytes > limit {
+        return Err(StoreError::TooLarge { tree, bytes, limit });
+    }
+    Ok(value)
+}
+
+/// At most `max` bytes of `s`, cut at a character boundary, marked when cut.
+fn clip(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…({} bytes)", &s[..end], s.len())
+}
+
+/// A dead letter's stored bytes: a topic (up to 64 KiB from the sender) or a detail too long
+/// for one entry is cut, deterministically, so that a refusal never fails a checkpoint.
+fn dead_letter_value(key: &[u8], d: &DeadLetter) -> Vec<u8> {
+    let v = encode(d);
+    if key.len() + v.len() <= MAX_ENTRY_BYTES {
+        return v;
+    }
+    let mut d = d.clone();
+    d.topic = clip(&d.topic, DEAD_TOPIC_KEEP);
+    d.detail = clip(&d.detail, DEAD_DETAIL_KEEP);
+    encode(&d)
+}
+
+/// Bytes the ledger index of `pipeline` may grow to: the bound less what the others hold.
+fn index_room(ledgers: &HashMap<String, Ledger>, pipeline: &str, bound: u64) -> usize {
+    let others: usize = ledgers
+        .iter()
+        .filter(|(p, _)| p.as_str() != pipeline)
+        .map(|(_, l)| l.index.memory_bytes())
+        .sum();
+    usize::try_from(bound)
+        .unwrap_or(usize::MAX)
+        .saturating_sub(others)
+}
+
 fn u64_of(bytes: &[u8]) -> Result<u64, StoreError> {
     Ok(u64::from_be_bytes(
         bytes
@@ -228,8 +379,19 @@ fn u64_of(bytes: &[u8]) -> Result<u64, StoreError> {
 }
 
 impl Store {
-    /// Open (or create) the store in `dir`. See the module docs for the fsyncs it does.
+    /// Open (or create) the store in `dir` with the default [`StoreBounds`]. See the module
+    /// docs for the fsyncs it does.
     pub fn open(dir: &Path, cache_bytes: u64, sync: Durability) -> Result<Store, StoreError> {
+        Store::open_with(dir, cache_bytes, sync, StoreBounds::default())
+    }
+
+    /// [`Store::open`] with the configured bounds.
+    pub fn open_with(
+        dir: &Path,
+        cache_bytes: u64,
+        sync: Durability,
+        bounds: StoreBounds,
+    ) -> Result<Store, StoreError> {
         if !dir.exists() {
             create(dir, cache_bytes, &sync)?;
         }
@@ -255,6 +417,7 @@ impl Store {
             checkpoints: t("checkpoints")?,
             mem: Mutex::default(),
             hasher: RandomState::new(),
+            bounds,
             db,
             dir: dir.to_path_buf(),
             sync,
@@ -292,15 +455,37 @@ impl Store {
     /// Rebuild the in-memory ledger index and outbox bookkeeping from the trees.
     fn load(&self) -> Result<(), StoreError> {
         let mut mem = self.lock();
+        let bound = self.bounds.ledger_index_max_bytes;
         for kv in self.dedup.iter() {
             let (k, v) = kv?;
             let (p, suffix) = split_pkey(&k)?;
             let chunk: Chunk = decode("ledger chunk", &v)?;
-            mem.ledgers
-                .entry(p)
-                .or_default()
-                .add_chunk(&self.hasher, suffix.to_vec(), &chunk);
+            let room = index_room(&mem.ledgers, &p, bound);
+            mem.ledgers.entry(p).or_default().add_chunk(
+                &self.hasher,
+                suffix.to_vec(),
+                &chunk,
+                room,
+            );
         }
+        for (p, l) in &mem.ledgers {
+            if l.unindexed_len() > 0 {
+                log::warn!(
+                    "store: the dedup ledger index is at storage.ledger_index_max ({bound} \
+                     bytes): {} chunks of pipeline {p} are not indexed, and every lookup reads \
+                     them (exact, but slower); raise the bound or shorten dedup_window",
+                    l.unindexed_len()
+                );
+            }
+        }
+        mem.dead = match self.meta.get(DEAD_STATS_KEY)? {
+            Some(v) => decode("dead-letter counts", &v)?,
+            // A store from before the counts: they start from what the tree holds.
+            None => DeadLetterStats {
+                stored: self.dead.len() as u64,
+                ..DeadLetterStats::default()
+            },
+        };
         let mut emptied = Vec::new();
         for kv in self.outbox.iter() {
             let (k, v) = kv?;
@@ -383,9 +568,13 @@ impl Store {
         let b = &cp.batch;
         let mut state = sled::Batch::default();
         for ((p, skey), v) in &b.state {
+            let key = pkey(p, skey);
             match v {
-                Some(s) => state.insert(pkey(p, skey), encode(s)),
-                None => state.remove(pkey(p, skey)),
+                Some(s) => {
+                    let value = bounded("state", &key, encode(s))?;
+                    state.insert(key, value);
+                }
+                None => state.remove(key),
             }
         }
         let mut mem = self.lock();
@@ -403,7 +592,9 @@ impl Store {
         let mut added: Vec<(String, Vec<u8>, Chunk)> = Vec::new();
         for (p, entries) in by_pipeline {
             for (suffix, chunk) in ledger::make_chunks(entries, cp.progress.checkpoint_id) {
-                dedup.insert(pkey(p, &suffix), encode(&chunk));
+                let key = pkey(p, &suffix);
+                let value = bounded("dedup", &key, encode(&chunk))?;
+                dedup.insert(key, value);
                 added.push((p.to_string(), suffix, chunk));
             }
         }
@@ -431,13 +622,12 @@ impl Store {
         let out_chunks = outbox::make_chunks(fresh);
         let mut outbox = sled::Batch::default();
         for (first, entries) in &out_chunks {
-            outbox.insert(&first.to_be_bytes(), encode(entries));
+            let key = first.to_be_bytes();
+            let value = bounded("outbox", &key, encode(entries))?;
+            outbox.insert(&key, value);
         }
 
-        let mut dead = sled::Batch::default();
-        for d in &b.dead_letters {
-            dead.insert(pkey_dead(d.offset, &d.pipeline), encode(d));
-        }
+        let (dead, dead_stats) = self.dead_letter_batch(&b.dead_letters, &cp.progress, mem.dead)?;
         let info = CheckpointInfo {
             id: cp.progress.checkpoint_id,
             prev_offset: prev.next_offset,
@@ -448,14 +638,15 @@ impl Store {
             committed_at_ms,
         };
         let mut checkpoints = sled::Batch::default();
-        checkpoints.insert(&info.id.to_be_bytes(), encode(&info));
+        let key = info.id.to_be_bytes();
+        checkpoints.insert(&key, bounded("checkpoints", &key, encode(&info))?);
         if info.id > CHECKPOINT_HISTORY {
             checkpoints.remove(&(info.id - CHECKPOINT_HISTORY).to_be_bytes());
         }
         // The ledger sizes this checkpoint leaves, recorded with it.
         let mut progress = cp.progress.clone();
         for pp in &mut progress.pipelines {
-            let mut n = mem.ledgers.get(&pp.name).map_or(0, |l| l.index.len()) as u64;
+            let mut n = mem.ledgers.get(&pp.name).map_or(0, |l| l.entries());
             for (p, _, c) in &added {
                 if *p == pp.name {
                     n += c.entries.len() as u64;
@@ -468,7 +659,10 @@ impl Store {
             }
             pp.dedup_entries = n;
         }
-        let progress = encode(&progress);
+        let progress = bounded("meta", PROGRESS_KEY, encode(&progress))?;
+        let dead_stats_value = (dead_stats != mem.dead)
+            .then(|| bounded("meta", DEAD_STATS_KEY, encode(&dead_stats)))
+            .transpose()?;
         let trees = [
             &self.meta,
             &self.state,
@@ -487,23 +681,42 @@ impl Store {
                 tx[0].insert(PROGRESS_KEY, progress.as_slice())?;
                 // The progress record is written in this build's layout: say so with it.
                 tx[0].insert(FORMAT_KEY, &STORE_FORMAT.to_be_bytes())?;
+                if let Some(v) = &dead_stats_value {
+                    tx[0].insert(DEAD_STATS_KEY, v.as_slice())?;
+                }
                 Ok::<(), sled::transaction::ConflictableTransactionError<()>>(())
             })
             .map_err(|e| match e {
                 sled::transaction::TransactionError::Storage(e) => StoreError::Sled(e),
                 sled::transaction::TransactionError::Abort(()) => unreachable!("never aborts"),
             })?;
+        mem.dead = dead_stats;
         // The trees hold it now (durable after the fsync below; if that fails the process
         // stops, and this memory with it).
+        let bound = self.bounds.ledger_index_max_bytes;
+        let mut freed = std::collections::BTreeSet::new();
         for (p, suffix, chunk) in dropped {
             mem.chunks.forget(&pkey(&p, &suffix));
             if let Some(l) = mem.ledgers.get_mut(&p) {
                 l.remove_chunk(&self.hasher, &suffix, &chunk);
             }
+            freed.insert(p);
+        }
+        // Room freed by expiry goes first to chunks the bound left out of the index.
+        for p in freed {
+            self.promote(mem, &p)?;
         }
         for (p, suffix, chunk) in added {
+            let room = index_room(&mem.ledgers, &p, bound);
             let l = mem.ledgers.entry(p.clone()).or_default();
-            l.add_chunk(&self.hasher, suffix.clone(), &chunk);
+            let was_full = l.unindexed_len() > 0;
+            if !l.add_chunk(&self.hasher, suffix.clone(), &chunk, room) && !was_full {
+                log::warn!(
+                    "store: the dedup ledger index reached storage.ledger_index_max ({bound} \
+                     bytes): new chunks of pipeline {p} are not indexed, and every lookup reads \
+                     them (exact, but slower); raise the bound or shorten dedup_window"
+                );
+            }
             mem.chunks.put(pkey(&p, &suffix), Arc::new(chunk));
         }
         let mut emptied = Vec::new();
@@ -520,6 +733,107 @@ impl Store {
         self.sync()?;
         fp("checkpoint.after_fsync")?;
         Ok(info)
+    }
+
+    /// The dead letters of one commit, and the oldest ones pruned (see the module docs):
+    /// the write batch and the counts it leaves.
+    fn dead_letter_batch(
+        &self,
+        letters: &[DeadLetter],
+        progress: &Progress,
+        before: DeadLetterStats,
+    ) -> Result<(sled::Batch, DeadLetterStats), StoreError> {
+        let mut stats = before;
+        let mut fresh = std::collections::BTreeMap::new();
+        for d in letters {
+            let key = pkey_dead(d.offset, &d.pipeline);
+            let value = bounded("dead", &key, dead_letter_value(&key, d))?;
+            // Replay after a crash never meets a letter the tree holds (it starts after the
+            // checkpoint), but a count must not drift if it ever did.
+            if !fresh.contains_key(&key) && !self.dead.contains_key(&key)? {
+                stats.stored += 1;
+            }
+            fresh.insert(key, value);
+        }
+        let mut batch = sled::Batch::default();
+        // Age, measured on the log clock (record time), so replay prunes exactly the same.
+        let cutoff = progress
+            .log_clock_ms
+            .saturating_sub(self.bounds.dead_letters_max_age_ms);
+        let mut gone = 0usize;
+        for kv in self.dead.iter().take(DEAD_PRUNE_MAX) {
+            let (k, v) = kv?;
+            let d: DeadLetter = decode("dead letter", &v)?;
+            if d.received_at_ms >= cutoff {
+                break;
+            }
+            batch.remove(k);
+            gone += 1;
+        }
+        stats.stored -= gone as u64;
+        stats.pruned_age += gone as u64;
+        // Count: the oldest of the tree's remaining letters and this batch's.
+        let excess = stats
+            .stored
+            .saturating_sub(self.bounds.dead_letters_max_entries);
+        // At most what this batch adds plus DEAD_PRUNE_MAX, so a lowered bound is reached
+        // over a few commits instead of in one huge transaction.
+        let excess = usize::try_from(excess)
+            .unwrap_or(usize::MAX)
+            .min(fresh.len() + DEAD_PRUNE_MAX);
+        if excess > 0 {
+            let mut oldest: Vec<Vec<u8>> = self
+                .dead
+                .iter()
+                .keys()
+                .skip(gone)
+                .take(excess)
+                .map(|k| k.map(|k| k.to_vec()))
+                .collect::<Result<_, _>>()?;
+            oldest.extend(fresh.keys().cloned());
+            oldest.sort();
+            oldest.dedup();
+            for k in oldest.into_iter().take(excess) {
+                if fresh.remove(&k).is_none() {
+                    batch.remove(k);
+                }
+            }
+            stats.stored -= excess as u64;
+            stats.pruned_count += excess as u64;
+        }
+        for (k, v) in fresh {
+            batch.insert(k, v);
+        }
+        Ok((batch, stats))
+    }
+
+    /// Index again, oldest first, the chunks of `pipeline` that the memory bound left out,
+    /// as far as the room expiry freed allows.
+    fn promote(&self, mem: &mut Mem, pipeline: &str) -> Result<(), StoreError> {
+        let bound = self.bounds.ledger_index_max_bytes;
+        let Some(l) = mem.ledgers.get(pipeline) else {
+            return Ok(());
+        };
+        if l.unindexed_len() == 0 {
+            return Ok(());
+        }
+        for suffix in l.unindexed(PROMOTE_MAX) {
+            let chunk = self.ledger_chunk(&mut mem.chunks, &pkey(pipeline, &suffix))?;
+            let room = index_room(&mem.ledgers, pipeline, bound);
+            let Some(l) = mem.ledgers.get_mut(pipeline) else {
+                break;
+            };
+            if !l.promote(&self.hasher, &suffix, &chunk, room) {
+                break;
+            }
+            if l.unindexed_len() == 0 {
+                log::info!(
+                    "store: the dedup ledger index of pipeline {pipeline} is within \
+                     storage.ledger_index_max again"
+                );
+            }
+        }
+        Ok(())
     }
 
     /// An outbox chunk, from the cache or the tree.
@@ -552,10 +866,21 @@ impl Store {
 
     /// Ledger entries per pipeline after the last commit (what `dedup_entries` reports).
     pub fn dedup_len(&self, pipeline: &str) -> u64 {
-        self.lock()
-            .ledgers
-            .get(pipeline)
-            .map_or(0, |l| l.index.len() as u64)
+        self.lock().ledgers.get(pipeline).map_or(0, |l| l.entries())
+    }
+
+    /// The store's own bounds at the last commit (for `/metrics` and `cairn status`).
+    pub fn bound_figures(&self) -> BoundFigures {
+        let mem = self.lock();
+        BoundFigures {
+            dead_letters: mem.dead,
+            ledger_index_bytes: mem
+                .ledgers
+                .values()
+                .map(|l| l.index.memory_bytes() as u64)
+                .sum(),
+            ledger_unindexed_chunks: mem.ledgers.values().map(|l| l.unindexed_len() as u64).sum(),
+        }
     }
 
     /// Bytes the in-memory ledger index holds (for the footprint figures).
@@ -738,8 +1063,9 @@ impl Store {
         self.dead.iter().map(|r| decode("dead letter", &r?.1))
     }
 
+    /// Dead letters stored (O(1): counted at each commit).
     pub fn dead_letter_len(&self) -> usize {
-        self.dead.len()
+        usize::try_from(self.lock().dead.stored).unwrap_or(usize::MAX)
     }
 
     pub fn checkpoints(

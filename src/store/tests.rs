@@ -143,10 +143,10 @@ mod ledger_model {
     /// The same records through an engine over the sled store (chunked ledger, fingerprint
     /// index, chunk expiry, reopened now and then) and an engine over a plain map: every
     /// decision must be the same, and the ledger must hold every unexpired entry.
-    fn check(ops: &[Op], window_ms: u64) -> Result<(), TestCaseError> {
+    fn check(ops: &[Op], window_ms: u64, bounds: StoreBounds) -> Result<(), TestCaseError> {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("store");
-        let mut store = Store::open(&path, 1 << 20, fsio::real()).unwrap();
+        let mut store = Store::open_with(&path, 1 << 20, fsio::real(), bounds).unwrap();
         let specs = vec![spec_with_window(window_ms)];
         let mut e_store = Engine::new(specs.clone(), store.progress().unwrap());
         let mut mem = MemState::default();
@@ -190,13 +190,18 @@ mod ledger_model {
                             "only expired entries may linger"
                         );
                         prop_assert_eq!(store.dedup_len("balances"), held.len() as u64);
+                        prop_assert!(
+                            store.bound_figures().ledger_index_bytes
+                                <= bounds.ledger_index_max_bytes.max(16 * 8),
+                            "the index outgrew its bound"
+                        );
                     }
                 }
                 Op::Reopen => {
                     // Uncommitted work is lost, as in a crash: both engines start again
                     // from the last checkpoint, and the log offset with them.
                     drop(store);
-                    store = Store::open(&path, 1 << 20, fsio::real()).unwrap();
+                    store = Store::open_with(&path, 1 << 20, fsio::real(), bounds).unwrap();
                     let specs = vec![spec_with_window(window_ms)];
                     e_store = Engine::new(specs.clone(), store.progress().unwrap());
                     e_mem = Engine::new(specs, mem.progress.clone());
@@ -215,7 +220,20 @@ mod ledger_model {
             ops in proptest::collection::vec(op(), 1..300),
             window_ms in prop_oneof![Just(1u64), 10u64..100, 1000u64..5000],
         ) {
-            check(&ops, window_ms)?;
+            check(&ops, window_ms, StoreBounds::default())?;
+        }
+
+        /// The same with an index bound so small that most chunks stay unindexed: lookups
+        /// read them, and every decision is still the map's (issue 10: exactly-once holds
+        /// when the bound is hit).
+        #[test]
+        fn a_ledger_over_its_index_bound_still_answers_like_a_map(
+            ops in proptest::collection::vec(op(), 1..300),
+            window_ms in prop_oneof![Just(1u64), 10u64..100, 1000u64..5000],
+            index_max in prop_oneof![Just(0u64), Just(128u64), Just(256u64), Just(1024u64)],
+        ) {
+            let bounds = StoreBounds { ledger_index_max_bytes: index_max, ..StoreBounds::default() };
+            check(&ops, window_ms, bounds)?;
         }
     }
 
@@ -410,4 +428,291 @@ fn a_format_2_store_loads_as_generation_1() {
     );
     let p = store.progress().unwrap();
     assert_eq!((p.next_offset, p.pipelines[0].generation), (2, 1));
+}
+
+fn bad(offset: u64, received_at_ms: u64) -> Record {
+    Record {
+        offset,
+        received_at_ms,
+        topic: "payments/x".into(),
+        // Distinct bytes: the same bad bytes again would be a duplicate, not a dead letter.
+        payload: format!("bad{offset}").into_bytes(),
+        qos: 1,
+        retain: false,
+    }
+}
+
+fn dead_offsets(store: &Store) -> Vec<u64> {
+    store.dead_letters().map(|d| d.unwrap().offset).collect()
+}
+
+#[test]
+fn dead_letters_beyond_max_entries_are_pruned_oldest_first_and_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let bounds = StoreBounds {
+        dead_letters_max_entries: 5,
+        ..StoreBounds::default()
+    };
+    let store = Store::open_with(dir.path(), 1 << 20, fsio::real(), bounds).unwrap();
+    let mut engine = Engine::new(vec![spec()], store.progress().unwrap());
+    let mut offset = 0;
+    for cp in 1..=3u64 {
+        for _ in 0..4 {
+            engine.apply(&store, &bad(offset, 1_000 + offset)).unwrap();
+            offset += 1;
+        }
+        store.commit(&engine.take_checkpoint(), 0).unwrap();
+        let kept = (4 * cp).min(5);
+        assert_eq!(store.dead_letter_len() as u64, kept);
+        assert_eq!(
+            dead_offsets(&store),
+            (offset - kept..offset).collect::<Vec<_>>(),
+            "the newest are kept"
+        );
+        let st = store.bound_figures().dead_letters;
+        assert_eq!(
+            (st.stored, st.pruned_count, st.pruned_age),
+            (kept, 4 * cp - kept, 0)
+        );
+    }
+    // One batch larger than the bound: only its newest letters are written at all.
+    for _ in 0..8 {
+        engine.apply(&store, &bad(offset, 1_000 + offset)).unwrap();
+        offset += 1;
+    }
+    store.commit(&engine.take_checkpoint(), 0).unwrap();
+    assert_eq!(
+        dead_offsets(&store),
+        (offset - 5..offset).collect::<Vec<_>>()
+    );
+    assert_eq!(store.bound_figures().dead_letters.pruned_count, 15);
+    // The counts are durable, with the checkpoint that changed them.
+    drop(store);
+    let store = Store::open_with(dir.path(), 1 << 20, fsio::real(), bounds).unwrap();
+    assert_eq!(
+        store.bound_figures().dead_letters,
+        DeadLetterStats {
+            stored: 5,
+            pruned_age: 0,
+            pruned_count: 15
+        }
+    );
+    assert_eq!(store.dead_letter_len(), 5);
+}
+
+#[test]
+fn dead_letters_older_than_max_age_in_record_time_are_pruned_at_a_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let bounds = StoreBounds {
+        dead_letters_max_age_ms: 10_000,
+        ..StoreBounds::default()
+    };
+    let store = Store::open_with(dir.path(), 1 << 20, fsio::real(), bounds).unwrap();
+    let mut engine = Engine::new(vec![spec()], store.progress().unwrap());
+    // Letters received at 0 s, 5 s, 10 s, 15 s (record time).
+    for i in 0..4u64 {
+        engine
+            .apply(&store, &bad(i, 1_000_000 + i * 5_000))
+            .unwrap();
+    }
+    store.commit(&engine.take_checkpoint(), 0).unwrap();
+    // A commit prunes what the tree held before it; its own letters wait for the next.
+    assert_eq!(dead_offsets(&store), vec![0, 1, 2, 3]);
+    // The clock at 25 s: the letters of 0, 5 and 10 s are older than 10 s; 15 s stays.
+    engine.apply(&store, &rec(4, "E1/A/5")).unwrap();
+    let mut cp = engine.take_checkpoint();
+    cp.progress.log_clock_ms = 1_025_000;
+    store.commit(&cp, 0).unwrap();
+    assert_eq!(dead_offsets(&store), vec![3]);
+    let st = store.bound_figures().dead_letters;
+    assert_eq!((st.stored, st.pruned_age, st.pruned_count), (1, 3, 0));
+}
+
+#[test]
+fn dead_letter_pruning_is_the_same_on_replay() {
+    // Two stores fed the same records at the same checkpoint boundaries (as replay does)
+    // hold the same dead letters and counts: pruning uses record time, not the wall clock.
+    let bounds = StoreBounds {
+        dead_letters_max_entries: 7,
+        dead_letters_max_age_ms: 60_000,
+        ..StoreBounds::default()
+    };
+    let run = || {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open_with(dir.path(), 1 << 20, fsio::real(), bounds).unwrap();
+        let mut engine = Engine::new(vec![spec()], store.progress().unwrap());
+        for i in 0..60u64 {
+            engine
+                .apply(&store, &bad(i, 1_000_000 + i * 3_000))
+                .unwrap();
+            if i % 9 == 8 {
+                store.commit(&engine.take_checkpoint(), i).unwrap();
+            }
+        }
+        let letters: Vec<DeadLetter> = store.dead_letters().map(|d| d.unwrap()).collect();
+        (letters, store.bound_figures().dead_letters)
+    };
+    let (a, b) = (run(), run());
+    assert_eq!(a, b);
+    assert!(a.1.pruned_age + a.1.pruned_count > 0, "{:?}", a.1);
+}
+
+#[test]
+fn a_dead_letter_with_a_64_kib_topic_is_stored_cut_not_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    let mut engine = Engine::new(vec![spec()], store.progress().unwrap());
+    let mut r = bad(0, 1_000);
+    r.topic = format!("payments/{}", "t".repeat(65_000));
+    engine.apply(&store, &r).unwrap();
+    store.commit(&engine.take_checkpoint(), 0).unwrap();
+    let d = store.dead_letters().next().unwrap().unwrap();
+    assert!(d.topic.len() < 1_000, "{}", d.topic.len());
+    assert!(d.topic.starts_with("payments/ttt"), "{}", d.topic);
+    assert!(d.topic.ends_with("(65009 bytes)"), "{}", d.topic);
+}
+
+#[test]
+fn a_value_over_the_entry_bound_is_refused_before_anything_is_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let store = Store::open(&path, 1 << 20, fsio::real()).unwrap();
+    let mut engine = Engine::new(vec![spec()], store.progress().unwrap());
+    engine.apply(&store, &rec(0, "E1/A/5")).unwrap();
+    let mut cp = engine.take_checkpoint();
+    // A 200 KB event ID (issue 10 found one in a ledger chunk, which sled put in a blob).
+    cp.batch
+        .dedup
+        .insert(("balances".into(), "x".repeat(200_000)), 1_000);
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| store.commit(&cp, 0)));
+    match result {
+        // Debug builds: the assertion names the bug.
+        Err(panic) => {
+            let debug = cfg!(debug_assertions);
+            assert!(debug, "release builds return the error, never panic");
+            let msg = panic.downcast_ref::<String>().cloned().unwrap_or_default();
+            assert!(msg.contains("dedup entry of"), "{msg}");
+        }
+        // Release builds: a typed error.
+        Ok(r) => {
+            let err = r.expect_err("the commit must be refused");
+            assert!(
+                matches!(err, StoreError::TooLarge { tree: "dedup", .. }),
+                "{err}"
+            );
+        }
+    }
+    assert_eq!(
+        store.progress().unwrap().checkpoint_id,
+        0,
+        "nothing committed"
+    );
+    assert_eq!(
+        store.state.len() + store.dedup.len() + store.outbox.len(),
+        0
+    );
+    drop(store);
+    let blobs = std::fs::read_dir(path.join("blobs")).map_or(0, |d| d.count());
+    assert_eq!(blobs, 0, "sled wrote a blob file");
+}
+
+#[test]
+fn bounded_helper_passes_values_at_the_bound_and_refuses_one_byte_more() {
+    let key = [0u8; 24];
+    let at = vec![1u8; MAX_ENTRY_BYTES - key.len()];
+    assert_eq!(bounded("state", &key, at.clone()).unwrap(), at);
+    let meta = vec![1u8; MAX_META_BYTES - PROGRESS_KEY.len()];
+    assert!(bounded("meta", PROGRESS_KEY, meta).is_ok());
+    if !cfg!(debug_assertions) {
+        let over = vec![1u8; MAX_ENTRY_BYTES - key.len() + 1];
+        assert!(matches!(
+            bounded("state", &key, over),
+            Err(StoreError::TooLarge { .. })
+        ));
+    }
+}
+
+#[test]
+fn a_full_ledger_index_leaves_chunks_unindexed_and_still_finds_every_duplicate() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    // 256 bytes: a table of 32 slots, 28 entries; the unit tests' chunks hold 8.
+    let bounds = StoreBounds {
+        ledger_index_max_bytes: 256,
+        ..StoreBounds::default()
+    };
+    let store = Store::open_with(&path, 1 << 20, fsio::real(), bounds).unwrap();
+    let mut s = spec();
+    s.dedup_window_ms = 1_000_000;
+    s.max_keys = 100_000;
+    let mut engine = Engine::new(vec![s.clone()], store.progress().unwrap());
+    let ev = |offset: u64, id: u64| Record {
+        offset,
+        received_at_ms: 1_000_000 + offset,
+        topic: "payments/x".into(),
+        payload: format!("E{id}/A/1").into_bytes(),
+        qos: 1,
+        retain: false,
+    };
+    for i in 0..400u64 {
+        engine.apply(&store, &ev(i, i)).unwrap();
+        if i % 50 == 49 {
+            store.commit(&engine.take_checkpoint(), 0).unwrap();
+        }
+    }
+    let f = store.bound_figures();
+    assert!(f.ledger_index_bytes <= 256, "{f:?}");
+    assert!(f.ledger_unindexed_chunks >= 40, "{f:?}");
+    assert_eq!(store.dedup_len("balances"), 400);
+    drop(store);
+    // After a reopen too: every ID is a duplicate, a new one is not.
+    let store = Store::open_with(&path, 1 << 20, fsio::real(), bounds).unwrap();
+    assert!(store.bound_figures().ledger_index_bytes <= 256);
+    let mut engine = Engine::new(vec![s], store.progress().unwrap());
+    let dup = vec![crate::pipeline::engine::Outcome::Duplicate];
+    for i in 0..400u64 {
+        assert_eq!(engine.apply(&store, &ev(400 + i, i)).unwrap(), dup, "E{i}");
+    }
+    let fresh = engine.apply(&store, &ev(800, 10_000)).unwrap();
+    assert_ne!(fresh, dup);
+}
+
+#[test]
+fn room_freed_by_expiry_indexes_the_unindexed_chunks_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let bounds = StoreBounds {
+        ledger_index_max_bytes: 256,
+        ..StoreBounds::default()
+    };
+    let store = Store::open_with(dir.path(), 1 << 20, fsio::real(), bounds).unwrap();
+    let mut s = spec();
+    s.dedup_window_ms = 100;
+    s.max_keys = 100_000;
+    let mut engine = Engine::new(vec![s], store.progress().unwrap());
+    let mut offset = 0;
+    let mut commit_at = |engine: &mut Engine, at: u64, n: u64| {
+        for i in 0..n {
+            let r = Record {
+                offset,
+                received_at_ms: at + i,
+                topic: "payments/x".into(),
+                payload: format!("E{offset}/A/1").into_bytes(),
+                qos: 1,
+                retain: false,
+            };
+            engine.apply(&store, &r).unwrap();
+            offset += 1;
+        }
+        store.commit(&engine.take_checkpoint(), 0).unwrap();
+        store.bound_figures()
+    };
+    let full = commit_at(&mut engine, 1_000_000, 60);
+    assert!(full.ledger_unindexed_chunks > 0, "{full:?}");
+    // Much later: the 60 expire chunk by chunk, and a few new entries fit in the index.
+    let mut f = full;
+    for k in 1..=10u64 {
+        f = commit_at(&mut engine, 2_000_000 + k * 1_000, 2);
+    }
+    assert_eq!(f.ledger_unindexed_chunks, 0, "{f:?}");
+    assert!(f.ledger_index_bytes <= 256);
 }

@@ -1,0 +1,138 @@
+//! `cairn inspect` reads the store without writing to it.
+//!
+//! sled 0.34 has no read-only mode: opening a database runs recovery, which writes a new
+//! snapshot file whenever the log moved on since the last one (every time, in practice), and
+//! dropping it flushes. So an inspection opens a private copy instead: the store's files are
+//! copied (holding a shared `flock` on `db`, so that an agent cannot start writing halfway,
+//! and a running agent's exclusive lock makes it fail as `Locked`) into a new directory under
+//! the temporary directory (`$TMPDIR`, mode 0700), the copy is opened, and the copy is
+//! removed when the [`StoreCopy`] is dropped. The cost is the store's size in temporary
+//! space and copy time; the gain is that looking can never change what is looked at
+//! (`tests/cli.rs::inspect_leaves_the_store_byte_for_byte_and_mtime_for_mtime_as_it_was`).
+
+use std::fs;
+use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::{LOCK_WAIT, Store, StoreBounds, StoreError, io_err};
+use crate::fsio::{SyncKind, SyncSeam};
+
+/// A copy needs no fsync: it is thrown away.
+#[derive(Debug)]
+struct NoSync;
+
+impl SyncSeam for NoSync {
+    fn sync_file(&self, _: SyncKind, _: &fs::File, _: &Path, _: bool) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn sync_dir(&self, _: &Path) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A store opened on a private copy; derefs to [`Store`]; the copy goes when it is dropped.
+pub struct StoreCopy {
+    store: Option<Store>,
+    copy: PathBuf,
+}
+
+impl std::ops::Deref for StoreCopy {
+    type Target = Store;
+    fn deref(&self) -> &Store {
+        self.store.as_ref().expect("present until drop")
+    }
+}
+
+impl Drop for StoreCopy {
+    fn drop(&mut self) {
+        drop(self.store.take());
+        if let Err(e) = fs::remove_dir_all(&self.copy) {
+            log::warn!(
+                "store: cannot remove the copy at {}: {e}",
+                self.copy.display()
+            );
+        }
+    }
+}
+
+/// Shared `flock` on `path`, waiting up to [`LOCK_WAIT`] for an exclusive holder (sled's
+/// lock, in a store being closed) to let go. Released when the file is closed.
+fn lock_shared(path: &Path, dir: &Path) -> Result<fs::File, StoreError> {
+    let f = fs::File::open(path).map_err(io_err(path))?;
+    let deadline = std::time::Instant::now() + LOCK_WAIT;
+    loop {
+        // SAFETY: flock on a descriptor this function owns; no memory is involved.
+        let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) };
+        if rc == 0 {
+            return Ok(f);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            return Err(StoreError::Io {
+                path: path.to_path_buf(),
+                source: e,
+            });
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err(StoreError::Locked {
+                path: dir.to_path_buf(),
+            });
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+fn copy_dir(from: &Path, to: &Path) -> Result<(), StoreError> {
+    for entry in fs::read_dir(from).map_err(io_err(from))? {
+        let entry = entry.map_err(io_err(from))?;
+        let (src, name) = (entry.path(), entry.file_name());
+        let dst = to.join(&name);
+        let kind = entry.file_type().map_err(io_err(&src))?;
+        if kind.is_dir() {
+            fs::create_dir(&dst).map_err(io_err(&dst))?;
+            copy_dir(&src, &dst)?;
+        } else if kind.is_file() && !name.to_string_lossy().ends_with(".generating") {
+            fs::copy(&src, &dst).map_err(io_err(&src))?;
+        }
+    }
+    Ok(())
+}
+
+impl Store {
+    /// Open a private copy of the store in `dir` (see the module docs); `dir` is only read.
+    pub fn open_copy(dir: &Path, cache_bytes: u64) -> Result<StoreCopy, StoreError> {
+        let db = dir.join("db");
+        let lock = lock_shared(&db, dir)?;
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let copy =
+            std::env::temp_dir().join(format!("cairn-inspect-{}-{nanos}", std::process::id()));
+        // 0700: the copy holds the same data as the store.
+        fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&copy)
+            .map_err(io_err(&copy))?;
+        let mut guard = StoreCopy { store: None, copy };
+        copy_dir(dir, &guard.copy)?;
+        drop(lock);
+        let store = Store::open_with(
+            &guard.copy,
+            cache_bytes,
+            Arc::new(NoSync),
+            StoreBounds::default(),
+        )
+        .map_err(|e| match e {
+            // Name the real store, not the copy, in what the user sees.
+            StoreError::Open { source, .. } => StoreError::Open {
+                path: dir.to_path_buf(),
+                source,
+            },
+            e => e,
+        })?;
+        guard.store = Some(store);
+        Ok(guard)
+    }
+}
