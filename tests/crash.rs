@@ -281,6 +281,14 @@ impl Agent {
         self.child = Some(child);
     }
 
+    /// How many times the agent's runs so far connected to the broker.
+    fn connections(&self) -> usize {
+        std::fs::read_to_string(&self.stderr)
+            .unwrap_or_default()
+            .matches("mqtt: connected")
+            .count()
+    }
+
     /// Add a line to the agent's stderr file (what the harness did, between runs).
     fn note(&self, line: &str) {
         let mut log = std::fs::OpenOptions::new()
@@ -483,6 +491,10 @@ fn powercut_bin() -> PathBuf {
 enum Stop {
     /// SIGKILL after this many ms of streaming.
     KillAfter(u64),
+    /// SIGKILL this many ms after the run connected to the broker. Recovery on a loaded
+    /// machine can take longer than a whole `KillAfter`: a cut that lands during it tests
+    /// recovery, but acknowledges nothing, so the negative control waits for ingest.
+    KillAfterConnected(u64),
     /// Abort at the n-th hit of a failpoint (or SIGKILL if it never fires).
     Failpoint(&'static str, u64),
 }
@@ -573,9 +585,10 @@ impl Harness {
     /// it as `stop` says; under the power-cut filesystem, cut the power at that moment.
     fn cycle(&mut self, n: usize, stop: Stop, cut_mode: &str) {
         let fp = match &stop {
-            Stop::KillAfter(_) => self.failpoints(""),
+            Stop::KillAfter(_) | Stop::KillAfterConnected(_) => self.failpoints(""),
             Stop::Failpoint(name, k) => self.failpoints(&format!("{name}=abort@{k}")),
         };
+        let connected_before = self.agent.connections();
         self.agent.start(&fp);
         let batch = self.stream.take(n);
         let msgs: Vec<(String, Vec<u8>, bool)> = batch
@@ -586,6 +599,16 @@ impl Harness {
         let publisher = std::thread::spawn(move || publish_all(port, &msgs));
         match stop {
             Stop::KillAfter(ms) => std::thread::sleep(Duration::from_millis(ms)),
+            Stop::KillAfterConnected(ms) => {
+                let agent = &self.agent;
+                assert!(
+                    wait_until(Duration::from_secs(20), || agent.connections()
+                        > connected_before),
+                    "the agent never connected:\n{}",
+                    agent.tail()
+                );
+                std::thread::sleep(Duration::from_millis(ms));
+            }
             Stop::Failpoint(..) => {
                 if self.agent.wait_exit(Duration::from_secs(3)) {
                     self.figures.failpoints_fired += 1;
@@ -872,7 +895,9 @@ fn power_cuts(cuts: u64, extra_failpoints: &str, seed: u64) -> (Harness, Result<
             1 => format!("cut prefix {}", rng.next()),
             _ => format!("cut prefix {} tear", rng.next()),
         };
-        let stop = if i % 2 == 0 || !extra_failpoints.is_empty() {
+        let stop = if !extra_failpoints.is_empty() {
+            Stop::KillAfterConnected(20 + rng.below(250))
+        } else if i % 2 == 0 {
             Stop::KillAfter(20 + rng.below(250))
         } else {
             let fp = FAILPOINTS[(i as usize / 2) % FAILPOINTS.len()];
