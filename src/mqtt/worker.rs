@@ -25,6 +25,8 @@ use crate::config::MqttConfig;
 const BACKOFF_FLOOR: Duration = Duration::from_millis(10);
 /// How long shutdown waits for DISCONNECT to be written.
 const DISCONNECT_GRACE: Duration = Duration::from_secs(1);
+/// How long a clean shutdown waits for the broker to close the connection after DISCONNECT.
+const LINGER_GRACE: Duration = Duration::from_millis(500);
 /// Step while the caller's event channel is full.
 const EVENT_FULL_WAIT: Duration = Duration::from_millis(1);
 
@@ -321,6 +323,21 @@ impl Worker {
         }
     }
 
+    /// After DISCONNECT is written, wait (briefly) for the broker to close the connection.
+    /// Dropping the socket at once can lose what was written just before: PUBACKs that
+    /// mosquitto had not read yet were seen redelivered after a clean client restart
+    /// (tests/mqtt_client.rs, under load), so a closed socket is the proof they arrived.
+    async fn linger(&mut self) {
+        let grace = tokio::time::sleep(LINGER_GRACE);
+        tokio::pin!(grace);
+        loop {
+            tokio::select! {
+                _ = &mut grace => return,
+                polled = self.eventloop.poll() => if polled.is_err() { return },
+            }
+        }
+    }
+
     /// Best effort: queued acks first, then DISCONNECT, then poll until it is written.
     async fn disconnect(&mut self) {
         if !self.connected {
@@ -340,6 +357,7 @@ impl Worker {
                 }
                 polled = self.eventloop.poll() => match polled {
                     Ok(rumqttc::Event::Outgoing(Outgoing::Disconnect)) => {
+                        self.linger().await;
                         info!("disconnected from {}", self.endpoint);
                         return;
                     }
