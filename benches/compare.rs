@@ -24,7 +24,7 @@
 //!
 //! Figures are printed, never asserted. Every child process is killed on drop.
 
-#[path = "../tests/support/mod.rs"]
+#[path = "../tests/it/support/mod.rs"]
 mod support;
 
 use std::collections::{HashMap, VecDeque};

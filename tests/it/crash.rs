@@ -15,8 +15,6 @@
 //! Needs the `failpoints` feature (`cargo test --workspace --all-features`), `mosquitto`,
 //! and `/dev/fuse` for the power-cut runs (as root).
 
-mod support;
-
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -24,7 +22,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use support::{Broker, Collector, publish_all, unique_id, wait_until};
+use crate::support::{Broker, Collector, publish_all, unique_id, wait_until};
 
 const WINDOW_MS: u64 = 1_000;
 const LATENESS_MS: u64 = 1_000;

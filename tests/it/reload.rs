@@ -2,13 +2,11 @@
 //! start unless the operator names it to be reset (issue 6, item 5). Real binary, private
 //! broker.
 
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use support::{Broker, publish_all, unique_id, wait_until};
+use crate::support::{Broker, publish_all, unique_id, wait_until};
 
 fn config(dir: &Path, port: u16, client_id: &str, extra: &str, aggregate: &str) -> String {
     format!(

@@ -2,15 +2,13 @@
 //! after a known stream (with a duplicate and a bad payload) the figures are exact, online
 //! through the agent's endpoint and offline from the data directory after SIGTERM.
 
-mod support;
-
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use support::{Broker, free_port, publish_all, unique_id, wait_until};
+use crate::support::{Broker, free_port, publish_all, unique_id, wait_until};
 
 fn get_metrics(port: u16) -> Option<String> {
     let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;

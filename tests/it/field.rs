@@ -13,13 +13,11 @@
 //!
 //! Needs the `failpoints` feature (`cargo test --all-features --test field`) and `mosquitto`.
 
-mod support;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use support::agent::{AgentConfig, CairnProcess};
-use support::{Broker, publish_all, wait_until};
+use crate::support::agent::{AgentConfig, CairnProcess};
+use crate::support::{Broker, publish_all, wait_until};
 
 const PIPELINE: &str = "[[pipeline]]\nname = \"sums\"\ntopics = [\"in/#\"]\nformat = \"json\"\n\
      event_id = \"/id\"\nkey = \"/k\"\nvalue = \"/v\"\naggregate = \"sum\"\n\

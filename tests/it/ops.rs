@@ -8,7 +8,7 @@
 //! The .deb test builds a release binary (about a minute with warm dependencies, a few on a
 //! cold cache).
 
-mod support;
+use crate::support;
 
 use std::fs::File;
 use std::os::linux::net::SocketAddrExt;
@@ -18,8 +18,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::support::Broker;
 use cairn::notify::{Heartbeat, Notifier};
-use support::Broker;
 
 const MAX_EXPOSURE: f64 = 2.0;
 
