@@ -11,7 +11,7 @@
 //! - An input over `log.max_payload` is a `too_large` dead letter with its size, topic and
 //!   a prefix, durable before its PUBACK, and processing goes on.
 //!
-//! Needs the `failpoints` feature (`cargo test --all-features --test field`) and `mosquitto`.
+//! Needs the `failpoints` feature (`cargo test --all-features --test it field::`) and `mosquitto`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use crate::support::{Broker, free_port, publish_all, unique_id, wait_until};
+use crate::support::{self, Broker, free_port, publish_all, unique_id, wait_until};
 
 fn get_metrics(port: u16) -> Option<String> {
     let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
@@ -165,11 +165,7 @@ output_topic = "balances/{{key}}"
     assert_eq!(locked["agent_running"], true);
     assert_eq!(locked["log"]["next_offset"], 5);
 
-    Command::new("kill")
-        .arg("-TERM")
-        .arg(agent.id().to_string())
-        .status()
-        .unwrap();
+    assert!(support::signal(agent.id(), "TERM"));
     let code = agent.wait().unwrap();
     assert_eq!(code.code(), Some(0), "log:\n{}", log());
 
@@ -286,11 +282,7 @@ output_topic = "balances/{{key}}"
     assert_eq!(online["dead_letters_pruned"]["count"], 3, "{online}");
     assert_eq!(online["dead_letters_pruned"]["age"], 0, "{online}");
 
-    Command::new("kill")
-        .arg("-TERM")
-        .arg(agent.id().to_string())
-        .status()
-        .unwrap();
+    assert!(support::signal(agent.id(), "TERM"));
     assert_eq!(agent.wait().unwrap().code(), Some(0), "log:\n{}", log());
     let offline = status_json(&config, &[]);
     assert_eq!(offline["source"], "data_dir", "{offline}");
