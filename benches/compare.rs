@@ -24,7 +24,7 @@
 //!
 //! Figures are printed, never asserted. Every child process is killed on drop.
 
-#[path = "../tests/support/mod.rs"]
+#[path = "../tests/it/support/mod.rs"]
 mod support;
 
 use std::collections::{HashMap, VecDeque};
@@ -38,7 +38,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rumqttc::{Client, Event, MqttOptions, Packet, QoS};
-use support::{free_port, unique_id, wait_until};
+use support::{Broker, BrokerConfig, free_port, unique_id, wait_until};
 
 /// Distinct keys of the live streams.
 const KEYS: u64 = 1_000;
@@ -115,10 +115,7 @@ impl Proc {
     /// SIGTERM, then SIGKILL after `grace`.
     fn terminate(&mut self, grace: Duration) {
         if let Some(mut c) = self.child.take() {
-            let _ = Command::new("kill")
-                .arg("-TERM")
-                .arg(c.id().to_string())
-                .status();
+            support::signal(c.id(), "TERM");
             let exited = wait_until(grace, || matches!(c.try_wait(), Ok(Some(_))));
             if !exited {
                 let _ = c.kill();
@@ -188,11 +185,25 @@ fn ticks_per_second() -> f64 {
 
 // ------------------------------------------------------------------- broker ----------
 
-/// mosquitto with `config/mosquitto.conf`'s settings on a free loopback port.
-struct Broker {
-    dir: PathBuf,
-    port: u16,
-    _proc: Proc,
+/// The shared test broker (tests/it/support) with `config/mosquitto.conf`'s settings that
+/// matter here: the inflight window, deep queues, Nagle off, rare autosaves, and only
+/// notice-level logging (every publish logged would cost throughput; notices still show
+/// connections for `Broker::connections`).
+fn start_broker() -> Broker {
+    Broker::start_with(BrokerConfig {
+        max_inflight: broker_inflight() as u32,
+        autosave_interval_s: 5,
+        log_types: vec!["error", "warning", "notice"],
+        extra: [
+            "max_queued_bytes 0",
+            "queue_qos0_messages false",
+            "set_tcp_nodelay true",
+            "autosave_on_changes false",
+        ]
+        .map(String::from)
+        .to_vec(),
+        ..BrokerConfig::default()
+    })
 }
 
 /// mosquitto's `max_inflight_messages` for the run: how many inputs a subscriber may hold
@@ -209,57 +220,6 @@ fn broker_inflight() -> u64 {
                 .and_then(|v| v.trim().parse().ok())
                 .expect("config/mosquitto.conf sets max_inflight_messages")
         })
-}
-
-impl Broker {
-    fn start(root: &Path) -> Broker {
-        let dir = root.join("broker");
-        std::fs::create_dir_all(dir.join("data")).expect("broker dir");
-        let port = free_port();
-        let inflight = broker_inflight();
-        let mut conf = format!(
-            "per_listener_settings false\nlistener {port} 127.0.0.1\nallow_anonymous true\n\
-             max_queued_messages 1000000\nmax_queued_bytes 0\nmax_inflight_messages {inflight}\n\
-             queue_qos0_messages false\nset_tcp_nodelay true\npersistence true\n\
-             autosave_on_changes false\nautosave_interval 5\npersistence_location {}/\n\
-             log_dest file {}\nlog_type error\nlog_type warning\nlog_type notice\n",
-            dir.join("data").display(),
-            dir.join("mosquitto.log").display()
-        );
-        if std::fs::metadata("/proc/self")
-            .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
-            .unwrap_or(false)
-        {
-            conf.push_str("user root\n");
-        }
-        std::fs::write(dir.join("mosquitto.conf"), conf).expect("write mosquitto.conf");
-        let proc = Proc::spawn(
-            Command::new(support::mosquitto_bin())
-                .arg("-c")
-                .arg(dir.join("mosquitto.conf"))
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null()),
-        );
-        let up = wait_until(Duration::from_secs(10), || {
-            TcpStream::connect(("127.0.0.1", port)).is_ok()
-        });
-        assert!(up, "mosquitto did not start on port {port}");
-        Broker {
-            dir,
-            port,
-            _proc: proc,
-        }
-    }
-
-    /// How often the broker logged a new connection for `client_id`.
-    fn connections(&self, client_id: &str) -> usize {
-        let log = std::fs::read_to_string(self.dir.join("mosquitto.log")).unwrap_or_default();
-        let needle = format!(" as {client_id} ");
-        log.lines()
-            .filter(|l| l.contains("New client connected") && l.contains(&needle))
-            .count()
-    }
 }
 
 // --------------------------------------------------------- sink and publisher ----------
@@ -1124,8 +1084,8 @@ fn main() {
     std::fs::create_dir_all(&root).expect("bench dir under target/");
     let bin = support::agent::cairn_bin();
     println!("cairn binary: {} (bench profile)", bin.display());
-    let broker = Broker::start(&root);
-    let port = broker.port;
+    let broker = start_broker();
+    let port = broker.port();
     let t0 = Instant::now();
     let publisher = Publisher::start(port);
     // For profiling one part: CAIRN_COMPARE_ONLY=relay,cairn,node-red,kill,recovery,footprint

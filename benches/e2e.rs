@@ -9,7 +9,7 @@
 //! Two runs per system: flat out (throughput; latency then includes queueing), and paced
 //! (latency at a moderate rate). `cargo bench --bench e2e`; bounded to about a minute.
 
-#[path = "../tests/support/mod.rs"]
+#[path = "../tests/it/support/mod.rs"]
 mod support;
 
 use std::sync::atomic::{AtomicBool, Ordering};

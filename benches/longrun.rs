@@ -8,7 +8,7 @@
 //! the `cairn` binary cargo built for this bench, and reads the agent's own `/metrics`.
 //! `CAIRN_LONGRUN_EVENTS` (default 300,000 events of ~1 KiB, ~18× a 16 MiB log) sizes it.
 
-#[path = "../tests/support/mod.rs"]
+#[path = "../tests/it/support/mod.rs"]
 mod support;
 
 use std::io::{Read, Write};

@@ -1,16 +1,16 @@
 //! The mqtt module against a private mosquitto: manual acks and redelivery, exact packet-id
 //! binding (through retransmits and a lost session), reconnect backoff, credentials, TLS.
 
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
+use crate::support::{Broker, BrokerConfig, Certs, Proxy, publish_all, wait_until};
 use cairn::config::{MqttConfig, TlsConfig};
 use cairn::mqtt::{Event, Incoming, Mqtt, MqttError};
-use support::{Broker, BrokerConfig, Certs, Proxy, publish_all, wait_until};
 
 const STEP: Duration = Duration::from_secs(10);
 

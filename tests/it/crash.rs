@@ -15,16 +15,15 @@
 //! Needs the `failpoints` feature (`cargo test --workspace --all-features`), `mosquitto`,
 //! and `/dev/fuse` for the power-cut runs (as root).
 
-mod support;
-
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use support::{Broker, Collector, publish_all, unique_id, wait_until};
+use crate::support::agent::{AgentConfig, CairnProcess};
+use crate::support::{Broker, Collector, publish_all, signal, unique_id, wait_until};
 
 const WINDOW_MS: u64 = 1_000;
 const LATENESS_MS: u64 = 1_000;
@@ -224,159 +223,36 @@ retain = true
 emit = "upsert"
 "#;
 
-struct Agent {
-    config: PathBuf,
-    stderr: PathBuf,
-    child: Option<Child>,
-    starts: Vec<Instant>,
+/// The agent under test: the shared wrapper with the crash harness's config (fast
+/// reconnects, 1 MiB segments, checkpoints every 30 ms or 300 records), its data in
+/// `data_dir` (under the power-cut mount when there is one).
+fn crash_agent(data_dir: &Path, port: u16) -> CairnProcess {
+    let mut cfg = AgentConfig::new(port, PIPELINES);
+    cfg.client_id = unique_id("crash").replace('-', "_");
+    cfg.mqtt = "keep_alive = \"5s\"\nreconnect_min = \"20ms\"\nreconnect_max = \"200ms\"\n".into();
+    cfg.storage = "cache_size = \"4MiB\"\n".into();
+    cfg.data_dir = Some(data_dir.to_path_buf());
+    cfg.log = "segment_size = \"1MiB\"\nmax_size = \"256MiB\"\nretention = \"0s\"\n\
+               commit_interval = \"2ms\"\nmax_payload = \"16KiB\"\n"
+        .into();
+    cfg.checkpoint = "interval = \"30ms\"\nmax_records = 300\n".into();
+    cfg.outbox = "max_entries = 100000\ninflight = 50\ndrain_timeout = \"10s\"\n".into();
+    let mut agent = CairnProcess::new(&cfg);
+    // Info only: hundreds of restarts per run, and the harness reads info lines.
+    agent.set_log_filter(Some("info"));
+    agent
 }
 
-impl Agent {
-    fn new(dir: &Path, data_dir: &Path, port: u16) -> Agent {
-        let config = dir.join("cairn.toml");
-        let text = format!(
-            "[mqtt]\nhost = \"127.0.0.1\"\nport = {port}\nclient_id = \"{}\"\nkeep_alive = \"5s\"\n\
-             reconnect_min = \"20ms\"\nreconnect_max = \"200ms\"\n\n\
-             [storage]\ndata_dir = \"{}\"\ncache_size = \"4MiB\"\n\n\
-             [log]\nsegment_size = \"1MiB\"\nmax_size = \"256MiB\"\nretention = \"0s\"\n\
-             commit_interval = \"2ms\"\nmax_payload = \"16KiB\"\n\n\
-             [checkpoint]\ninterval = \"30ms\"\nmax_records = 300\n\n\
-             [outbox]\nmax_entries = 100000\ninflight = 50\ndrain_timeout = \"10s\"\n{PIPELINES}",
-            unique_id("crash").replace('-', "_"),
-            data_dir.display()
-        );
-        std::fs::write(&config, text).unwrap();
-        Agent {
-            config,
-            stderr: dir.join("cairn.stderr"),
-            child: None,
-            starts: Vec::new(),
-        }
-    }
-
-    fn start(&mut self, failpoints: &str) {
-        assert!(self.child.is_none());
-        let mut log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.stderr)
-            .unwrap();
-        writeln!(
-            log,
-            "=== start {} failpoints=[{failpoints}] ===",
-            self.starts.len() + 1
-        )
-        .unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_cairn"))
-            .args(["run", "--config"])
-            .arg(&self.config)
-            .env("RUST_LOG", "info")
-            .env("CAIRN_FAILPOINTS", failpoints)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("spawn cairn");
-        self.starts.push(Instant::now());
-        self.child = Some(child);
-    }
-
-    /// How many times the agent's runs so far connected to the broker.
-    fn connections(&self) -> usize {
-        std::fs::read_to_string(&self.stderr)
-            .unwrap_or_default()
-            .matches("mqtt: connected")
-            .count()
-    }
-
-    /// Add a line to the agent's stderr file (what the harness did, between runs).
-    fn note(&self, line: &str) {
-        let mut log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.stderr)
-            .unwrap();
-        let _ = writeln!(log, "=== {line}");
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    /// Wait for the process to end by itself (a failpoint fired), up to `timeout`.
-    fn wait_exit(&mut self, timeout: Duration) -> bool {
-        let Some(c) = self.child.as_mut() else {
-            return true;
-        };
-        let done = wait_until(timeout, || matches!(c.try_wait(), Ok(Some(_))));
-        if done {
-            self.child = None;
-        }
-        done
-    }
-
-    fn terminate(&mut self) -> i32 {
-        let mut c = self.child.take().expect("running");
-        unsafe_signal(c.id(), 15);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Ok(Some(st)) = c.try_wait() {
-                return st.code().unwrap_or(-1);
-            }
-            if Instant::now() > deadline {
-                let _ = c.kill();
-                panic!("cairn did not stop on SIGTERM:\n{}", self.tail());
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    fn cli(&self, args: &[&str]) -> (i32, String, String) {
-        let out = Command::new(env!("CARGO_BIN_EXE_cairn"))
-            .arg("--config")
-            .arg(&self.config)
-            .args(args)
-            .env("RUST_LOG", "warn")
-            .output()
-            .expect("run cairn");
-        (
-            out.status.code().unwrap_or(-1),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
-    }
-
-    fn tail(&self) -> String {
-        let s = std::fs::read_to_string(&self.stderr).unwrap_or_default();
-        let lines: Vec<&str> = s.lines().collect();
-        lines[lines.len().saturating_sub(40)..].join("\n")
-    }
-
-    /// Recovery times the agent reported ("recovery: done in N ms").
-    fn recovery_ms(&self) -> Vec<u64> {
-        let s = std::fs::read_to_string(&self.stderr).unwrap_or_default();
-        s.lines()
-            .filter_map(|l| l.split("recovery: done in ").nth(1))
-            .filter_map(|r| r.split(' ').next()?.parse().ok())
-            .collect()
-    }
+/// Starts the agent with `failpoints` armed, noting them in its stderr file.
+fn start_with_failpoints(agent: &mut CairnProcess, failpoints: &str) {
+    agent.note(&format!("failpoints=[{failpoints}]"));
+    agent.start_with_env(&[("CAIRN_FAILPOINTS", failpoints)]);
 }
 
-impl Drop for Agent {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-fn unsafe_signal(pid: u32, sig: i32) {
-    // No libc in the tests: `kill` is on every box.
-    let _ = Command::new("kill")
-        .arg(format!("-{sig}"))
-        .arg(pid.to_string())
-        .status();
+/// `cairn ARGS` against the agent's config: (exit code, stdout, stderr).
+fn cli(agent: &CairnProcess, args: &[&str]) -> (i32, String, String) {
+    let (status, out, err) = agent.command(args);
+    (status.code().unwrap_or(-1), out, err)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -444,7 +320,7 @@ impl PowerCut {
 impl Drop for PowerCut {
     fn drop(&mut self) {
         let _ = self.command_quiet("thaw");
-        unsafe_signal(self.child.id(), 15);
+        signal(self.child.id(), "TERM");
         let _ = wait_until(Duration::from_secs(5), || {
             matches!(self.child.try_wait(), Ok(Some(_)))
         });
@@ -526,7 +402,7 @@ const FAILPOINTS: &[&str] = &[
 
 struct Harness {
     broker: Broker,
-    agent: Agent,
+    agent: CairnProcess,
     stream: Stream,
     acked: Vec<Input>,
     outputs: Collector,
@@ -545,20 +421,25 @@ impl Harness {
             Some(c) => c.mount.join("data"),
             None => dir.path().join("data"),
         };
-        let agent = Agent::new(dir.path(), &data, broker.port());
+        let agent = crash_agent(&data, broker.port());
         let outputs = Collector::start(broker.port(), "#");
         // The broker queues for the agent only once its persistent session has subscribed:
         // start it once and wait for that before anything is published.
         let mut agent = agent;
-        agent.start("");
-        let stderr = agent.stderr.clone();
+        start_with_failpoints(&mut agent, "");
+        let stderr = agent.stderr_path();
         assert!(
             wait_until(Duration::from_secs(20), || std::fs::read_to_string(&stderr)
                 .is_ok_and(|s| s.contains("mqtt: connected"))),
             "the agent never connected:\n{}",
-            agent.tail()
+            agent.stderr_tail(40)
         );
-        assert_eq!(agent.terminate(), 0, "first clean stop:\n{}", agent.tail());
+        assert_eq!(
+            agent.terminate().code().unwrap_or(-1),
+            0,
+            "first clean stop:\n{}",
+            agent.stderr_tail(40)
+        );
         Harness {
             broker,
             agent,
@@ -588,8 +469,7 @@ impl Harness {
             Stop::KillAfter(_) | Stop::KillAfterConnected(_) => self.failpoints(""),
             Stop::Failpoint(name, k) => self.failpoints(&format!("{name}=abort@{k}")),
         };
-        let connected_before = self.agent.connections();
-        self.agent.start(&fp);
+        start_with_failpoints(&mut self.agent, &fp);
         let batch = self.stream.take(n);
         let msgs: Vec<(String, Vec<u8>, bool)> = batch
             .iter()
@@ -602,15 +482,16 @@ impl Harness {
             Stop::KillAfterConnected(ms) => {
                 let agent = &self.agent;
                 assert!(
-                    wait_until(Duration::from_secs(20), || agent.connections()
-                        > connected_before),
+                    wait_until(Duration::from_secs(20), || agent
+                        .run_stderr()
+                        .contains("mqtt: connected")),
                     "the agent never connected:\n{}",
-                    agent.tail()
+                    agent.stderr_tail(40)
                 );
                 std::thread::sleep(Duration::from_millis(ms));
             }
             Stop::Failpoint(..) => {
-                if self.agent.wait_exit(Duration::from_secs(3)) {
+                if self.agent.wait_exit(Duration::from_secs(3)).is_some() {
                     self.figures.failpoints_fired += 1;
                 }
             }
@@ -649,7 +530,7 @@ impl Harness {
                 + 1
         );
         self.acked.push(Input::Event(end.clone()));
-        self.agent.start(&self.extra_failpoints.clone());
+        start_with_failpoints(&mut self.agent, &self.extra_failpoints.clone());
         publish_all(
             self.broker.port(),
             &[("in/dev".to_string(), end.payload(), false)],
@@ -664,21 +545,21 @@ impl Harness {
         if !caught_up {
             return Err(format!(
                 "the agent never published {end_id}:\n{}",
-                self.agent.tail()
+                self.agent.stderr_tail(40)
             ));
         }
-        let code = self.agent.terminate();
+        let code = self.agent.terminate().code().unwrap_or(-1);
         if code != 0 {
             return Err(format!(
                 "cairn exited {code} on SIGTERM:\n{}",
-                self.agent.tail()
+                self.agent.stderr_tail(40)
             ));
         }
         self.figures.recovery_ms = self.agent.recovery_ms();
         // sled puts log items over 128 KiB in blob files it never fsyncs; the store keeps its
         // values small so that it never does (src/store/ledger.rs). A blob seen here is a
         // torn write waiting to happen.
-        let journal = std::fs::read_to_string(&self.agent.stderr).unwrap_or_default();
+        let journal = std::fs::read_to_string(self.agent.stderr_path()).unwrap_or_default();
         if let Some(line) = journal.lines().find(|l| l.contains("blob_io")) {
             return Err(format!("sled used blob files: {line}"));
         }
@@ -691,11 +572,11 @@ impl Harness {
     }
 }
 
-fn compare(agent: &Agent, outputs: &Collector, o: &Oracle, port: u16) -> Result<(), String> {
+fn compare(agent: &CairnProcess, outputs: &Collector, o: &Oracle, port: u16) -> Result<(), String> {
     let mut problems = Vec::new();
 
     // 1. Per-key state, values and versions, from the store.
-    let (code, out, err) = agent.cli(&["inspect", "state", "--json", "--pipeline", "sums"]);
+    let (code, out, err) = cli(agent, &["inspect", "state", "--json", "--pipeline", "sums"]);
     if code != 0 {
         return Err(format!("inspect state failed ({code}): {err}"));
     }
@@ -803,7 +684,7 @@ fn compare(agent: &Agent, outputs: &Collector, o: &Oracle, port: u16) -> Result<
     }
 
     // 4. Counters, replayed exactly from the checkpoint.
-    let (code, out, err) = agent.cli(&["verify", "--json"]);
+    let (code, out, err) = cli(agent, &["verify", "--json"]);
     if code != 0 {
         problems.push(format!("verify failed ({code}): {out}{err}"));
     } else {

@@ -11,15 +11,13 @@
 //! - An input over `log.max_payload` is a `too_large` dead letter with its size, topic and
 //!   a prefix, durable before its PUBACK, and processing goes on.
 //!
-//! Needs the `failpoints` feature (`cargo test --all-features --test field`) and `mosquitto`.
-
-mod support;
+//! Needs the `failpoints` feature (`cargo test --all-features --test it field::`) and `mosquitto`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use support::agent::{AgentConfig, CairnProcess};
-use support::{Broker, publish_all, wait_until};
+use crate::support::agent::{AgentConfig, CairnProcess};
+use crate::support::{Broker, publish_all, wait_until};
 
 const PIPELINE: &str = "[[pipeline]]\nname = \"sums\"\ntopics = [\"in/#\"]\nformat = \"json\"\n\
      event_id = \"/id\"\nkey = \"/k\"\nvalue = \"/v\"\naggregate = \"sum\"\n\

@@ -9,16 +9,16 @@
 //! Crashes here are SIGKILLs: they keep the page cache, so they prove the protocol (acks,
 //! dedup, outbox, replay), not the fsyncs; the power-cut harness proves those.
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::support::agent::{AgentConfig, CairnProcess};
+use crate::support::{Broker, BrokerConfig, Collector, Proxy, Seen, publish_all, wait_until};
 use serde_json::{Value, json};
-use support::agent::{AgentConfig, CairnProcess};
-use support::{Broker, BrokerConfig, Collector, Proxy, Seen, publish_all, wait_until};
 
 /// Event times start here (ms since the epoch), one distinct time per event.
 const T0: u64 = 1_700_000_000_000;

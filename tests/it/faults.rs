@@ -7,15 +7,13 @@
 //! saying so (a test that silently skips proves nothing). Every mount is undone by a
 //! [`Mount`] guard, lazily if the agent still holds files in it.
 
-mod support;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use support::agent::{AgentConfig, CairnProcess};
-use support::{Broker, publish_all, wait_until};
+use crate::support::agent::{AgentConfig, CairnProcess};
+use crate::support::{Broker, publish_all, wait_until};
 
 const MIB: u64 = 1 << 20;
 

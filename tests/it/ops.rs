@@ -8,18 +8,18 @@
 //! The .deb test builds a release binary (about a minute with warm dependencies, a few on a
 //! cold cache).
 
-mod support;
-
 use std::fs::File;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::{SocketAddr, UnixDatagram};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::support;
+use crate::support::Broker;
+use crate::support::agent::{AgentConfig, CairnProcess};
 use cairn::notify::{Heartbeat, Notifier};
-use support::Broker;
 
 const MAX_EXPOSURE: f64 = 2.0;
 
@@ -323,109 +323,58 @@ fn without_a_notify_socket_a_heartbeat_does_nothing() {
 // ---------------------------------------------------------------------------------------------
 // The real binary
 
-fn agent_config(dir: &Path, port: u16) -> PathBuf {
-    agent_config_with(dir, port, "")
+/// The ops tests' agent config; `checkpoint` is the body of the `[checkpoint]` table.
+fn ops_config(port: u16, checkpoint: &str) -> AgentConfig {
+    let pipeline = "[[pipeline]]\nname = \"balances\"\ntopics = [\"payments/#\"]\nformat = \"json\"\n\
+                    event_id = \"/id\"\nkey = \"/account\"\nvalue = \"/amount\"\naggregate = \"sum\"\n\
+                    output_topic = \"balances/{key}\"\n";
+    let mut cfg = AgentConfig::new(port, pipeline);
+    cfg.client_id = support::unique_id("ops").replace('-', "_");
+    cfg.mqtt = "reconnect_min = \"50ms\"\nreconnect_max = \"200ms\"\n".into();
+    cfg.log = "segment_size = \"4MiB\"\nmax_size = \"64MiB\"\n".into();
+    cfg.checkpoint = checkpoint.into();
+    cfg.outbox = "drain_timeout = \"2s\"\n".into();
+    cfg
 }
 
-/// `checkpoint` is the body of the `[checkpoint]` table.
-fn agent_config_with(dir: &Path, port: u16, checkpoint: &str) -> PathBuf {
-    let path = dir.join("cairn.toml");
-    std::fs::write(
-        &path,
-        format!(
-            "[mqtt]\nhost = \"127.0.0.1\"\nport = {port}\nclient_id = \"{}\"\n\
-             reconnect_min = \"50ms\"\nreconnect_max = \"200ms\"\n\
-             [storage]\ndata_dir = \"{}\"\ncache_size = \"8MiB\"\n\
-             [log]\nsegment_size = \"4MiB\"\nmax_size = \"64MiB\"\n\
-             [checkpoint]\n{checkpoint}\n\
-             [outbox]\ndrain_timeout = \"2s\"\n\
-             [[pipeline]]\nname = \"balances\"\ntopics = [\"payments/#\"]\nformat = \"json\"\n\
-             event_id = \"/id\"\nkey = \"/account\"\nvalue = \"/amount\"\naggregate = \"sum\"\n\
-             output_topic = \"balances/{{key}}\"\n",
-            support::unique_id("ops").replace('-', "_"),
-            dir.join("data").display()
-        ),
-    )
-    .unwrap();
-    path
-}
-
-/// `cairn run` with a clean environment plus `env`, stderr into `stderr`.
-fn spawn_agent(config: &Path, stderr: &Path, env: &[(&str, String)]) -> Child {
-    let mut cmd = Command::new(cairn_bin());
-    cmd.arg("run")
-        .arg("--config")
-        .arg(config)
-        .env_remove("NOTIFY_SOCKET")
-        .env_remove("WATCHDOG_USEC")
-        .env_remove("WATCHDOG_PID")
-        .env_remove("JOURNAL_STREAM")
-        .env_remove("CAIRN_CONFIG")
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(File::create(stderr).unwrap());
-    for (k, v) in env {
-        cmd.env(k, v);
+/// `cairn run` without the systemd variables this test process may have inherited (each
+/// test sets the ones it checks), logging at info.
+fn ops_agent(cfg: &AgentConfig) -> CairnProcess {
+    let mut agent = CairnProcess::new(cfg);
+    for key in [
+        "NOTIFY_SOCKET",
+        "WATCHDOG_USEC",
+        "WATCHDOG_PID",
+        "JOURNAL_STREAM",
+    ] {
+        agent.remove_env(key);
     }
-    cmd.spawn().expect("spawn cairn")
-}
-
-fn sigterm(child: &Child) {
-    let status = Command::new("kill")
-        .arg("-TERM")
-        .arg(child.id().to_string())
-        .status()
-        .expect("run kill");
-    assert!(status.success());
-}
-
-/// Waits for the exit; SIGKILLs and panics after `timeout`.
-fn wait_exit(child: &mut Child, timeout: Duration, log: &Path) -> std::process::ExitStatus {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            panic!(
-                "cairn did not exit within {timeout:?}; stderr:\n{}",
-                std::fs::read_to_string(log).unwrap_or_default()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    agent.set_log_filter(Some("info"));
+    agent
 }
 
 #[test]
 fn cairn_run_notifies_ready_after_recovery_pings_the_watchdog_and_notifies_stopping() {
     let broker = Broker::start();
-    let dir = tempfile::tempdir().unwrap();
-    let config = agent_config(dir.path(), broker.port());
-    let socket = dir.path().join("notify");
+    let mut agent = ops_agent(&ops_config(broker.port(), ""));
+    let socket = agent.dir().join("notify");
     let mut systemd = FakeSystemd::bind(&socket);
-    let log = dir.path().join("stderr");
-    let mut child = spawn_agent(
-        &config,
-        &log,
-        &[
-            ("NOTIFY_SOCKET", socket.display().to_string()),
-            ("WATCHDOG_USEC", "400000".into()), // a ping every 200 ms
-        ],
-    );
-    let stderr = || std::fs::read_to_string(&log).unwrap_or_default();
+    let socket_var = socket.display().to_string();
+    agent.start_with_env(&[
+        ("NOTIFY_SOCKET", socket_var.as_str()),
+        ("WATCHDOG_USEC", "400000"), // a ping every 200 ms
+    ]);
 
     assert!(
         systemd.wait_for("READY=1", Duration::from_secs(20)),
         "no READY=1; got {:?}; stderr:\n{}",
         systemd.seen,
-        stderr()
+        agent.stderr()
     );
     assert!(
-        stderr().contains("recovery: done"),
+        agent.stderr().contains("recovery: done"),
         "READY=1 before recovery finished; stderr:\n{}",
-        stderr()
+        agent.stderr()
     );
     assert!(systemd.wait_for("STATUS=running: recovery done", Duration::from_secs(2)));
 
@@ -446,15 +395,19 @@ fn cairn_run_notifies_ready_after_recovery_pings_the_watchdog_and_notifies_stopp
     assert!(fed, "fewer than 3 WATCHDOG=1 in 5 s: {:?}", systemd.seen);
     assert!(systemd.position("WATCHDOG=1").unwrap() > ready_at);
 
-    sigterm(&child);
+    agent.signal("TERM");
     assert!(
         systemd.wait_for("STOPPING=1", Duration::from_secs(10)),
         "no STOPPING=1 after SIGTERM; got {:?}; stderr:\n{}",
         systemd.seen,
-        stderr()
+        agent.stderr()
     );
-    let status = wait_exit(&mut child, Duration::from_secs(20), &log);
-    assert!(status.success(), "exit {status}; stderr:\n{}", stderr());
+    let status = agent.expect_exit(Duration::from_secs(20));
+    assert!(
+        status.success(),
+        "exit {status}; stderr:\n{}",
+        agent.stderr()
+    );
     assert!(systemd.position("STOPPING=1").unwrap() > ready_at);
     println!("notifications: {:?}", systemd.seen);
 }
@@ -464,11 +417,11 @@ fn a_long_replay_reports_progress_and_extends_the_start_timeout_before_ready() {
     // Run 1 logs 300 inputs but never checkpoints (1h, 1M records) and is SIGKILLed; run 2
     // checkpoints every 100 records, so its replay reports progress at least three times.
     let broker = Broker::start();
-    let dir = tempfile::tempdir().unwrap();
     let lazy = "interval = \"1h\"\nmax_records = 100000\n";
-    let config = agent_config_with(dir.path(), broker.port(), lazy);
-    let log = dir.path().join("stderr");
-    let mut child = spawn_agent(&config, &log, &[]);
+    let mut cfg = ops_config(broker.port(), lazy);
+    let mut agent = ops_agent(&cfg);
+    agent.start();
+    let config = agent.config_path();
     let logged_records = || {
         let out = Command::new(cairn_bin())
             .args(["inspect", "log", "--limit", "1000", "--config"])
@@ -494,31 +447,26 @@ fn a_long_replay_reports_progress_and_extends_the_start_timeout_before_ready() {
         .collect();
     support::publish_all(broker.port(), &inputs);
     let logged = support::wait_until(Duration::from_secs(20), || logged_records() >= 301);
-    let _ = child.kill();
-    let _ = child.wait();
-    let stderr = || std::fs::read_to_string(&log).unwrap_or_default();
+    agent.kill();
     assert!(
         subscribed && logged,
         "the agent did not log 300 inputs; stderr:\n{}",
-        stderr()
+        agent.stderr()
     );
 
-    agent_config_with(dir.path(), broker.port(), "max_records = 100\n");
-    let socket = dir.path().join("notify");
+    cfg.checkpoint = "max_records = 100\n".into();
+    agent.rewrite_config(&cfg);
+    let socket = agent.dir().join("notify");
     let mut systemd = FakeSystemd::bind(&socket);
-    let mut child = spawn_agent(
-        &config,
-        &log,
-        &[("NOTIFY_SOCKET", socket.display().to_string())],
-    );
+    agent.start_with_env(&[("NOTIFY_SOCKET", socket.display().to_string().as_str())]);
     let ready = systemd.wait_for("READY=1", Duration::from_secs(20));
-    sigterm(&child);
-    wait_exit(&mut child, Duration::from_secs(20), &log);
+    agent.signal("TERM");
+    agent.expect_exit(Duration::from_secs(20));
     assert!(
         ready,
         "no READY=1: {:?}; stderr:\n{}",
         systemd.seen,
-        stderr()
+        agent.stderr()
     );
     let ready_at = systemd.position("READY=1").unwrap();
     let progress: Vec<&String> = systemd.seen[..ready_at]
@@ -561,29 +509,18 @@ fn priority_of(line: &str) -> Option<u8> {
 fn under_the_journal_every_stderr_line_has_a_priority_prefix_and_no_timestamp() {
     // A broker port nobody listens on: the agent logs at info, warns about the broker, and
     // at debug (RUST_LOG=debug) says more; then SIGTERM makes it drain and exit.
-    let dir = tempfile::tempdir().unwrap();
-    let config = agent_config(dir.path(), support::free_port());
-    let log = dir.path().join("stderr");
-    let stream = journal_stream(&log);
-    let mut child = {
-        let mut cmd = Command::new(cairn_bin());
-        cmd.arg("run")
-            .arg("--config")
-            .arg(&config)
-            .env_remove("NOTIFY_SOCKET")
-            .env("JOURNAL_STREAM", &stream)
-            .env("RUST_LOG", "debug")
-            .stdout(Stdio::null())
-            .stderr(std::fs::OpenOptions::new().append(true).open(&log).unwrap());
-        cmd.spawn().unwrap()
-    };
-    let read = || std::fs::read_to_string(&log).unwrap_or_default();
+    let mut agent = ops_agent(&ops_config(support::free_port(), ""));
+    agent.set_log_filter(Some("debug"));
+    // The stderr file the agent appends to: its identity is what systemd would announce.
+    let stream = journal_stream(&agent.stderr_path());
+    agent.start_with_env(&[("JOURNAL_STREAM", stream.as_str())]);
+    // This run's lines only: the wrapper's `=== run` header is not the agent's.
     let warned = support::wait_until(Duration::from_secs(15), || {
-        read().contains("mqtt: disconnected")
+        agent.run_stderr().contains("mqtt: disconnected")
     });
-    sigterm(&child);
-    let status = wait_exit(&mut child, Duration::from_secs(20), &log);
-    let out = read();
+    agent.signal("TERM");
+    let status = agent.expect_exit(Duration::from_secs(20));
+    let out = agent.run_stderr();
     assert!(warned, "no broker warning in:\n{out}");
     assert!(status.success(), "exit {status}:\n{out}");
     let mut seen = std::collections::BTreeSet::new();
@@ -606,21 +543,12 @@ fn under_the_journal_every_stderr_line_has_a_priority_prefix_and_no_timestamp() 
 
 #[test]
 fn under_the_journal_a_fatal_config_error_is_logged_at_error_priority() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("bad.toml");
-    std::fs::write(&config, "[mqtt]\nclient_id = \"x\"\nport = \"many\"\n").unwrap();
-    let log = dir.path().join("stderr");
-    let stream = journal_stream(&log);
-    let status = Command::new(cairn_bin())
-        .arg("run")
-        .arg("--config")
-        .arg(&config)
-        .env("JOURNAL_STREAM", &stream)
-        .stdout(Stdio::null())
-        .stderr(std::fs::OpenOptions::new().append(true).open(&log).unwrap())
-        .status()
-        .unwrap();
-    let out = std::fs::read_to_string(&log).unwrap();
+    let mut agent = ops_agent(&ops_config(support::free_port(), ""));
+    agent.write_config_text("[mqtt]\nclient_id = \"x\"\nport = \"many\"\n");
+    let stream = journal_stream(&agent.stderr_path());
+    agent.start_with_env(&[("JOURNAL_STREAM", stream.as_str())]);
+    let status = agent.expect_exit(Duration::from_secs(20));
+    let out = agent.run_stderr();
     assert_eq!(status.code(), Some(2), "{out}");
     assert!(!out.is_empty());
     for line in out.lines() {
@@ -634,20 +562,20 @@ fn under_the_journal_a_fatal_config_error_is_logged_at_error_priority() {
 fn outside_the_journal_lines_are_human_with_a_timestamp() {
     // Also when JOURNAL_STREAM is inherited but stderr went elsewhere (`2>file` in a shell
     // started by a unit): it names another file, so it is not believed.
-    let dir = tempfile::tempdir().unwrap();
-    let config = agent_config(dir.path(), support::free_port());
-    let elsewhere = journal_stream(&dir.path().join("the-real-journal"));
+    let mut agent = ops_agent(&ops_config(support::free_port(), ""));
+    let elsewhere = journal_stream(&agent.dir().join("the-real-journal"));
     for journal in [None, Some(elsewhere)] {
-        let log = dir.path().join("stderr");
-        let env: Vec<(&str, String)> = journal.map(|j| ("JOURNAL_STREAM", j)).into_iter().collect();
-        let mut child = spawn_agent(&config, &log, &env);
-        let read = || std::fs::read_to_string(&log).unwrap_or_default();
+        let env: Vec<(&str, &str)> = journal
+            .iter()
+            .map(|j| ("JOURNAL_STREAM", j.as_str()))
+            .collect();
+        agent.start_with_env(&env);
         let started = support::wait_until(Duration::from_secs(15), || {
-            read().contains("recovery: done")
+            agent.run_stderr().contains("recovery: done")
         });
-        sigterm(&child);
-        wait_exit(&mut child, Duration::from_secs(20), &log);
-        let out = read();
+        agent.signal("TERM");
+        agent.expect_exit(Duration::from_secs(20));
+        let out = agent.run_stderr();
         assert!(started, "{out}");
         let line = out.lines().find(|l| l.contains("recovery: done")).unwrap();
         assert!(line.starts_with('['), "{line:?}");

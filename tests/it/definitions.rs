@@ -5,7 +5,7 @@
 //! ever goes out with two payloads. The library tests drive `Processor` over the real log
 //! and store; the process tests drive the binary with a private broker.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -19,8 +19,8 @@ use cairn::pipeline::{Engine, PipelineProgress, Progress};
 use cairn::processor::{ProcessError, Processor, audit};
 use cairn::store::Store;
 
-use support::agent::{AgentConfig, CairnProcess};
-use support::{Broker, Collector, publish_all};
+use crate::support::agent::{AgentConfig, CairnProcess};
+use crate::support::{Broker, Collector, publish_all};
 
 fn pipeline(name: &str, aggregate: &str) -> PipelineSpec {
     cairn::config::pipeline_from_toml(&format!(

@@ -1,6 +1,8 @@
-//! Shared helpers for integration tests: a private mosquitto per test, a TCP proxy that can
-//! cut connections, a test publisher and a retained-message collector, certificates and
-//! password files. Used via `mod support;`; not every test binary uses every helper.
+//! Shared helpers for the integration tests (`tests/it`) and the benches: a private
+//! mosquitto per test (the one broker wrapper), a TCP proxy that can cut connections, a test
+//! publisher and a retained-message collector, certificates and password files, signals;
+//! [`agent`] is the one wrapper of the `cairn` process and its config. Benches include this
+//! module by `#[path]`; not every bench uses every helper.
 //!
 //! Everything listens on 127.0.0.1 only. Missing tools (`mosquitto`, `openssl`) make the test
 //! panic with the install command: a test that silently skips proves nothing.
@@ -38,6 +40,16 @@ pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
         }
         std::thread::sleep(Duration::from_millis(5));
     }
+}
+
+/// Sends `sig` (a name such as `TERM`, `HUP`, or a number) to `pid`. No libc in the tests:
+/// `kill` is on every box. Returns whether `kill` succeeded.
+pub fn signal(pid: u32, sig: &str) -> bool {
+    Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .status()
+        .is_ok_and(|s| s.success())
 }
 
 /// A client id no other test client in this process uses.
@@ -82,7 +94,15 @@ pub struct BrokerConfig {
     pub password_file: Option<PathBuf>,
     /// Serve TLS on the listener with these files.
     pub tls: Option<Certs>,
-    /// Raw lines appended to `mosquitto.conf`.
+    /// `max_inflight_messages`: how many QoS 1 messages a subscriber may hold unacknowledged.
+    pub max_inflight: u32,
+    /// `autosave_interval` in seconds.
+    pub autosave_interval_s: u32,
+    /// `log_type` lines; the log feeds assertion messages and [`Broker::connections`] (which
+    /// needs `notice`). A benchmark logs less so that logging does not cost throughput.
+    pub log_types: Vec<&'static str>,
+    /// Raw lines appended to `mosquitto.conf` (options not set above: mosquitto refuses some
+    /// options given twice).
     pub extra: Vec<String>,
 }
 
@@ -92,6 +112,9 @@ impl Default for BrokerConfig {
             allow_anonymous: true,
             password_file: None,
             tls: None,
+            max_inflight: 20,
+            autosave_interval_s: 1,
+            log_types: vec!["all"],
             extra: Vec::new(),
         }
     }
@@ -121,15 +144,19 @@ impl Broker {
              allow_anonymous {}\n\
              persistence true\n\
              persistence_location {}/\n\
-             autosave_interval 1\n\
+             autosave_interval {}\n\
              max_queued_messages 1000000\n\
-             max_inflight_messages 20\n\
-             log_dest file {}\n\
-             log_type all\n",
+             max_inflight_messages {}\n\
+             log_dest file {}\n",
             cfg.allow_anonymous,
             data.display(),
+            cfg.autosave_interval_s,
+            cfg.max_inflight,
             dir.path().join("mosquitto.log").display(),
         );
+        for t in &cfg.log_types {
+            conf.push_str(&format!("log_type {t}\n"));
+        }
         if let Some(tls) = &cfg.tls {
             conf.push_str(&format!(
                 "cafile {}\ncertfile {}\nkeyfile {}\n",
@@ -196,6 +223,20 @@ impl Broker {
         std::fs::read_to_string(self.dir.path().join("mosquitto.log")).unwrap_or_default()
     }
 
+    /// How often the broker logged a new connection for `client_id` (needs `notice` logging).
+    pub fn connections(&self, client_id: &str) -> usize {
+        let needle = format!(" as {client_id} ");
+        self.log()
+            .lines()
+            .filter(|l| l.contains("New client connected") && l.contains(&needle))
+            .count()
+    }
+
+    /// The broker's process id while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// SIGKILL: no final save, like a power cut of the broker.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
@@ -207,10 +248,7 @@ impl Broker {
     /// SIGTERM and wait: mosquitto saves its persistence file and exits.
     pub fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
-            let _ = Command::new("kill")
-                .arg("-TERM")
-                .arg(child.id().to_string())
-                .status();
+            signal(child.id(), "TERM");
             let _ = child.wait();
         }
     }

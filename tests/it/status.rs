@@ -2,15 +2,14 @@
 //! after a known stream (with a duplicate and a bad payload) the figures are exact, online
 //! through the agent's endpoint and offline from the data directory after SIGTERM.
 
-mod support;
-
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::Duration;
 
-use support::{Broker, free_port, publish_all, unique_id, wait_until};
+use crate::support::agent::{AgentConfig, CairnProcess};
+use crate::support::{Broker, free_port, publish_all, unique_id, wait_until};
 
 fn get_metrics(port: u16) -> Option<String> {
     let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
@@ -48,53 +47,37 @@ fn status_json(config: &Path, args: &[&str]) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
+/// The agent with the `balances` pipeline, checkpoints every 20 ms, and `extra` tables
+/// (`[metrics]`, `[dead_letters]`); the config's `[logging]` decides the log level.
+fn status_agent(port: u16, id: &str, extra: &str) -> CairnProcess {
+    let pipeline = "[[pipeline]]\nname = \"balances\"\ntopics = [\"payments/#\"]\nformat = \"delimited\"\n\
+                    separator = \"/\"\nevent_id = \"0\"\nkey = \"1\"\nvalue = \"2\"\naggregate = \"sum\"\n\
+                    output_topic = \"balances/{key}\"\n";
+    let mut cfg = AgentConfig::new(port, pipeline);
+    cfg.client_id = unique_id(id);
+    cfg.mqtt = String::new();
+    cfg.storage = "cache_size = \"1MiB\"\n".into();
+    cfg.log = String::new();
+    cfg.checkpoint = "interval = \"20ms\"\n".into();
+    cfg.outbox = String::new();
+    cfg.extra = extra.to_string();
+    let mut agent = CairnProcess::new(&cfg);
+    agent.set_log_filter(None);
+    agent
+}
+
 #[test]
 fn metrics_and_status_report_a_known_stream_online_and_offline() {
     let broker = Broker::start();
-    let dir = tempfile::tempdir().unwrap();
     let mport = free_port();
-    let config = dir.path().join("cairn.toml");
-    std::fs::write(
-        &config,
-        format!(
-            r#"[mqtt]
-port = {port}
-client_id = "{id}"
-[storage]
-data_dir = "{data}"
-cache_size = "1MiB"
-[checkpoint]
-interval = "20ms"
-[metrics]
-listen = "127.0.0.1:{mport}"
-[[pipeline]]
-name = "balances"
-topics = ["payments/#"]
-format = "delimited"
-separator = "/"
-event_id = "0"
-key = "1"
-value = "2"
-aggregate = "sum"
-output_topic = "balances/{{key}}"
-"#,
-            port = broker.port(),
-            id = unique_id("status"),
-            data = dir.path().join("data").display()
-        ),
-    )
-    .unwrap();
-    let stderr = std::fs::File::create(dir.path().join("agent.log")).unwrap();
-    let mut agent = Command::new(env!("CARGO_BIN_EXE_cairn"))
-        .arg("--config")
-        .arg(&config)
-        .arg("run")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(stderr)
-        .spawn()
-        .unwrap();
-    let log = || std::fs::read_to_string(dir.path().join("agent.log")).unwrap_or_default();
+    let mut agent = status_agent(
+        broker.port(),
+        "status",
+        &format!("[metrics]\nlisten = \"127.0.0.1:{mport}\"\n"),
+    );
+    agent.start();
+    let config = agent.config_path();
+    let log = || agent.stderr();
     assert!(
         wait_until(Duration::from_secs(20), || get_metrics(mport)
             .is_some_and(|m| m.contains("\ncairn_mqtt_connected 1\n"))),
@@ -167,13 +150,9 @@ output_topic = "balances/{{key}}"
     assert_eq!(locked["agent_running"], true);
     assert_eq!(locked["log"]["next_offset"], 5);
 
-    Command::new("kill")
-        .arg("-TERM")
-        .arg(agent.id().to_string())
-        .status()
-        .unwrap();
-    let code = agent.wait().unwrap();
-    assert_eq!(code.code(), Some(0), "log:\n{}", log());
+    agent.signal("TERM");
+    let code = agent.expect_exit(Duration::from_secs(20));
+    assert_eq!(code.code(), Some(0), "log:\n{}", agent.stderr());
 
     let offline = status_json(&config, &[]);
     assert_eq!(offline["source"], "data_dir", "{offline}");
@@ -203,52 +182,15 @@ output_topic = "balances/{{key}}"
 #[test]
 fn dead_letters_over_max_entries_are_dropped_and_counted_online_and_offline() {
     let broker = Broker::start();
-    let dir = tempfile::tempdir().unwrap();
     let mport = free_port();
-    let config = dir.path().join("cairn.toml");
-    std::fs::write(
-        &config,
-        format!(
-            r#"[mqtt]
-port = {port}
-client_id = "{id}"
-[storage]
-data_dir = "{data}"
-cache_size = "1MiB"
-[checkpoint]
-interval = "20ms"
-[metrics]
-listen = "127.0.0.1:{mport}"
-[dead_letters]
-max_entries = 2
-[[pipeline]]
-name = "balances"
-topics = ["payments/#"]
-format = "delimited"
-separator = "/"
-event_id = "0"
-key = "1"
-value = "2"
-aggregate = "sum"
-output_topic = "balances/{{key}}"
-"#,
-            port = broker.port(),
-            id = unique_id("status-dead"),
-            data = dir.path().join("data").display()
-        ),
-    )
-    .unwrap();
-    let stderr = std::fs::File::create(dir.path().join("agent.log")).unwrap();
-    let mut agent = Command::new(env!("CARGO_BIN_EXE_cairn"))
-        .arg("--config")
-        .arg(&config)
-        .arg("run")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(stderr)
-        .spawn()
-        .unwrap();
-    let log = || std::fs::read_to_string(dir.path().join("agent.log")).unwrap_or_default();
+    let mut agent = status_agent(
+        broker.port(),
+        "status-dead",
+        &format!("[metrics]\nlisten = \"127.0.0.1:{mport}\"\n[dead_letters]\nmax_entries = 2\n"),
+    );
+    agent.start();
+    let config = agent.config_path();
+    let log = || agent.stderr();
     assert!(
         wait_until(Duration::from_secs(20), || get_metrics(mport)
             .is_some_and(|m| m.contains("\ncairn_mqtt_connected 1\n"))),
@@ -288,12 +230,9 @@ output_topic = "balances/{{key}}"
     assert_eq!(online["dead_letters_pruned"]["count"], 3, "{online}");
     assert_eq!(online["dead_letters_pruned"]["age"], 0, "{online}");
 
-    Command::new("kill")
-        .arg("-TERM")
-        .arg(agent.id().to_string())
-        .status()
-        .unwrap();
-    assert_eq!(agent.wait().unwrap().code(), Some(0), "log:\n{}", log());
+    agent.signal("TERM");
+    let code = agent.expect_exit(Duration::from_secs(20));
+    assert_eq!(code.code(), Some(0), "log:\n{}", agent.stderr());
     let offline = status_json(&config, &[]);
     assert_eq!(offline["source"], "data_dir", "{offline}");
     assert_eq!(offline["dead_letters"], 2, "{offline}");

@@ -2,19 +2,19 @@
 //! the log replaying the rest; damage and a log that no longer reaches back are refused; the
 //! agent takes them periodically and its retention keeps the log back to the newest one.
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
+use crate::support::{Broker, publish_all, unique_id, wait_until};
 use cairn::agent::{Agent, Shutdown};
 use cairn::config::Config;
 use cairn::fsio;
 use cairn::log::{Log, LogOptions};
 use cairn::processor::Processor;
 use cairn::store::{self, Store};
-use support::{Broker, publish_all, unique_id, wait_until};
 
 fn config_text(data_dir: &Path, port: u16, extra: &str) -> String {
     format!(

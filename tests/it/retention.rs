@@ -3,12 +3,12 @@
 //! outside the configured retention; a log short of room evicts processed segments instead
 //! of stalling (issue 11).
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 
-use support::agent::{AgentConfig, CairnProcess};
-use support::{Broker, publish_all, wait_until};
+use crate::support::agent::{AgentConfig, CairnProcess};
+use crate::support::{Broker, publish_all, wait_until};
 
 const PIPELINE: &str = r#"
 [[pipeline]]

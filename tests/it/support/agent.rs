@@ -1,6 +1,8 @@
-//! The real `cairn` binary as a child process: a config written into a temp dir, start,
-//! SIGKILL, SIGTERM, and its stderr kept in a file (every run appended, each headed by a
-//! `=== run N ===` line) so that a failing assertion can show what the agent said.
+//! The real `cairn` binary as a child process, the one wrapper every test and bench uses: a
+//! config written into a temp dir, start (with arguments, environment, failpoints, a log
+//! filter), signals, SIGKILL, SIGTERM, and its stderr kept in a file (every run appended,
+//! each headed by a `=== run N ===` line) so that a failing assertion can show what the
+//! agent said. [`AgentConfig`] is the one builder of `cairn.toml` text for a running agent.
 //!
 //! Dropping a [`CairnProcess`] SIGKILLs the agent if it still runs.
 
@@ -9,22 +11,30 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use super::wait_until;
+use super::{signal, wait_until};
 
 /// The `cairn` binary cargo built for this test (or bench) target.
 pub fn cairn_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_cairn"))
 }
 
-/// How long SIGTERM may take before the test calls it a hang (drain_timeout plus margin).
-const TERM_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long SIGTERM may take before the test calls it a hang (the longest drain_timeout a
+/// test configures, 10 s in the crash harness, plus margin for a loaded box).
+const TERM_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The parts of `cairn.toml` a test varies. Each `*_extra` string holds raw TOML lines
-/// added to that table; a key given there must not also be one of the defaults below.
+/// added to that table; a key given there must not also be one of the defaults below. A
+/// table whose body is empty is left out (its defaults apply), so `extra` may define it.
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
     pub port: u16,
     pub client_id: String,
+    /// `[mqtt]` lines after host, port and client_id (keep-alive, reconnect backoff).
+    pub mqtt: String,
+    /// `[storage]` lines after data_dir.
+    pub storage: String,
+    /// Where the store and log live; `None`: `<the agent's temp dir>/data`.
+    pub data_dir: Option<PathBuf>,
     /// `[log]` table body; defaults are small and fast (see [`AgentConfig::new`]).
     pub log: String,
     /// `[checkpoint]` table body.
@@ -33,6 +43,8 @@ pub struct AgentConfig {
     pub outbox: String,
     /// Extra lines for `[mqtt]`.
     pub mqtt_extra: String,
+    /// Raw TOML tables placed before the pipelines (`[logging]`, `[savepoint]`, ...).
+    pub extra: String,
     /// One or more complete `[[pipeline]]` tables.
     pub pipelines: String,
 }
@@ -42,31 +54,46 @@ impl AgentConfig {
         AgentConfig {
             port,
             client_id: super::unique_id("cairn").replace('-', "_"),
+            mqtt: "keep_alive = \"5s\"\nreconnect_min = \"50ms\"\nreconnect_max = \"500ms\"\n"
+                .into(),
+            storage: "cache_size = \"8MiB\"\n".into(),
+            data_dir: None,
             log: "segment_size = \"4MiB\"\nmax_size = \"256MiB\"\nretention = \"1h\"\n\
                   commit_interval = \"2ms\"\nmax_payload = \"64KiB\"\n"
                 .into(),
             checkpoint: "interval = \"50ms\"\nmax_records = 2000\n".into(),
             outbox: "max_entries = 100000\ninflight = 100\ndrain_timeout = \"5s\"\n".into(),
             mqtt_extra: String::new(),
+            extra: String::new(),
             pipelines: pipelines.into(),
         }
     }
 
-    fn render(&self, data_dir: &Path) -> String {
-        format!(
-            "[mqtt]\nhost = \"127.0.0.1\"\nport = {}\nclient_id = \"{}\"\nkeep_alive = \"5s\"\n\
-             reconnect_min = \"50ms\"\nreconnect_max = \"500ms\"\n{}\n\
-             [storage]\ndata_dir = \"{}\"\ncache_size = \"8MiB\"\n\n\
-             [log]\n{}\n[checkpoint]\n{}\n[outbox]\n{}\n{}\n",
+    /// The `cairn.toml` text; `dir` is the agent's directory (data under `dir/data` unless
+    /// [`AgentConfig::data_dir`] says otherwise).
+    pub fn render(&self, dir: &Path) -> String {
+        let data_dir = self.data_dir.clone().unwrap_or_else(|| dir.join("data"));
+        let mut text = format!(
+            "[mqtt]\nhost = \"127.0.0.1\"\nport = {}\nclient_id = \"{}\"\n{}{}\n\
+             [storage]\ndata_dir = \"{}\"\n{}\n",
             self.port,
             self.client_id,
+            self.mqtt,
             self.mqtt_extra,
             data_dir.display(),
-            self.log,
-            self.checkpoint,
-            self.outbox,
-            self.pipelines
-        )
+            self.storage,
+        );
+        for (table, body) in [
+            ("log", &self.log),
+            ("checkpoint", &self.checkpoint),
+            ("outbox", &self.outbox),
+        ] {
+            if !body.is_empty() {
+                text.push_str(&format!("[{table}]\n{body}\n"));
+            }
+        }
+        text.push_str(&format!("{}\n{}\n", self.extra, self.pipelines));
+        text
     }
 }
 
@@ -79,21 +106,55 @@ pub struct CairnProcess {
     run_start: usize,
     /// Extra environment for every run (failpoints, the test clock).
     env: Vec<(String, String)>,
+    /// Variables removed from the inherited environment for every run.
+    env_removed: Vec<String>,
+    /// `RUST_LOG` for runs; `None` removes it so that the config's `[logging]` decides.
+    log_filter: Option<String>,
+    /// Where the data lives (the config's `data_dir`).
+    data_dir: PathBuf,
 }
 
 impl CairnProcess {
     /// Writes `<tempdir>/cairn.toml` (data under `<tempdir>/data`); does not start it.
     pub fn new(cfg: &AgentConfig) -> CairnProcess {
         let dir = tempfile::tempdir().expect("agent temp dir");
-        let text = cfg.render(&dir.path().join("data"));
+        let text = cfg.render(dir.path());
         std::fs::write(dir.path().join("cairn.toml"), text).expect("write cairn.toml");
+        let data_dir = cfg
+            .data_dir
+            .clone()
+            .unwrap_or_else(|| dir.path().join("data"));
         CairnProcess {
             dir,
             child: None,
             runs: 0,
             run_start: 0,
             env: Vec::new(),
+            env_removed: vec!["CAIRN_CONFIG".into()],
+            // The checkpoint lines are debug; CAIRN_TEST_LOG asks for more when debugging.
+            log_filter: Some(
+                std::env::var("CAIRN_TEST_LOG").unwrap_or("info,cairn::agent=debug".into()),
+            ),
+            data_dir,
         }
+    }
+
+    /// The agent's own directory (config, stderr file, default data dir): tests put sockets
+    /// and other per-agent files here.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// `RUST_LOG` for later runs; `None` removes it, so the config's `[logging]` level
+    /// decides (what an operator gets).
+    pub fn set_log_filter(&mut self, filter: Option<&str>) {
+        self.log_filter = filter.map(str::to_string);
+    }
+
+    /// Removes a variable from the environment later runs inherit (e.g. `NOTIFY_SOCKET`).
+    pub fn remove_env(&mut self, key: &str) {
+        self.env.retain(|(k, _)| k != key);
+        self.env_removed.push(key.to_string());
     }
 
     /// Sets an environment variable for every later run.
@@ -107,10 +168,11 @@ impl CairnProcess {
     }
 
     pub fn data_dir(&self) -> PathBuf {
-        self.dir.path().join("data")
+        self.data_dir.clone()
     }
 
-    fn stderr_path(&self) -> PathBuf {
+    /// The file every run's stderr is appended to.
+    pub fn stderr_path(&self) -> PathBuf {
         self.dir.path().join("cairn.stderr")
     }
 
@@ -136,9 +198,27 @@ impl CairnProcess {
         self.runs
     }
 
-    /// Replaces `cairn.toml` with `cfg` (same data directory), for the next start.
+    /// Adds a `=== line` to the stderr file: what the test did between runs, for the reader
+    /// of a failure.
+    pub fn note(&self, line: &str) {
+        let mut file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.stderr_path())
+            .expect("open the agent's stderr file");
+        use std::io::Write;
+        let _ = writeln!(file, "=== {line}");
+    }
+
+    /// Replaces `cairn.toml` with `cfg`, for the next start or a SIGHUP. `cfg.data_dir`
+    /// should stay as it was.
     pub fn rewrite_config(&self, cfg: &AgentConfig) {
-        let text = cfg.render(&self.data_dir());
+        let text = cfg.render(self.dir.path());
+        std::fs::write(self.config_path(), text).expect("rewrite cairn.toml");
+    }
+
+    /// Replaces `cairn.toml` with raw text (e.g. a broken file).
+    pub fn write_config_text(&self, text: &str) {
         std::fs::write(self.config_path(), text).expect("rewrite cairn.toml");
     }
 
@@ -173,17 +253,19 @@ impl CairnProcess {
         self.run_start = std::fs::metadata(self.stderr_path())
             .map(|m| m.len() as usize)
             .unwrap_or(0);
-        let child = Command::new(cairn_bin())
-            .arg("run")
+        let mut cmd = Command::new(cairn_bin());
+        cmd.arg("run")
             .arg("--config")
             .arg(self.config_path())
-            .args(args)
-            .env(
-                "RUST_LOG",
-                // The checkpoint lines are debug; CAIRN_TEST_LOG asks for more when debugging.
-                std::env::var("CAIRN_TEST_LOG").unwrap_or("info,cairn::agent=debug".into()),
-            )
-            .env_remove("CAIRN_CONFIG")
+            .args(args);
+        for key in &self.env_removed {
+            cmd.env_remove(key);
+        }
+        match &self.log_filter {
+            Some(filter) => cmd.env("RUST_LOG", filter),
+            None => cmd.env_remove("RUST_LOG"),
+        };
+        let child = cmd
             .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .envs(env.iter().copied())
             .stdin(Stdio::null())
@@ -192,6 +274,42 @@ impl CairnProcess {
             .spawn()
             .expect("spawn cairn");
         self.child = Some(child);
+    }
+
+    /// The running agent's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("the agent is not running").id()
+    }
+
+    /// Sends a signal (`HUP`, `TERM`, ...) to the running agent; panics if `kill` fails.
+    pub fn signal(&self, sig: &str) {
+        assert!(signal(self.pid(), sig), "kill -{sig} failed");
+    }
+
+    /// Waits until the current run's stderr contains `needle`; panics with the stderr if it
+    /// does not within `timeout`.
+    pub fn wait_for_stderr(&self, needle: &str, timeout: Duration) {
+        let ok = wait_until(timeout, || self.run_stderr().contains(needle));
+        assert!(
+            ok,
+            "no `{needle}` in the agent's stderr within {timeout:?}:\n{}",
+            self.stderr()
+        );
+    }
+
+    /// Waits for the agent to exit by itself; panics (after a SIGKILL) if it has not within
+    /// `timeout`.
+    pub fn expect_exit(&mut self, timeout: Duration) -> ExitStatus {
+        match self.wait_exit(timeout) {
+            Some(status) => status,
+            None => {
+                self.kill();
+                panic!(
+                    "cairn did not exit within {timeout:?}; stderr:\n{}",
+                    self.stderr_tail(60)
+                );
+            }
+        }
     }
 
     /// Waits until the current run logged its first MQTT connection.
@@ -248,10 +366,7 @@ impl CairnProcess {
     /// SIGTERM and wait for the drained exit. Panics (after a SIGKILL) if it hangs.
     pub fn terminate(&mut self) -> ExitStatus {
         let mut child = self.child.take().expect("the agent is not running");
-        let _ = Command::new("kill")
-            .arg("-TERM")
-            .arg(child.id().to_string())
-            .status();
+        signal(child.id(), "TERM");
         let deadline = Instant::now() + TERM_TIMEOUT;
         loop {
             if let Ok(Some(status)) = child.try_wait() {
@@ -297,6 +412,15 @@ impl CairnProcess {
             .lines()
             .filter(|l| !l.trim().is_empty())
             .map(|l| serde_json::from_str(l).expect("inspect --json prints JSON lines"))
+            .collect()
+    }
+
+    /// Recovery times the agent reported, all runs ("recovery: done in N ms").
+    pub fn recovery_ms(&self) -> Vec<u64> {
+        self.stderr()
+            .lines()
+            .filter_map(|l| l.split("recovery: done in ").nth(1))
+            .filter_map(|r| r.split(' ').next()?.parse().ok())
             .collect()
     }
 

@@ -469,9 +469,7 @@ fn run_warns_about_a_readable_password_file_and_creates_the_data_dir_0700() {
         }
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
-    let _ = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status();
+    crate::support::signal(child.id(), "TERM");
     let exited = child.wait().unwrap();
     assert!(log.contains("recovery: done"), "{log}");
     assert!(

@@ -1,0 +1,31 @@
+//! The one integration test binary (issue 12, item 3). Each module is one concern; every
+//! test that runs the agent, a broker or a config goes through [`support`]: one process
+//! wrapper (`support::agent::CairnProcess`), one broker wrapper (`support::Broker`), one
+//! config builder (`support::agent::AgentConfig`). One binary links the crate and its
+//! dependencies once instead of once per file.
+//!
+//! Run one module with a filter: `cargo test --all-features --test it crash::`.
+//! `tests/powercut-fs` is a separate workspace crate with its own tests.
+
+mod support;
+
+mod checkpoint;
+mod cli;
+mod config_errors;
+mod crash;
+mod definitions;
+mod e2e;
+mod faults;
+mod field;
+mod hostile;
+mod layering;
+mod log_corruption;
+mod log_crash;
+mod model;
+mod mqtt_client;
+mod ops;
+mod pipeline;
+mod reload;
+mod retention;
+mod savepoint;
+mod status;
