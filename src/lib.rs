@@ -45,7 +45,9 @@
 //!   `agent/start.rs`; savepoints carried out in `agent/savepoints.rs`; `/metrics` copying
 //!   and the status line in `agent/figures.rs`; heap trimming in `agent/memory.rs`.
 //! - [`config`]: TOML → validated [`config::Config`], every problem with file and line.
-//! - [`cli`], [`verify`], [`status`], [`savepoint`]: the `cairn` command.
+//! - [`cli`]: the `cairn` command, one file per command in `cli/` (`run`, `validate`,
+//!   `inspect`, `verify`, `status`, `savepoint`), and `cli/failure.rs` for the exit codes
+//!   every command shares.
 //! - [`fsio`]: the durability seam every fsync goes through; [`failpoint`]: crash injection
 //!   (feature `failpoints`); [`disk`]: free-space guard; [`metrics`], [`notify`],
 //!   [`logging`]: Prometheus text, systemd notify, journal-aware logging.
@@ -95,8 +97,5 @@ pub mod notify;
 pub mod pipeline;
 pub mod processor;
 pub mod quarantine;
-pub mod savepoint;
 pub mod signals;
-pub mod status;
 pub mod store;
-pub mod verify;

@@ -3,11 +3,11 @@
 
 use serde_json::json;
 
-use crate::cli::Failure;
+use super::failure::Failure;
 use crate::config::Config;
 use crate::store::Store;
 
-pub fn run(cfg: &Config, repair: bool, as_json: bool) -> Result<(), Failure> {
+pub(crate) fn run(cfg: &Config, repair: bool, as_json: bool) -> Result<(), Failure> {
     let dir = cfg.log_dir();
     let mut problems: Vec<String> = Vec::new();
     let mut notes: Vec<String> = Vec::new();

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use crate::cli::Failure;
+use super::failure::Failure;
 use crate::config::Config;
 use crate::metrics::{Sample, parse};
 use crate::store::{self, Store, StoreError};
@@ -23,7 +23,7 @@ const METRICS_TIMEOUT: Duration = Duration::from_secs(2);
 /// A metrics page is a few KiB; refuse to buffer more than this.
 const MAX_RESPONSE_BYTES: u64 = 1 << 20;
 
-pub fn run(cfg: &Config, as_json: bool, offline: bool) -> Result<(), Failure> {
+pub(crate) fn run(cfg: &Config, as_json: bool, offline: bool) -> Result<(), Failure> {
     let online = match (&cfg.metrics.listen, offline) {
         (Some(addr), false) => match fetch(addr) {
             Ok(text) => Some((addr.clone(), text)),
@@ -55,7 +55,7 @@ pub fn run(cfg: &Config, as_json: bool, offline: bool) -> Result<(), Failure> {
 }
 
 /// `GET /metrics` with bounded time and size.
-pub fn fetch(addr: &str) -> Result<String, String> {
+fn fetch(addr: &str) -> Result<String, String> {
     let addr: SocketAddr = addr.parse().map_err(|e| format!("bad address: {e}"))?;
     let mut s = TcpStream::connect_timeout(&addr, METRICS_TIMEOUT).map_err(|e| e.to_string())?;
     s.set_read_timeout(Some(METRICS_TIMEOUT))
