@@ -11,7 +11,7 @@ pub struct Sample {
     pub value: f64,
 }
 
-/// Parse Prometheus text (the subset [`render`] writes: no timestamps, no escapes in label
+/// Parse Prometheus text (the subset [`super::render`] writes: no timestamps, no escapes in label
 /// values other than `\\`, `\"`, `\n`). Unparseable lines are skipped.
 pub fn parse(text: &str) -> Vec<Sample> {
     let mut out = Vec::new();

@@ -6,12 +6,15 @@
 //! value. The table is built per area (ingest, log, checkpoint, pipelines, bounds,
 //! savepoints) so that each function stays short.
 //!
-//! Why not the `prometheus-client` crate: its metrics are separate atomics registered once
-//! and updated in place, and an encode reads each atomic in turn, so one scrape can see a
-//! checkpoint's `checkpoint_id` but not yet its `checkpoint_next_offset`. Our figures are
-//! written under one lock and rendered from one copy. Keeping that with the crate would
-//! mean building a fresh registry from each copy on every scrape: all its machinery for
-//! the dozen lines of formatting below (checked 2026-11-30, issue 12).
+//! Why not the `prometheus-client` crate (0.22-0.24, checked 2026-11-30, issue 12): its
+//! ordinary metrics are separate atomics, and an encode reads each in turn, so one scrape
+//! could see a checkpoint's `checkpoint_id` but not yet its `checkpoint_next_offset`. Its
+//! `Collector` trait could encode from one copy of our figures per scrape and keep the one
+//! moment, but then we would still write every family by hand (this table), and the crate
+//! only encodes OpenMetrics text: a `# EOF` line, `_total` appended to counter names and
+//! dropped from their `# TYPE` line, another content type. Scrapers and alerts written
+//! against our 0.0.4 names would break, and `/status.json` would still need this table. What
+//! it would save is `text` below, about twenty lines.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
