@@ -49,8 +49,12 @@
 //!   `inspect`, `verify`, `status`, `savepoint`), and `cli/failure.rs` for the exit codes
 //!   every command shares.
 //! - [`fsio`]: the durability seam every fsync goes through; [`failpoint`]: crash injection
-//!   (feature `failpoints`); [`disk`]: free-space guard; [`metrics`], [`notify`],
-//!   [`logging`]: Prometheus text, systemd notify, journal-aware logging.
+//!   (feature `failpoints`); [`disk`]: free-space guard; [`notify`], [`logging`]: systemd
+//!   notify, journal-aware logging.
+//! - [`metrics`]: the figures, as Prometheus text (`/metrics`) and as the JSON `cairn
+//!   status` reads (`/status.json`), both from one table built from one copy
+//!   (`metrics/render.rs`, `metrics/status.rs`); the bounded loopback server in
+//!   `metrics/server.rs`.
 //!
 //! ## Invariants, as absences
 //!

@@ -11,7 +11,7 @@ use crate::pipeline::spec::PipelineSpec;
 use crate::store::{Store, StoreCopy};
 
 #[derive(Args, Debug, Clone)]
-pub struct Filter {
+pub(crate) struct Filter {
     /// Only this pipeline.
     #[arg(long)]
     pub pipeline: Option<String>,
@@ -27,7 +27,7 @@ pub struct Filter {
 }
 
 #[derive(Subcommand, Debug)]
-pub enum Inspect {
+pub(crate) enum Inspect {
     /// Records in the replay log.
     Log {
         /// First offset to show.

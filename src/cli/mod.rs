@@ -21,9 +21,9 @@ mod status;
 mod validate;
 mod verify;
 
-pub use failure::{EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, Failure};
-pub use inspect::{Filter, Inspect};
-pub use savepoint::SavepointCommand;
+pub(crate) use failure::{EXIT_OK, EXIT_USAGE, Failure};
+pub(crate) use inspect::Inspect;
+pub(crate) use savepoint::SavepointCommand;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -31,7 +31,7 @@ pub use savepoint::SavepointCommand;
     version,
     about = "Exactly-once MQTT aggregation for edge boxes"
 )]
-pub struct Cli {
+pub(crate) struct Cli {
     /// Configuration file.
     #[arg(
         long,
@@ -46,7 +46,7 @@ pub struct Cli {
 }
 
 #[derive(Subcommand, Debug)]
-pub enum Command {
+pub(crate) enum Command {
     /// Run the agent in the foreground until SIGINT/SIGTERM (drains, exits 0); SIGHUP
     /// reloads the safe parts of the config.
     Run {

@@ -17,7 +17,7 @@ use crate::config::Config;
 use crate::store::{self, SavepointInfo, Store, StoreError};
 
 #[derive(Subcommand, Debug)]
-pub enum SavepointCommand {
+pub(crate) enum SavepointCommand {
     /// Write a savepoint of the last checkpoint (only while the agent is stopped).
     Create {
         #[arg(long)]
