@@ -25,6 +25,26 @@
 //! | `unsafe.ack_before_fsync` (`on`) | PUBACK a batch *before* its log fsync |
 //! | `unsafe.skip_store_fsync` (`on`) | skip the fsync after `sled::Db::flush()` |
 //! | `engine.panic_at_offset` (`panic:N`) | applying the log record at offset N, live or in replay |
+//!
+//! ## Why our own and not the `fail` crate
+//!
+//! Decided for issue 12 (checked against `fail` 0.5, 2026-11-30). `fail` has the same shape
+//! (a `failpoints` feature, points that compile to nothing without it, an environment
+//! variable), but its actions are `off`, `return`, `sleep`, `panic`, `print`, `pause`,
+//! `yield` and `delay`, and the crash harness needs what it lacks:
+//! - **A crash, not a panic.** `abort` must end the process with no unwinding, no
+//!   destructors and no buffered write flushed, as a power cut does. `fail`'s `panic`
+//!   unwinds, and the quarantine's `catch_unwind` (`processor.rs`) would catch it as a
+//!   processing failure instead: the test would measure the wrong thing.
+//! - **A value, not a hit count.** `panic:N` fires where the code passes the value `N` (a
+//!   log offset), so the record keeps panicking across restarts and replay. `fail` counts
+//!   hits within one process; with `return(N)` each call site would have to parse and
+//!   compare the string itself.
+//! - **`@n` and `@n+`** would become chains such as `(n-1)*off->1*panic` for every test
+//!   to build (and to get wrong by one).
+//!
+//! The crate would save us the parser and the table, about 100 lines, and cost a second
+//! syntax in `CAIRN_FAILPOINTS` for every crash test to learn.
 
 use std::io;
 

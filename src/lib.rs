@@ -45,10 +45,16 @@
 //!   `agent/start.rs`; savepoints carried out in `agent/savepoints.rs`; `/metrics` copying
 //!   and the status line in `agent/figures.rs`; heap trimming in `agent/memory.rs`.
 //! - [`config`]: TOML → validated [`config::Config`], every problem with file and line.
-//! - [`cli`], [`verify`], [`status`], [`savepoint`]: the `cairn` command.
+//! - [`cli`]: the `cairn` command, one file per command in `cli/` (`run`, `validate`,
+//!   `inspect`, `verify`, `status`, `savepoint`), and `cli/failure.rs` for the exit codes
+//!   every command shares.
 //! - [`fsio`]: the durability seam every fsync goes through; [`failpoint`]: crash injection
-//!   (feature `failpoints`); [`disk`]: free-space guard; [`metrics`], [`notify`],
-//!   [`logging`]: Prometheus text, systemd notify, journal-aware logging.
+//!   (feature `failpoints`); [`disk`]: free-space guard; [`notify`], [`logging`]: systemd
+//!   notify, journal-aware logging.
+//! - [`metrics`]: the figures, as Prometheus text (`/metrics`) and as the JSON `cairn
+//!   status` reads (`/status.json`), both from one table built from one copy
+//!   (`metrics/render.rs`, `metrics/status.rs`); the bounded loopback server in
+//!   `metrics/server.rs`.
 //!
 //! ## Invariants, as absences
 //!
@@ -95,8 +101,5 @@ pub mod notify;
 pub mod pipeline;
 pub mod processor;
 pub mod quarantine;
-pub mod savepoint;
 pub mod signals;
-pub mod status;
 pub mod store;
-pub mod verify;

@@ -13,8 +13,14 @@
 //! The socket path may start with `@`, meaning Linux's abstract namespace (systemd uses one
 //! for `systemd-run --user`, containers use them for `--notify-ready`).
 //!
-//! No crate: the protocol is a single `sendto(2)` and `std` has every piece; `libsystemd`
-//! bindings would pull a C library onto the edge box for that.
+//! No crate, decided twice. `libsystemd` bindings would pull a C library onto the edge box
+//! for a single `sendto(2)`. The pure-Rust `sd-notify` crate (0.5, checked 2026-11-30,
+//! issue 12) speaks the same messages but breaks two of the guarantees above: its socket is
+//! blocking (a full queue at PID 1 would stall the loop that acks and fsyncs), and it hands
+//! `$NOTIFY_SOCKET` to `connect(2)` as a path, so an `@name` abstract socket fails. What it
+//! would replace here is a few `format!`s; the socket code it cannot replace. We send no
+//! `MONOTONIC_USEC=` (the unit is `Type=notify`, not `notify-reload`), the one field whose
+//! clock read a crate would have saved us.
 
 use std::io;
 use std::os::linux::net::SocketAddrExt;
@@ -67,7 +73,7 @@ impl Notifier {
 }
 
 /// Send `state` to `$NOTIFY_SOCKET` if there is one. Errors are logged at debug level.
-pub fn notify(state: &str) {
+fn notify(state: &str) {
     let result = match Notifier::from_env() {
         None => return,
         Some(n) => n.and_then(|n| n.send(state)),
@@ -79,40 +85,30 @@ pub fn notify(state: &str) {
 }
 
 /// Recovery is done and the agent takes input: `systemctl start` returns now.
-pub fn ready() {
+pub(crate) fn ready() {
     notify("READY=1");
 }
 
 /// A one-line status for `systemctl status`; newlines become spaces (a newline would start
 /// a new assignment in the protocol).
-pub fn status(text: &str) {
+pub(crate) fn status(text: &str) {
     notify(&format!("STATUS={}", one_line(text)));
 }
 
-/// Tell the watchdog we are alive.
-pub fn watchdog() {
-    notify("WATCHDOG=1");
-}
-
 /// The agent is draining; systemd waits up to `TimeoutStopSec=` for it to exit.
-pub fn stopping() {
+pub(crate) fn stopping() {
     notify("STOPPING=1");
 }
 
 /// A configuration reload began; send [`ready`] when it is done.
-pub fn reloading() {
+pub(crate) fn reloading() {
     notify("RELOADING=1");
 }
 
-/// Startup is still making progress (a long replay): give it `extra` more time from now,
-/// beyond `TimeoutStartSec=` (systemd 236 and later; older versions ignore it).
-pub fn extend_timeout(extra: Duration) {
-    notify(&format!("EXTEND_TIMEOUT_USEC={}", extra.as_micros()));
-}
-
 /// Startup is making progress (a long replay): show `text` as the status, give the start
-/// [`STARTUP_EXTENSION`] more time, and feed the watchdog, in one message.
-pub fn still_starting(text: &str) {
+/// [`STARTUP_EXTENSION`] more time beyond `TimeoutStartSec=` (systemd 236 and later; older
+/// versions ignore it), and feed the watchdog, in one message.
+pub(crate) fn still_starting(text: &str) {
     notify(&format!(
         "STATUS={}\nEXTEND_TIMEOUT_USEC={}\nWATCHDOG=1",
         one_line(text),
@@ -121,7 +117,7 @@ pub fn still_starting(text: &str) {
 }
 
 /// How much more start time each sign of progress buys (see [`still_starting`]).
-pub const STARTUP_EXTENSION: Duration = Duration::from_secs(30);
+pub(crate) const STARTUP_EXTENSION: Duration = Duration::from_secs(30);
 
 fn one_line(text: &str) -> String {
     text.replace(['\n', '\r'], " ")
@@ -137,7 +133,7 @@ pub fn watchdog_interval() -> Option<Duration> {
 }
 
 /// [`watchdog_interval`] on explicit values, for tests.
-pub fn watchdog_interval_from(
+pub(crate) fn watchdog_interval_from(
     usec: Option<&str>,
     pid: Option<&str>,
     my_pid: u32,

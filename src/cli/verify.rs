@@ -3,11 +3,11 @@
 
 use serde_json::json;
 
-use crate::cli::Failure;
+use super::failure::Failure;
 use crate::config::Config;
 use crate::store::Store;
 
-pub fn run(cfg: &Config, repair: bool, as_json: bool) -> Result<(), Failure> {
+pub(crate) fn run(cfg: &Config, repair: bool, as_json: bool) -> Result<(), Failure> {
     let dir = cfg.log_dir();
     let mut problems: Vec<String> = Vec::new();
     let mut notes: Vec<String> = Vec::new();
@@ -56,6 +56,47 @@ pub fn run(cfg: &Config, repair: bool, as_json: bool) -> Result<(), Failure> {
             t.byte_pos
         ));
     }
+    let store_line = check_store(cfg, &report, &mut problems, &mut notes);
+    if as_json {
+        println!(
+            "{}",
+            json!({"ok": problems.is_empty(), "log": {"segments": report.segments.len(), "records": report.records,
+                   "first_offset": report.first_offset, "next_offset": report.next_offset},
+                   "store": store_line, "problems": problems, "notes": notes})
+        );
+    } else {
+        println!(
+            "log: {} segments, {} records, offsets [{}, {})",
+            report.segments.len(),
+            report.records,
+            report.first_offset,
+            report.next_offset
+        );
+        for n in &notes {
+            println!("{n}");
+        }
+        for p in &problems {
+            println!("PROBLEM: {p}");
+        }
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(Failure::runtime(format!(
+            "verify found {} problem(s)",
+            problems.len()
+        )))
+    }
+}
+
+/// The store against the log: its checkpoint must lie inside what the log holds, and every
+/// state entry must decode. Returns the store's summary for `--json` (`null`: none read).
+fn check_store(
+    cfg: &Config,
+    report: &crate::log::VerifyReport,
+    problems: &mut Vec<String>,
+    notes: &mut Vec<String>,
+) -> serde_json::Value {
     let mut store_line = json!(null);
     let store_dir = cfg.store_dir();
     if store_dir.join("db").exists() {
@@ -105,34 +146,5 @@ pub fn run(cfg: &Config, repair: bool, as_json: bool) -> Result<(), Failure> {
     } else {
         notes.push(format!("store: none yet at {}", store_dir.display()));
     }
-    if as_json {
-        println!(
-            "{}",
-            json!({"ok": problems.is_empty(), "log": {"segments": report.segments.len(), "records": report.records,
-                   "first_offset": report.first_offset, "next_offset": report.next_offset},
-                   "store": store_line, "problems": problems, "notes": notes})
-        );
-    } else {
-        println!(
-            "log: {} segments, {} records, offsets [{}, {})",
-            report.segments.len(),
-            report.records,
-            report.first_offset,
-            report.next_offset
-        );
-        for n in &notes {
-            println!("{n}");
-        }
-        for p in &problems {
-            println!("PROBLEM: {p}");
-        }
-    }
-    if problems.is_empty() {
-        Ok(())
-    } else {
-        Err(Failure::runtime(format!(
-            "verify found {} problem(s)",
-            problems.len()
-        )))
-    }
+    store_line
 }

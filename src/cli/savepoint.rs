@@ -12,12 +12,12 @@ use std::path::PathBuf;
 use clap::Subcommand;
 use serde_json::json;
 
-use crate::cli::Failure;
+use super::failure::Failure;
 use crate::config::Config;
 use crate::store::{self, SavepointInfo, Store, StoreError};
 
 #[derive(Subcommand, Debug)]
-pub enum SavepointCommand {
+pub(crate) enum SavepointCommand {
     /// Write a savepoint of the last checkpoint (only while the agent is stopped).
     Create {
         #[arg(long)]
@@ -43,7 +43,7 @@ pub enum SavepointCommand {
 
 fn line(s: &str) -> Result<(), Failure> {
     writeln!(std::io::stdout().lock(), "{s}").map_err(|_| Failure {
-        code: crate::cli::EXIT_OK,
+        code: super::failure::EXIT_OK,
         message: String::new(),
     })
 }
@@ -73,7 +73,7 @@ fn store_failure(e: StoreError) -> Failure {
     }
 }
 
-pub fn run(cfg: &Config, cmd: SavepointCommand) -> Result<(), Failure> {
+pub(crate) fn run(cfg: &Config, cmd: SavepointCommand) -> Result<(), Failure> {
     match cmd {
         SavepointCommand::Create { json } => create(cfg, json),
         SavepointCommand::List { json } => list(cfg, json),

@@ -1,32 +1,31 @@
 //! `cairn status`: how the agent is doing.
 //!
 //! With `[metrics] listen` configured and answering, it shows the running agent's figures
-//! (one `GET /metrics` over loopback). Otherwise, or with `--offline`, it reads the data
+//! (one `GET /status.json` over loopback: the JSON the agent builds from the same copy of its
+//! figures as `/metrics`, so nothing is parsed back from Prometheus text). Otherwise, or with `--offline`, it reads the data
 //! directory: the log (read-only scan), the store (only if no agent holds it) and the newest
 //! savepoint. Both forms share the JSON fields `source`, `log`, `checkpoint`, `pipelines`,
 //! `outbox_entries`, `dead_letters` and `savepoint`.
 
-use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use crate::cli::Failure;
+use super::failure::Failure;
 use crate::config::Config;
-use crate::metrics::{Sample, parse};
 use crate::store::{self, Store, StoreError};
 
 /// The agent answers from memory; anything slower than this is treated as not answering.
 const METRICS_TIMEOUT: Duration = Duration::from_secs(2);
-/// A metrics page is a few KiB; refuse to buffer more than this.
+/// A status document is a few KiB; refuse to buffer more than this.
 const MAX_RESPONSE_BYTES: u64 = 1 << 20;
 
-pub fn run(cfg: &Config, as_json: bool, offline: bool) -> Result<(), Failure> {
+pub(crate) fn run(cfg: &Config, as_json: bool, offline: bool) -> Result<(), Failure> {
     let online = match (&cfg.metrics.listen, offline) {
         (Some(addr), false) => match fetch(addr) {
-            Ok(text) => Some((addr.clone(), text)),
+            Ok(v) => Some((addr.clone(), v)),
             Err(e) => {
                 log::info!(
                     "status: the agent's metrics at {addr} do not answer ({e}); reading the data directory"
@@ -37,8 +36,8 @@ pub fn run(cfg: &Config, as_json: bool, offline: bool) -> Result<(), Failure> {
         _ => None,
     };
     let status = match online {
-        Some((addr, text)) => {
-            let mut v = from_metrics(&addr, &parse(&text));
+        Some((addr, mut v)) => {
+            v["metrics_address"] = json!(addr);
             split_unconfigured(&mut v, cfg);
             v
         }
@@ -54,14 +53,14 @@ pub fn run(cfg: &Config, as_json: bool, offline: bool) -> Result<(), Failure> {
     Ok(())
 }
 
-/// `GET /metrics` with bounded time and size.
-pub fn fetch(addr: &str) -> Result<String, String> {
+/// `GET /status.json` with bounded time and size.
+fn fetch(addr: &str) -> Result<Value, String> {
     let addr: SocketAddr = addr.parse().map_err(|e| format!("bad address: {e}"))?;
     let mut s = TcpStream::connect_timeout(&addr, METRICS_TIMEOUT).map_err(|e| e.to_string())?;
     s.set_read_timeout(Some(METRICS_TIMEOUT))
         .and_then(|()| s.set_write_timeout(Some(METRICS_TIMEOUT)))
         .map_err(|e| e.to_string())?;
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: cairn\r\nConnection: close\r\n\r\n")
+    s.write_all(b"GET /status.json HTTP/1.1\r\nHost: cairn\r\nConnection: close\r\n\r\n")
         .map_err(|e| e.to_string())?;
     let mut buf = Vec::new();
     s.take(MAX_RESPONSE_BYTES)
@@ -74,103 +73,11 @@ pub fn fetch(addr: &str) -> Result<String, String> {
     if !head.starts_with("HTTP/1.1 200") {
         return Err(head.lines().next().unwrap_or("").to_string());
     }
-    Ok(body.to_string())
-}
-
-fn from_metrics(addr: &str, samples: &[Sample]) -> Value {
-    let one = |name: &str| {
-        samples
-            .iter()
-            .find(|s| s.name == name && s.labels.is_empty())
-            .map_or(json!(null), |s| num(s.value))
-    };
-    let mut pipelines: BTreeMap<String, serde_json::Map<String, Value>> = BTreeMap::new();
-    for s in samples {
-        let Some(p) = s.labels.get("pipeline") else {
-            continue;
-        };
-        let field = match s.name.as_str() {
-            "cairn_state_keys" => "keys",
-            "cairn_dedup_entries" => "dedup_entries",
-            "cairn_applied_total" => "applied",
-            "cairn_duplicates_total" => "duplicates",
-            "cairn_dead_letters_total" => "dead_letters",
-            "cairn_outputs_total" => "outputs",
-            "cairn_filtered_total" => "filtered",
-            _ => continue,
-        };
-        pipelines
-            .entry(p.clone())
-            .or_default()
-            .insert(field.into(), num(s.value));
+    match serde_json::from_str::<Value>(body) {
+        Ok(v) if v.is_object() => Ok(v),
+        Ok(_) => Err("the status is not a JSON object".to_string()),
+        Err(e) => Err(format!("the status is not JSON: {e}")),
     }
-    let dead: f64 = samples
-        .iter()
-        .filter(|s| s.name == "cairn_dead_letters_total")
-        .map(|s| s.value)
-        .sum();
-    let pruned = |cause: &str| {
-        samples
-            .iter()
-            .find(|s| {
-                s.name == "cairn_dead_letters_pruned_total"
-                    && s.labels.get("cause").map(String::as_str) == Some(cause)
-            })
-            .map_or(json!(null), |s| num(s.value))
-    };
-    let sp_id = samples
-        .iter()
-        .find(|s| s.name == "cairn_savepoint_checkpoint_id")
-        .map_or(0.0, |s| s.value);
-    let savepoint = if sp_id > 0.0 {
-        json!({"checkpoint_id": one("cairn_savepoint_checkpoint_id"),
-               "next_offset": one("cairn_savepoint_next_offset"),
-               "age_seconds": one("cairn_savepoint_age_seconds")})
-    } else {
-        json!(null)
-    };
-    let flat: serde_json::Map<String, Value> = samples
-        .iter()
-        .filter(|s| !s.name.ends_with("_bucket"))
-        .map(|s| {
-            let labels: Vec<String> = s
-                .labels
-                .iter()
-                .map(|(k, v)| format!("{k}=\"{v}\""))
-                .collect();
-            let key = if labels.is_empty() {
-                s.name.clone()
-            } else {
-                format!("{}{{{}}}", s.name, labels.join(","))
-            };
-            (key, num(s.value))
-        })
-        .collect();
-    json!({
-        "source": "agent",
-        "metrics_address": addr,
-        "agent_running": true,
-        "log": {"size_bytes": one("cairn_log_size_bytes"), "segments": one("cairn_log_segments"),
-                "first_offset": one("cairn_log_first_offset"), "next_offset": one("cairn_log_next_offset")},
-        "checkpoint": {"id": one("cairn_checkpoint_id"), "next_offset": one("cairn_checkpoint_next_offset"),
-                       "age_seconds": one("cairn_checkpoint_age_seconds"),
-                       "records_unchecked": one("cairn_records_unchecked")},
-        "pipelines": pipelines.into_iter().map(|(name, mut m)| {
-            m.insert("name".into(), json!(name));
-            Value::Object(m)
-        }).collect::<Vec<_>>(),
-        "store": {"size_bytes": one("cairn_store_size_bytes"),
-                  "live_bytes_estimate": one("cairn_store_live_bytes_estimate")},
-        "outbox_entries": one("cairn_outbox_entries"),
-        "dead_letters": num(dead),
-        "dead_letters_stored": one("cairn_dead_letters_stored"),
-        "dead_letters_pruned": {"age": pruned("age"), "count": pruned("count")},
-        "savepoint": savepoint,
-        "source_replayable": one("cairn_source_replayable"),
-        "backpressure": one("cairn_backpressure"),
-        "connected": one("cairn_mqtt_connected"),
-        "metrics": flat,
-    })
 }
 
 /// The agent reports every pipeline its store keeps; those the config does not name are
@@ -191,14 +98,6 @@ fn split_unconfigured(v: &mut Value, cfg: &Config) {
                    "drop_with": format!("cairn run --reset-pipeline {}", p["name"].as_str().unwrap_or("?"))})
         })
         .collect();
-}
-
-fn num(v: f64) -> Value {
-    if v.fract() == 0.0 && (0.0..9.0e15).contains(&v) {
-        json!(v as u64)
-    } else {
-        json!(v)
-    }
 }
 
 fn from_data_dir(cfg: &Config) -> Result<Value, Failure> {
@@ -418,8 +317,15 @@ mod tests {
             std::path::Path::new("t.toml"),
         )
         .unwrap();
-        let text = "cairn_state_keys{pipeline=\"kept\"} 1\ncairn_state_keys{pipeline=\"gone\"} 4\n";
-        let mut v = from_metrics("127.0.0.1:1", &parse(text));
+        let mut f = crate::metrics::Figures::default();
+        for (name, keys) in [("kept", 1), ("gone", 4)] {
+            let pf = crate::metrics::PipelineFigures {
+                keys,
+                ..Default::default()
+            };
+            f.pipelines.insert(name.into(), pf);
+        }
+        let mut v = crate::metrics::status_json(&crate::metrics::families(&f, 0));
         split_unconfigured(&mut v, &cfg);
         assert_eq!(v["pipelines"].as_array().unwrap().len(), 1, "{v}");
         assert_eq!(v["pipelines"][0]["name"], "kept");

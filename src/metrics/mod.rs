@@ -1,0 +1,305 @@
+//! Figures for operators: what the agent is doing, in Prometheus text format 0.0.4
+//! (`/metrics`) and as the JSON `cairn status` reads (`/status.json`), served on a loopback
+//! address by a tiny HTTP/1.1 server.
+//!
+//! Files: `render.rs` (the table of families from one copy, and its text), `status.rs`
+//! (the JSON from the same table), `server.rs` (the bounded server), `parse.rs` (text read
+//! back, for benchmarks).
+//!
+//! The agent owns an `Arc<Metrics>` and updates it from its loop (at each log commit, each
+//! checkpoint, and every [`REFRESH_INTERVAL`] for the gauges); the server thread only reads
+//! a copy. Nothing here feeds back into processing: the figures may use the wall clock.
+//!
+//! The server is bounded like everything else (invariant 7): one accepting thread that hands
+//! each connection to a handler thread of its own, at most [`MAX_HANDLERS`] at once (one more
+//! is answered `503` at once and closed), requests of at most [`MAX_REQUEST_BYTES`], and one
+//! deadline of [`REQUEST_DEADLINE`] per connection for reading the request head *and*
+//! writing the response. A per-read timeout alone is not enough: a client that sends one
+//! byte every 1.5 s never trips a 2 s read timeout, and it held the single-threaded listener
+//! for as long as it liked (issue 10). It binds loopback addresses only (the figures carry no
+//! authentication).
+
+use std::collections::BTreeMap;
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+mod parse;
+mod render;
+mod server;
+mod status;
+
+pub use parse::{Sample, parse};
+pub use render::{Family, families, render, render_figures, text};
+pub use server::serve;
+pub use status::{status, status_json};
+
+/// How often the agent recomputes gauges that cost a tree walk (outbox depth, store size).
+pub const REFRESH_INTERVAL: Duration = Duration::from_millis(250);
+/// Longest request head the server reads before answering 431.
+pub const MAX_REQUEST_BYTES: usize = 8 * 1024;
+/// Time a connection gets from accept to the last byte of the response: a slow client is
+/// cut when it runs out, however it trickles its bytes.
+pub const REQUEST_DEADLINE: Duration = Duration::from_secs(2);
+/// Connections served at once (a thread each). Scrapers are few; the cap bounds the threads
+/// that slow or idle clients can pin, each for at most [`REQUEST_DEADLINE`].
+pub const MAX_HANDLERS: usize = 8;
+/// Outbox age marks kept (one per checkpoint that added outputs); beyond it the newest mark
+/// absorbs new entries, which only overstates their age.
+const MAX_OUTBOX_MARKS: usize = 4096;
+
+/// Upper bounds (seconds) of the duration histograms' buckets.
+pub const DURATION_BUCKETS: [f64; 14] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+/// A duration histogram with the last observation.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Histogram {
+    /// Non-cumulative counts per bucket of [`DURATION_BUCKETS`]; `+Inf` is `count`.
+    pub buckets: [u64; DURATION_BUCKETS.len()],
+    pub sum_seconds: f64,
+    pub count: u64,
+    pub last_seconds: f64,
+}
+
+impl Histogram {
+    pub fn observe(&mut self, d: Duration) {
+        let s = d.as_secs_f64();
+        if let Some(i) = DURATION_BUCKETS.iter().position(|&b| s <= b) {
+            self.buckets[i] += 1;
+        }
+        self.sum_seconds += s;
+        self.count += 1;
+        self.last_seconds = s;
+    }
+}
+
+/// Per-pipeline figures (from the engine's progress: the checkpoint plus what was applied
+/// since).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PipelineFigures {
+    pub keys: u64,
+    pub dedup_entries: u64,
+    pub applied: u64,
+    pub duplicates: u64,
+    pub dead_letters: u64,
+    pub outputs: u64,
+    /// Inputs skipped by the pipeline's `where` filter.
+    pub filtered: u64,
+}
+
+/// Everything exported. The agent writes it; [`render`] reads a copy.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Figures {
+    // Ingest and publish (counters since start).
+    pub received: u64,
+    pub acked: u64,
+    pub oversize_refused: u64,
+    pub published: u64,
+    pub pubacked: u64,
+    pub reconnects: u64,
+    pub connected: bool,
+    pub backpressure: bool,
+    // Log.
+    pub log_commits: u64,
+    pub log_commit: Histogram,
+    pub log_size_bytes: u64,
+    pub log_segments: u64,
+    pub log_first_offset: u64,
+    pub log_next_offset: u64,
+    /// Processed segments deleted inside `retention` because the log was short of room.
+    pub log_segments_evicted: u64,
+    // Checkpoints.
+    pub checkpoints: u64,
+    pub checkpoint_failures: u64,
+    pub checkpoint: Histogram,
+    pub checkpoint_id: u64,
+    pub checkpoint_next_offset: u64,
+    /// Wall clock of the last completed checkpoint (0: none yet).
+    pub checkpoint_at_ms: u64,
+    pub records_unmatched: u64,
+    // Store.
+    pub store_bytes: u64,
+    /// Bytes of keys and values in the checkpoint trees at the last estimate (0: none yet).
+    pub store_live_bytes: u64,
+    pub outbox_entries: u64,
+    /// Wall-clock age of the oldest outbox entry (0 when empty).
+    pub outbox_oldest_age_ms: u64,
+    pub pipelines: BTreeMap<String, PipelineFigures>,
+    // The store's own bounds (as of the last checkpoint).
+    pub dead_letters_stored: u64,
+    pub dead_letters_pruned_age: u64,
+    pub dead_letters_pruned_count: u64,
+    pub ledger_index_bytes: u64,
+    pub ledger_unindexed_chunks: u64,
+    // Savepoints and replayability.
+    pub savepoints: u64,
+    pub savepoint_failures: u64,
+    /// Savepoints taken because the newest one held a log short of room.
+    pub savepoints_for_room: u64,
+    /// Times the savepoint floor was let go (a savepoint for room failed).
+    pub savepoint_floor_released: u64,
+    /// Savepoint files kept (at most `[savepoint] keep`) and their bytes.
+    pub savepoint_files: u64,
+    pub savepoint_bytes: u64,
+    /// The newest savepoint, if any: (checkpoint id, next_offset, created_at_ms).
+    pub savepoint: Option<(u64, u64, u64)>,
+    pub source_replayable: bool,
+    // Recovery at start.
+    pub replay_records: u64,
+    pub replay_seconds: f64,
+}
+
+/// The shared figures, plus the server's address and stop flag.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    figures: Mutex<Figures>,
+    /// (end outbox sequence, wall ms): entries below `end` were committed by `ms`.
+    outbox_marks: Mutex<std::collections::VecDeque<(u64, u64)>>,
+    server: Mutex<Option<SocketAddr>>,
+    stop: AtomicBool,
+    /// Handler threads running now (at most [`MAX_HANDLERS`]).
+    handlers: AtomicUsize,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding the lock leaves plain numbers behind; keep serving them.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Metrics {
+    pub fn new() -> Arc<Metrics> {
+        Arc::new(Metrics::default())
+    }
+
+    pub fn update(&self, f: impl FnOnce(&mut Figures)) {
+        f(&mut lock(&self.figures))
+    }
+
+    pub fn snapshot(&self) -> Figures {
+        lock(&self.figures).clone()
+    }
+
+    /// Outbox entries with sequence below `end_seq` exist since `at_ms` (wall clock).
+    pub fn note_outbox_committed(&self, end_seq: u64, at_ms: u64) {
+        let mut marks = lock(&self.outbox_marks);
+        let full = marks.len() >= MAX_OUTBOX_MARKS;
+        match marks.back_mut() {
+            Some(last) if last.0 >= end_seq => {}
+            Some(last) if full => last.0 = end_seq,
+            _ => marks.push_back((end_seq, at_ms)),
+        }
+    }
+
+    /// Set the outbox gauges from its depth and its first sequence number.
+    pub fn set_outbox(&self, entries: u64, first_seq: Option<u64>, now_ms: u64) {
+        let age = {
+            let mut marks = lock(&self.outbox_marks);
+            match first_seq {
+                None => {
+                    marks.clear();
+                    0
+                }
+                Some(first) => {
+                    while marks.front().is_some_and(|m| m.0 <= first) {
+                        marks.pop_front();
+                    }
+                    marks
+                        .front()
+                        .map_or(0, |&(_, at)| now_ms.saturating_sub(at))
+                }
+            }
+        };
+        self.update(|f| {
+            f.outbox_entries = entries;
+            f.outbox_oldest_age_ms = age;
+        });
+    }
+
+    /// Where [`serve`] listens (after it bound).
+    pub fn server_addr(&self) -> Option<SocketAddr> {
+        *lock(&self.server)
+    }
+
+    /// Stop the server thread (it exits after its current connection).
+    pub fn stop_server(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(addr) = self.server_addr() {
+            // Wake the blocking accept; it sees the flag and returns.
+            let _ = TcpStream::connect_timeout(&addr, Duration::from_millis(200));
+        }
+    }
+}
+
+/// Bytes of the files in `dir` and its subdirectories (two levels: sled's `blobs/`).
+/// Unreadable entries count as 0: this is a gauge, not an audit.
+pub fn dir_size_bytes(dir: &std::path::Path) -> u64 {
+    fn walk(dir: &std::path::Path, depth: u32) -> u64 {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return 0;
+        };
+        entries
+            .flatten()
+            .map(|e| match e.metadata() {
+                Ok(m) if m.is_dir() && depth > 0 => walk(&e.path(), depth - 1),
+                Ok(m) if m.is_file() => m.len(),
+                _ => 0,
+            })
+            .sum()
+    }
+    walk(dir, 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn render_then_parse_gives_back_the_figures_with_help_and_type_for_each() {
+        let mut f = Figures {
+            received: 7,
+            checkpoint_id: 3,
+            ..Default::default()
+        };
+        f.checkpoint.observe(Duration::from_millis(3));
+        f.pipelines.insert(
+            "a\"b".into(),
+            PipelineFigures {
+                applied: 5,
+                ..Default::default()
+            },
+        );
+        let text = render_figures(&f, 1000);
+        let samples = parse(&text);
+        let get = |n: &str| samples.iter().find(|s| s.name == n).map(|s| s.value);
+        assert_eq!(get("cairn_received_total"), Some(7.0));
+        assert_eq!(get("cairn_checkpoint_id"), Some(3.0));
+        assert_eq!(get("cairn_checkpoint_duration_seconds_count"), Some(1.0));
+        let applied = samples
+            .iter()
+            .find(|s| s.name == "cairn_applied_total")
+            .unwrap();
+        assert_eq!(applied.labels["pipeline"], "a\"b");
+        assert_eq!(applied.value, 5.0);
+        for line in text.lines().filter(|l| l.starts_with("# TYPE")) {
+            let name = line.split_whitespace().nth(2).unwrap();
+            assert!(text.contains(&format!("# HELP {name} ")), "{name}");
+            assert!(name.starts_with("cairn_"), "{name}");
+        }
+    }
+
+    #[test]
+    fn outbox_age_follows_the_oldest_remaining_entry() {
+        let m = Metrics::new();
+        m.note_outbox_committed(10, 1_000);
+        m.note_outbox_committed(20, 5_000);
+        m.set_outbox(15, Some(3), 9_000);
+        assert_eq!(m.snapshot().outbox_oldest_age_ms, 8_000);
+        m.set_outbox(5, Some(12), 9_000);
+        assert_eq!(m.snapshot().outbox_oldest_age_ms, 4_000);
+        m.set_outbox(0, None, 9_000);
+        assert_eq!(m.snapshot().outbox_oldest_age_ms, 0);
+    }
+}
