@@ -31,7 +31,7 @@ use super::{
     CheckpointConfig, Config, DeadLettersConfig, LogConfig, LoggingConfig, MetricsConfig,
     MqttConfig, OutboxConfig, SavepointConfig, StorageConfig, TlsConfig,
 };
-use crate::pipeline::filter::parse_filter;
+use crate::pipeline::filter::{Expr, parse_filter};
 use crate::pipeline::spec::{
     Aggregate, AggregateSpec, Emit, Field, Format, MAX_WINDOWS_PER_EVENT, PipelineSpec,
     TemplatePart, WindowSpec,
@@ -273,135 +273,149 @@ pub fn parse_str(text: &str, path: &Path) -> Result<Config, ConfigError> {
 
 /// A short human summary of a validated config, printed by `cairn validate`.
 pub fn summary(cfg: &Config) -> String {
-    let d = |d: Duration| format_duration_ms(duration_ms(d));
-    let m = &cfg.mqtt;
+    let mut lines = broker_summary(&cfg.mqtt);
+    lines.extend(storage_summary(cfg));
+    lines.extend(cfg.pipelines.iter().map(pipeline_summary));
     let mut out = String::new();
-    let mut line = |s: String| {
-        out.push_str(&s);
+    for l in lines {
+        out.push_str(&l);
         out.push('\n');
+    }
+    out
+}
+
+fn summary_duration(d: Duration) -> String {
+    format_duration_ms(duration_ms(d))
+}
+
+/// The `broker` and `ingest` lines, with the client-ID portability note between them.
+fn broker_summary(m: &MqttConfig) -> Vec<String> {
+    let d = summary_duration;
+    let cert = |t: &TlsConfig| {
+        if t.cert_file.is_some() {
+            " + client cert"
+        } else {
+            ""
+        }
     };
     let auth = match (&m.username, &m.tls) {
         (None, None) => "no auth, plain TCP".to_string(),
         (Some(u), None) => format!("user {u}, plain TCP"),
-        (None, Some(t)) => format!(
-            "TLS{}",
-            if t.cert_file.is_some() {
-                " + client cert"
-            } else {
-                ""
-            }
-        ),
-        (Some(u), Some(t)) => format!(
-            "user {u}, TLS{}",
-            if t.cert_file.is_some() {
-                " + client cert"
-            } else {
-                ""
-            }
-        ),
+        (None, Some(t)) => format!("TLS{}", cert(t)),
+        (Some(u), Some(t)) => format!("user {u}, TLS{}", cert(t)),
     };
-    line(format!(
+    let mut lines = vec![format!(
         "broker      {}:{} as {} ({auth}, keep-alive {})",
         m.host,
         m.port,
         m.client_id,
         d(m.keep_alive)
-    ));
+    )];
     if m.client_id.len() > PORTABLE_CLIENT_ID_LEN {
-        line(format!(
+        lines.push(format!(
             "            note: client_id is {} chars; MQTT 3.1.1 only guarantees {PORTABLE_CLIENT_ID_LEN}",
             m.client_id.len()
         ));
     }
-    line(format!(
+    lines.push(format!(
         "ingest      batch {}, channel {}, reconnect {}..{}",
         m.ingest_batch,
         m.channel_capacity,
         d(m.reconnect_min),
         d(m.reconnect_max)
     ));
-    line(format!(
-        "data dir    {} (sled cache {}, ledger index <= {})",
-        cfg.storage.data_dir.display(),
-        format_size(cfg.storage.cache_size),
-        format_size(cfg.storage.ledger_index_max)
-    ));
-    line(format!(
-        "dead letters <= {}, <= {} old",
-        cfg.dead_letters.max_entries,
-        d(cfg.dead_letters.max_age)
-    ));
+    lines
+}
+
+/// The lines for storage, dead letters, the log, checkpoints, the outbox, metrics and
+/// savepoints.
+fn storage_summary(cfg: &Config) -> Vec<String> {
+    let d = summary_duration;
     let l = &cfg.log;
-    line(format!(
-        "log         segments {}, max {}, retention {}, commit every {}, payload <= {}",
-        format_size(l.segment_size),
-        format_size(l.max_size),
-        d(l.retention),
-        d(l.commit_interval),
-        format_size(l.max_payload)
-    ));
-    line(format!(
-        "checkpoint  every {} or {} records",
-        d(cfg.checkpoint.interval),
-        cfg.checkpoint.max_records
-    ));
     let o = &cfg.outbox;
-    line(format!(
-        "outbox      <= {} entries, {} inflight, drain {}",
-        o.max_entries,
-        o.inflight,
-        d(o.drain_timeout)
-    ));
-    line(format!(
-        "metrics     {}",
-        cfg.metrics.listen.as_deref().unwrap_or("off")
-    ));
-    line(match cfg.savepoint.interval {
-        Some(i) => format!("savepoints  every {}, keep {}", d(i), cfg.savepoint.keep),
-        None => "savepoints  off".to_string(),
-    });
-    for p in &cfg.pipelines {
-        let format = match &p.format {
-            Format::Json => "json".to_string(),
-            Format::Delimited { separator } => format!("delimited {separator:?}"),
-        };
-        let value = p
-            .value
-            .as_ref()
-            .map(|v| format!("({})", field_text(v)))
-            .unwrap_or_default();
-        let window = p
-            .window
-            .map(|w| {
-                let slide = w
-                    .slide_ms
-                    .map(|s| format!(" sliding {}", format_duration_ms(s)))
-                    .unwrap_or_default();
-                format!(
-                    " per {} window{slide} (lateness {})",
-                    format_duration_ms(w.size_ms),
-                    format_duration_ms(w.allowed_lateness_ms)
-                )
-            })
-            .unwrap_or_default();
-        line(format!(
-            "pipeline    {}: {} [{format}] -> {}{value} by {}{window} -> {} ({}, {}, dedup {}, <= {} keys)",
-            p.name,
-            p.topics.join(", "),
-            aggregate_text(&p.aggregate),
-            field_text(&p.key),
-            p.output_topic,
-            if p.retain { "retained" } else { "not retained" },
-            match p.emit {
-                Emit::Upsert => "upsert",
-                Emit::Changelog => "changelog",
-                Emit::Final => "final",
-            },
-            format_duration_ms(p.dedup_window_ms),
-            p.max_keys
-        ));
-    }
-    out
+    vec![
+        format!(
+            "data dir    {} (sled cache {}, ledger index <= {})",
+            cfg.storage.data_dir.display(),
+            format_size(cfg.storage.cache_size),
+            format_size(cfg.storage.ledger_index_max)
+        ),
+        format!(
+            "dead letters <= {}, <= {} old",
+            cfg.dead_letters.max_entries,
+            d(cfg.dead_letters.max_age)
+        ),
+        format!(
+            "log         segments {}, max {}, retention {}, commit every {}, payload <= {}",
+            format_size(l.segment_size),
+            format_size(l.max_size),
+            d(l.retention),
+            d(l.commit_interval),
+            format_size(l.max_payload)
+        ),
+        format!(
+            "checkpoint  every {} or {} records",
+            d(cfg.checkpoint.interval),
+            cfg.checkpoint.max_records
+        ),
+        format!(
+            "outbox      <= {} entries, {} inflight, drain {}",
+            o.max_entries,
+            o.inflight,
+            d(o.drain_timeout)
+        ),
+        format!(
+            "metrics     {}",
+            cfg.metrics.listen.as_deref().unwrap_or("off")
+        ),
+        match cfg.savepoint.interval {
+            Some(i) => format!("savepoints  every {}, keep {}", d(i), cfg.savepoint.keep),
+            None => "savepoints  off".to_string(),
+        },
+    ]
+}
+
+/// One `pipeline` line: topics, format, aggregate, window, output and limits.
+fn pipeline_summary(p: &PipelineSpec) -> String {
+    let format = match &p.format {
+        Format::Json => "json".to_string(),
+        Format::Delimited { separator } => format!("delimited {separator:?}"),
+    };
+    let value = p
+        .value
+        .as_ref()
+        .map(|v| format!("({})", field_text(v)))
+        .unwrap_or_default();
+    let window = p
+        .window
+        .map(|w| {
+            let slide = w
+                .slide_ms
+                .map(|s| format!(" sliding {}", format_duration_ms(s)))
+                .unwrap_or_default();
+            format!(
+                " per {} window{slide} (lateness {})",
+                format_duration_ms(w.size_ms),
+                format_duration_ms(w.allowed_lateness_ms)
+            )
+        })
+        .unwrap_or_default();
+    format!(
+        "pipeline    {}: {} [{format}] -> {}{value} by {}{window} -> {} ({}, {}, dedup {}, <= {} keys)",
+        p.name,
+        p.topics.join(", "),
+        aggregate_text(&p.aggregate),
+        field_text(&p.key),
+        p.output_topic,
+        if p.retain { "retained" } else { "not retained" },
+        match p.emit {
+            Emit::Upsert => "upsert",
+            Emit::Changelog => "changelog",
+            Emit::Final => "final",
+        },
+        format_duration_ms(p.dedup_window_ms),
+        p.max_keys
+    )
 }
 
 fn duration_ms(d: Duration) -> u64 {
@@ -913,41 +927,9 @@ impl Validator {
             .int("mqtt.port", r.port, DEFAULT_PORT, 1..=65_535, "")
             .map(|p| p as u16);
 
-        let client_id = match r.client_id {
-            None => {
-                self.missing(
-                    "mqtt.client_id",
-                    "the broker keeps this agent's persistent session under it, so it must be \
-                     stable and unique per box (two boxes with one ID keep disconnecting each other)",
-                );
-                None
-            }
-            Some(id) => {
-                let ok = self.require("mqtt.client_id", valid_name(&id, MAX_CLIENT_ID_LEN), || {
-                    format!(
-                        "`{id}` is not a valid client ID: use 1 to {MAX_CLIENT_ID_LEN} of A-Z a-z 0-9 _ - \
-                         ({PORTABLE_CLIENT_ID_LEN} or fewer work with every MQTT 3.1.1 broker)"
-                    )
-                });
-                ok.then_some(id)
-            }
-        };
+        let client_id = self.client_id(r.client_id);
 
-        let keep_alive = self
-            .duration("mqtt.keep_alive", r.keep_alive, DEFAULT_KEEP_ALIVE_MS)
-            .filter(|&ms| {
-                self.require(
-                    "mqtt.keep_alive",
-                    (MIN_KEEP_ALIVE_MS..=MAX_KEEP_ALIVE_MS).contains(&ms) && ms % 1000 == 0,
-                    || {
-                        format!(
-                            "must be whole seconds between 5s and 65535s (MQTT sends it as a 16-bit \
-                             count of seconds; below 5s a slow fsync looks like a dead link), found {}",
-                            format_duration_ms(ms)
-                        )
-                    },
-                )
-            });
+        let keep_alive = self.keep_alive(r.keep_alive);
 
         let username = match r.username {
             Some(u) if u.is_empty() => {
@@ -976,8 +958,75 @@ impl Validator {
             "; keep it at or below the broker's max_inflight_messages (mosquitto: 20)",
         );
 
+        let (reconnect_min, reconnect_max) = self.reconnect(r.reconnect_min, r.reconnect_max);
+
+        let channel_capacity =
+            self.channel_capacity(r.channel_capacity, ingest_batch, outbox_inflight);
+
+        Some(MqttConfig {
+            host: host_ok.then_some(host)?,
+            port: port?,
+            client_id: client_id?,
+            keep_alive: Duration::from_millis(keep_alive?),
+            username: username?,
+            password_file: password_file?,
+            tls: tls?,
+            ingest_batch: usize::try_from(ingest_batch?).ok()?,
+            reconnect_min: Duration::from_millis(reconnect_min?),
+            reconnect_max: Duration::from_millis(reconnect_max?),
+            channel_capacity: usize::try_from(channel_capacity?).ok()?,
+        })
+    }
+
+    /// The client ID: required, stable and short (the broker keeps the session under it).
+    fn client_id(&mut self, raw: Option<String>) -> Option<String> {
+        match raw {
+            None => {
+                self.missing(
+                    "mqtt.client_id",
+                    "the broker keeps this agent's persistent session under it, so it must be \
+                     stable and unique per box (two boxes with one ID keep disconnecting each other)",
+                );
+                None
+            }
+            Some(id) => {
+                let ok = self.require("mqtt.client_id", valid_name(&id, MAX_CLIENT_ID_LEN), || {
+                    format!(
+                        "`{id}` is not a valid client ID: use 1 to {MAX_CLIENT_ID_LEN} of A-Z a-z 0-9 _ - \
+                         ({PORTABLE_CLIENT_ID_LEN} or fewer work with every MQTT 3.1.1 broker)"
+                    )
+                });
+                ok.then_some(id)
+            }
+        }
+    }
+
+    fn keep_alive(&mut self, raw: Option<DurationText>) -> Option<u64> {
+        self
+            .duration("mqtt.keep_alive", raw, DEFAULT_KEEP_ALIVE_MS)
+            .filter(|&ms| {
+                self.require(
+                    "mqtt.keep_alive",
+                    (MIN_KEEP_ALIVE_MS..=MAX_KEEP_ALIVE_MS).contains(&ms) && ms % 1000 == 0,
+                    || {
+                        format!(
+                            "must be whole seconds between 5s and 65535s (MQTT sends it as a 16-bit \
+                             count of seconds; below 5s a slow fsync looks like a dead link), found {}",
+                            format_duration_ms(ms)
+                        )
+                    },
+                )
+            })
+    }
+
+    /// The reconnect backoff bounds, `min <= max`.
+    fn reconnect(
+        &mut self,
+        min: Option<DurationText>,
+        max: Option<DurationText>,
+    ) -> (Option<u64>, Option<u64>) {
         let reconnect_min = self
-            .duration("mqtt.reconnect_min", r.reconnect_min, DEFAULT_RECONNECT_MIN_MS)
+            .duration("mqtt.reconnect_min", min, DEFAULT_RECONNECT_MIN_MS)
             .filter(|&ms| {
                 self.require("mqtt.reconnect_min", ms >= MIN_RECONNECT_MIN_MS, || {
                     format!(
@@ -988,11 +1037,7 @@ impl Validator {
                 })
             });
         let reconnect_max = self
-            .duration(
-                "mqtt.reconnect_max",
-                r.reconnect_max,
-                DEFAULT_RECONNECT_MAX_MS,
-            )
+            .duration("mqtt.reconnect_max", max, DEFAULT_RECONNECT_MAX_MS)
             .filter(|&ms| {
                 self.require("mqtt.reconnect_max", ms <= MAX_RECONNECT_MAX_MS, || {
                     format!(
@@ -1017,15 +1062,24 @@ impl Validator {
             }
             (_, hi) => hi,
         };
+        (reconnect_min, reconnect_max)
+    }
 
+    /// The event channel: big enough that the event loop cannot deadlock on it.
+    fn channel_capacity(
+        &mut self,
+        raw: Option<i64>,
+        ingest_batch: Option<i64>,
+        outbox_inflight: Option<u16>,
+    ) -> Option<i64> {
         let channel_capacity = self.int(
             "mqtt.channel_capacity",
-            r.channel_capacity,
+            raw,
             DEFAULT_CHANNEL_CAPACITY,
             1..=MAX_CHANNEL_CAPACITY,
             "",
         );
-        let channel_capacity = match (channel_capacity, ingest_batch, outbox_inflight) {
+        match (channel_capacity, ingest_batch, outbox_inflight) {
             (Some(cap), Some(batch), Some(inflight)) => {
                 let need = 2 * (batch + i64::from(inflight));
                 let ok = self.require("mqtt.channel_capacity", cap >= need, || {
@@ -1037,21 +1091,7 @@ impl Validator {
                 ok.then_some(cap)
             }
             (cap, _, _) => cap,
-        };
-
-        Some(MqttConfig {
-            host: host_ok.then_some(host)?,
-            port: port?,
-            client_id: client_id?,
-            keep_alive: Duration::from_millis(keep_alive?),
-            username: username?,
-            password_file: password_file?,
-            tls: tls?,
-            ingest_batch: usize::try_from(ingest_batch?).ok()?,
-            reconnect_min: Duration::from_millis(reconnect_min?),
-            reconnect_max: Duration::from_millis(reconnect_max?),
-            channel_capacity: usize::try_from(channel_capacity?).ok()?,
-        })
+        }
     }
 
     /// An optional path: `Some(None)` when absent, `None` after a problem.
@@ -1465,6 +1505,8 @@ impl Validator {
         ok.then_some(AggregateSpec::List(out))
     }
 
+    /// One `[[pipeline]]` table, checked key group by key group in the order the problems
+    /// are reported; every group is checked even when an earlier one failed.
     fn pipeline(
         &mut self,
         i: usize,
@@ -1472,19 +1514,69 @@ impl Validator {
         names: &mut HashMap<String, usize>,
     ) -> Option<PipelineSpec> {
         let p = format!("pipeline[{i}]");
-        let k = |key: &str| format!("{p}.{key}");
+        let name = self.pipeline_name(&p, i, r.name, names);
+        let topics = self.pipeline_topics(&p, r.topics);
+        let format = self.pipeline_format(&p, r.format, r.separator);
+        let aggregate = self.pipeline_aggregate(&p, r.aggregate);
+        let filter = self.pipeline_filter(&p, r.filter, format.as_ref());
+        let fields = self.pipeline_fields(
+            &p,
+            RawFields {
+                event_id: r.event_id,
+                key: r.key,
+                value: r.value,
+                event_time: r.event_time,
+            },
+            format.as_ref(),
+            aggregate.as_ref(),
+        );
+        let window = self.pipeline_window(&p, r.window);
+        let dedup_window_ms = self.dedup_window(&p, r.dedup_window);
+        let output_topic = self.output_topic(&p, r.output_topic, &window);
+        let emit = self.emit(&p, r.emit.as_deref(), &window);
+        let limits =
+            self.pipeline_limits(&p, r.max_key_len, r.max_keys, r.max_id_len, r.max_future);
 
-        let name = match r.name {
+        format.as_ref()?;
+        Some(PipelineSpec {
+            name: name?,
+            topics: topics?,
+            format: format?,
+            event_id: fields.event_id??,
+            key: fields.key??,
+            value: fields.value?,
+            event_time: fields.event_time?,
+            aggregate: aggregate?,
+            window: window?,
+            filter: filter?,
+            dedup_window_ms: dedup_window_ms?,
+            output_topic: output_topic?,
+            retain: r.retain.unwrap_or(true),
+            emit: emit?,
+            max_key_len: usize::try_from(limits.max_key_len?).ok()?,
+            max_keys: u64::try_from(limits.max_keys?).ok()?,
+            max_id_len: usize::try_from(limits.max_id_len?).ok()?,
+            max_future_ms: limits.max_future_ms?,
+        })
+    }
+
+    /// The name: valid, and not used by an earlier pipeline (`names` remembers them).
+    fn pipeline_name(
+        &mut self,
+        p: &str,
+        i: usize,
+        raw: Option<String>,
+        names: &mut HashMap<String, usize>,
+    ) -> Option<String> {
+        let key = format!("{p}.name");
+        match raw {
             None => {
-                self.missing(
-                    &k("name"),
-                    "output IDs and state are keyed by the pipeline name",
-                );
+                self.missing(&key, "output IDs and state are keyed by the pipeline name");
                 None
             }
             Some(name) if !valid_name(&name, MAX_PIPELINE_NAME_LEN) => {
                 self.problem(
-                    &k("name"),
+                    &key,
                     format!(
                         "`{name}` is not a valid pipeline name: use 1 to {MAX_PIPELINE_NAME_LEN} \
                          of A-Z a-z 0-9 _ - (it is part of every output ID)"
@@ -1495,7 +1587,7 @@ impl Validator {
             Some(name) => match names.get(&name) {
                 Some(&first) => {
                     self.problem(
-                        &k("name"),
+                        &key,
                         format!(
                             "duplicate pipeline name `{name}`, also used by pipeline[{first}]: \
                              output IDs and state are keyed by it"
@@ -1508,19 +1600,22 @@ impl Validator {
                     Some(name)
                 }
             },
-        };
+        }
+    }
 
-        let topics = match r.topics {
+    /// The topic filters: at least one, each valid, none twice.
+    fn pipeline_topics(&mut self, p: &str, raw: Option<Vec<String>>) -> Option<Vec<String>> {
+        match raw {
             None => {
                 self.missing(
-                    &k("topics"),
+                    &format!("{p}.topics"),
                     "the MQTT topic filters this pipeline consumes",
                 );
                 None
             }
             Some(t) if t.is_empty() => {
                 self.problem(
-                    &k("topics"),
+                    &format!("{p}.topics"),
                     "is empty: list at least one topic filter, e.g. [\"payments/#\"]",
                 );
                 None
@@ -1539,13 +1634,21 @@ impl Validator {
                 }
                 ok.then_some(topics)
             }
-        };
+        }
+    }
 
-        let format = match (r.format.as_deref().unwrap_or("json"), r.separator) {
+    /// The payload format, and the separator that only `delimited` takes.
+    fn pipeline_format(
+        &mut self,
+        p: &str,
+        format: Option<String>,
+        separator: Option<String>,
+    ) -> Option<Format> {
+        match (format.as_deref().unwrap_or("json"), separator) {
             ("json", None) => Some(Format::Json),
             ("json", Some(_)) => {
                 self.problem(
-                    &k("separator"),
+                    &format!("{p}.separator"),
                     "only applies to format = \"delimited\"; remove it for JSON",
                 );
                 None
@@ -1554,7 +1657,7 @@ impl Validator {
                 let separator = separator.unwrap_or_else(|| "/".to_string());
                 if separator.is_empty() {
                     self.problem(
-                        &k("separator"),
+                        &format!("{p}.separator"),
                         "is empty: give the text between fields, e.g. \"/\"",
                     );
                     None
@@ -1564,47 +1667,45 @@ impl Validator {
             }
             (other, _) => {
                 self.problem(
-                    &k("format"),
+                    &format!("{p}.format"),
                     format!("`{other}` is not a format: expected \"json\" or \"delimited\""),
                 );
                 None
             }
-        };
+        }
+    }
 
-        let aggregate = match r.aggregate {
+    /// One aggregate or a list of them.
+    fn pipeline_aggregate(&mut self, p: &str, raw: Option<RawAggregate>) -> Option<AggregateSpec> {
+        let key = format!("{p}.aggregate");
+        match raw {
             None => {
-                self.missing(&k("aggregate"), AGGREGATE_NAMES);
+                self.missing(&key, AGGREGATE_NAMES);
                 None
             }
             Some(RawAggregate::One(a)) => match Aggregate::parse(&a) {
                 Some(agg) => Some(AggregateSpec::One(agg)),
                 None => {
                     self.problem(
-                        &k("aggregate"),
+                        &key,
                         format!("`{a}` is not an aggregate: expected {AGGREGATE_NAMES}"),
                     );
                     None
                 }
             },
-            Some(RawAggregate::List(list)) => self.aggregate_list(&k("aggregate"), list),
-        };
+            Some(RawAggregate::List(list)) => self.aggregate_list(&key, list),
+        }
+    }
 
-        // Fields are read with the pipeline's format; without a valid format, skip them.
-        // `Some(None)`: absent; `None`: rejected (or unreadable without a format).
-        let field = |v: &mut Validator, key: &str, text: Option<String>| -> Option<Option<Field>> {
-            let Some(text) = text else {
-                return Some(None);
-            };
-            let format = format.as_ref()?;
-            match Field::parse(&text, format) {
-                Ok(f) => Some(Some(f)),
-                Err(e) => {
-                    v.problem(&k(key), e);
-                    None
-                }
-            }
-        };
-        let filter = match (r.filter, format.as_ref()) {
+    /// The `where` filter, read with the pipeline's format (skipped without a valid one).
+    /// `Some(None)`: absent; `None`: rejected.
+    fn pipeline_filter(
+        &mut self,
+        p: &str,
+        raw: Option<String>,
+        format: Option<&Format>,
+    ) -> Option<Option<Expr>> {
+        match (raw, format) {
             (None, _) => Some(None),
             (Some(_), None) => None,
             (Some(text), Some(format)) => match parse_filter(&text, format) {
@@ -1616,45 +1717,80 @@ impl Validator {
                         (0, col) => format!("column {col}"),
                         (line, col) => format!("line {}, column {col}", line + 1),
                     };
-                    self.problem(&k("where"), format!("{at} of the filter: {}", e.message));
+                    self.problem(
+                        &format!("{p}.where"),
+                        format!("{at} of the filter: {}", e.message),
+                    );
                     None
                 }
             },
+        }
+    }
+
+    /// One field, read with the pipeline's format; without a valid format it is skipped.
+    /// `Some(None)`: absent; `None`: rejected (or unreadable without a format).
+    fn field(
+        &mut self,
+        p: &str,
+        name: &str,
+        text: Option<String>,
+        format: Option<&Format>,
+    ) -> Option<Option<Field>> {
+        let Some(text) = text else {
+            return Some(None);
         };
-        let format_ok = format.is_some();
-        let event_id_present = r.event_id.is_some();
-        let key_present = r.key.is_some();
-        let value_present = r.value.is_some();
-        let event_id = field(self, "event_id", r.event_id);
-        let key = field(self, "key", r.key);
-        let value = field(self, "value", r.value);
-        let event_time = field(self, "event_time", r.event_time);
+        let format = format?;
+        match Field::parse(&text, format) {
+            Ok(f) => Some(Some(f)),
+            Err(e) => {
+                self.problem(&format!("{p}.{name}"), e);
+                None
+            }
+        }
+    }
+
+    /// The fields an event is read through: `event_id` and `key` required, `value` exactly
+    /// when the aggregate reads one, `event_time` optional.
+    fn pipeline_fields(
+        &mut self,
+        p: &str,
+        raw: RawFields,
+        format: Option<&Format>,
+        aggregate: Option<&AggregateSpec>,
+    ) -> Fields {
+        let event_id_present = raw.event_id.is_some();
+        let key_present = raw.key.is_some();
+        let value_present = raw.value.is_some();
+        let event_id = self.field(p, "event_id", raw.event_id, format);
+        let key = self.field(p, "key", raw.key, format);
+        let value = self.field(p, "value", raw.value, format);
+        let event_time = self.field(p, "event_time", raw.event_time, format);
         if !event_id_present {
             self.missing(
-                &k("event_id"),
+                &format!("{p}.event_id"),
                 "events are deduplicated by it (broker redeliveries and repeated publishes); \
                  a JSON pointer such as \"/id\", or a template such as \"{/device}-{/seq}\"",
             );
         }
         if !key_present {
             self.missing(
-                &k("key"),
+                &format!("{p}.key"),
                 "the field whose value names the aggregate, e.g. \"/account\"",
             );
         }
-        let needs_value = aggregate.as_ref().map(AggregateSpec::needs_value);
+        let needs_value = aggregate.map(AggregateSpec::needs_value);
         let value = match (needs_value, value_present) {
             (Some(false), true) => {
                 self.problem(
-                    &k("value"),
+                    &format!("{p}.value"),
                     "count counts events and reads no value: remove `value`, or use another aggregate",
                 );
                 None
             }
             (Some(true), false) => {
-                let agg = aggregate.as_ref().map(aggregate_text).unwrap_or_default();
+                let agg = aggregate.map(aggregate_text).unwrap_or_default();
                 self.missing(
-                    &k("value"),
+                    &format!("{p}.value"),
                     &format!("`{agg}` needs the field to aggregate, e.g. \"/amount\""),
                 );
                 None
@@ -1662,52 +1798,56 @@ impl Validator {
             (_, false) => Some(None),
             (_, true) => value,
         };
+        Fields {
+            event_id,
+            key,
+            value,
+            event_time,
+        }
+    }
 
-        let window = match r.window {
-            None => Some(None),
-            Some(w) => {
-                let size = match w.size {
-                    None => {
-                        self.missing(
-                            &k("window.size"),
-                            "the length of each tumbling window, e.g. \"1m\"",
-                        );
-                        None
-                    }
-                    some => self.duration(&k("window.size"), some, 0).filter(|&ms| {
-                        self.require(&k("window.size"), ms > 0, || {
-                            "must be longer than 0s; remove `window` for an unwindowed aggregate"
-                                .to_string()
-                        })
-                    }),
-                };
-                let lateness = self.duration(&k("window.allowed_lateness"), w.allowed_lateness, 0);
-                let slide = match w.slide {
-                    None => Some(None),
-                    some => self
-                        .duration(&k("window.slide"), some, 0)
-                        .and_then(|slide| self.slide(&k("window.slide"), slide, size)),
-                };
-                // No `?` here: it would return from the whole pipeline and skip the checks
-                // below, hiding their problems.
-                match (size, lateness, slide) {
-                    (Some(size_ms), Some(allowed_lateness_ms), Some(slide_ms)) => {
-                        Some(Some(WindowSpec {
-                            size_ms,
-                            allowed_lateness_ms,
-                            slide_ms,
-                        }))
-                    }
-                    _ => None,
-                }
-            }
+    /// The optional window: a size, a lateness and a slide. `Some(None)`: no window.
+    fn pipeline_window(&mut self, p: &str, raw: Option<RawWindow>) -> Option<Option<WindowSpec>> {
+        let Some(w) = raw else {
+            return Some(None);
         };
+        let k = |key: &str| format!("{p}.window.{key}");
+        let size = match w.size {
+            None => {
+                self.missing(
+                    &k("size"),
+                    "the length of each tumbling window, e.g. \"1m\"",
+                );
+                None
+            }
+            some => self.duration(&k("size"), some, 0).filter(|&ms| {
+                self.require(&k("size"), ms > 0, || {
+                    "must be longer than 0s; remove `window` for an unwindowed aggregate"
+                        .to_string()
+                })
+            }),
+        };
+        let lateness = self.duration(&k("allowed_lateness"), w.allowed_lateness, 0);
+        let slide = match w.slide {
+            None => Some(None),
+            some => self
+                .duration(&k("slide"), some, 0)
+                .and_then(|slide| self.slide(&k("slide"), slide, size)),
+        };
+        // No `?` before here: it would skip the checks above, hiding their problems.
+        Some(Some(WindowSpec {
+            size_ms: size?,
+            allowed_lateness_ms: lateness?,
+            slide_ms: slide?,
+        }))
+    }
 
-        let dedup_window_ms = self
-            .duration(&k("dedup_window"), r.dedup_window, DEFAULT_DEDUP_WINDOW_MS)
+    fn dedup_window(&mut self, p: &str, raw: Option<DurationText>) -> Option<u64> {
+        let key = format!("{p}.dedup_window");
+        self.duration(&key, raw, DEFAULT_DEDUP_WINDOW_MS)
             .filter(|&ms| {
                 self.require(
-                    &k("dedup_window"),
+                    &key,
                     (MIN_DEDUP_WINDOW_MS..=MAX_DEDUP_WINDOW_MS).contains(&ms),
                     || {
                         format!(
@@ -1717,37 +1857,51 @@ impl Validator {
                         )
                     },
                 )
-            });
+            })
+    }
 
-        let output_topic = match r.output_topic {
-            None => {
-                self.missing(
-                    &k("output_topic"),
-                    "the topic results are published to, with `{key}`, e.g. \"balances/{key}\"",
-                );
+    /// The output topic template; `{window_start}` only with a window.
+    fn output_topic(
+        &mut self,
+        p: &str,
+        raw: Option<String>,
+        window: &Option<Option<WindowSpec>>,
+    ) -> Option<String> {
+        let key = format!("{p}.output_topic");
+        let Some(t) = raw else {
+            self.missing(
+                &key,
+                "the topic results are published to, with `{key}`, e.g. \"balances/{key}\"",
+            );
+            return None;
+        };
+        // Whether `{window_start}` is allowed depends on a valid window; if the window
+        // itself is broken, it was reported already.
+        let windowed = matches!(window, Some(Some(_)) | None);
+        match check_output_topic(&t, windowed) {
+            Ok(()) => Some(t),
+            Err(e) => {
+                self.problem(&key, format!("`{t}`: {e}"));
                 None
             }
-            Some(t) => {
-                // Whether `{window_start}` is allowed depends on a valid window; if the
-                // window itself is broken, it was reported already.
-                let windowed = matches!(window, Some(Some(_)) | None);
-                match check_output_topic(&t, windowed) {
-                    Ok(()) => Some(t),
-                    Err(e) => {
-                        self.problem(&k("output_topic"), format!("`{t}`: {e}"));
-                        None
-                    }
-                }
-            }
-        };
+        }
+    }
 
-        let emit = match r.emit.as_deref() {
+    /// The emit mode; `final` only with a window.
+    fn emit(
+        &mut self,
+        p: &str,
+        raw: Option<&str>,
+        window: &Option<Option<WindowSpec>>,
+    ) -> Option<Emit> {
+        let key = format!("{p}.emit");
+        match raw {
             None | Some("upsert") => Some(Emit::Upsert),
             Some("changelog") => Some(Emit::Changelog),
             // Whether there is a window is known only if `window` itself is valid.
             Some("final") if matches!(window, Some(None)) => {
                 self.problem(
-                    &k("emit"),
+                    &key,
                     "\"final\" emits a result when its window closes: it needs a `window`",
                 );
                 None
@@ -1755,39 +1909,51 @@ impl Validator {
             Some("final") => Some(Emit::Final),
             Some(other) => {
                 self.problem(
-                    &k("emit"),
+                    &key,
                     format!(
                         "`{other}` is not an emit mode: expected \"upsert\", \"changelog\" or \"final\""
                     ),
                 );
                 None
             }
-        };
+        }
+    }
+
+    /// The per-pipeline bounds on keys, IDs and event times (invariant 7).
+    fn pipeline_limits(
+        &mut self,
+        p: &str,
+        max_key_len: Option<i64>,
+        max_keys: Option<i64>,
+        max_id_len: Option<i64>,
+        max_future: Option<DurationText>,
+    ) -> Limits {
         let max_key_len = self.int(
-            &k("max_key_len"),
-            r.max_key_len,
+            &format!("{p}.max_key_len"),
+            max_key_len,
             DEFAULT_MAX_KEY_LEN,
             1..=MAX_MAX_KEY_LEN,
             " bytes: keys are part of topics, output IDs and store keys",
         );
         let max_keys = self.int(
-            &k("max_keys"),
-            r.max_keys,
+            &format!("{p}.max_keys"),
+            max_keys,
             DEFAULT_MAX_KEYS,
             1..=i64::MAX,
             "",
         );
         let max_id_len = self.int(
-            &k("max_id_len"),
-            r.max_id_len,
+            &format!("{p}.max_id_len"),
+            max_id_len,
             DEFAULT_MAX_ID_LEN,
             1..=MAX_MAX_ID_LEN,
             " bytes: event IDs are held in the dedup ledger",
         );
+        let key = format!("{p}.max_future");
         let max_future_ms = self
-            .duration(&k("max_future"), r.max_future, DEFAULT_MAX_FUTURE_MS)
+            .duration(&key, max_future, DEFAULT_MAX_FUTURE_MS)
             .filter(|&ms| {
-                self.require(&k("max_future"), ms <= MAX_MAX_FUTURE_MS, || {
+                self.require(&key, ms <= MAX_MAX_FUTURE_MS, || {
                     format!(
                         "must be at most 366d, found {}: it is how far a device clock may run \
                          ahead, and events beyond it are dead letters",
@@ -1795,31 +1961,38 @@ impl Validator {
                     )
                 })
             });
-
-        if !format_ok {
-            return None;
+        Limits {
+            max_key_len,
+            max_keys,
+            max_id_len,
+            max_future_ms,
         }
-        Some(PipelineSpec {
-            name: name?,
-            topics: topics?,
-            format: format?,
-            event_id: event_id??,
-            key: key??,
-            value: value?,
-            event_time: event_time?,
-            aggregate: aggregate?,
-            window: window?,
-            filter: filter?,
-            dedup_window_ms: dedup_window_ms?,
-            output_topic: output_topic?,
-            retain: r.retain.unwrap_or(true),
-            emit: emit?,
-            max_key_len: usize::try_from(max_key_len?).ok()?,
-            max_keys: u64::try_from(max_keys?).ok()?,
-            max_id_len: usize::try_from(max_id_len?).ok()?,
-            max_future_ms: max_future_ms?,
-        })
     }
+}
+
+/// A pipeline's field texts, before they are read with its format.
+struct RawFields {
+    event_id: Option<String>,
+    key: Option<String>,
+    value: Option<String>,
+    event_time: Option<String>,
+}
+
+/// A pipeline's fields: `Some(None)` absent, `None` rejected (see [`Validator::field`]);
+/// `value` is already checked against the aggregate.
+struct Fields {
+    event_id: Option<Option<Field>>,
+    key: Option<Option<Field>>,
+    value: Option<Option<Field>>,
+    event_time: Option<Option<Field>>,
+}
+
+/// A pipeline's bounds, each `None` after a problem.
+struct Limits {
+    max_key_len: Option<i64>,
+    max_keys: Option<i64>,
+    max_id_len: Option<i64>,
+    max_future_ms: Option<u64>,
 }
 
 /// `[A-Za-z0-9_-]{1,max}`.
