@@ -16,7 +16,8 @@ use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::{LOCK_WAIT, Store, StoreBounds, StoreError, io_err};
+use super::open::LOCK_WAIT;
+use super::{Store, StoreBounds, StoreError, io_err};
 use crate::fsio::{SyncKind, SyncSeam};
 
 /// A copy needs no fsync: it is thrown away.
