@@ -44,7 +44,7 @@ impl TooLarge<'_> {
     pub const PREFIX_MAX: usize = 1024;
 
     /// The stand-in payload for a `size`-byte `payload` refused under `limit`.
-    pub fn encode(payload: &[u8], limit: u64) -> Vec<u8> {
+    pub(crate) fn encode(payload: &[u8], limit: u64) -> Vec<u8> {
         let prefix = &payload[..payload.len().min(Self::PREFIX_MAX)];
         let mut out = Vec::with_capacity(Self::HEADER_LEN + prefix.len());
         out.extend_from_slice(&(payload.len() as u64).to_le_bytes());

@@ -315,7 +315,7 @@ impl Processor {
 
     /// Consult `q` for every record applied from now on, and record a panic's attempt in
     /// it. Entries the checkpoint already settled are pruned first.
-    pub fn set_quarantine(&mut self, mut q: Quarantine) -> Result<(), ProcessError> {
+    pub(crate) fn set_quarantine(&mut self, mut q: Quarantine) -> Result<(), ProcessError> {
         let file = q.path().to_path_buf();
         q.prune_below(self.next_offset())
             .map_err(|source| ProcessError::Quarantine { file, source })?;

@@ -103,7 +103,7 @@
 //!
 //! The crash property runs 1200 cases by default; `CAIRN_LOG_CRASH_CASES` raises it.
 
-pub mod frame;
+pub(crate) mod frame;
 mod open;
 mod reader;
 mod retention;
@@ -294,7 +294,7 @@ impl Log {
     /// As [`Log::append`], for a small record the caller builds (the stand-in for a
     /// refused input): its payload is bounded by [`STAND_IN_MAX_PAYLOAD`] rather than by
     /// `max_payload`, so that a refusal is durable whatever limit is configured.
-    pub fn append_stand_in(
+    pub(crate) fn append_stand_in(
         &mut self,
         received_at_ms: u64,
         topic: &str,
@@ -534,7 +534,7 @@ impl Log {
 
     /// Change the size bound (a config reload). Lowering it below the current size only
     /// refuses appends until retention frees space; nothing is deleted for it.
-    pub fn set_max_size(&mut self, max_size: u64) {
+    pub(crate) fn set_max_size(&mut self, max_size: u64) {
         self.opts.max_size = max_size.max(1);
     }
 

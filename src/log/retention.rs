@@ -40,7 +40,7 @@ impl Log {
 
     /// Is the log short of room: do fewer than two more segments fit under `max_size` (one,
     /// in a log of fewer than three)?
-    pub fn short_of_room(&self) -> bool {
+    pub(crate) fn short_of_room(&self) -> bool {
         self.needs_room(self.size_bytes())
     }
 
@@ -60,7 +60,12 @@ impl Log {
     /// `next_offset` of the last committed checkpoint: nothing at or above it is ever chosen.
     /// `floor` is the newest savepoint's offset (`u64::MAX` for none); `cutoff_ms` the
     /// newest `received_at_ms` a segment may hold to count as outside retention.
-    pub fn plan_retention(&self, durable: Offset, floor: Offset, cutoff_ms: u64) -> RetentionPlan {
+    pub(crate) fn plan_retention(
+        &self,
+        durable: Offset,
+        floor: Offset,
+        cutoff_ms: u64,
+    ) -> RetentionPlan {
         let mut plan = RetentionPlan {
             below: self.first_offset(),
             evicted: 0,

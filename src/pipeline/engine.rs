@@ -57,7 +57,7 @@ impl PipelineProgress {
 
     /// What output IDs start with: the name, and from generation 2 on `@generation`.
     /// Pipeline names cannot contain `@`, so no generation's prefix is another pipeline's.
-    pub fn id_prefix(&self) -> String {
+    pub(crate) fn id_prefix(&self) -> String {
         if self.generation > 1 {
             format!("{}@{}", self.name, self.generation)
         } else {
@@ -662,7 +662,7 @@ fn check_key(spec: &PipelineSpec, ev: Parsed) -> Result<Parsed, Refusal> {
 /// The ledger identity of a refused input: FNV-1a (64-bit) over its topic and payload, in a
 /// namespace no event ID can enter (event IDs with control characters are refused).
 /// Written by hand so it never changes with a toolchain: the ledger outlives builds.
-pub fn dead_letter_id(topic: &str, payload: &[u8]) -> String {
+pub(crate) fn dead_letter_id(topic: &str, payload: &[u8]) -> String {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for &b in topic
         .as_bytes()

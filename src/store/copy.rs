@@ -103,7 +103,7 @@ fn copy_dir(from: &Path, to: &Path) -> Result<(), StoreError> {
 
 impl Store {
     /// Open a private copy of the store in `dir` (see the module docs); `dir` is only read.
-    pub fn open_copy(dir: &Path, cache_bytes: u64) -> Result<StoreCopy, StoreError> {
+    pub(crate) fn open_copy(dir: &Path, cache_bytes: u64) -> Result<StoreCopy, StoreError> {
         let db = dir.join("db");
         let lock = lock_shared(&db, dir)?;
         let nanos = std::time::SystemTime::now()

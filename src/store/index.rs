@@ -199,7 +199,7 @@ impl FingerprintIndex {
     /// # Panics
     ///
     /// If the table is at 2^31 slots and full.
-    pub fn insert_tag(&mut self, hash: u64, tag: u32) {
+    pub(crate) fn insert_tag(&mut self, hash: u64, tag: u32) {
         if self.len + 1 > max_len(self.slots.len()) {
             self.grow();
         }
@@ -209,7 +209,7 @@ impl FingerprintIndex {
 
     /// The tags of every entry whose fingerprint equals `hash`'s, pushed into `out` (cleared
     /// first). The order is unspecified.
-    pub fn tags(&self, hash: u64, out: &mut Vec<u32>) {
+    pub(crate) fn tags(&self, hash: u64, out: &mut Vec<u32>) {
         out.clear();
         let fp = fingerprint(hash);
         let mask = self.slots.len() - 1;
@@ -236,7 +236,7 @@ impl FingerprintIndex {
 
     /// The record-time ranges of the entries matching `hash` (the tests' view).
     #[cfg(test)]
-    pub fn candidates(&self, hash: u64, out: &mut Vec<(u64, u64)>) {
+    pub(crate) fn candidates(&self, hash: u64, out: &mut Vec<(u64, u64)>) {
         let mut tags = Vec::new();
         self.tags(hash, &mut tags);
         out.clear();
@@ -250,7 +250,7 @@ impl FingerprintIndex {
     }
 
     /// Remove ONE entry equal to (hash's fp, tag). Returns whether one was found.
-    pub fn remove_tag(&mut self, hash: u64, tag: u32) -> bool {
+    pub(crate) fn remove_tag(&mut self, hash: u64, tag: u32) -> bool {
         let target = pack(fingerprint(hash), tag);
         let n = self.slots.len();
         let mask = n - 1;
@@ -287,7 +287,7 @@ impl FingerprintIndex {
     }
 
     /// Bytes held by the table (slots * 8), for the footprint figures.
-    pub fn memory_bytes(&self) -> usize {
+    pub(crate) fn memory_bytes(&self) -> usize {
         self.slots.len() * size_of::<u64>()
     }
 
@@ -295,7 +295,7 @@ impl FingerprintIndex {
     /// holds them), or `None` if no table of at most 2^31 slots can. The ledger asks before
     /// it indexes a chunk, so that the index stays within its memory bound and never reaches
     /// the panic in [`FingerprintIndex::insert_tag`].
-    pub fn bytes_to_hold(&self, extra: usize) -> Option<usize> {
+    pub(crate) fn bytes_to_hold(&self, extra: usize) -> Option<usize> {
         let want = self.len.checked_add(extra)?;
         let mut slots = self.slots.len();
         while max_len(slots) < want {

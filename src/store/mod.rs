@@ -171,9 +171,10 @@ use ledger::{Chunk, ChunkCache, Ledger};
 use outbox::OutboxMem;
 
 mod savepoint;
+pub(crate) use savepoint::restore_savepoint;
 pub use savepoint::{
     SAVEPOINT_FORMAT_VERSION, SavepointInfo, list_savepoints, prune_savepoints,
-    read_savepoint_header, restore_savepoint, savepoint_file_name, verify_savepoint,
+    read_savepoint_header, verify_savepoint,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -217,7 +218,7 @@ pub enum StoreError {
 impl StoreError {
     /// The operating-system error underneath, if any: sled's errors do not expose it as a
     /// `source`, and the agent needs it to tell a full disk from other failures.
-    pub fn io_error(&self) -> Option<&std::io::Error> {
+    pub(crate) fn io_error(&self) -> Option<&std::io::Error> {
         match self {
             StoreError::Io { source, .. } => Some(source),
             StoreError::Open {
@@ -408,7 +409,7 @@ impl Store {
     }
 
     /// The durability seam this store syncs through (for files kept beside it).
-    pub fn durability(&self) -> &Durability {
+    pub(crate) fn durability(&self) -> &Durability {
         &self.sync
     }
 
@@ -451,13 +452,6 @@ impl Store {
         self.sync
             .sync_file(SyncKind::Store, &f, &path, false)
             .map_err(io_err(&path))
-    }
-
-    /// Forget one pipeline's state and dedup ledger, and record `progress` (in which that
-    /// pipeline starts over), in one transaction followed by the fsync. Its outbox entries
-    /// and dead letters stay: they were results and refusals of the old definition.
-    pub fn reset_pipeline(&self, pipeline: &str, progress: &Progress) -> Result<(), StoreError> {
-        self.reset_pipelines(&[pipeline], progress)
     }
 
     /// Forget the state and dedup ledgers of `pipelines` (reset, or dropped because no

@@ -5,12 +5,12 @@ use super::*;
 
 impl Store {
     /// Ledger entries per pipeline after the last commit (what `dedup_entries` reports).
-    pub fn dedup_len(&self, pipeline: &str) -> u64 {
+    pub(crate) fn dedup_len(&self, pipeline: &str) -> u64 {
         self.lock().ledgers.get(pipeline).map_or(0, |l| l.entries())
     }
 
     /// The store's own bounds at the last commit (for `/metrics` and `cairn status`).
-    pub fn bound_figures(&self) -> BoundFigures {
+    pub(crate) fn bound_figures(&self) -> BoundFigures {
         let mem = self.lock();
         BoundFigures {
             dead_letters: mem.dead,
@@ -86,7 +86,7 @@ impl Store {
     }
 
     /// Entries waiting in the outbox (O(1)).
-    pub fn outbox_len(&self) -> usize {
+    pub(crate) fn outbox_len(&self) -> usize {
         self.lock().outbox.len()
     }
 
@@ -108,7 +108,7 @@ impl Store {
         })
     }
 
-    pub fn state_len(&self) -> usize {
+    pub(crate) fn state_len(&self) -> usize {
         self.state.len()
     }
 
@@ -143,7 +143,7 @@ impl Store {
     }
 
     /// Dead letters stored (O(1): counted at each commit).
-    pub fn dead_letter_len(&self) -> usize {
+    pub(crate) fn dead_letter_len(&self) -> usize {
         usize::try_from(self.lock().dead.stored).unwrap_or(usize::MAX)
     }
 
