@@ -44,7 +44,7 @@ impl TooLarge<'_> {
     pub const PREFIX_MAX: usize = 1024;
 
     /// The stand-in payload for a `size`-byte `payload` refused under `limit`.
-    pub fn encode(payload: &[u8], limit: u64) -> Vec<u8> {
+    pub(crate) fn encode(payload: &[u8], limit: u64) -> Vec<u8> {
         let prefix = &payload[..payload.len().min(Self::PREFIX_MAX)];
         let mut out = Vec::with_capacity(Self::HEADER_LEN + prefix.len());
         out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
@@ -109,4 +109,96 @@ mod tests {
         };
         assert_eq!(short.too_large().unwrap().size, 0);
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// What a checkpoint records besides the trees, and what the engine hands the store. The
+// store persists these with postcard, which encodes fields in declaration order: the order
+// and types of their fields are the on-disk format.
+
+/// Counters that live in the checkpoint, so replay recomputes them exactly.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Counters {
+    pub applied: u64,
+    pub duplicates: u64,
+    pub dead_letters: u64,
+    pub outputs: u64,
+    /// Inputs the pipeline's `where` filter skipped.
+    pub filtered: u64,
+}
+
+/// Per-pipeline progress, checkpointed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PipelineProgress {
+    pub name: String,
+    /// Greatest event time applied; the watermark is this minus the allowed lateness.
+    pub max_event_time_ms: u64,
+    /// Windows starting before this were closed and evicted.
+    pub evicted_below: u64,
+    /// Live state entries (keys, or key-windows).
+    pub keys: u64,
+    pub dedup_entries: u64,
+    pub counters: Counters,
+    /// The definition that wrote this state (see [`crate::pipeline::engine::definition`]).
+    pub definition: String,
+    /// A new key's first version is `version_base + 1`. Zero, unless the pipeline was reset:
+    /// then it is the highest version emitted before, so output IDs never repeat and a
+    /// consumer keeping the highest version per key accepts the new values.
+    pub version_base: u64,
+    /// Highest version this pipeline ever gave a key.
+    pub max_version: u64,
+    /// Which lineage of state this is: a new one starts whenever the pipeline starts over
+    /// from empty state where results of an earlier one may already have gone out (a reset, a
+    /// store rebuilt from the log, a pipeline dropped and added again). Output IDs of
+    /// generation 2 and later carry it (`name@2/key/version`), so a new generation never
+    /// reuses an ID that went out with another payload. 0 and 1 both mean the first: IDs
+    /// without a generation, as before generations existed.
+    pub generation: u32,
+}
+
+/// Everything besides the trees that a checkpoint records.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Progress {
+    /// The first log offset not yet reflected in the checkpoint.
+    pub next_offset: Offset,
+    pub checkpoint_id: u64,
+    /// Greatest `received_at_ms` seen: the clock the dedup window is measured with. It
+    /// never goes back, even if the box's clock does.
+    pub log_clock_ms: u64,
+    /// Records read (matching a pipeline or not).
+    pub records: u64,
+    /// Records that matched no pipeline.
+    pub unmatched: u64,
+    /// Next outbox sequence number.
+    pub outbox_seq: u64,
+    /// The configured pipelines first, in config order (the engine indexes them by their
+    /// position in the config), then dormant ones: stored but no longer configured. Dormant
+    /// entries are kept so that a pipeline that comes back is compared with the definition
+    /// that wrote its state, and so that their state can be reported and dropped.
+    pub pipelines: Vec<PipelineProgress>,
+}
+
+/// One result bound for the broker.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Output {
+    /// `pipeline/key[/window_start]/version`, the key escaped: stable across replays.
+    pub id: String,
+    pub topic: String,
+    pub payload: Vec<u8>,
+    pub retain: bool,
+    /// Emitted as an upsert: a newer output of the same key (and window) makes this one
+    /// worthless, so the outbox need not send it if it has not gone yet.
+    pub latest_only: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeadLetter {
+    pub offset: Offset,
+    pub pipeline: String,
+    pub topic: String,
+    pub reason: String,
+    pub detail: String,
+    pub received_at_ms: u64,
+    /// At most [`crate::pipeline::engine::DEAD_LETTER_PAYLOAD_MAX`] bytes of the payload.
+    pub payload: Vec<u8>,
 }

@@ -264,7 +264,6 @@ impl Processor {
         let mut progress = store.progress()?;
         let with_data = store.pipelines_with_data()?;
         let configured = |n: &str| specs.iter().any(|s| s.name == n);
-        let position = |p: &Progress, n: &str| p.pipelines.iter().position(|x| x.name == n);
         let mut reset: Vec<&String> = reset.iter().collect();
         reset.sort();
         reset.dedup();
@@ -292,82 +291,20 @@ impl Processor {
             changed = true;
         }
         for spec in &specs {
-            let name = spec.name.as_str();
-            let asked = reset.iter().any(|r| *r == name);
-            if let Some(i) = position(&progress, name) {
-                let old = &progress.pipelines[i];
-                if asked {
-                    let generation = gens.start_new(name, old.generation);
-                    log::warn!(
-                        "pipeline `{name}` reset: {} keys and {} dedup entries dropped; versions \
-                         continue above {}, in generation {generation} (output IDs `{name}@{generation}/...`)",
-                        old.keys,
-                        old.dedup_entries,
-                        old.max_version
-                    );
-                    progress.pipelines[i] = PipelineProgress::reset(old, spec, generation);
-                    wiped.push(name);
-                    changed = true;
-                } else if old.definition != definition(spec) {
-                    return Err(ProcessError::IncompatiblePipeline {
-                        name: name.to_string(),
-                        stored: old.definition.clone(),
-                        current: definition(spec),
-                    });
-                } else if old.generation > 1 {
-                    log::info!("pipeline `{name}`: generation {}", old.generation);
-                }
-                continue;
-            }
-            // Not in the progress record: new here, or its state was forgotten or moved.
-            let mut at_least = 0;
-            if with_data.iter().any(|n| n == name) {
-                if !asked {
-                    return Err(ProcessError::UnknownDefinition {
-                        name: name.to_string(),
-                    });
-                }
-                log::warn!("pipeline `{name}` reset: state of an unknown definition dropped");
-                wiped.push(name);
-                // That state's results went out in generation 1 (it predates generations).
-                at_least = 1;
-            }
-            let generation = gens.start_new(name, at_least);
-            if generation > 1 {
-                log::warn!(
-                    "pipeline `{name}` starts empty in generation {generation}: results of an \
-                     earlier generation went out under this name (its store was moved aside, \
-                     or it was dropped), so its output IDs are now `{name}@{generation}/...`"
-                );
-            }
-            progress
-                .pipelines
-                .push(PipelineProgress::new(spec, generation));
-            changed = true;
+            let asked = reset.contains(&&spec.name);
+            let mut ctx = Reconcile {
+                progress: &mut progress,
+                gens: &mut gens,
+                with_data: &with_data,
+                wiped: &mut wiped,
+            };
+            changed |= ctx.spec(spec, asked)?;
         }
         if changed {
             store.reset_pipelines(&wiped, &progress)?;
         }
         gens.save(store.durability())?;
-        for p in progress.pipelines.iter().filter(|p| !configured(&p.name)) {
-            log::warn!(
-                "pipeline `{}` is not configured, and its stored state is kept ({} keys, {} dedup \
-                 entries): add it back with the same definition to continue it, or drop it with \
-                 `cairn run --reset-pipeline {}`",
-                p.name,
-                p.keys,
-                p.dedup_entries,
-                p.name
-            );
-        }
-        for name in with_data.iter().filter(|n| {
-            !configured(n) && position(&progress, n).is_none() && !wiped.contains(&n.as_str())
-        }) {
-            log::warn!(
-                "the store holds state of pipeline `{name}`, which is not configured and whose \
-                 definition is unknown: drop it with `cairn run --reset-pipeline {name}`"
-            );
-        }
+        warn_unconfigured(&progress, &with_data, &wiped, configured);
         Ok(Processor {
             engine: Engine::new(specs, progress),
             store,
@@ -378,7 +315,7 @@ impl Processor {
 
     /// Consult `q` for every record applied from now on, and record a panic's attempt in
     /// it. Entries the checkpoint already settled are pruned first.
-    pub fn set_quarantine(&mut self, mut q: Quarantine) -> Result<(), ProcessError> {
+    pub(crate) fn set_quarantine(&mut self, mut q: Quarantine) -> Result<(), ProcessError> {
         let file = q.path().to_path_buf();
         q.prune_below(self.next_offset())
             .map_err(|source| ProcessError::Quarantine { file, source })?;
@@ -555,5 +492,105 @@ impl Processor {
         }
         stats.millis = started.elapsed().as_millis() as u64;
         Ok(stats)
+    }
+}
+
+fn position(p: &Progress, name: &str) -> Option<usize> {
+    p.pipelines.iter().position(|x| x.name == name)
+}
+
+/// What [`Processor::open_with`] changes while it goes through the configured pipelines.
+struct Reconcile<'a, 's> {
+    progress: &'a mut Progress,
+    gens: &'a mut Generations,
+    with_data: &'a [String],
+    /// Pipelines whose stored state and ledger the store drops.
+    wiped: &'a mut Vec<&'s str>,
+}
+
+impl<'s> Reconcile<'_, 's> {
+    /// One configured pipeline against what the store holds for it (`asked`: named in
+    /// `reset`). True when the progress record changed.
+    fn spec(&mut self, spec: &'s PipelineSpec, asked: bool) -> Result<bool, ProcessError> {
+        let name = spec.name.as_str();
+        if let Some(i) = position(self.progress, name) {
+            let old = &self.progress.pipelines[i];
+            if asked {
+                let generation = self.gens.start_new(name, old.generation);
+                log::warn!(
+                    "pipeline `{name}` reset: {} keys and {} dedup entries dropped; versions \
+                     continue above {}, in generation {generation} (output IDs `{name}@{generation}/...`)",
+                    old.keys,
+                    old.dedup_entries,
+                    old.max_version
+                );
+                self.progress.pipelines[i] = PipelineProgress::reset(old, spec, generation);
+                self.wiped.push(name);
+                return Ok(true);
+            } else if old.definition != definition(spec) {
+                return Err(ProcessError::IncompatiblePipeline {
+                    name: name.to_string(),
+                    stored: old.definition.clone(),
+                    current: definition(spec),
+                });
+            } else if old.generation > 1 {
+                log::info!("pipeline `{name}`: generation {}", old.generation);
+            }
+            return Ok(false);
+        }
+        // Not in the progress record: new here, or its state was forgotten or moved.
+        let mut at_least = 0;
+        if self.with_data.iter().any(|n| n == name) {
+            if !asked {
+                return Err(ProcessError::UnknownDefinition {
+                    name: name.to_string(),
+                });
+            }
+            log::warn!("pipeline `{name}` reset: state of an unknown definition dropped");
+            self.wiped.push(name);
+            // That state's results went out in generation 1 (it predates generations).
+            at_least = 1;
+        }
+        let generation = self.gens.start_new(name, at_least);
+        if generation > 1 {
+            log::warn!(
+                "pipeline `{name}` starts empty in generation {generation}: results of an \
+                 earlier generation went out under this name (its store was moved aside, \
+                 or it was dropped), so its output IDs are now `{name}@{generation}/...`"
+            );
+        }
+        self.progress
+            .pipelines
+            .push(PipelineProgress::new(spec, generation));
+        Ok(true)
+    }
+}
+
+/// The journal lines for stored pipelines that are not configured: dormant ones, and state
+/// whose definition is unknown.
+fn warn_unconfigured(
+    progress: &Progress,
+    with_data: &[String],
+    wiped: &[&str],
+    configured: impl Fn(&str) -> bool,
+) {
+    for p in progress.pipelines.iter().filter(|p| !configured(&p.name)) {
+        log::warn!(
+            "pipeline `{}` is not configured, and its stored state is kept ({} keys, {} dedup \
+             entries): add it back with the same definition to continue it, or drop it with \
+             `cairn run --reset-pipeline {}`",
+            p.name,
+            p.keys,
+            p.dedup_entries,
+            p.name
+        );
+    }
+    for name in with_data.iter().filter(|n| {
+        !configured(n) && position(progress, n).is_none() && !wiped.contains(&n.as_str())
+    }) {
+        log::warn!(
+            "the store holds state of pipeline `{name}`, which is not configured and whose \
+             definition is unknown: drop it with `cairn run --reset-pipeline {name}`"
+        );
     }
 }

@@ -141,7 +141,7 @@ pub fn pipeline_from_toml(body: &str) -> Result<PipelineSpec, ConfigError> {
 
 impl Config {
     /// The bounds the store applies by itself.
-    pub fn store_bounds(&self) -> crate::store::StoreBounds {
+    pub(crate) fn store_bounds(&self) -> crate::store::StoreBounds {
         crate::store::StoreBounds {
             dead_letters_max_entries: self.dead_letters.max_entries,
             dead_letters_max_age_ms: u64::try_from(self.dead_letters.max_age.as_millis())

@@ -1,3 +1,7 @@
+//! The config parser's tests: one per rule, reading as the list of rules. Long because
+//! the rules are many; split by section they would each need the shared config texts.
+
+use super::names::check_filter;
 use super::*;
 
 /// The smallest valid config: only the required keys.

@@ -43,14 +43,15 @@ pub enum FrameError {
 
 impl FrameError {
     /// Whether the 4-byte length field was complete. A torn tail counts a dropped record
-    /// only for frames whose length header made it to disk.
-    pub fn length_complete(&self) -> bool {
+    /// only for frames whose length header made it to disk. (Only the tests ask now.)
+    #[cfg(test)]
+    pub(crate) fn length_complete(&self) -> bool {
         !matches!(self, FrameError::ShortHeader { have } if *have < 4)
     }
 
     /// Whether the frame's checksum matched (so the bytes are exactly what some writer
     /// wrote: never a torn write).
-    pub fn crc_valid(&self) -> bool {
+    pub(crate) fn crc_valid(&self) -> bool {
         matches!(self, FrameError::Decode { .. })
     }
 }
@@ -99,7 +100,7 @@ fn checksum(len_bytes: &[u8], body: &[u8]) -> u32 {
 
 /// Encode one record as a frame. Panics only on a bug (a `Record` always serialises, and
 /// callers bound the payload and topic before building it).
-pub fn encode(record: &Record) -> Vec<u8> {
+pub(crate) fn encode(record: &Record) -> Vec<u8> {
     // Room for the header, the two strings and ~30 bytes of varints, so the body is
     // serialised in place without reallocating.
     let mut buf = Vec::with_capacity(HEADER_LEN + record.topic.len() + record.payload.len() + 32);
@@ -119,7 +120,7 @@ pub fn encode(record: &Record) -> Vec<u8> {
 }
 
 /// The length field of a header (first 4 bytes of `bytes`, which must hold at least 4).
-pub fn declared_len(bytes: &[u8]) -> u32 {
+pub(crate) fn declared_len(bytes: &[u8]) -> u32 {
     u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]])
 }
 
@@ -143,7 +144,7 @@ pub fn check(bytes: &[u8]) -> Result<(Record, usize), FrameError> {
 
 /// Structural and CRC check without decoding: returns the body length when the frame at
 /// the start of `bytes` is exactly what a writer produced.
-pub fn checked_len(bytes: &[u8]) -> Result<u32, FrameError> {
+pub(crate) fn checked_len(bytes: &[u8]) -> Result<u32, FrameError> {
     if bytes.len() < HEADER_LEN {
         return Err(FrameError::ShortHeader { have: bytes.len() });
     }
@@ -172,7 +173,7 @@ pub fn checked_len(bytes: &[u8]) -> Result<u32, FrameError> {
 
 /// The record offset at the start of a body (postcard writes it first, as a varint), if the
 /// bytes hold a complete varint. Used to reject resync candidates cheaply before a CRC.
-pub fn body_offset_prefix(body: &[u8]) -> Option<Offset> {
+pub(crate) fn body_offset_prefix(body: &[u8]) -> Option<Offset> {
     let mut value: u64 = 0;
     for (i, b) in body.iter().take(10).enumerate() {
         value |= u64::from(b & 0x7f) << (7 * i);
@@ -185,7 +186,7 @@ pub fn body_offset_prefix(body: &[u8]) -> Option<Offset> {
 
 /// Assert that `buf` is a sequence of valid frames (the check right before writing).
 /// Returns how many frames it holds.
-pub fn assert_frames(buf: &[u8]) -> u64 {
+pub(crate) fn assert_frames(buf: &[u8]) -> u64 {
     let mut pos = 0;
     let mut frames = 0;
     while pos < buf.len() {

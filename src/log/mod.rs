@@ -103,8 +103,10 @@
 //!
 //! The crash property runs 1200 cases by default; `CAIRN_LOG_CRASH_CASES` raises it.
 
-pub mod frame;
+pub(crate) mod frame;
+mod open;
 mod reader;
+mod retention;
 mod scan;
 mod verify;
 
@@ -274,106 +276,6 @@ pub struct Log {
 }
 
 impl Log {
-    /// Open (creating the directory if missing) and recover. See the module docs.
-    pub fn open(opts: LogOptions, sync: Durability) -> Result<(Log, Recovery), LogError> {
-        validate(&opts)?;
-        let dir = opts.dir.clone();
-        // The new directory's entries (and its parents') must survive a crash too.
-        crate::fsio::create_dir_all_durable(&dir, &sync)
-            .map_err(io_err("create log directory", &dir))?;
-        let listed = scan::list_segments(&dir).map_err(io_err("list log directory", &dir))?;
-        let mut scans = Vec::with_capacity(listed.len());
-        for (first, path) in &listed {
-            scans.push(scan::scan_segment(path, *first).map_err(io_err("scan segment", path))?);
-        }
-        let findings = scan::classify(&dir, &scans);
-        if let Some(p) = findings.problems.first() {
-            return Err(LogError::Corrupt {
-                segment: p.segment.clone(),
-                offset: p.offset,
-                byte_pos: p.byte_pos,
-                reason: p.reason.clone(),
-            });
-        }
-        for (prev, from, to) in &findings.repaired_gaps {
-            log::warn!(
-                "log: offsets {from}..{to} after {} were lost in an earlier repair (see {}/)",
-                prev.display(),
-                scan::DAMAGED_DIR
-            );
-        }
-
-        let mut torn_bytes_dropped = 0;
-        let mut torn_records_dropped = 0;
-        let mut active = None;
-        if let Some(last) = scans.last_mut() {
-            let file = OpenOptions::new()
-                .append(true)
-                .open(&last.path)
-                .map_err(io_err("open active segment", &last.path))?;
-            if findings.torn_tail {
-                let damage = last.damage.take().expect("torn tail has damage");
-                torn_bytes_dropped = last.file_len - last.valid_end;
-                torn_records_dropped = damage.torn_records;
-                file.set_len(last.valid_end)
-                    .map_err(io_err("truncate torn tail of", &last.path))?;
-                log::warn!(
-                    "log: dropped a torn tail of {torn_bytes_dropped} bytes ({torn_records_dropped} records) at byte {} of {} (offset {}): {}",
-                    last.valid_end,
-                    last.path.display(),
-                    damage.offset,
-                    damage.reason
-                );
-                last.file_len = last.valid_end;
-            }
-            // Make what we recovered durable even if it was only in the page cache (a
-            // SIGKILL keeps it), so that nothing we hand out can vanish in a later crash.
-            sync.sync_file(SyncKind::LogData, &file, &last.path, true)
-                .map_err(io_err("fdatasync active segment", &last.path))?;
-            active = Some(file);
-        }
-        // The last segment's entry may have been created without a directory sync by a
-        // process that crashed right after; make it durable before appending to it.
-        sync.sync_dir(&dir)
-            .map_err(io_err("fsync log directory", &dir))?;
-
-        let segments: Vec<Segment> = scans
-            .iter()
-            .map(|s| Segment {
-                path: s.path.clone(),
-                first_offset: s.first_offset,
-                next_offset: s.next_offset(),
-                bytes: s.valid_end,
-                max_received_at_ms: s.max_received_at_ms,
-            })
-            .collect();
-        let next_offset = segments.last().map_or(0, |s| s.next_offset);
-        let first_offset = segments.first().map_or(next_offset, |s| s.first_offset);
-        let recovery = Recovery {
-            segments: segments.len(),
-            records: scans.iter().map(|s| s.records).sum(),
-            torn_bytes_dropped,
-            torn_records_dropped,
-            first_offset,
-            next_offset,
-        };
-        let disk_bytes = segments.iter().map(|s| s.bytes).sum();
-        let log = Log {
-            opts,
-            sync,
-            segments,
-            active,
-            pending: Vec::new(),
-            pending_records: 0,
-            pending_bytes: 0,
-            disk_bytes,
-            next_offset,
-            durable_next: next_offset,
-            failed: false,
-        };
-        Ok((log, recovery))
-    }
-
     /// Buffer one record in memory and return its offset. Nothing reaches the disk until
     /// [`Log::commit`]. Refusals (`Full`, `PayloadTooLarge`, `TopicTooLong`) leave the log
     /// unchanged.
@@ -392,7 +294,7 @@ impl Log {
     /// As [`Log::append`], for a small record the caller builds (the stand-in for a
     /// refused input): its payload is bounded by [`STAND_IN_MAX_PAYLOAD`] rather than by
     /// `max_payload`, so that a refusal is durable whatever limit is configured.
-    pub fn append_stand_in(
+    pub(crate) fn append_stand_in(
         &mut self,
         received_at_ms: u64,
         topic: &str,
@@ -630,94 +532,9 @@ impl Log {
         Ok(LogReader::new(extents, from))
     }
 
-    /// Delete whole segments whose records all lie below `offset`, oldest first, never the
-    /// active one; then fsync the directory once. Returns how many were removed. The caller
-    /// (the agent) decides `offset` from the durable checkpoint and retention.
-    pub fn truncate_before(&mut self, offset: Offset) -> Result<usize, LogError> {
-        self.check_usable()?;
-        let removable = self
-            .segments
-            .iter()
-            .take(self.segments.len().saturating_sub(1))
-            .take_while(|s| s.next_offset <= offset)
-            .count();
-        let mut removed = 0;
-        let mut result = Ok(());
-        for seg in &self.segments[..removable] {
-            if let Err(e) = fs::remove_file(&seg.path) {
-                result = Err(io_err("remove segment", &seg.path)(e));
-                break;
-            }
-            removed += 1;
-        }
-        for seg in self.segments.drain(..removed) {
-            self.disk_bytes -= seg.bytes;
-        }
-        if removed > 0 {
-            let synced = failpoint::hit("log.segment_delete")
-                .and_then(|()| self.sync.sync_dir(&self.opts.dir));
-            if let Err(e) = synced {
-                self.failed = true;
-                return Err(io_err("fsync log directory", &self.opts.dir)(e));
-            }
-        }
-        result.map(|()| removed)
-    }
-
-    /// Is the log short of room: do fewer than two more segments fit under `max_size` (one,
-    /// in a log of fewer than three)?
-    pub fn short_of_room(&self) -> bool {
-        self.needs_room(self.size_bytes())
-    }
-
-    /// Room for two more segments (one in a log of fewer than three): with only one, a
-    /// burst between two checkpoints fills it before retention runs again, and ingest
-    /// flaps in and out of backpressure (seen in `benches/longrun.rs`).
-    fn needs_room(&self, size: u64) -> bool {
-        let (seg, max) = (self.opts.segment_size, self.opts.max_size);
-        let want = seg
-            .saturating_mul(2)
-            .min(max.saturating_sub(seg))
-            .max(seg.min(max));
-        size.saturating_add(want) > max
-    }
-
-    /// Decide what retention deletes (the rule is in the module docs). `durable` is the
-    /// `next_offset` of the last committed checkpoint: nothing at or above it is ever chosen.
-    /// `floor` is the newest savepoint's offset (`u64::MAX` for none); `cutoff_ms` the
-    /// newest `received_at_ms` a segment may hold to count as outside retention.
-    pub fn plan_retention(&self, durable: Offset, floor: Offset, cutoff_ms: u64) -> RetentionPlan {
-        let mut plan = RetentionPlan {
-            below: self.first_offset(),
-            evicted: 0,
-            floor_blocks: false,
-        };
-        let mut size = self.size_bytes();
-        let sealed = self.segments.len().saturating_sub(1);
-        for s in &self.segments[..sealed] {
-            if s.next_offset > durable {
-                break;
-            }
-            let expired = s.next_offset <= floor && s.max_received_at_ms <= cutoff_ms;
-            if !expired {
-                if !self.needs_room(size) {
-                    break;
-                }
-                if s.next_offset > floor {
-                    plan.floor_blocks = true;
-                    break;
-                }
-                plan.evicted += 1;
-            }
-            plan.below = s.next_offset;
-            size = size.saturating_sub(s.bytes);
-        }
-        plan
-    }
-
     /// Change the size bound (a config reload). Lowering it below the current size only
     /// refuses appends until retention frees space; nothing is deleted for it.
-    pub fn set_max_size(&mut self, max_size: u64) {
+    pub(crate) fn set_max_size(&mut self, max_size: u64) {
         self.opts.max_size = max_size.max(1);
     }
 
@@ -741,191 +558,5 @@ pub fn read_dir(dir: &Path, from: Offset) -> Result<LogReader, LogError> {
     LogReader::open_dir(dir, from)
 }
 
-fn validate(opts: &LogOptions) -> Result<(), LogError> {
-    if opts.segment_size == 0 {
-        return Err(LogError::InvalidOptions("segment_size must be > 0".into()));
-    }
-    if opts.max_size == 0 {
-        return Err(LogError::InvalidOptions("max_size must be > 0".into()));
-    }
-    if opts.max_payload > frame::MAX_PAYLOAD_LIMIT {
-        return Err(LogError::InvalidOptions(format!(
-            "max_payload {} exceeds the frame limit {}",
-            opts.max_payload,
-            frame::MAX_PAYLOAD_LIMIT
-        )));
-    }
-    Ok(())
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::fsio::TestSync;
-
-    fn opts(dir: &Path, segment_size: u64, max_size: u64) -> LogOptions {
-        LogOptions {
-            dir: dir.join("log"),
-            segment_size,
-            max_size,
-            max_payload: 1024,
-        }
-    }
-
-    #[test]
-    fn an_empty_directory_opens_empty_and_records_roundtrip_in_order() {
-        let tmp = tempfile::tempdir().unwrap();
-        let (mut log, rec) = Log::open(opts(tmp.path(), 200, 1 << 20), TestSync::new()).unwrap();
-        assert_eq!((rec.records, rec.next_offset, rec.segments), (0, 0, 0));
-        assert_eq!(log.commit().unwrap(), None);
-        for i in 0..20u64 {
-            assert_eq!(
-                log.append(i, "t/x", &[i as u8; 30], 1, i % 2 == 0).unwrap(),
-                i
-            );
-        }
-        assert_eq!(log.pending(), 20);
-        assert_eq!(
-            log.read_from(0).unwrap().count(),
-            0,
-            "reads see only durable records"
-        );
-        assert_eq!(log.commit().unwrap(), Some(19));
-        assert!(log.segments().len() > 1, "small segments roll");
-        let got: Vec<Record> = log.read_from(5).unwrap().map(Result::unwrap).collect();
-        assert_eq!(
-            got.iter().map(|r| r.offset).collect::<Vec<_>>(),
-            (5..20).collect::<Vec<_>>()
-        );
-        assert_eq!(got[0].payload, vec![5u8; 30]);
-        drop(log);
-        let (log, rec) = Log::open(opts(tmp.path(), 200, 1 << 20), TestSync::new()).unwrap();
-        assert_eq!(
-            (rec.records, rec.next_offset, rec.torn_bytes_dropped),
-            (20, 20, 0)
-        );
-        assert_eq!(log.read_from(0).unwrap().count(), 20);
-    }
-
-    #[test]
-    fn full_and_too_large_refusals_leave_the_log_unchanged() {
-        let tmp = tempfile::tempdir().unwrap();
-        let (mut log, _) = Log::open(opts(tmp.path(), 1000, 300), TestSync::new()).unwrap();
-        log.append(1, "t", &[0; 100], 0, false).unwrap();
-        let before = (log.next_offset(), log.size_bytes(), log.pending());
-        assert!(matches!(
-            log.append(1, "t", &[0; 2000], 0, false),
-            Err(LogError::PayloadTooLarge {
-                len: 2000,
-                max: 1024
-            })
-        ));
-        log.append(1, "t", &[0; 100], 0, false).unwrap();
-        let before_full = (log.next_offset(), log.size_bytes(), log.pending());
-        assert_ne!(before, before_full);
-        assert!(matches!(
-            log.append(1, "t", &[0; 100], 0, false),
-            Err(LogError::Full { max: 300, .. })
-        ));
-        assert_eq!(
-            before_full,
-            (log.next_offset(), log.size_bytes(), log.pending())
-        );
-        assert_eq!(log.commit().unwrap(), Some(1));
-    }
-
-    #[test]
-    fn a_stand_in_is_bounded_by_its_own_limit_not_max_payload() {
-        let tmp = tempfile::tempdir().unwrap();
-        let mut o = opts(tmp.path(), 1 << 16, 1 << 20);
-        o.max_payload = 16;
-        let (mut log, _) = Log::open(o, TestSync::new()).unwrap();
-        assert!(log.append(1, "t", &[0; 100], 1, false).is_err());
-        assert_eq!(log.append_stand_in(1, "t", &[0; 100], 1, false).unwrap(), 0);
-        let too_big = vec![0; STAND_IN_MAX_PAYLOAD as usize + 1];
-        assert!(matches!(
-            log.append_stand_in(1, "t", &too_big, 1, false),
-            Err(LogError::PayloadTooLarge { .. })
-        ));
-        assert_eq!(log.commit().unwrap(), Some(0));
-    }
-
-    #[test]
-    fn reading_below_the_first_held_offset_is_an_error() {
-        let tmp = tempfile::tempdir().unwrap();
-        let (mut log, _) = Log::open(opts(tmp.path(), 100, 1 << 20), TestSync::new()).unwrap();
-        for _ in 0..10 {
-            log.append(1, "t", &[0; 40], 0, false).unwrap();
-        }
-        log.commit().unwrap();
-        assert!(log.truncate_before(6).unwrap() > 0);
-        let first = log.first_offset();
-        assert!(first > 0 && first <= 6);
-        assert!(matches!(log.read_from(0), Err(LogError::Truncated { .. })));
-        assert_eq!(log.read_from(first).unwrap().count() as u64, 10 - first);
-    }
-
-    /// 10 segments of 2 records each (`segment_size` 100, frames of ~50 bytes).
-    fn ten_segments(dir: &Path, max_size: u64) -> Log {
-        let (mut log, _) = Log::open(opts(dir, 100, max_size), TestSync::new()).unwrap();
-        for i in 0..20u64 {
-            log.append(1000 + i, "t", &[0; 30], 0, false).unwrap();
-        }
-        log.commit().unwrap();
-        assert_eq!(log.segments().len(), 10);
-        log
-    }
-
-    #[test]
-    fn retention_plan_with_room_keeps_what_is_recent_or_above_the_floor_or_unprocessed() {
-        let tmp = tempfile::tempdir().unwrap();
-        let log = ten_segments(tmp.path(), 1 << 20);
-        let plan = |durable, floor, cutoff| log.plan_retention(durable, floor, cutoff);
-        // Everything old and processed: all sealed segments go, never the active one.
-        assert_eq!(plan(20, u64::MAX, u64::MAX).below, 18);
-        // Only durable progress counts: a checkpoint at 7 frees [0, 6).
-        assert_eq!(plan(7, u64::MAX, u64::MAX).below, 6);
-        // The savepoint floor at 5 holds from [4, 6) on.
-        assert_eq!(plan(20, 5, u64::MAX).below, 4);
-        // Records received after the cutoff (1005) stay: segment [4, 6) holds 1005.
-        let p = plan(20, u64::MAX, 1004);
-        assert_eq!((p.below, p.evicted, p.floor_blocks), (4, 0, false));
-    }
-
-    #[test]
-    fn retention_plan_short_of_room_evicts_processed_segments_oldest_first_but_never_unprocessed() {
-        let tmp = tempfile::tempdir().unwrap();
-        let mut log = ten_segments(tmp.path(), 1 << 20);
-        let seg = log.segments()[0].bytes;
-        assert!(log.segments().iter().all(|s| s.bytes == seg) && (90..180).contains(&seg));
-        // Room for two segments (200) only once two segments (2 × seg >= 180) are gone.
-        let size = log.size_bytes();
-        log.set_max_size(size + 20);
-        assert!(log.short_of_room());
-        let plan = |durable, floor, cutoff| {
-            let p = log.plan_retention(durable, floor, cutoff);
-            (p.below, p.evicted, p.floor_blocks)
-        };
-        // Inside retention, yet processed: the two oldest go, and no more than needed.
-        assert_eq!(plan(20, u64::MAX, 0), (4, 2, false));
-        // Unprocessed records stay even when short of room.
-        assert_eq!(plan(3, u64::MAX, 0), (2, 1, false));
-        assert_eq!(plan(0, u64::MAX, u64::MAX), (0, 0, false));
-        // Expired segments go first without counting as evicted.
-        assert_eq!(plan(20, 4, 1001), (4, 1, false));
-        // A savepoint floor in the way is reported, not silently obeyed or ignored.
-        assert_eq!(plan(20, 1, 0), (0, 0, true));
-        assert_eq!(plan(20, 2, 1001), (2, 0, true));
-    }
-
-    #[test]
-    fn invalid_options_are_refused() {
-        let tmp = tempfile::tempdir().unwrap();
-        let mut o = opts(tmp.path(), 100, 100);
-        o.max_payload = frame::MAX_PAYLOAD_LIMIT + 1;
-        assert!(matches!(
-            Log::open(o, TestSync::new()),
-            Err(LogError::InvalidOptions(_))
-        ));
-    }
-}
+mod tests;

@@ -58,7 +58,7 @@ impl LogReader {
     /// is read, so a torn (or still being written) tail is simply not shown. Damage that
     /// `Log::open` would refuse is yielded as `LogError::Corrupt` after the records before
     /// it. Costs two reads of the segments it covers.
-    pub fn open_dir(dir: &Path, from: Offset) -> Result<LogReader, LogError> {
+    pub(crate) fn open_dir(dir: &Path, from: Offset) -> Result<LogReader, LogError> {
         let listed = scan::list_segments(dir).map_err(io_err("list log directory", dir))?;
         let mut extents = Vec::new();
         let mut trailing_error = None;

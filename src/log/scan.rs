@@ -20,12 +20,12 @@ const CHUNK: usize = 64 * 1024;
 /// Subdirectory where `repair_dir` keeps damaged segments.
 pub const DAMAGED_DIR: &str = "damaged";
 
-pub fn segment_file_name(first_offset: Offset) -> String {
+pub(crate) fn segment_file_name(first_offset: Offset) -> String {
     format!("{first_offset:020}.log")
 }
 
 /// `Some(offset)` for names of the form `00000000000000000042.log`.
-pub fn parse_segment_name(name: &str) -> Option<Offset> {
+pub(crate) fn parse_segment_name(name: &str) -> Option<Offset> {
     let digits = name.strip_suffix(".log")?;
     if digits.len() != 20 || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return None;
@@ -34,7 +34,7 @@ pub fn parse_segment_name(name: &str) -> Option<Offset> {
 }
 
 /// Segment files in `dir`, sorted by first offset. Other entries are ignored.
-pub fn list_segments(dir: &Path) -> io::Result<Vec<(Offset, PathBuf)>> {
+pub(crate) fn list_segments(dir: &Path) -> io::Result<Vec<(Offset, PathBuf)>> {
     let mut out = Vec::new();
     for entry in fs::read_dir(dir)? {
         let entry = entry?;
@@ -87,7 +87,7 @@ impl Window {
     }
 
     /// The frame at `pos`: the record and frame length, or why it is not a frame.
-    pub fn frame_at(&mut self, pos: u64) -> io::Result<Result<(Record, u64), FrameError>> {
+    pub(crate) fn frame_at(&mut self, pos: u64) -> io::Result<Result<(Record, u64), FrameError>> {
         let avail = self.len - pos;
         let header_n = avail.min(HEADER_LEN as u64) as usize;
         let header = self.bytes(pos, header_n)?;
@@ -186,7 +186,7 @@ impl SegmentScan {
 /// Scan one segment: walk frames from byte 0, checking CRC, decoding, and that offsets run
 /// consecutively from the one in the file name. Stops at the first invalid frame and
 /// characterises what follows it.
-pub fn scan_segment(path: &Path, first_offset: Offset) -> io::Result<SegmentScan> {
+pub(crate) fn scan_segment(path: &Path, first_offset: Offset) -> io::Result<SegmentScan> {
     let file = File::open(path)?;
     let len = file.metadata()?.len();
     let mut w = Window::new(file, len);
@@ -342,7 +342,7 @@ pub struct Findings {
 
 /// Whether `damaged/` holds a file for the segment `name` (left by `repair_dir`), which is
 /// what makes a gap in offsets after that segment expected.
-pub fn has_damaged_copy(dir: &Path, name: &str) -> bool {
+pub(crate) fn has_damaged_copy(dir: &Path, name: &str) -> bool {
     let Ok(entries) = fs::read_dir(dir.join(DAMAGED_DIR)) else {
         return false;
     };
@@ -354,7 +354,7 @@ pub fn has_damaged_copy(dir: &Path, name: &str) -> bool {
     })
 }
 
-pub fn classify(dir: &Path, scans: &[SegmentScan]) -> Findings {
+pub(crate) fn classify(dir: &Path, scans: &[SegmentScan]) -> Findings {
     let mut f = Findings::default();
     let last = scans.len().saturating_sub(1);
     for (i, s) in scans.iter().enumerate() {

@@ -80,7 +80,7 @@ pub fn changes(stored: &str, configured: &str) -> Vec<(String, Option<String>, O
 }
 
 /// The changed settings as indented lines, stored above configured.
-pub fn explain_changes(stored: &str, configured: &str) -> String {
+pub(crate) fn explain_changes(stored: &str, configured: &str) -> String {
     let mut lines = Vec::new();
     for (k, s, c) in changes(stored, configured) {
         let show = |v: Option<String>| v.map_or(format!("{k} not set"), |v| format!("{k} = {v}"));

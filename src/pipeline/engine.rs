@@ -1,16 +1,20 @@
 //! The processor core: `apply(record)` over a read-only view of the last checkpoint plus
 //! an in-memory overlay of everything applied since. Pure and deterministic: the same
 //! checkpoint and the same log records give the same write set, byte for byte.
+//!
+//! Why one file of ~680 lines: the apply path (dedup, slots, next state, emit, eviction)
+//! is one state machine over the engine's private overlay; split across files, each step
+//! would need that overlay opened to its siblings. The plain data it produces lives in
+//! [`crate::model`].
 
 use std::collections::BTreeMap;
-
-use serde::{Deserialize, Serialize};
 
 use super::parse::{Parsed, Refusal, parse};
 use super::spec::{Emit, PipelineSpec};
 use super::topic::{check_publish_topic, escape_key, matches, render};
 use super::value::{KeyState, Num};
-use crate::model::{Offset, Record};
+use crate::model::Record;
+pub use crate::model::{Counters, DeadLetter, Output, PipelineProgress, Progress};
 
 /// Longest payload prefix kept in a dead letter.
 pub const DEAD_LETTER_PAYLOAD_MAX: usize = 1024;
@@ -28,46 +32,6 @@ pub trait ReadState {
     fn dedup(&self, pipeline: &str, event_id: &str) -> Result<Option<u64>, ReadError>;
     /// State keys of a windowed pipeline whose window start lies in `[from, to)`.
     fn window_keys(&self, pipeline: &str, from: u64, to: u64) -> Result<Vec<Vec<u8>>, ReadError>;
-}
-
-/// Counters that live in the checkpoint, so replay recomputes them exactly.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Counters {
-    pub applied: u64,
-    pub duplicates: u64,
-    pub dead_letters: u64,
-    pub outputs: u64,
-    /// Inputs the pipeline's `where` filter skipped.
-    pub filtered: u64,
-}
-
-/// Per-pipeline progress, checkpointed.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PipelineProgress {
-    pub name: String,
-    /// Greatest event time applied; the watermark is this minus the allowed lateness.
-    pub max_event_time_ms: u64,
-    /// Windows starting before this were closed and evicted.
-    pub evicted_below: u64,
-    /// Live state entries (keys, or key-windows).
-    pub keys: u64,
-    pub dedup_entries: u64,
-    pub counters: Counters,
-    /// The definition that wrote this state (see [`definition`]).
-    pub definition: String,
-    /// A new key's first version is `version_base + 1`. Zero, unless the pipeline was reset:
-    /// then it is the highest version emitted before, so output IDs never repeat and a
-    /// consumer keeping the highest version per key accepts the new values.
-    pub version_base: u64,
-    /// Highest version this pipeline ever gave a key.
-    pub max_version: u64,
-    /// Which lineage of state this is: a new one starts whenever the pipeline starts over
-    /// from empty state where results of an earlier one may already have gone out (a reset, a
-    /// store rebuilt from the log, a pipeline dropped and added again). Output IDs of
-    /// generation 2 and later carry it (`name@2/key/version`), so a new generation never
-    /// reuses an ID that went out with another payload. 0 and 1 both mean the first: IDs
-    /// without a generation, as before generations existed.
-    pub generation: u32,
 }
 
 impl PipelineProgress {
@@ -93,7 +57,7 @@ impl PipelineProgress {
 
     /// What output IDs start with: the name, and from generation 2 on `@generation`.
     /// Pipeline names cannot contain `@`, so no generation's prefix is another pipeline's.
-    pub fn id_prefix(&self) -> String {
+    pub(crate) fn id_prefix(&self) -> String {
         if self.generation > 1 {
             format!("{}@{}", self.name, self.generation)
         } else {
@@ -102,54 +66,9 @@ impl PipelineProgress {
     }
 }
 
-/// Everything besides the trees that a checkpoint records.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Progress {
-    /// The first log offset not yet reflected in the checkpoint.
-    pub next_offset: Offset,
-    pub checkpoint_id: u64,
-    /// Greatest `received_at_ms` seen: the clock the dedup window is measured with. It
-    /// never goes back, even if the box's clock does.
-    pub log_clock_ms: u64,
-    /// Records read (matching a pipeline or not).
-    pub records: u64,
-    /// Records that matched no pipeline.
-    pub unmatched: u64,
-    /// Next outbox sequence number.
-    pub outbox_seq: u64,
-    /// The configured pipelines first, in config order (the engine indexes them by their
-    /// position in the config), then dormant ones: stored but no longer configured. Dormant
-    /// entries are kept so that a pipeline that comes back is compared with the definition
-    /// that wrote its state, and so that their state can be reported and dropped.
-    pub pipelines: Vec<PipelineProgress>,
-}
-
-/// One result bound for the broker.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Output {
-    /// `pipeline/key[/window_start]/version`, the key escaped: stable across replays.
-    pub id: String,
-    pub topic: String,
-    pub payload: Vec<u8>,
-    pub retain: bool,
-    /// Emitted as an upsert: a newer output of the same key (and window) makes this one
-    /// worthless, so the outbox need not send it if it has not gone yet.
-    pub latest_only: bool,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DeadLetter {
-    pub offset: Offset,
-    pub pipeline: String,
-    pub topic: String,
-    pub reason: String,
-    pub detail: String,
-    pub received_at_ms: u64,
-    /// At most [`DEAD_LETTER_PAYLOAD_MAX`] bytes of the payload.
-    pub payload: Vec<u8>,
-}
-
-/// The write set of one checkpoint, in a deterministic order.
+/// The write set of one checkpoint, in a deterministic order. It stays here, beside the
+/// engine, rather than in [`crate::model`]: it holds the pipeline's [`KeyState`], and `model`
+/// depends on no other module.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Batch {
     /// `None` deletes (an evicted window).
@@ -743,7 +662,7 @@ fn check_key(spec: &PipelineSpec, ev: Parsed) -> Result<Parsed, Refusal> {
 /// The ledger identity of a refused input: FNV-1a (64-bit) over its topic and payload, in a
 /// namespace no event ID can enter (event IDs with control characters are refused).
 /// Written by hand so it never changes with a toolchain: the ledger outlives builds.
-pub fn dead_letter_id(topic: &str, payload: &[u8]) -> String {
+pub(crate) fn dead_letter_id(topic: &str, payload: &[u8]) -> String {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for &b in topic
         .as_bytes()

@@ -114,7 +114,7 @@ fn err<T>(offset: usize, message: impl Into<String>) -> Result<T, SyntaxError> {
 }
 
 /// Parse a filter for a pipeline of the given format.
-pub fn parse_filter(text: &str, format: &Format) -> Result<Expr, SyntaxError> {
+pub(crate) fn parse_filter(text: &str, format: &Format) -> Result<Expr, SyntaxError> {
     if text.len() > MAX_LEN {
         return err(0, format!("longer than {MAX_LEN} bytes"));
     }
@@ -376,7 +376,7 @@ fn wrong(detail: String) -> Refusal {
 impl Expr {
     /// Whether an input matches; `get` reads a field (refusing a missing one). A comparison
     /// of values of different types is a refusal (`wrong_type`), never silently false.
-    pub fn eval(
+    pub(crate) fn eval(
         &self,
         get: &mut dyn FnMut(&Field) -> Result<Value, Refusal>,
     ) -> Result<bool, Refusal> {

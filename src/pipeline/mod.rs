@@ -3,15 +3,15 @@
 //! last checkpoint and the record, so replay recomputes exactly what a crash lost
 //! (invariant 3; guarded by `tests/model.rs`).
 
-pub mod describe;
+pub(crate) mod describe;
 pub mod engine;
 pub mod filter;
 pub mod memory;
-pub mod parse;
-pub mod sketch;
+pub(crate) mod parse;
+pub(crate) mod sketch;
 pub mod spec;
 pub mod time;
-pub mod topic;
+pub(crate) mod topic;
 pub mod value;
 
 pub use engine::{

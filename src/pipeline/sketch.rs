@@ -24,7 +24,8 @@ pub const MANTISSA_BITS: u32 = 7;
 /// must stay below that: 17 × 6.5 KiB leaves room for keys and the other aggregates.
 pub const MAX_BUCKETS: usize = 512;
 /// Largest relative error of a reported percentile with respect to the value at its rank,
-/// while no buckets were folded: 2^-MANTISSA_BITS.
+/// while no buckets were folded: 2^-MANTISSA_BITS. Only the tests check against it.
+#[cfg(test)]
 pub const RELATIVE_ERROR: f64 = 1.0 / 128.0;
 
 const SHIFT: u32 = 52 - MANTISSA_BITS;
@@ -73,7 +74,8 @@ impl Sketch {
 
     /// Everything both sketches counted: merging is exact (bucket counts add) and
     /// order-independent, up to the folding of buckets beyond [`MAX_BUCKETS`].
-    pub fn merge(&self, other: &Sketch) -> Option<Sketch> {
+    #[cfg(test)] // only the tests merge sketches (a property of the encoding)
+    pub(crate) fn merge(&self, other: &Sketch) -> Option<Sketch> {
         let mut s = self.clone();
         for &(b, n) in &other.buckets {
             s.add_count(b, n)?;
@@ -88,7 +90,8 @@ impl Sketch {
             .fold(0u64, |t, &(_, n)| t.saturating_add(n))
     }
 
-    pub fn buckets(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn buckets(&self) -> usize {
         self.buckets.len()
     }
 
@@ -122,7 +125,7 @@ impl Sketch {
     /// The `permille`/1000 quantile by the nearest-rank rule: the value at rank
     /// `ceil(q · n)` (at least 1) in ascending order, as its bucket's bound. Integer
     /// arithmetic, so the rank never depends on float rounding. `None` when empty.
-    pub fn quantile(&self, permille: u16) -> Option<f64> {
+    pub(crate) fn quantile(&self, permille: u16) -> Option<f64> {
         let n = u128::from(self.total());
         if n == 0 {
             return None;

@@ -116,7 +116,7 @@ impl AggregateSpec {
     }
 
     /// Whether events need a value field: everything but a lone `count` does.
-    pub fn needs_value(&self) -> bool {
+    pub(crate) fn needs_value(&self) -> bool {
         self.all().iter().any(|a| *a != Aggregate::Count)
     }
 }

@@ -31,7 +31,7 @@ pub fn matches(filter: &str, topic: &str) -> bool {
 /// widen the topic, a leading `$` makes a topic the broker reserves (mosquitto accepts the
 /// publish and drops it), and braces would read as placeholders of the template. Injective,
 /// since every escape starts with `%` and `%` itself is escaped: two keys never share a topic.
-pub fn escape_key(key: &str) -> String {
+pub(crate) fn escape_key(key: &str) -> String {
     let mut out = String::with_capacity(key.len());
     for c in key.chars() {
         match c {
@@ -77,7 +77,7 @@ pub fn render(template: &str, escaped_key: &str, window_start: Option<u64>) -> S
 /// A topic a result may be published to: not reserved for the broker (`$...`, checked here
 /// as well as on the template, so no key or template edit can reach one) and within MQTT's
 /// length limit.
-pub fn check_publish_topic(topic: &str) -> Result<(), Refusal> {
+pub(crate) fn check_publish_topic(topic: &str) -> Result<(), Refusal> {
     if topic.starts_with('$') {
         return Err(Refusal {
             reason: "bad_topic",

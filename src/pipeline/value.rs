@@ -40,7 +40,7 @@ impl Num {
 
     /// `None` when the sum cannot be held: integer overflow, or a floating-point sum (or an
     /// integer entering one) outside the exact range, where precision would be lost silently.
-    pub fn checked_add(self, other: Num) -> Option<Num> {
+    pub(crate) fn checked_add(self, other: Num) -> Option<Num> {
         match (self, other) {
             (Num::Int(a), Num::Int(b)) => a.checked_add(b).map(Num::Int),
             (a, b) => Num::Float(a.exact_f64()? + b.exact_f64()?)
@@ -49,14 +49,14 @@ impl Num {
         }
     }
 
-    pub fn cmp_value(self, other: Num) -> Ordering {
+    pub(crate) fn cmp_value(self, other: Num) -> Ordering {
         match (self, other) {
             (Num::Int(a), Num::Int(b)) => a.cmp(&b),
             (a, b) => a.as_f64().total_cmp(&b.as_f64()),
         }
     }
 
-    pub fn to_json(self) -> serde_json::Value {
+    pub(crate) fn to_json(self) -> serde_json::Value {
         match self {
             Num::Int(i) => serde_json::Value::from(i),
             Num::Float(f) => serde_json::Number::from_f64(f)
@@ -308,7 +308,7 @@ impl KeyState {
     }
 
     /// Whether the output carries `values` (a list of aggregates) instead of `value`.
-    pub fn is_multi(&self) -> bool {
+    pub(crate) fn is_multi(&self) -> bool {
         matches!(self.agg, Agg::Multi(_))
     }
 }

@@ -16,7 +16,8 @@ use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::{LOCK_WAIT, Store, StoreBounds, StoreError, io_err};
+use super::open::LOCK_WAIT;
+use super::{Store, StoreBounds, StoreError, io_err};
 use crate::fsio::{SyncKind, SyncSeam};
 
 /// A copy needs no fsync: it is thrown away.
@@ -102,7 +103,7 @@ fn copy_dir(from: &Path, to: &Path) -> Result<(), StoreError> {
 
 impl Store {
     /// Open a private copy of the store in `dir` (see the module docs); `dir` is only read.
-    pub fn open_copy(dir: &Path, cache_bytes: u64) -> Result<StoreCopy, StoreError> {
+    pub(crate) fn open_copy(dir: &Path, cache_bytes: u64) -> Result<StoreCopy, StoreError> {
         let db = dir.join("db");
         let lock = lock_shared(&db, dir)?;
         let nanos = std::time::SystemTime::now()

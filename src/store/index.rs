@@ -199,7 +199,7 @@ impl FingerprintIndex {
     /// # Panics
     ///
     /// If the table is at 2^31 slots and full.
-    pub fn insert_tag(&mut self, hash: u64, tag: u32) {
+    pub(crate) fn insert_tag(&mut self, hash: u64, tag: u32) {
         if self.len + 1 > max_len(self.slots.len()) {
             self.grow();
         }
@@ -209,7 +209,7 @@ impl FingerprintIndex {
 
     /// The tags of every entry whose fingerprint equals `hash`'s, pushed into `out` (cleared
     /// first). The order is unspecified.
-    pub fn tags(&self, hash: u64, out: &mut Vec<u32>) {
+    pub(crate) fn tags(&self, hash: u64, out: &mut Vec<u32>) {
         out.clear();
         let fp = fingerprint(hash);
         let mask = self.slots.len() - 1;
@@ -236,7 +236,7 @@ impl FingerprintIndex {
 
     /// The record-time ranges of the entries matching `hash` (the tests' view).
     #[cfg(test)]
-    pub fn candidates(&self, hash: u64, out: &mut Vec<(u64, u64)>) {
+    pub(crate) fn candidates(&self, hash: u64, out: &mut Vec<(u64, u64)>) {
         let mut tags = Vec::new();
         self.tags(hash, &mut tags);
         out.clear();
@@ -250,7 +250,7 @@ impl FingerprintIndex {
     }
 
     /// Remove ONE entry equal to (hash's fp, tag). Returns whether one was found.
-    pub fn remove_tag(&mut self, hash: u64, tag: u32) -> bool {
+    pub(crate) fn remove_tag(&mut self, hash: u64, tag: u32) -> bool {
         let target = pack(fingerprint(hash), tag);
         let n = self.slots.len();
         let mask = n - 1;
@@ -287,7 +287,7 @@ impl FingerprintIndex {
     }
 
     /// Bytes held by the table (slots * 8), for the footprint figures.
-    pub fn memory_bytes(&self) -> usize {
+    pub(crate) fn memory_bytes(&self) -> usize {
         self.slots.len() * size_of::<u64>()
     }
 
@@ -295,7 +295,7 @@ impl FingerprintIndex {
     /// holds them), or `None` if no table of at most 2^31 slots can. The ledger asks before
     /// it indexes a chunk, so that the index stays within its memory bound and never reaches
     /// the panic in [`FingerprintIndex::insert_tag`].
-    pub fn bytes_to_hold(&self, extra: usize) -> Option<usize> {
+    pub(crate) fn bytes_to_hold(&self, extra: usize) -> Option<usize> {
         let want = self.len.checked_add(extra)?;
         let mut slots = self.slots.len();
         while max_len(slots) < want {
@@ -336,459 +336,5 @@ impl fmt::Debug for FingerprintIndex {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    /// A hash whose fingerprint is `fp | 1`; the low 32 bits vary with `tag` (and are ignored).
-    fn h(fp: u32, tag: u32) -> u64 {
-        (u64::from(fp) << 32) | u64::from(tag)
-    }
-
-    /// The sorted candidates of `hash`.
-    fn sorted(ix: &FingerprintIndex, hash: u64) -> Vec<(u64, u64)> {
-        let mut out = Vec::new();
-        ix.candidates(hash, &mut out);
-        out.sort_unstable();
-        out
-    }
-
-    /// Checks the table's invariants: `len` counts the used slots, there is an empty slot, and
-    /// every entry is reachable: all the slots from its home bucket to it (cyclically) are used.
-    fn check_invariants(ix: &FingerprintIndex) {
-        let n = ix.slots.len();
-        assert!(n.is_power_of_two() && n >= MIN_SLOTS);
-        let used = ix.slots.iter().filter(|&&s| s != EMPTY).count();
-        assert_eq!(used, ix.len, "len counts the used slots");
-        assert!(used <= max_len(n), "load at most 7/8");
-        for (p, &slot) in ix.slots.iter().enumerate() {
-            if slot == EMPTY {
-                continue;
-            }
-            assert_eq!(slot_fp(slot) & 1, 1, "fp has its lowest bit set");
-            let mut i = home(slot_fp(slot), n);
-            while i != p {
-                assert_ne!(ix.slots[i], EMPTY, "slot {p} unreachable: {i} is empty");
-                i = (i + 1) % n;
-            }
-        }
-    }
-
-    /// A well-mixed hash of `i` (splitmix64's finaliser).
-    fn mix(i: u64) -> u64 {
-        let mut z = i.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    #[test]
-    fn new_index_is_empty_with_16_slots() {
-        let ix = FingerprintIndex::new();
-        assert_eq!(ix.len(), 0);
-        assert!(ix.is_empty());
-        assert_eq!(ix.memory_bytes(), 16 * 8);
-        assert_eq!(sorted(&ix, 0), vec![]);
-        assert_eq!(sorted(&ix, u64::MAX), vec![]);
-        assert_eq!(FingerprintIndex::default().memory_bytes(), 16 * 8);
-        check_invariants(&ix);
-    }
-
-    #[test]
-    fn insert_gives_the_coarse_time_range() {
-        let mut ix = FingerprintIndex::new();
-        let a = h(0x1234_5678, 7);
-        ix.insert(a, 5000);
-        assert_eq!(ix.len(), 1);
-        assert!(!ix.is_empty());
-        assert_eq!(sorted(&ix, a), vec![(4096, 5119)]);
-        assert_eq!(
-            sorted(&ix, h(0x1234_567A, 7)),
-            vec![],
-            "another fingerprint"
-        );
-        ix.insert(h(0x0000_0000, 0), 0);
-        assert_eq!(sorted(&ix, 0), vec![(0, 1023)]);
-        check_invariants(&ix);
-    }
-
-    #[test]
-    fn candidates_clears_the_output_first() {
-        let mut ix = FingerprintIndex::new();
-        ix.insert(h(0xABCD_0001, 0), 2048);
-        let mut out = vec![(1, 2), (3, 4)];
-        ix.candidates(h(0xABCD_0001, 0), &mut out);
-        assert_eq!(out, vec![(2048, 3071)]);
-        ix.candidates(h(0x5555_5555, 0), &mut out);
-        assert_eq!(out, vec![]);
-    }
-
-    #[test]
-    fn fingerprint_ignores_the_low_half_and_the_lowest_fp_bit() {
-        let mut ix = FingerprintIndex::new();
-        ix.insert(h(0xDEAD_BEEE, 1), 1024);
-        ix.insert(h(0xDEAD_BEEF, 2), 3000);
-        let both = vec![(1024, 2047), (2048, 3071)];
-        assert_eq!(sorted(&ix, h(0xDEAD_BEEE, 99)), both);
-        assert_eq!(sorted(&ix, h(0xDEAD_BEEF, 0)), both);
-        assert_eq!(sorted(&ix, h(0xDEAD_BEEC, 0)), vec![]);
-        // Removal matches the same fingerprint too.
-        assert!(ix.remove(h(0xDEAD_BEEF, 5), 1024));
-        assert_eq!(sorted(&ix, h(0xDEAD_BEEE, 0)), vec![(2048, 3071)]);
-    }
-
-    #[test]
-    fn remove_takes_out_one_matching_entry() {
-        let mut ix = FingerprintIndex::new();
-        let a = h(0x4000_0000, 0);
-        let b = h(0x4000_0002, 0);
-        ix.insert(a, 10_000);
-        ix.insert(b, 10_000);
-        assert!(!ix.remove(a, 20_000), "other coarse time");
-        assert!(!ix.remove(h(0x4000_0004, 0), 10_000), "other fingerprint");
-        assert_eq!(ix.len(), 2);
-        // Same coarse unit (9216..=10239), other millisecond: the same entry.
-        assert!(ix.remove(a, 9216));
-        assert_eq!(ix.len(), 1);
-        assert_eq!(sorted(&ix, a), vec![]);
-        assert_eq!(sorted(&ix, b), vec![(9216, 10239)]);
-        assert!(!ix.remove(a, 10_000));
-        assert!(ix.remove(b, 10_239));
-        assert!(ix.is_empty());
-        check_invariants(&ix);
-    }
-
-    #[test]
-    fn duplicates_are_separate_entries() {
-        let mut ix = FingerprintIndex::new();
-        let a = h(0x9999_9999, 0);
-        ix.insert(a, 77_777);
-        ix.insert(a, 77_777);
-        ix.insert(a, 1);
-        assert_eq!(ix.len(), 3);
-        assert_eq!(
-            sorted(&ix, a),
-            vec![(0, 1023), (76_800, 77_823), (76_800, 77_823)]
-        );
-        assert!(ix.remove(a, 77_777));
-        assert_eq!(sorted(&ix, a), vec![(0, 1023), (76_800, 77_823)]);
-        assert!(ix.remove(a, 77_777));
-        assert_eq!(sorted(&ix, a), vec![(0, 1023)]);
-        assert!(!ix.remove(a, 77_777));
-        assert_eq!(ix.len(), 1);
-        check_invariants(&ix);
-    }
-
-    #[test]
-    fn saturated_coarse_reaches_u64_max() {
-        let mut ix = FingerprintIndex::new();
-        let a = h(0x7777_7777, 0);
-        let top = u64::from(u32::MAX) << COARSE_SHIFT;
-        ix.insert(a, u64::MAX);
-        assert_eq!(sorted(&ix, a), vec![(top, u64::MAX)]);
-        // Exactly the first saturated unit and anything later share the entry.
-        assert!(ix.remove(a, top));
-        ix.insert(a, top);
-        ix.insert(a, top - 1);
-        assert_eq!(sorted(&ix, a), vec![(top - 1024, top - 1), (top, u64::MAX)]);
-        assert!(ix.remove(a, 1 << 60));
-        assert!(!ix.remove(a, u64::MAX));
-        assert!(ix.remove(a, top - 1024));
-        assert!(ix.is_empty());
-    }
-
-    #[test]
-    fn grows_at_seven_eighths() {
-        let mut ix = FingerprintIndex::new();
-        for i in 0..14 {
-            ix.insert(mix(i), i);
-        }
-        assert_eq!(ix.memory_bytes(), 16 * 8, "14 of 16 fit");
-        ix.insert(mix(14), 14);
-        assert_eq!(ix.memory_bytes(), 32 * 8, "the 15th doubles");
-        check_invariants(&ix);
-    }
-
-    #[test]
-    fn with_capacity_is_the_smallest_table_that_fits() {
-        for (entries, slots) in [
-            (0, 16),
-            (14, 16),
-            (15, 32),
-            (28, 32),
-            (29, 64),
-            (1_000_000, 1 << 21),
-        ] {
-            let mut ix = FingerprintIndex::with_capacity(entries);
-            assert_eq!(ix.memory_bytes(), slots * 8, "{entries} entries");
-            if entries <= 1000 {
-                for i in 0..entries as u64 {
-                    ix.insert(mix(i), i);
-                }
-                assert_eq!(ix.memory_bytes(), slots * 8, "{entries} entries: no growth");
-                check_invariants(&ix);
-            }
-        }
-        assert_eq!(
-            FingerprintIndex::with_capacity(1_000_000).memory_bytes(),
-            16 << 20,
-            "16 MiB for a million entries"
-        );
-    }
-
-    #[test]
-    fn growth_keeps_every_entry_findable() {
-        let mut ix = FingerprintIndex::new();
-        let n = 20_000u64;
-        for i in 0..n {
-            ix.insert(mix(i), i * 1000);
-        }
-        assert_eq!(ix.len(), n as usize);
-        assert_eq!(ix.memory_bytes(), (1 << 15) * 8);
-        check_invariants(&ix);
-        let mut out = Vec::new();
-        for i in 0..n {
-            ix.candidates(mix(i), &mut out);
-            let seen = i * 1000;
-            assert!(
-                out.iter().any(|&(lo, hi)| lo <= seen && seen <= hi),
-                "entry {i} lost"
-            );
-        }
-        for i in (0..n).rev() {
-            assert!(ix.remove(mix(i), i * 1000), "entry {i}");
-        }
-        assert!(ix.is_empty());
-        check_invariants(&ix);
-        ix.insert(1, 1);
-        ix.clear();
-        assert!(ix.is_empty());
-        assert_eq!(ix.memory_bytes(), 16 * 8, "clear shrinks");
-        assert_eq!(sorted(&ix, 1), vec![]);
-    }
-
-    #[test]
-    fn probing_wraps_around_the_end_of_the_table() {
-        // 16 slots: the home bucket is the top 4 bits of fp. Five entries with home 15 fill
-        // slot 15 and wrap to 0..=3; one with home 0 then lands in 4.
-        let mut ix = FingerprintIndex::new();
-        let last: Vec<u64> = (0..5).map(|k| h(0xF000_0000 | (k << 8), 0)).collect();
-        for (k, &a) in last.iter().enumerate() {
-            ix.insert(a, k as u64 * 1024);
-        }
-        let first = h(0x0000_0000, 0);
-        ix.insert(first, 0);
-        assert_eq!(ix.slots[15], pack(fingerprint(last[0]), 0));
-        assert_eq!(slot_fp(ix.slots[4]), fingerprint(first));
-        check_invariants(&ix);
-        for (k, &a) in last.iter().enumerate() {
-            let lo = k as u64 * 1024;
-            assert_eq!(sorted(&ix, a), vec![(lo, lo + 1023)]);
-        }
-        assert_eq!(sorted(&ix, first), vec![(0, 1023)]);
-
-        // Removing the entry in slot 15 shifts the wrapped ones back across the end, and
-        // the home-0 entry back to slot 3 (its home is still before it).
-        assert!(ix.remove(last[0], 0));
-        check_invariants(&ix);
-        assert_eq!(slot_fp(ix.slots[15]), fingerprint(last[1]));
-        assert_eq!(slot_fp(ix.slots[3]), fingerprint(first));
-        assert_eq!(ix.slots[4], EMPTY);
-        for (k, &a) in last.iter().enumerate().skip(1) {
-            let lo = k as u64 * 1024;
-            assert_eq!(sorted(&ix, a), vec![(lo, lo + 1023)]);
-        }
-        assert_eq!(sorted(&ix, first), vec![(0, 1023)]);
-
-        for (k, &a) in last.iter().enumerate().skip(1).rev() {
-            assert!(ix.remove(a, k as u64 * 1024));
-            check_invariants(&ix);
-        }
-        assert_eq!(sorted(&ix, first), vec![(0, 1023)]);
-        assert_eq!(ix.len(), 1);
-    }
-
-    #[test]
-    fn an_entry_never_shifts_back_before_its_home() {
-        // Slot 15: home 15. Slots 0 and 1: home 0. Removing slot 15 must leave both home-0
-        // entries where they are: slot 15 comes before their home in probe order.
-        let mut ix = FingerprintIndex::new();
-        let a = h(0xF000_0000, 0);
-        let b = h(0x0000_0000, 0);
-        let c = h(0x0000_0100, 0);
-        ix.insert(a, 0);
-        ix.insert(b, 0);
-        ix.insert(c, 0);
-        assert_eq!(slot_fp(ix.slots[15]), fingerprint(a));
-        assert_eq!(slot_fp(ix.slots[0]), fingerprint(b));
-        assert_eq!(slot_fp(ix.slots[1]), fingerprint(c));
-        assert!(ix.remove(a, 0));
-        assert_eq!(ix.slots[15], EMPTY);
-        assert_eq!(slot_fp(ix.slots[0]), fingerprint(b));
-        assert_eq!(slot_fp(ix.slots[1]), fingerprint(c));
-        check_invariants(&ix);
-        assert_eq!(sorted(&ix, b), vec![(0, 1023)]);
-        assert_eq!(sorted(&ix, c), vec![(0, 1023)]);
-
-        // A mixed run: 14 (home 14), 15 (home 15), 0 (home 14), 1 (home 0). Removing slot 14
-        // leaves the home-15 entry at 15 (14 is before its home), moves the home-14 entry back
-        // across the end from 0 to 14, then the home-0 entry from 1 to 0.
-        let mut ix = FingerprintIndex::new();
-        let d = h(0xE000_0000, 0);
-        let e = h(0xF000_0000, 0);
-        let f = h(0xE000_0100, 0);
-        let g = h(0x0000_0000, 0);
-        for x in [d, e, f, g] {
-            ix.insert(x, 5000);
-        }
-        assert_eq!(slot_fp(ix.slots[0]), fingerprint(f));
-        assert_eq!(slot_fp(ix.slots[1]), fingerprint(g));
-        assert!(ix.remove(d, 5000));
-        check_invariants(&ix);
-        assert_eq!(slot_fp(ix.slots[14]), fingerprint(f));
-        assert_eq!(slot_fp(ix.slots[15]), fingerprint(e));
-        assert_eq!(slot_fp(ix.slots[0]), fingerprint(g));
-        assert_eq!(ix.slots[1], EMPTY);
-        for x in [e, f, g] {
-            assert_eq!(sorted(&ix, x), vec![(4096, 5119)]);
-        }
-        assert_eq!(sorted(&ix, d), vec![]);
-    }
-
-    #[test]
-    fn bytes_to_hold_predicts_the_table_size_after_inserts() {
-        let mut ix = FingerprintIndex::new();
-        assert_eq!(ix.bytes_to_hold(0), Some(16 * 8));
-        assert_eq!(ix.bytes_to_hold(14), Some(16 * 8), "7/8 of 16 slots");
-        assert_eq!(ix.bytes_to_hold(15), Some(32 * 8));
-        for i in 0..15 {
-            ix.insert_tag(mix(i), 0);
-        }
-        assert_eq!(ix.memory_bytes(), 32 * 8);
-        assert_eq!(ix.bytes_to_hold(97), Some(128 * 8), "112 of 128 slots");
-        assert_eq!(ix.bytes_to_hold(98), Some(256 * 8));
-        assert_eq!(ix.bytes_to_hold(usize::MAX), None);
-        assert_eq!(ix.bytes_to_hold(1 << 31), None, "more than 2^31 slots");
-    }
-
-    /// One step of the property test; hashes and times are indices into small tables.
-    #[derive(Debug, Clone)]
-    enum Op {
-        Insert(usize, u64),
-        Remove(usize, u64),
-        Lookup(usize),
-        Clear,
-    }
-
-    /// Few hashes, so that shared fingerprints, shared buckets and wrap-around are common.
-    /// Pairs share a fingerprint: (0, 1), (2, 3), (4, 5).
-    const HASHES: [u64; 10] = [
-        0x0000_0000_0000_0000,
-        0x0000_0001_FFFF_FFFF,
-        0xFFFF_FFFF_FFFF_FFFF,
-        0xFFFF_FFFE_0000_0000,
-        0x8000_0000_1234_5678,
-        0x8000_0001_8765_4321,
-        0xF000_0000_0000_0000,
-        0x0FFF_FFFF_0000_0000,
-        0xF800_0000_0000_0001,
-        0x1234_5678_9ABC_DEF0,
-    ];
-
-    fn seen_ms() -> impl Strategy<Value = u64> {
-        let top = u64::from(u32::MAX) << COARSE_SHIFT;
-        prop_oneof![
-            prop::sample::select(vec![
-                0,
-                1,
-                1023,
-                1024,
-                2047,
-                2048,
-                1_700_000_000_000,
-                top - 1,
-                top,
-                u64::MAX,
-            ]),
-            0u64..8192,
-        ]
-    }
-
-    fn op() -> impl Strategy<Value = Op> {
-        let hash = 0..HASHES.len();
-        prop_oneof![
-            12 => (hash.clone(), seen_ms()).prop_map(|(h, s)| Op::Insert(h, s)),
-            7 => (hash.clone(), seen_ms()).prop_map(|(h, s)| Op::Remove(h, s)),
-            3 => hash.prop_map(Op::Lookup),
-            1 => Just(Op::Clear),
-        ]
-    }
-
-    /// The model's ranges for `hash`, sorted: computed from the spec, not from the index.
-    fn model_ranges(model: &[(u32, u32)], hash: u64) -> Vec<(u64, u64)> {
-        let fp = ((hash >> 32) as u32) | 1;
-        let mut v: Vec<(u64, u64)> = model
-            .iter()
-            .filter(|&&(f, _)| f == fp)
-            .map(|&(_, c)| {
-                let lo = u64::from(c) * 1024;
-                (lo, if c == u32::MAX { u64::MAX } else { lo + 1023 })
-            })
-            .collect();
-        v.sort_unstable();
-        v
-    }
-
-    proptest! {
-        #![proptest_config(ProptestConfig::with_cases(1024))]
-
-        #[test]
-        fn behaves_like_a_multiset(
-            initial in prop_oneof![Just(None), (0usize..64).prop_map(Some)],
-            ops in prop::collection::vec(op(), 0..400),
-        ) {
-            let mut ix = match initial {
-                None => FingerprintIndex::new(),
-                Some(n) => FingerprintIndex::with_capacity(n),
-            };
-            let mut model: Vec<(u32, u32)> = Vec::new();
-            let mut out = Vec::new();
-            for op in ops {
-                match op {
-                    Op::Insert(i, seen) => {
-                        ix.insert(HASHES[i], seen);
-                        let c = u32::try_from(seen >> 10).unwrap_or(u32::MAX);
-                        model.push((((HASHES[i] >> 32) as u32) | 1, c));
-                        ix.candidates(HASHES[i], &mut out);
-                        prop_assert!(out.iter().any(|&(lo, hi)| lo <= seen && seen <= hi));
-                    }
-                    Op::Remove(i, seen) => {
-                        let c = u32::try_from(seen >> 10).unwrap_or(u32::MAX);
-                        let key = (((HASHES[i] >> 32) as u32) | 1, c);
-                        let expected = match model.iter().position(|&e| e == key) {
-                            Some(p) => {
-                                model.swap_remove(p);
-                                true
-                            }
-                            None => false,
-                        };
-                        prop_assert_eq!(ix.remove(HASHES[i], seen), expected);
-                    }
-                    Op::Lookup(i) => {
-                        prop_assert_eq!(sorted(&ix, HASHES[i]), model_ranges(&model, HASHES[i]));
-                    }
-                    Op::Clear => {
-                        ix.clear();
-                        model.clear();
-                    }
-                }
-                prop_assert_eq!(ix.len(), model.len());
-                prop_assert_eq!(ix.is_empty(), model.is_empty());
-                check_invariants(&ix);
-                for &hash in &HASHES {
-                    prop_assert_eq!(sorted(&ix, hash), model_ranges(&model, hash));
-                }
-            }
-        }
-    }
-}
+#[path = "index_tests.rs"]
+mod tests;

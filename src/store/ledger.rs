@@ -73,7 +73,7 @@ impl Chunk {
 }
 
 /// The key suffix after `pipeline 0x00`.
-pub fn chunk_suffix(min_seen_ms: u64, checkpoint_id: u64, part: u32) -> Vec<u8> {
+pub(crate) fn chunk_suffix(min_seen_ms: u64, checkpoint_id: u64, part: u32) -> Vec<u8> {
     let mut k = Vec::with_capacity(20);
     k.extend_from_slice(&min_seen_ms.to_be_bytes());
     k.extend_from_slice(&checkpoint_id.to_be_bytes());
@@ -82,7 +82,10 @@ pub fn chunk_suffix(min_seen_ms: u64, checkpoint_id: u64, part: u32) -> Vec<u8> 
 }
 
 /// Cut one checkpoint's entries of one pipeline into chunks: (key suffix, chunk).
-pub fn make_chunks(mut entries: Vec<(String, u64)>, checkpoint_id: u64) -> Vec<(Vec<u8>, Chunk)> {
+pub(crate) fn make_chunks(
+    mut entries: Vec<(String, u64)>,
+    checkpoint_id: u64,
+) -> Vec<(Vec<u8>, Chunk)> {
     entries.sort_by(|a, b| (a.1, &a.0).cmp(&(b.1, &b.0)));
     let mut out = Vec::new();
     let mut part: Vec<(String, u64)> = Vec::new();
@@ -135,7 +138,7 @@ pub struct Ledger {
 impl Ledger {
     /// Add a chunk, in the index if that keeps the index within `max_index_bytes`, else as
     /// unindexed (see the module docs). Returns whether it was indexed.
-    pub fn add_chunk(
+    pub(crate) fn add_chunk(
         &mut self,
         hasher: &impl BuildHasher,
         suffix: Vec<u8>,
@@ -178,7 +181,7 @@ impl Ledger {
 
     /// Index an unindexed chunk if it now fits within `max_index_bytes`. Returns whether
     /// it did.
-    pub fn promote(
+    pub(crate) fn promote(
         &mut self,
         hasher: &impl BuildHasher,
         suffix: &[u8],
@@ -196,7 +199,7 @@ impl Ledger {
         true
     }
 
-    pub fn remove_chunk(&mut self, hasher: &impl BuildHasher, suffix: &[u8], chunk: &Chunk) {
+    pub(crate) fn remove_chunk(&mut self, hasher: &impl BuildHasher, suffix: &[u8], chunk: &Chunk) {
         let Some((_, number)) = self.chunks.remove(suffix) else {
             return;
         };
@@ -217,7 +220,7 @@ impl Ledger {
     /// Key suffixes of the chunks that may hold the ID with this hash: the indexed ones
     /// whose entries share its fingerprint (usually none; one when it was recorded), and
     /// every unindexed one.
-    pub fn chunks_for(&self, hash: u64, tags: &mut Vec<u32>) -> Vec<Vec<u8>> {
+    pub(crate) fn chunks_for(&self, hash: u64, tags: &mut Vec<u32>) -> Vec<Vec<u8>> {
         self.index.tags(hash, tags);
         tags.sort_unstable();
         tags.dedup();
@@ -233,12 +236,12 @@ impl Ledger {
     }
 
     /// Key suffixes of up to `limit` unindexed chunks, oldest first.
-    pub fn unindexed(&self, limit: usize) -> Vec<Vec<u8>> {
+    pub(crate) fn unindexed(&self, limit: usize) -> Vec<Vec<u8>> {
         self.unindexed.iter().take(limit).cloned().collect()
     }
 
     /// Chunks left out of the index.
-    pub fn unindexed_len(&self) -> usize {
+    pub(crate) fn unindexed_len(&self) -> usize {
         self.unindexed.len()
     }
 

@@ -29,7 +29,7 @@ impl<K: PartialEq, V: Clone> Lru<K, V> {
 
     /// Keep `value` under `key` as the most recently used; the least recently used goes if
     /// there is no room.
-    pub fn put(&mut self, key: K, value: V) {
+    pub(crate) fn put(&mut self, key: K, value: V) {
         self.entries.retain(|(k, _)| *k != key);
         self.entries.insert(0, (key, value));
         self.entries.truncate(self.capacity);

@@ -41,7 +41,7 @@ pub type ChunkEntries = Arc<Vec<(u64, Output)>>;
 
 /// Cut outputs (in sequence order) into chunks of consecutive sequence numbers:
 /// (first seq, entries).
-pub fn make_chunks(outputs: Vec<(u64, Output)>) -> Vec<(u64, Vec<(u64, Output)>)> {
+pub(crate) fn make_chunks(outputs: Vec<(u64, Output)>) -> Vec<(u64, Vec<(u64, Output)>)> {
     let mut out: Vec<(u64, Vec<(u64, Output)>)> = Vec::new();
     let mut bytes = 0;
     for (seq, o) in outputs {
@@ -127,7 +127,7 @@ impl OutboxMem {
 
     /// Whether an output with this ID may go in: not when one of its key with this or a
     /// higher version is waiting.
-    pub fn admits(&self, id: &str) -> bool {
+    pub(crate) fn admits(&self, id: &str) -> bool {
         let (key, version) = split_id(id);
         self.newest
             .get(&self.key_hash(key))
@@ -137,7 +137,7 @@ impl OutboxMem {
     /// Register a chunk that is (or is about to be) in the tree. Its entries must have
     /// consecutive sequence numbers starting at `first`. Returns the chunks (this one
     /// included) that its upserts left with nothing waiting, to delete from the tree.
-    pub fn add_chunk(&mut self, first: u64, entries: ChunkEntries) -> Vec<u64> {
+    pub(crate) fn add_chunk(&mut self, first: u64, entries: ChunkEntries) -> Vec<u64> {
         let n = entries.len() as u64;
         self.chunks.insert(
             first,
@@ -201,7 +201,7 @@ impl OutboxMem {
     }
 
     /// The first waiting entry at or after `from`: (seq, first seq of its chunk).
-    pub fn next_from(&self, from: u64) -> Option<(u64, u64)> {
+    pub(crate) fn next_from(&self, from: u64) -> Option<(u64, u64)> {
         let start = self
             .chunks
             .range(..=from)
@@ -216,11 +216,11 @@ impl OutboxMem {
         None
     }
 
-    pub fn cached(&mut self, first: u64) -> Option<ChunkEntries> {
+    pub(crate) fn cached(&mut self, first: u64) -> Option<ChunkEntries> {
         self.cache.get(&first)
     }
 
-    pub fn cache_put(&mut self, first: u64, entries: ChunkEntries) {
+    pub(crate) fn cache_put(&mut self, first: u64, entries: ChunkEntries) {
         self.cache.put(first, entries);
     }
 }

@@ -155,7 +155,7 @@ fn now_ms() -> u64 {
 }
 
 /// `savepoint-<seq, 20 digits>-<id>-<next_offset>.cairn`: names sort by when they were taken.
-pub fn savepoint_file_name(seq: u64, checkpoint_id: u64, next_offset: u64) -> String {
+pub(crate) fn savepoint_file_name(seq: u64, checkpoint_id: u64, next_offset: u64) -> String {
     format!("{FILE_PREFIX}{seq:020}-{checkpoint_id}-{next_offset}{FILE_SUFFIX}")
 }
 
@@ -457,7 +457,7 @@ fn sibling(dir: &Path, suffix: &str) -> PathBuf {
 
 /// Rebuild the store at `store_dir` from a savepoint (see the module docs for the steps
 /// and what a crash during them leaves). Refuses while another process holds the store.
-pub fn restore_savepoint(
+pub(crate) fn restore_savepoint(
     file: &Path,
     store_dir: &Path,
     cache_bytes: u64,

@@ -1,3 +1,6 @@
+//! The store's unit tests. Long (one test per guarantee in the module docs, sharing the
+//! fixtures at the top); splitting them by file would scatter those fixtures.
+
 use super::*;
 use crate::fsio::{self, TestSync};
 use crate::model::Record;

@@ -1,0 +1,211 @@
+//! The read side: what the engine reads during a checkpoint ([`ReadState`]), and the
+//! listings and figures `cairn inspect`, `status` and `/metrics` show.
+
+use super::*;
+
+impl Store {
+    /// Ledger entries per pipeline after the last commit (what `dedup_entries` reports).
+    pub(crate) fn dedup_len(&self, pipeline: &str) -> u64 {
+        self.lock().ledgers.get(pipeline).map_or(0, |l| l.entries())
+    }
+
+    /// The store's own bounds at the last commit (for `/metrics` and `cairn status`).
+    pub(crate) fn bound_figures(&self) -> BoundFigures {
+        let mem = self.lock();
+        BoundFigures {
+            dead_letters: mem.dead,
+            ledger_index_bytes: mem
+                .ledgers
+                .values()
+                .map(|l| l.index.memory_bytes() as u64)
+                .sum(),
+            ledger_unindexed_chunks: mem.ledgers.values().map(|l| l.unindexed_len() as u64).sum(),
+        }
+    }
+
+    /// Bytes the in-memory ledger index holds (for the footprint figures).
+    pub fn ledger_index_bytes(&self) -> usize {
+        self.lock()
+            .ledgers
+            .values()
+            .map(|l| l.index.memory_bytes())
+            .sum()
+    }
+
+    /// Names of the pipelines that have state or ledger entries in the store, whether or not
+    /// the progress record knows them (a store written before dormant pipelines were kept
+    /// can hold state whose pipeline it forgot). One seek per pipeline, not a scan.
+    pub fn pipelines_with_data(&self) -> Result<Vec<String>, StoreError> {
+        let mut names = std::collections::BTreeSet::new();
+        for tree in [&self.state, &self.dedup] {
+            let mut from = Vec::new();
+            while let Some(kv) = tree.range(from.as_slice()..).next() {
+                let (k, _) = kv?;
+                let (p, _) = split_pkey(&k)?;
+                // Every key of `p` starts `p 0x00`: the first key after them all is `p 0x01`.
+                from = pkey(&p, &[]);
+                *from.last_mut().expect("pkey ends in 0") = 1;
+                names.insert(p);
+            }
+        }
+        Ok(names.into_iter().collect())
+    }
+
+    // ---- outbox (publisher side) ----
+
+    /// Waiting outbox entries with sequence number ≥ `from`, in order. Entries of the last
+    /// checkpoints come from memory; older ones are read from the tree a chunk at a time.
+    pub fn outbox_from(
+        &self,
+        from: u64,
+    ) -> impl Iterator<Item = Result<(u64, Output), StoreError>> + '_ {
+        let mut next = from;
+        std::iter::from_fn(move || {
+            let mut mem = self.lock();
+            let (seq, first) = mem.outbox.next_from(next)?;
+            next = seq + 1;
+            let entry = self.outbox_chunk(&mut mem, first).and_then(|chunk| {
+                chunk
+                    .get((seq - first) as usize)
+                    .filter(|(s, _)| *s == seq)
+                    .cloned()
+                    .ok_or_else(|| StoreError::Corrupt(format!("outbox entry {seq} is missing")))
+            });
+            Some(entry)
+        })
+    }
+
+    /// An entry was published and acknowledged (on PUBACK). The chunk it is in is deleted
+    /// when nothing in it waits any more; not fsynced: see the module docs.
+    pub fn outbox_delete(&self, seq: u64, id: &str) -> Result<(), StoreError> {
+        let done = self.lock().outbox.ack(seq, id);
+        if let Some(first) = done {
+            self.outbox.remove(first.to_be_bytes())?;
+        }
+        Ok(())
+    }
+
+    /// Entries waiting in the outbox (O(1)).
+    pub(crate) fn outbox_len(&self) -> usize {
+        self.lock().outbox.len()
+    }
+
+    // ---- inspection ----
+
+    /// Every state entry, optionally of one pipeline: (pipeline, stored key, state).
+    pub fn states(
+        &self,
+        pipeline: Option<&str>,
+    ) -> impl Iterator<Item = Result<(String, Vec<u8>, KeyState), StoreError>> + '_ {
+        let it = match pipeline {
+            Some(p) => self.state.scan_prefix(pkey(p, &[])),
+            None => self.state.iter(),
+        };
+        it.map(|r| {
+            let (k, v) = r?;
+            let (p, skey) = split_pkey(&k)?;
+            Ok((p, skey.to_vec(), decode("state", &v)?))
+        })
+    }
+
+    pub(crate) fn state_len(&self) -> usize {
+        self.state.len()
+    }
+
+    /// Every ledger entry: (pipeline, event ID, seen_ms), chunk by chunk.
+    pub fn dedup_entries(
+        &self,
+        pipeline: Option<&str>,
+    ) -> impl Iterator<Item = Result<(String, String, u64), StoreError>> + '_ {
+        let it = match pipeline {
+            Some(p) => self.dedup.scan_prefix(pkey(p, &[])),
+            None => self.dedup.iter(),
+        };
+        it.flat_map(|r| {
+            let chunk = r.map_err(StoreError::from).and_then(|(k, v)| {
+                let (p, _) = split_pkey(&k)?;
+                Ok((p, decode::<Chunk>("ledger chunk", &v)?))
+            });
+            let items: Vec<Result<(String, String, u64), StoreError>> = match chunk {
+                Ok((p, c)) => c
+                    .entries
+                    .into_iter()
+                    .map(|(id, seen)| Ok((p.clone(), id, seen)))
+                    .collect(),
+                Err(e) => vec![Err(e)],
+            };
+            items
+        })
+    }
+
+    pub fn dead_letters(&self) -> impl Iterator<Item = Result<DeadLetter, StoreError>> + '_ {
+        self.dead.iter().map(|r| decode("dead letter", &r?.1))
+    }
+
+    /// Dead letters stored (O(1): counted at each commit).
+    pub(crate) fn dead_letter_len(&self) -> usize {
+        usize::try_from(self.lock().dead.stored).unwrap_or(usize::MAX)
+    }
+
+    pub fn checkpoints(
+        &self,
+    ) -> impl DoubleEndedIterator<Item = Result<CheckpointInfo, StoreError>> + '_ {
+        self.checkpoints
+            .iter()
+            .map(|r| decode("checkpoint record", &r?.1))
+    }
+
+    /// Bytes sled reports on disk.
+    pub fn size_on_disk(&self) -> u64 {
+        self.db.size_on_disk().unwrap_or(0)
+    }
+}
+
+fn read_err(e: StoreError) -> ReadError {
+    ReadError(e.to_string())
+}
+
+impl ReadState for Store {
+    fn state(&self, pipeline: &str, skey: &[u8]) -> Result<Option<KeyState>, ReadError> {
+        match self
+            .state
+            .get(pkey(pipeline, skey))
+            .map_err(|e| read_err(e.into()))?
+        {
+            None => Ok(None),
+            Some(v) => decode("state", &v).map(Some).map_err(read_err),
+        }
+    }
+
+    fn dedup(&self, pipeline: &str, event_id: &str) -> Result<Option<u64>, ReadError> {
+        let mut mem = self.lock();
+        let mem = &mut *mem;
+        let Some(l) = mem.ledgers.get(pipeline) else {
+            return Ok(None);
+        };
+        let hash = self.hasher.hash_one(event_id.as_bytes());
+        let mut best = None;
+        for suffix in l.chunks_for(hash, &mut mem.tags) {
+            let chunk = self
+                .ledger_chunk(&mut mem.chunks, &pkey(pipeline, &suffix))
+                .map_err(read_err)?;
+            if let Some(seen) = chunk.get(event_id) {
+                best = best.max(Some(seen));
+            }
+        }
+        Ok(best)
+    }
+
+    fn window_keys(&self, pipeline: &str, from: u64, to: u64) -> Result<Vec<Vec<u8>>, ReadError> {
+        let lo = pkey(pipeline, &from.to_be_bytes());
+        let hi = pkey(pipeline, &to.to_be_bytes());
+        let plen = pipeline.len() + 1;
+        self.state
+            .range(lo..hi)
+            .map(|r| {
+                r.map(|(k, _)| k[plen..].to_vec())
+                    .map_err(|e| read_err(e.into()))
+            })
+            .collect()
+    }
+}
