@@ -25,7 +25,7 @@
 //! step either at will. The agent takes the wall time from a [`Clock`]; built with the
 //! `failpoints` feature, [`from_env`] lets a process-level test step it through a file.
 //!
-//! Tested by the unit tests below and `tests/field.rs`
+//! Tested by the unit tests below and `tests/it/field.rs`
 //! `a_clock_stepped_back_a_day_does_not_make_new_events_late_and_stamps_stay_monotonic`,
 //! `a_clock_stepped_forwards_is_followed_and_reported`.
 

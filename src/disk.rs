@@ -25,7 +25,7 @@
 //! guard subtracts the bytes it let through, and measures again early when that estimate
 //! would cross the reserve. The agent's hot path pays a subtraction.
 //!
-//! Tests: `disk::tests` (unit), `tests/faults.rs`
+//! Tests: `disk::tests` (unit), `tests/it/faults.rs`
 //! `a_nearly_full_disk_is_backpressure_and_nothing_is_lost_when_space_returns`.
 
 use std::io;

@@ -23,13 +23,16 @@
 //!
 //! ## Codemap
 //!
-//! - [`model`]: plain data (`Record`, `Offset`).
+//! - [`model`]: plain data: `Record`, `Offset`, and what a checkpoint persists (`Progress`,
+//!   `PipelineProgress`, `Counters`, `Output`, `DeadLetter`).
 //! - [`pipeline`]: pipeline definitions, payload parsing, `where` filters, dedup, aggregates
 //!   (with a deterministic quantile sketch), tumbling and hopping windows, output IDs; the
 //!   [`pipeline::engine::Engine`] and an in-memory reference store.
 //! - [`log`]: the segmented, CRC-framed replay log: group commit, torn-tail recovery,
 //!   corruption detection and repair, retention.
-//! - [`store`]: the sled checkpoint store, savepoints, inspection.
+//! - [`store`]: the sled checkpoint store (`store/commit.rs` the one transaction,
+//!   `store/open.rs`, `store/read.rs`, `store/v2.rs` for format-2 stores), savepoints,
+//!   inspection through a private copy (`store/copy.rs`).
 //! - [`processor`]: log records → engine → checkpoints; replay; at start, stored pipeline
 //!   definitions against the config (changed, dormant, reset, dropped). [`quarantine`]: a
 //!   record whose processing panics is retried a bounded number of times, then set aside.
@@ -59,30 +62,31 @@
 //! ## Invariants, as absences
 //!
 //! 1. The agent never PUBACKs an input before its log record is fsynced
-//!    (`tests/crash.rs`, `tests/log_crash.rs`).
+//!    (`tests/it/crash.rs`, `tests/it/log_crash.rs`).
 //! 2. No checkpoint is ever partly visible: the store never commits state without the dedup
-//!    entries, outbox entries and `next_offset` that go with it (`tests/checkpoint.rs`,
-//!    `tests/model.rs`).
+//!    entries, outbox entries and `next_offset` that go with it (`tests/it/checkpoint.rs`,
+//!    `tests/it/model.rs`).
 //! 3. [`pipeline`] never reads the clock, never draws a random number, and never sees sled,
-//!    rumqttc, tokio or the file system (`tests/model.rs`, `tests/pipeline.rs`).
+//!    rumqttc, tokio or the file system (`tests/it/model.rs`, `tests/it/pipeline.rs`).
 //! 4. Recovery never trusts anything but the log and the last checkpoint.
 //! 5. An event ID inside the dedup window is never applied twice, whoever sent it twice.
 //! 6. The publisher never sends an entry whose checkpoint is not durable, and never gives
-//!    one ID two payloads (`tests/crash.rs`).
+//!    one ID two payloads (`tests/it/crash.rs`).
 //! 7. No queue, log, ledger or batch grows without a configured bound; reaching one stops
-//!    acknowledging instead of dropping (`tests/faults.rs`, `tests/e2e.rs`). A full log
+//!    acknowledging instead of dropping (`tests/it/faults.rs`, `tests/it/e2e.rs`). A full log
 //!    first deletes segments every durable checkpoint covers, so it never stays full
-//!    (`tests/retention.rs`; the rule is in `log`'s docs).
+//!    (`tests/it/retention.rs`; the rule is in `log`'s docs).
 //! 8. Bad input never stops processing: it becomes a dead letter with a reason, and no
-//!    record can make the engine panic or the agent crash-loop (`tests/pipeline.rs`,
-//!    `tests/hostile.rs`; oversized inputs and records whose processing panics:
-//!    `tests/field.rs`).
+//!    record can make the engine panic or the agent crash-loop (`tests/it/pipeline.rs`,
+//!    `tests/it/hostile.rs`; oversized inputs and records whose processing panics:
+//!    `tests/it/field.rs`).
 //! 9. State is never read under a definition other than the one that wrote it, even for a
 //!    pipeline removed from the config and added back; and a reset, a rebuilt store or a
 //!    pipeline added back never gives an output ID that went out a second payload: each new
-//!    lineage is a new generation of IDs (`tests/definitions.rs`).
+//!    lineage is a new generation of IDs (`tests/it/definitions.rs`).
 //!
-//! Only [`store`] imports sled; only [`mqtt`] imports rumqttc.
+//! Only [`store`] imports sled; only [`mqtt`] imports rumqttc or tokio; [`pipeline`] touches
+//! no file, socket, thread or clock (`tests/it/layering.rs` fails on a forbidden import).
 
 pub mod agent;
 pub mod cli;

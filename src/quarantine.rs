@@ -26,7 +26,7 @@
 //! and those deserve a second try; three costs at most three restarts (systemd's default
 //! start limit is five in ten seconds, and the unit waits five seconds between restarts).
 //!
-//! Tested by `tests/field.rs`
+//! Tested by `tests/it/field.rs`
 //! `a_record_that_panics_is_retried_then_set_aside_as_an_internal_dead_letter` and the unit
 //! tests below.
 

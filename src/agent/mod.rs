@@ -151,7 +151,7 @@ impl Agent {
                     // channel's worth per pass (so timed checkpoints and publishing still
                     // run under steady input). The broker normally has at most its inflight
                     // window unacknowledged, but mosquitto 2.0.11 was seen sending far more
-                    // (tests/e2e.rs): one fsync per `ingest_batch` then could not keep up,
+                    // (tests/it/e2e.rs): one fsync per `ingest_batch` then could not keep up,
                     // the MQTT thread stalled on a full channel, its pings went unsent and
                     // the broker dropped the connection and redelivered everything.
                     for _ in 1..self.cfg.mqtt.channel_capacity {
@@ -337,7 +337,7 @@ impl Agent {
     /// Acks go to the MQTT module in receipt order, as many as its queue takes. The rest wait
     /// here, still in order, for the next commit timer: a full queue (the broker sending
     /// faster than rumqttc takes requests) is load, not a reason to exit (found by
-    /// tests/e2e.rs, where mosquitto 2.0.11 outran `max_inflight_messages`).
+    /// tests/it/e2e.rs, where mosquitto 2.0.11 outran `max_inflight_messages`).
     fn send_acks(&mut self) -> Result<(), AgentError> {
         for t in self.ingest.acks_to_send(self.mqtt.ack_room()) {
             self.mqtt.ack(t)?;
@@ -414,7 +414,7 @@ impl Agent {
         }
         self.log.truncate_before(plan.below)?;
         // Segments are gone, the next checkpoint has not run: a crash here must replay
-        // from the committed checkpoint without a gap (tests/retention.rs).
+        // from the committed checkpoint without a gap (tests/it/retention.rs).
         failpoint("retention.after_delete")?;
         if plan.evicted > 0 {
             self.metrics

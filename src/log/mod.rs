@@ -48,7 +48,7 @@
 //!    takes a fresh savepoint of the durable checkpoint (the rebuild path stays whole), or,
 //!    if that fails, lets the floor go with an error in the journal.
 //!
-//! The active segment is never deleted. Tests: `tests/retention.rs`, and
+//! The active segment is never deleted. Tests: `tests/it/retention.rs`, and
 //! `retention_plan_*` below.
 //!
 //! # Mechanism
@@ -77,10 +77,10 @@
 //! # Invariants and the tests that guard them
 //!
 //! 1. Committed records survive any crash; recovery yields committed ++ a prefix of the
-//!    in-flight commit, nothing else: `tests/log_crash.rs`
+//!    in-flight commit, nothing else: `tests/it/log_crash.rs`
 //!    `a_crash_keeps_every_committed_record_and_only_a_prefix_of_the_rest`.
 //! 2. One data sync per touched segment per commit; a directory sync only when a segment is
-//!    created or removed: `tests/log_corruption.rs`
+//!    created or removed: `tests/it/log_corruption.rs`
 //!    `commit_syncs_each_touched_segment_once_and_the_dir_only_when_a_segment_is_created`,
 //!    `truncate_before_removes_whole_sealed_segments_and_syncs_the_dir_once`.
 //! 3. A failed sync poisons the log: `a_failing_sync_poisons_the_log_until_reopened`.

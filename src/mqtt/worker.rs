@@ -326,7 +326,7 @@ impl Worker {
     /// After DISCONNECT is written, wait (briefly) for the broker to close the connection.
     /// Dropping the socket at once can lose what was written just before: PUBACKs that
     /// mosquitto had not read yet were seen redelivered after a clean client restart
-    /// (tests/mqtt_client.rs, under load), so a closed socket is the proof they arrived.
+    /// (tests/it/mqtt_client.rs, under load), so a closed socket is the proof they arrived.
     async fn linger(&mut self) {
         let grace = tokio::time::sleep(LINGER_GRACE);
         tokio::pin!(grace);

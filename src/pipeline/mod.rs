@@ -1,7 +1,7 @@
 //! Pipelines: parse, dedup, aggregate, window. Pure: this module never sees sled, rumqttc,
 //! tokio, the file system or the clock. `Engine::apply(base, record)` is a function of the
 //! last checkpoint and the record, so replay recomputes exactly what a crash lost
-//! (invariant 3; guarded by `tests/model.rs`).
+//! (invariant 3; guarded by `tests/it/model.rs`).
 
 pub(crate) mod describe;
 pub mod engine;

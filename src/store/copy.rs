@@ -8,7 +8,7 @@
 //! the temporary directory (`$TMPDIR`, mode 0700), the copy is opened, and the copy is
 //! removed when the [`StoreCopy`] is dropped. The cost is the store's size in temporary
 //! space and copy time; the gain is that looking can never change what is looked at
-//! (`tests/cli.rs::inspect_leaves_the_store_byte_for_byte_and_mtime_for_mtime_as_it_was`).
+//! (`tests/it/cli.rs::inspect_leaves_the_store_byte_for_byte_and_mtime_for_mtime_as_it_was`).
 
 use std::fs;
 use std::os::unix::fs::DirBuilderExt;

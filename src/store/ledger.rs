@@ -10,7 +10,7 @@
 //!   [`CHUNK_ENTRIES`] entries and about [`CHUNK_BYTES`] encoded bytes. Small on purpose: sled
 //!   writes a whole leaf node (up to ~17 values) as one log item, and an item over 128 KiB
 //!   goes to a blob file that sled never fsyncs; 32 KiB chunks did that, and the power-cut
-//!   test found the torn blobs (`tests/crash.rs`). The log clock never goes back, so along the key order
+//!   test found the torn blobs (`tests/it/crash.rs`). The log clock never goes back, so along the key order
 //!   the chunks' record-time ranges follow one another: a chunk's `max_seen_ms` is at most
 //!   the next chunk's minimum. Expiry relies on it.
 //!

@@ -8,7 +8,7 @@
 //!   trees, then `Db::flush()`, then a real `fsync` of sled's `db` file. [`Store::commit`]
 //!   returns only after that fsync. A checkpoint that did not complete does not exist:
 //!   recovery sees the previous one and replays from its `next_offset` (invariant 2;
-//!   `tests/checkpoint.rs::a_crash_before_commit_leaves_the_previous_checkpoint`).
+//!   `tests/it/checkpoint.rs::a_crash_before_commit_leaves_the_previous_checkpoint`).
 //! - `next_offset` never decreases and `checkpoint_id` rises by one per commit
 //!   (`store::tests::commit_advances_progress`).
 //! - Inserting an outbox entry whose ID is already waiting is a no-op

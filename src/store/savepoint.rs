@@ -34,7 +34,7 @@
 //!   reach back that far; `cairn savepoint restore` checks it and the agent's retention never
 //!   deletes below the newest savepoint.
 //!
-//! Tests: `tests/savepoint.rs`.
+//! Tests: `tests/it/savepoint.rs`.
 //!
 //! # Format (version 2; integers little-endian)
 //!
