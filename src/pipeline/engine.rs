@@ -170,41 +170,16 @@ impl Engine {
         base: &R,
         rec: &Record,
     ) -> Result<Vec<Outcome>, ReadError> {
-        assert!(
-            rec.offset >= self.progress.next_offset,
-            "record {} applied twice (next is {})",
-            rec.offset,
-            self.progress.next_offset
-        );
-        self.progress.next_offset = rec.offset + 1;
-        self.progress.records += 1;
-        self.progress.log_clock_ms = self.progress.log_clock_ms.max(rec.received_at_ms);
-        self.batch.records += 1;
-        let mut outcomes = Vec::new();
-        for i in 0..self.specs.len() {
-            if self.specs[i].topics.iter().any(|f| matches(f, &rec.topic)) {
-                let o = self.apply_one(base, i, rec)?;
-                outcomes.push(o);
-            }
-        }
-        if outcomes.is_empty() {
-            self.progress.unmatched += 1;
-        }
-        Ok(outcomes)
+        self.each_matching(rec, |e, p| e.apply_one(base, p, rec))
     }
 
-    /// Set a whole record aside as a dead letter in every pipeline it matches, without
-    /// parsing it: a stand-in for an oversized input (`too_large`), or a record whose
-    /// processing kept panicking (`internal`). `payload` is what the dead letter keeps (cut
-    /// to [`DEAD_LETTER_PAYLOAD_MAX`]); the identity for dedup is still the record's bytes.
-    /// Progress moves exactly as [`Engine::apply`] moves it, so replay agrees.
-    pub fn refuse<R: ReadState>(
+    /// Move progress past `rec` and run `f` for every pipeline whose topic filter matches
+    /// it. [`Engine::apply`] and [`Engine::refuse`] both go through here, so a record set
+    /// aside moves progress exactly as a processed one does, and replay agrees.
+    fn each_matching(
         &mut self,
-        base: &R,
         rec: &Record,
-        reason: &'static str,
-        detail: &str,
-        payload: &[u8],
+        mut f: impl FnMut(&mut Engine, usize) -> Result<Outcome, ReadError>,
     ) -> Result<Vec<Outcome>, ReadError> {
         assert!(
             rec.offset >= self.progress.next_offset,
@@ -218,18 +193,35 @@ impl Engine {
         self.batch.records += 1;
         let mut outcomes = Vec::new();
         for p in 0..self.specs.len() {
-            if self.specs[p].topics.iter().any(|f| matches(f, &rec.topic)) {
-                let r = Refusal {
-                    reason,
-                    detail: detail.to_string(),
-                };
-                outcomes.push(self.dead_with(base, p, rec, r, payload)?);
+            if self.specs[p].topics.iter().any(|t| matches(t, &rec.topic)) {
+                outcomes.push(f(self, p)?);
             }
         }
         if outcomes.is_empty() {
             self.progress.unmatched += 1;
         }
         Ok(outcomes)
+    }
+
+    /// Set a whole record aside as a dead letter in every pipeline it matches, without
+    /// parsing it: a stand-in for an oversized input (`too_large`), or a record whose
+    /// processing kept panicking (`internal`). `payload` is what the dead letter keeps (cut
+    /// to [`DEAD_LETTER_PAYLOAD_MAX`]); the identity for dedup is still the record's bytes.
+    pub fn refuse<R: ReadState>(
+        &mut self,
+        base: &R,
+        rec: &Record,
+        reason: &'static str,
+        detail: &str,
+        payload: &[u8],
+    ) -> Result<Vec<Outcome>, ReadError> {
+        self.each_matching(rec, |e, p| {
+            let r = Refusal {
+                reason,
+                detail: detail.to_string(),
+            };
+            e.dead_with(base, p, rec, r, payload)
+        })
     }
 
     /// Record a refusal as a dead letter, once: a copy with the same topic and payload
