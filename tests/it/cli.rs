@@ -5,6 +5,7 @@
 use std::path::Path;
 use std::process::Command;
 
+use crate::support::agent::AgentConfig;
 use cairn::fsio;
 use cairn::log::{Log, LogOptions};
 use cairn::processor::Processor;
@@ -49,14 +50,9 @@ window = { size = "1m" }
 output_topic = "per_minute/{key}/{window_start}"
 "#;
 
+/// The commands tested here never connect: the port is one nothing listens on.
 fn write_config(dir: &Path) -> std::path::PathBuf {
-    let cfg = dir.join("cairn.toml");
-    let text = format!(
-        "[mqtt]\nclient_id = \"cli-test\"\n\n[storage]\ndata_dir = \"{}\"\n{PIPELINES}",
-        dir.join("data").display()
-    );
-    std::fs::write(&cfg, text).unwrap();
-    cfg
+    AgentConfig::new(crate::support::free_port(), PIPELINES).write(dir)
 }
 
 /// Fill the log and the store as the agent would (log, fsync, process, checkpoint).
@@ -402,19 +398,13 @@ fn config_with_password(dir: &Path, pw_mode: u32) -> std::path::PathBuf {
     let pw = dir.join("mqtt.password");
     std::fs::write(&pw, "secret\n").unwrap();
     std::fs::set_permissions(&pw, std::fs::Permissions::from_mode(pw_mode)).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let cfg = dir.join("cairn.toml");
-    let text = format!(
-        "[mqtt]\nclient_id = \"cli-test\"\nport = {port}\nusername = \"cairn\"\npassword_file = \"{}\"\n\n[storage]\ndata_dir = \"{}\"\n{PIPELINES}",
-        pw.display(),
-        dir.join("new/data").display()
+    let mut cfg = AgentConfig::new(crate::support::free_port(), PIPELINES);
+    cfg.mqtt_extra = format!(
+        "username = \"cairn\"\npassword_file = \"{}\"\n",
+        pw.display()
     );
-    std::fs::write(&cfg, text).unwrap();
-    cfg
+    cfg.data_dir = Some(dir.join("new/data"));
+    cfg.write(dir)
 }
 
 #[test]

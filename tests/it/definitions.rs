@@ -472,11 +472,9 @@ fn inspect_shows_a_dormant_windowed_pipelines_state_with_its_stored_window() {
         aggregate = \"count\"\nwindow = { size = \"1m\" }\n\
         output_topic = \"per_minute/{key}/{window_start}\"\n";
     let write = |pipelines: &str| {
-        let text = format!(
-            "[mqtt]\nclient_id = \"defs\"\n[storage]\ndata_dir = \"{}\"\n{pipelines}",
-            dir.path().display()
-        );
-        std::fs::write(dir.path().join("cairn.toml"), text).unwrap();
+        let mut cfg = AgentConfig::new(crate::support::free_port(), pipelines);
+        cfg.data_dir = Some(dir.path().to_path_buf());
+        cfg.write(dir.path());
     };
     write(&format!("{BALANCES}\n{windowed}"));
     let cfg = cairn::config::load(&dir.path().join("cairn.toml")).unwrap();

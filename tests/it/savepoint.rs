@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use crate::support::{Broker, publish_all, unique_id, wait_until};
+use crate::support::agent::AgentConfig;
+use crate::support::{Broker, publish_all, wait_until};
 use cairn::agent::{Agent, Shutdown};
 use cairn::config::Config;
 use cairn::fsio;
@@ -16,26 +17,20 @@ use cairn::log::{Log, LogOptions};
 use cairn::processor::Processor;
 use cairn::store::{self, Store};
 
-fn config_text(data_dir: &Path, port: u16, extra: &str) -> String {
-    format!(
-        r#"[mqtt]
-host = "127.0.0.1"
-port = {port}
-client_id = "{id}"
-keep_alive = "5s"
+/// The savepoint tests' config: small checkpoints, a 1 s retention (so old segments go),
+/// `extra` tables before the pipeline.
+fn config(port: u16, extra: &str) -> AgentConfig {
+    let mut cfg = AgentConfig::new(port, PIPELINE);
+    cfg.mqtt = "keep_alive = \"5s\"\n".into();
+    cfg.storage = "cache_size = \"1MiB\"\n".into();
+    cfg.log = "retention = \"1s\"\n".into();
+    cfg.checkpoint = "interval = \"20ms\"\nmax_records = 100\n".into();
+    cfg.outbox = String::new();
+    cfg.extra = extra.into();
+    cfg
+}
 
-[storage]
-data_dir = "{dir}"
-cache_size = "1MiB"
-
-[log]
-retention = "1s"
-
-[checkpoint]
-interval = "20ms"
-max_records = 100
-{extra}
-[[pipeline]]
+const PIPELINE: &str = r#"[[pipeline]]
 name = "balances"
 topics = ["payments/#"]
 format = "delimited"
@@ -45,18 +40,13 @@ key = "1"
 value = "2"
 aggregate = "sum"
 dedup_window = "7d"
-output_topic = "balances/{{key}}"
+output_topic = "balances/{key}"
 retain = true
-"#,
-        id = unique_id("sp"),
-        dir = data_dir.display()
-    )
-}
+"#;
 
 /// A config file in `dir` (data below `dir/data`) and the loaded config.
 fn setup(dir: &Path, port: u16, extra: &str) -> (PathBuf, Config) {
-    let file = dir.join("cairn.toml");
-    std::fs::write(&file, config_text(&dir.join("data"), port, extra)).unwrap();
+    let file = config(port, extra).write(dir);
     let cfg = cairn::config::load(&file).unwrap();
     (file, cfg)
 }

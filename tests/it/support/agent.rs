@@ -95,6 +95,14 @@ impl AgentConfig {
         text.push_str(&format!("{}\n{}\n", self.extra, self.pipelines));
         text
     }
+
+    /// Write `dir/cairn.toml` (data under `dir/data` unless [`AgentConfig::data_dir`] says
+    /// otherwise) for tests that run commands or open the store without a running agent.
+    pub fn write(&self, dir: &Path) -> PathBuf {
+        let file = dir.join("cairn.toml");
+        std::fs::write(&file, self.render(dir)).expect("write cairn.toml");
+        file
+    }
 }
 
 /// One agent: its temp dir (config, data, stderr file) and, while running, its process.
