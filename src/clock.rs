@@ -33,10 +33,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// A wall clock ahead of the monotonic count by more than this is a step worth a journal
 /// line; smaller differences are NTP's ordinary corrections.
-pub const STEP_REPORT_MS: u64 = 60_000;
+pub(crate) const STEP_REPORT_MS: u64 = 60_000;
 
 /// The box's clocks. The wall clock may step either way; the monotonic one never does.
-pub trait Clock: Send {
+pub(crate) trait Clock: Send {
     /// Milliseconds since the Unix epoch, as the box's clock says now.
     fn wall_ms(&self) -> u64;
     /// Now, on a clock that never steps.
@@ -47,7 +47,7 @@ pub trait Clock: Send {
 
 /// The system's clocks.
 #[derive(Debug, Default, Clone, Copy)]
-pub struct SystemClock;
+pub(crate) struct SystemClock;
 
 impl Clock for SystemClock {
     fn wall_ms(&self) -> u64 {
@@ -66,7 +66,7 @@ fn system_wall_ms() -> u64 {
 /// set `CAIRN_TEST_CLOCK_OFFSET_FILE` to a file holding a signed number of milliseconds
 /// added to the wall clock (re-read at every call, so a test steps the clock by rewriting
 /// it; a missing or unreadable file means 0).
-pub fn from_env() -> Box<dyn Clock> {
+pub(crate) fn from_env() -> Box<dyn Clock> {
     #[cfg(feature = "failpoints")]
     if let Some(path) = std::env::var_os("CAIRN_TEST_CLOCK_OFFSET_FILE") {
         return Box::new(OffsetFileClock(path.into()));
@@ -92,7 +92,7 @@ impl Clock for OffsetFileClock {
 
 /// Something about the clock the journal should say.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Note {
+pub(crate) enum Note {
     /// At start, the wall clock is behind the newest stamp already recorded.
     BehindRecorded { wall_ms: u64, recorded_ms: u64 },
     /// The wall clock stepped back by `by_ms` (more than [`STEP_REPORT_MS`]).
@@ -110,7 +110,7 @@ pub enum Note {
 
 /// Stamps times of receipt; see the module docs.
 #[derive(Debug, Clone)]
-pub struct ReceiptClock {
+pub(crate) struct ReceiptClock {
     anchor_ms: u64,
     anchor_at: Instant,
     /// Stamps run ahead of the wall clock (it stepped back, or started behind).
@@ -178,7 +178,7 @@ impl ReceiptClock {
 }
 
 /// `1d2h3m4s`-style, for journal lines (to the nearest second; under a second as `ms`).
-pub fn human_ms(ms: u64) -> String {
+pub(crate) fn human_ms(ms: u64) -> String {
     if ms < 1000 {
         return format!("{ms}ms");
     }
@@ -194,7 +194,7 @@ pub fn human_ms(ms: u64) -> String {
 }
 
 /// `ms` since the epoch as RFC 3339 UTC.
-pub fn utc_ms(ms: u64) -> String {
+pub(crate) fn utc_ms(ms: u64) -> String {
     crate::logging::utc_timestamp(UNIX_EPOCH + Duration::from_millis(ms))
 }
 

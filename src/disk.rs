@@ -33,7 +33,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// How stale a free-space figure may get before the guard measures again.
-pub const REFRESH: Duration = Duration::from_millis(100);
+pub(crate) const REFRESH: Duration = Duration::from_millis(100);
 
 /// `statvfs` failed on a directory the guard watches.
 #[derive(Debug, thiserror::Error)]
@@ -68,7 +68,7 @@ pub fn is_disk_full(e: &io::Error) -> bool {
 
 /// Decides, cheaply, whether there is room to append (see the module docs).
 #[derive(Debug)]
-pub struct SpaceGuard {
+pub(crate) struct SpaceGuard {
     dirs: Vec<PathBuf>,
     reserve: u64,
     /// Lowest free figure over `dirs` at the last measurement, and the directory it was for.
@@ -101,7 +101,7 @@ impl SpaceGuard {
     }
 
     /// The directory whose filesystem had the least room at the last measurement.
-    pub fn lowest_dir(&self) -> &Path {
+    pub(crate) fn lowest_dir(&self) -> &Path {
         &self.dirs[self.lowest]
     }
 
@@ -112,7 +112,7 @@ impl SpaceGuard {
     }
 
     /// [`SpaceGuard::check`] with the measurement supplied (for tests).
-    pub fn check_with(
+    pub(crate) fn check_with(
         &mut self,
         now: Instant,
         bytes: u64,

@@ -129,7 +129,7 @@ mod armed {
         }
     }
 
-    pub fn panic_at(name: &str, value: u64) {
+    pub(crate) fn panic_at(name: &str, value: u64) {
         let armed = {
             let t = table().lock().unwrap_or_else(|e| e.into_inner());
             t.get(name)
@@ -141,7 +141,7 @@ mod armed {
         }
     }
 
-    pub fn enabled(name: &str) -> bool {
+    pub(crate) fn enabled(name: &str) -> bool {
         let t = table().lock().unwrap_or_else(|e| e.into_inner());
         t.get(name).is_some_and(|p| p.action == Action::On)
     }
@@ -155,19 +155,19 @@ pub fn hit(name: &str) -> io::Result<()> {
 
 /// Is the (unsafe) behaviour `name` switched on?
 #[cfg(feature = "failpoints")]
-pub fn enabled(name: &str) -> bool {
+pub(crate) fn enabled(name: &str) -> bool {
     armed::enabled(name)
 }
 
 /// Panic if `name` is armed with `panic:value` (a stand-in for a bug we have not found).
 #[cfg(feature = "failpoints")]
-pub fn panic_at(name: &str, value: u64) {
+pub(crate) fn panic_at(name: &str, value: u64) {
     armed::panic_at(name, value)
 }
 
 #[cfg(not(feature = "failpoints"))]
 #[inline(always)]
-pub fn panic_at(_name: &str, _value: u64) {}
+pub(crate) fn panic_at(_name: &str, _value: u64) {}
 
 #[cfg(not(feature = "failpoints"))]
 #[inline(always)]
@@ -177,6 +177,6 @@ pub fn hit(_name: &str) -> io::Result<()> {
 
 #[cfg(not(feature = "failpoints"))]
 #[inline(always)]
-pub fn enabled(_name: &str) -> bool {
+pub(crate) fn enabled(_name: &str) -> bool {
     false
 }

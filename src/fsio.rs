@@ -35,11 +35,11 @@ pub trait SyncSeam: Send + Sync + std::fmt::Debug {
     fn sync_dir(&self, path: &Path) -> io::Result<()>;
 }
 
-pub type Durability = Arc<dyn SyncSeam>;
+pub(crate) type Durability = Arc<dyn SyncSeam>;
 
 /// The real thing: `fdatasync`/`fsync` on the file, `fsync` on an opened directory.
 #[derive(Debug, Default)]
-pub struct RealSync;
+pub(crate) struct RealSync;
 
 impl SyncSeam for RealSync {
     fn sync_file(
@@ -120,7 +120,7 @@ impl SyncSeam for TestSync {
 /// `create_dir_all`, made durable: every directory it creates has its entry fsynced in its
 /// parent, up to the first ancestor that already existed. (A new directory whose entry is
 /// not synced can vanish in a power cut with everything below it.)
-pub fn create_dir_all_durable(path: &Path, sync: &Durability) -> io::Result<()> {
+pub(crate) fn create_dir_all_durable(path: &Path, sync: &Durability) -> io::Result<()> {
     let mut missing = Vec::new();
     let mut cur = path;
     while !cur.exists() {
@@ -148,7 +148,7 @@ pub fn create_dir_all_durable(path: &Path, sync: &Durability) -> io::Result<()> 
 /// Replace `path` with `bytes` so that a crash at any instant leaves either the old file
 /// or the new one, whole: write a sibling `.tmp`, fsync it, rename it over `path`, fsync
 /// the directory (without the last sync the rename itself may not survive a power cut).
-pub fn replace_file_durable(path: &Path, bytes: &[u8], sync: &Durability) -> io::Result<()> {
+pub(crate) fn replace_file_durable(path: &Path, bytes: &[u8], sync: &Durability) -> io::Result<()> {
     use std::io::Write;
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
@@ -166,7 +166,7 @@ pub fn replace_file_durable(path: &Path, bytes: &[u8], sync: &Durability) -> io:
 }
 
 /// Remove `path` (if it exists) and make the removal durable.
-pub fn remove_file_durable(path: &Path, sync: &Durability) -> io::Result<()> {
+pub(crate) fn remove_file_durable(path: &Path, sync: &Durability) -> io::Result<()> {
     match std::fs::remove_file(path) {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
@@ -182,7 +182,7 @@ pub fn remove_file_durable(path: &Path, sync: &Durability) -> io::Result<()> {
 /// the umask may only narrow that), its parents as [`create_dir_all_durable`] does, and its
 /// entry fsynced. An existing directory is left as it is: under systemd the unit's
 /// `StateDirectory=` made it with the mode the unit asks for.
-pub fn create_data_dir(path: &Path, sync: &Durability) -> io::Result<()> {
+pub(crate) fn create_data_dir(path: &Path, sync: &Durability) -> io::Result<()> {
     use std::os::unix::fs::DirBuilderExt;
     if path.exists() {
         return Ok(());

@@ -33,7 +33,7 @@ pub const FILE_NAME: &str = "generations";
 
 /// The per-pipeline highest generations, loaded from and saved to one file.
 #[derive(Debug, Default)]
-pub struct Generations {
+pub(crate) struct Generations {
     path: Option<PathBuf>,
     highest: BTreeMap<String, u32>,
     dirty: bool,
@@ -57,7 +57,7 @@ pub enum GenerationsError {
 
 impl Generations {
     /// Kept only in memory (tests and tools that have no data directory).
-    pub fn in_memory() -> Generations {
+    pub(crate) fn in_memory() -> Generations {
         Generations::default()
     }
 
@@ -108,7 +108,7 @@ impl Generations {
     }
 
     /// The store holds state of `name` in `generation`: never number a new one at or below.
-    pub fn observe(&mut self, name: &str, generation: u32) {
+    pub(crate) fn observe(&mut self, name: &str, generation: u32) {
         let generation = generation.max(1);
         let e = self.highest.entry(name.to_string()).or_default();
         if *e < generation {
@@ -120,7 +120,7 @@ impl Generations {
     /// Start a new lineage of `name`: 1 if the pipeline was never seen, else one above every
     /// generation it had (and above `at_least`, what the store knows). Saturates at
     /// `u32::MAX`, four billion resets away.
-    pub fn start_new(&mut self, name: &str, at_least: u32) -> u32 {
+    pub(crate) fn start_new(&mut self, name: &str, at_least: u32) -> u32 {
         let next = match self.highest(name) {
             None if at_least == 0 => 1,
             h => h.unwrap_or(0).max(at_least).saturating_add(1),

@@ -90,20 +90,20 @@
 
 pub mod agent;
 pub mod cli;
-pub mod clock;
+pub(crate) mod clock;
 pub mod config;
 pub mod disk;
-pub mod failpoint;
+pub(crate) mod failpoint;
 pub mod fsio;
 pub mod generations;
 pub mod log;
-pub mod logging;
+pub(crate) mod logging;
 pub mod metrics;
 pub mod model;
 pub mod mqtt;
 pub mod notify;
 pub mod pipeline;
 pub mod processor;
-pub mod quarantine;
-pub mod signals;
+pub(crate) mod quarantine;
+pub(crate) mod signals;
 pub mod store;

@@ -14,12 +14,11 @@
 //! [`RateLimit`] keeps a flood of similar lines (one per dead letter, say) from drowning the
 //! journal, which rate-limits per service and would then drop the lines that matter too.
 
-use std::fmt;
 use std::io::Write;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Install the logger. Calling it twice is harmless (the second call does nothing).
-pub fn init() {
+pub(crate) fn init() {
     let mut b = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"));
     if !rust_log_set() {
         // Let everything through env_logger; `log::set_max_level` is the one knob, so the
@@ -64,7 +63,7 @@ fn rust_log_set() -> bool {
 
 /// Apply the configured level (at start and on SIGHUP). `RUST_LOG`, when set, wins: it can
 /// say more (per-module filters) than one level.
-pub fn set_level(level: log::LevelFilter) {
+pub(crate) fn set_level(level: log::LevelFilter) {
     if rust_log_set() {
         return;
     }
@@ -88,7 +87,7 @@ pub fn fatal(message: &str) {
 
 /// `2024-05-01T12:34:56.789Z`: RFC 3339 in UTC, millisecond precision, without a time zone
 /// database (an edge box may lack one, and UTC is what the journal and brokers use anyway).
-pub fn utc_timestamp(t: SystemTime) -> String {
+pub(crate) fn utc_timestamp(t: SystemTime) -> String {
     let since = t.duration_since(UNIX_EPOCH).unwrap_or_default();
     let secs = since.as_secs();
     let (days, rem) = (secs / 86_400, secs % 86_400);
@@ -133,7 +132,7 @@ pub fn priority(level: log::Level) -> u8 {
 /// and survives `2>file` in a shell started from a unit, so `systemd.exec(5)` asks programs to
 /// compare it with what stderr actually is; we do, and trust the variable alone only when
 /// stderr cannot be examined.
-pub fn stderr_is_journal() -> bool {
+pub(crate) fn stderr_is_journal() -> bool {
     let Some(value) = std::env::var_os("JOURNAL_STREAM") else {
         return false;
     };
@@ -148,7 +147,7 @@ pub fn stderr_is_journal() -> bool {
 }
 
 /// `"DEVICE:INODE"`, both decimal, as systemd writes `$JOURNAL_STREAM`.
-pub fn parse_journal_stream(value: &str) -> Option<(u64, u64)> {
+pub(crate) fn parse_journal_stream(value: &str) -> Option<(u64, u64)> {
     let (dev, ino) = value.trim().split_once(':')?;
     Some((dev.parse().ok()?, ino.parse().ok()?))
 }
@@ -160,7 +159,7 @@ pub fn parse_journal_stream(value: &str) -> Option<(u64, u64)> {
 /// Intervals are fixed windows that start at the first line after the previous one ended.
 /// The clock is a parameter, so tests need no sleeping.
 #[derive(Debug, Clone)]
-pub struct RateLimit {
+pub(crate) struct RateLimit {
     max_lines: u32,
     interval: Duration,
     window_start: Option<Instant>,
@@ -170,7 +169,7 @@ pub struct RateLimit {
 
 /// What [`RateLimit::check`] decided for one line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Verdict {
+pub(crate) struct Verdict {
     /// Log this line.
     pub allowed: bool,
     /// Lines suppressed in the previous interval, to report now (and only now).
@@ -207,36 +206,6 @@ impl RateLimit {
             suppressed: report,
         }
     }
-
-    /// The suppression count, if the interval that collected it has ended; for a periodic
-    /// tick, so a burst that stops is still reported.
-    pub fn flush(&mut self, now: Instant) -> Option<u64> {
-        let ended = self.window_start.is_some_and(|s| now >= s + self.interval);
-        if ended && self.suppressed > 0 {
-            self.window_start = None;
-            return Some(std::mem::take(&mut self.suppressed));
-        }
-        None
-    }
-
-    /// Log `args` at `level` unless the limit is reached, with the suppression line first
-    /// when one is due.
-    pub fn log(&mut self, level: log::Level, args: fmt::Arguments<'_>) {
-        let v = self.check(Instant::now());
-        if v.suppressed > 0 {
-            log::log!(level, "suppressed {} similar messages", v.suppressed);
-        }
-        if v.allowed {
-            log::log!(level, "{args}");
-        }
-    }
-
-    /// [`RateLimit::flush`] at the current time, logging the count at `level`.
-    pub fn log_flush(&mut self, level: log::Level) {
-        if let Some(k) = self.flush(Instant::now()) {
-            log::log!(level, "suppressed {k} similar messages");
-        }
-    }
 }
 
 #[cfg(test)]
@@ -263,25 +232,6 @@ mod tests {
             }
         );
         assert_eq!(rl.check(t0 + Duration::from_secs(11)).suppressed, 0);
-    }
-
-    #[test]
-    fn flush_reports_a_burst_that_stopped_once() {
-        let t0 = Instant::now();
-        let mut rl = RateLimit::new(1, Duration::from_secs(1));
-        rl.check(t0);
-        rl.check(t0);
-        rl.check(t0);
-        assert_eq!(rl.flush(t0 + Duration::from_millis(500)), None);
-        assert_eq!(rl.flush(t0 + Duration::from_secs(1)), Some(2));
-        assert_eq!(rl.flush(t0 + Duration::from_secs(2)), None);
-        assert_eq!(
-            rl.check(t0 + Duration::from_secs(2)),
-            Verdict {
-                allowed: true,
-                suppressed: 0
-            }
-        );
     }
 
     #[test]

@@ -4,7 +4,7 @@ use serde::{Deserialize, Serialize};
 
 /// Position of a record in the replay log. Offsets are dense: the first record ever
 /// appended is 0 and each append adds one. They never repeat, even after truncation.
-pub type Offset = u64;
+pub(crate) type Offset = u64;
 
 /// One accepted MQTT message, exactly as the replay log stores it.
 ///
@@ -25,7 +25,7 @@ pub struct Record {
 /// size and the limit, each a `u64` LE) and then at most [`TooLarge::PREFIX_MAX`] bytes of
 /// the payload. MQTT QoS is 0, 1 or 2, so no received message has this bit: logs written
 /// before it existed read exactly as before, and the frame format is unchanged.
-pub const QOS_TOO_LARGE: u8 = 0x80;
+pub(crate) const QOS_TOO_LARGE: u8 = 0x80;
 
 /// What a stand-in record says about the message it stands for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,9 +39,9 @@ pub struct TooLarge<'a> {
 }
 
 impl TooLarge<'_> {
-    pub const HEADER_LEN: usize = 16;
+    pub(crate) const HEADER_LEN: usize = 16;
     /// As much of the payload as a dead letter keeps.
-    pub const PREFIX_MAX: usize = 1024;
+    pub(crate) const PREFIX_MAX: usize = 1024;
 
     /// The stand-in payload for a `size`-byte `payload` refused under `limit`.
     pub(crate) fn encode(payload: &[u8], limit: u64) -> Vec<u8> {

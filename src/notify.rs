@@ -28,7 +28,7 @@ use std::os::unix::net::{SocketAddr, UnixDatagram};
 use std::time::{Duration, Instant};
 
 /// How often [`Heartbeat`] refreshes the `STATUS=` line that `systemctl status` shows.
-pub const STATUS_INTERVAL: Duration = Duration::from_secs(10);
+pub(crate) const STATUS_INTERVAL: Duration = Duration::from_secs(10);
 
 /// A connection-less sender to one notify socket.
 #[derive(Debug)]
@@ -39,7 +39,7 @@ pub struct Notifier {
 
 impl Notifier {
     /// The notifier systemd asked for, or `None` when `NOTIFY_SOCKET` is unset or empty.
-    pub fn from_env() -> Option<io::Result<Notifier>> {
+    pub(crate) fn from_env() -> Option<io::Result<Notifier>> {
         let path = std::env::var_os("NOTIFY_SOCKET")?;
         let path = path.to_str()?;
         if path.is_empty() {
@@ -126,7 +126,7 @@ fn one_line(text: &str) -> String {
 /// How often to send `WATCHDOG=1`: half of `$WATCHDOG_USEC`, as `sd_watchdog_enabled(3)`
 /// recommends, so one late ping is not yet a timeout. `None` when no watchdog is set, or it
 /// is meant for another process (`$WATCHDOG_PID` names a different PID).
-pub fn watchdog_interval() -> Option<Duration> {
+pub(crate) fn watchdog_interval() -> Option<Duration> {
     let usec = std::env::var("WATCHDOG_USEC").ok();
     let pid = std::env::var("WATCHDOG_PID").ok();
     watchdog_interval_from(usec.as_deref(), pid.as_deref(), std::process::id())
@@ -162,7 +162,7 @@ pub struct Heartbeat {
 
 impl Heartbeat {
     /// What systemd asked for: nothing at all without `$NOTIFY_SOCKET`.
-    pub fn from_env() -> Heartbeat {
+    pub(crate) fn from_env() -> Heartbeat {
         let notifier = match Notifier::from_env() {
             Some(Ok(n)) => Some(n),
             Some(Err(e)) => {

@@ -40,7 +40,7 @@ use crate::fsio::Durability;
 use crate::model::Offset;
 
 /// Attempts after which a record is set aside as an `internal` dead letter.
-pub const MAX_ATTEMPTS: u32 = 3;
+pub(crate) const MAX_ATTEMPTS: u32 = 3;
 
 /// The file's name inside the data directory.
 pub const FILE_NAME: &str = "quarantine";
@@ -123,7 +123,7 @@ impl Quarantine {
     }
 
     /// Whether the record at `offset` has used all its attempts: set it aside.
-    pub fn exhausted(&self, offset: Offset) -> bool {
+    pub(crate) fn exhausted(&self, offset: Offset) -> bool {
         self.attempts(offset) >= MAX_ATTEMPTS
     }
 
@@ -138,7 +138,12 @@ impl Quarantine {
 
     /// Durably count one more failed attempt at `offset`; returns the new count. The
     /// caller exits right after: the engine that panicked may be half-way through a change.
-    pub fn record_attempt(&mut self, offset: Offset, topic: &str, panic: &str) -> io::Result<u32> {
+    pub(crate) fn record_attempt(
+        &mut self,
+        offset: Offset,
+        topic: &str,
+        panic: &str,
+    ) -> io::Result<u32> {
         let e = self.entries.entry(offset).or_insert_with(|| Entry {
             offset,
             attempts: 0,
@@ -154,7 +159,7 @@ impl Quarantine {
 
     /// Forget entries below `next_offset` (settled by a durable checkpoint). Writes only
     /// when something was forgotten.
-    pub fn prune_below(&mut self, next_offset: Offset) -> io::Result<()> {
+    pub(crate) fn prune_below(&mut self, next_offset: Offset) -> io::Result<()> {
         let before = self.entries.len();
         self.entries = self.entries.split_off(&next_offset);
         if self.entries.len() != before {

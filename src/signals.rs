@@ -13,7 +13,7 @@ extern "C" fn on_hup(_signal: libc::c_int) {
 }
 
 /// Route SIGHUP to [`take_reload`]. Call after `ctrlc::set_handler`.
-pub fn install_reload_handler() -> std::io::Result<()> {
+pub(crate) fn install_reload_handler() -> std::io::Result<()> {
     // SAFETY: `sigaction` with a zeroed struct, an empty mask and a handler that only stores
     // to an atomic, which is async-signal-safe.
     unsafe {
@@ -29,6 +29,6 @@ pub fn install_reload_handler() -> std::io::Result<()> {
 }
 
 /// Was a reload requested since the last call?
-pub fn take_reload() -> bool {
+pub(crate) fn take_reload() -> bool {
     RELOAD.swap(false, Ordering::SeqCst)
 }

@@ -74,7 +74,7 @@ impl Shutdown {
     pub fn request(&self) -> u8 {
         self.0.fetch_add(1, Ordering::SeqCst) + 1
     }
-    pub fn requested(&self) -> u8 {
+    pub(crate) fn requested(&self) -> u8 {
         self.0.load(Ordering::SeqCst)
     }
 }
@@ -87,7 +87,7 @@ pub fn wall_ms() -> u64 {
 
 /// Figures the loop keeps (issue 6 exports them).
 #[derive(Debug, Clone, Default)]
-pub struct Stats {
+pub(crate) struct Stats {
     pub received: u64,
     pub acked: u64,
     pub log_commits: u64,

@@ -30,7 +30,7 @@ impl Agent {
 
     /// As [`Agent::start`], first resetting the named pipelines' state (see
     /// [`Processor::open_with_reset`]).
-    pub fn start_with_reset(
+    pub(crate) fn start_with_reset(
         cfg: Config,
         sync: Durability,
         reset: &[String],
@@ -39,7 +39,7 @@ impl Agent {
     }
 
     /// As [`Agent::start_with_reset`], stamping times of receipt from `clock`.
-    pub fn start_with_clock(
+    pub(crate) fn start_with_clock(
         cfg: Config,
         sync: Durability,
         reset: &[String],

@@ -5,13 +5,13 @@
 //!
 //! Exit codes: 0 ok, 1 runtime failure, 2 usage or config error (DESIGN §3).
 
-pub const EXIT_OK: i32 = 0;
-pub const EXIT_RUNTIME: i32 = 1;
-pub const EXIT_USAGE: i32 = 2;
+pub(crate) const EXIT_OK: i32 = 0;
+pub(crate) const EXIT_RUNTIME: i32 = 1;
+pub(crate) const EXIT_USAGE: i32 = 2;
 
 /// A failure with its exit code and message, for `main` to print.
 #[derive(Debug)]
-pub struct Failure {
+pub(crate) struct Failure {
     pub code: i32,
     pub message: String,
 }

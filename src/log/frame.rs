@@ -7,22 +7,22 @@
 use crate::model::{Offset, Record};
 
 /// Bytes before the body: length then CRC.
-pub const HEADER_LEN: usize = 8;
+pub(crate) const HEADER_LEN: usize = 8;
 
 /// Largest payload any configuration may allow (`LogOptions::max_payload` is capped here).
-pub const MAX_PAYLOAD_LIMIT: u64 = 16 * 1024 * 1024;
+pub(crate) const MAX_PAYLOAD_LIMIT: u64 = 16 * 1024 * 1024;
 
 /// Largest topic we store: the MQTT protocol limit for a UTF-8 string.
-pub const MAX_TOPIC_LEN: u64 = 65_535;
+pub(crate) const MAX_TOPIC_LEN: u64 = 65_535;
 
 /// Largest body a frame may declare. A length above this is never a frame we wrote, so the
 /// scanner treats it as damage without reading further. Payload + topic + postcard overhead
 /// (varints for offset, time, lengths; qos; retain) stays well inside the slack.
-pub const MAX_BODY_LEN: u32 = (MAX_PAYLOAD_LIMIT + MAX_TOPIC_LEN + 64) as u32;
+pub(crate) const MAX_BODY_LEN: u32 = (MAX_PAYLOAD_LIMIT + MAX_TOPIC_LEN + 64) as u32;
 
 /// Why the bytes at some position are not a valid frame.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum FrameError {
+pub(crate) enum FrameError {
     /// Fewer than [`HEADER_LEN`] bytes remain.
     ShortHeader { have: usize },
     /// The length field is zero: no frame we write is empty (zero-filled tails look like this).

@@ -128,7 +128,7 @@ use reader::SegmentExtent;
 use scan::segment_file_name;
 
 /// Largest payload of a record appended with [`Log::append_stand_in`].
-pub const STAND_IN_MAX_PAYLOAD: u64 = 4096;
+pub(crate) const STAND_IN_MAX_PAYLOAD: u64 = 4096;
 
 /// Limits and location. All sizes in bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -169,7 +169,7 @@ pub struct SegmentInfo {
 
 /// What retention may delete now; see the module docs, "Retention".
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RetentionPlan {
+pub(crate) struct RetentionPlan {
     /// Delete the segments wholly below this offset ([`Log::truncate_before`]).
     pub below: Offset,
     /// How many of them go only because the log is short of room (inside `retention`).

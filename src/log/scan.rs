@@ -18,7 +18,7 @@ use crate::model::{Offset, Record};
 const CHUNK: usize = 64 * 1024;
 
 /// Subdirectory where `repair_dir` keeps damaged segments.
-pub const DAMAGED_DIR: &str = "damaged";
+pub(crate) const DAMAGED_DIR: &str = "damaged";
 
 pub(crate) fn segment_file_name(first_offset: Offset) -> String {
     format!("{first_offset:020}.log")
@@ -148,7 +148,7 @@ impl Window {
 
 /// The first invalid frame of a segment and what lies after it.
 #[derive(Debug, Clone)]
-pub struct Damage {
+pub(crate) struct Damage {
     pub byte_pos: u64,
     /// The offset the damaged frame should have had.
     pub offset: Offset,
@@ -166,7 +166,7 @@ pub struct Damage {
 
 /// What a scan found in one segment file.
 #[derive(Debug, Clone)]
-pub struct SegmentScan {
+pub(crate) struct SegmentScan {
     pub path: PathBuf,
     pub first_offset: Offset,
     pub file_len: u64,
@@ -317,7 +317,7 @@ pub struct Problem {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ProblemKind {
+pub(crate) enum ProblemKind {
     /// Bytes of `scans[i]` are damaged.
     Damaged(usize),
     /// Offsets `from..to` between `scans[prev]` and the next segment are in no segment.
@@ -332,7 +332,7 @@ pub enum ProblemKind {
 
 /// The classification shared by open, verify and repair.
 #[derive(Debug, Default)]
-pub struct Findings {
+pub(crate) struct Findings {
     /// The last segment's damage is a torn tail: truncate it at `valid_end`.
     pub torn_tail: bool,
     pub problems: Vec<Problem>,

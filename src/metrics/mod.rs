@@ -36,21 +36,21 @@ pub use server::serve;
 pub use status::{status, status_json};
 
 /// How often the agent recomputes gauges that cost a tree walk (outbox depth, store size).
-pub const REFRESH_INTERVAL: Duration = Duration::from_millis(250);
+pub(crate) const REFRESH_INTERVAL: Duration = Duration::from_millis(250);
 /// Longest request head the server reads before answering 431.
-pub const MAX_REQUEST_BYTES: usize = 8 * 1024;
+pub(crate) const MAX_REQUEST_BYTES: usize = 8 * 1024;
 /// Time a connection gets from accept to the last byte of the response: a slow client is
 /// cut when it runs out, however it trickles its bytes.
-pub const REQUEST_DEADLINE: Duration = Duration::from_secs(2);
+pub(crate) const REQUEST_DEADLINE: Duration = Duration::from_secs(2);
 /// Connections served at once (a thread each). Scrapers are few; the cap bounds the threads
 /// that slow or idle clients can pin, each for at most [`REQUEST_DEADLINE`].
-pub const MAX_HANDLERS: usize = 8;
+pub(crate) const MAX_HANDLERS: usize = 8;
 /// Outbox age marks kept (one per checkpoint that added outputs); beyond it the newest mark
 /// absorbs new entries, which only overstates their age.
 const MAX_OUTBOX_MARKS: usize = 4096;
 
 /// Upper bounds (seconds) of the duration histograms' buckets.
-pub const DURATION_BUCKETS: [f64; 14] = [
+pub(crate) const DURATION_BUCKETS: [f64; 14] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 ];
 
@@ -65,7 +65,7 @@ pub struct Histogram {
 }
 
 impl Histogram {
-    pub fn observe(&mut self, d: Duration) {
+    pub(crate) fn observe(&mut self, d: Duration) {
         let s = d.as_secs_f64();
         if let Some(i) = DURATION_BUCKETS.iter().position(|&b| s <= b) {
             self.buckets[i] += 1;
@@ -183,7 +183,7 @@ impl Metrics {
     }
 
     /// Outbox entries with sequence below `end_seq` exist since `at_ms` (wall clock).
-    pub fn note_outbox_committed(&self, end_seq: u64, at_ms: u64) {
+    pub(crate) fn note_outbox_committed(&self, end_seq: u64, at_ms: u64) {
         let mut marks = lock(&self.outbox_marks);
         let full = marks.len() >= MAX_OUTBOX_MARKS;
         match marks.back_mut() {
@@ -194,7 +194,7 @@ impl Metrics {
     }
 
     /// Set the outbox gauges from its depth and its first sequence number.
-    pub fn set_outbox(&self, entries: u64, first_seq: Option<u64>, now_ms: u64) {
+    pub(crate) fn set_outbox(&self, entries: u64, first_seq: Option<u64>, now_ms: u64) {
         let age = {
             let mut marks = lock(&self.outbox_marks);
             match first_seq {
@@ -219,12 +219,12 @@ impl Metrics {
     }
 
     /// Where [`serve`] listens (after it bound).
-    pub fn server_addr(&self) -> Option<SocketAddr> {
+    pub(crate) fn server_addr(&self) -> Option<SocketAddr> {
         *lock(&self.server)
     }
 
     /// Stop the server thread (it exits after its current connection).
-    pub fn stop_server(&self) {
+    pub(crate) fn stop_server(&self) {
         self.stop.store(true, Ordering::SeqCst);
         if let Some(addr) = self.server_addr() {
             // Wake the blocking accept; it sees the flag and returns.

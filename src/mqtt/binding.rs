@@ -76,19 +76,19 @@ impl Publishes {
     }
 
     /// The next publish to hand to rumqttc, if any.
-    pub fn next_to_hand(&self) -> Option<&OutPublish> {
+    pub(crate) fn next_to_hand(&self) -> Option<&OutPublish> {
         self.to_send.front()
     }
 
     /// rumqttc accepted [`Self::next_to_hand`] into its request channel.
-    pub fn handed(&mut self) {
+    pub(crate) fn handed(&mut self) {
         if let Some(p) = self.to_send.pop_front() {
             self.unbound.push_back(p);
         }
     }
 
     /// rumqttc wrote a PUBLISH with this pkid.
-    pub fn on_outgoing(&mut self, pkid: u16) -> Sent {
+    pub(crate) fn on_outgoing(&mut self, pkid: u16) -> Sent {
         if self.bound.contains_key(&pkid) {
             return Sent::Retransmit;
         }
@@ -110,7 +110,7 @@ impl Publishes {
     }
 
     /// rumqttc took the front publish but parked it: `pkid` is still in use.
-    pub fn on_await_ack(&mut self, pkid: u16) {
+    pub(crate) fn on_await_ack(&mut self, pkid: u16) {
         if self.collided.is_none()
             && let Some(p) = self.unbound.pop_front()
         {
@@ -119,14 +119,14 @@ impl Publishes {
     }
 
     /// The broker acknowledged `pkid`; returns the output ID it carried.
-    pub fn on_puback(&mut self, pkid: u16) -> Option<String> {
+    pub(crate) fn on_puback(&mut self, pkid: u16) -> Option<String> {
         self.bound.remove(&pkid).map(|p| p.output_id)
     }
 
     /// The broker has no session for us: it forgot every publish rumqttc held, and rumqttc
     /// dropped its own retransmission queue. Queue them all again, oldest first, ahead of
     /// those not handed over yet. Returns how many.
-    pub fn on_session_lost(&mut self) -> usize {
+    pub(crate) fn on_session_lost(&mut self) -> usize {
         let mut lost: Vec<OutPublish> = self.bound.drain().map(|(_, p)| p).collect();
         lost.extend(self.unbound.drain(..));
         lost.extend(self.collided.take().map(|(_, p)| p));
@@ -139,7 +139,7 @@ impl Publishes {
     }
 
     /// Publishes inside rumqttc that were never given a pkid (for a consistency check).
-    pub fn unbound_len(&self) -> usize {
+    pub(crate) fn unbound_len(&self) -> usize {
         self.unbound.len() + self.collided.is_some() as usize
     }
 }

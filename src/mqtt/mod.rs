@@ -257,7 +257,7 @@ impl Mqtt {
     }
 
     /// How many more acks [`Mqtt::ack`] takes now without [`MqttError::AckQueueFull`].
-    pub fn ack_room(&self) -> usize {
+    pub(crate) fn ack_room(&self) -> usize {
         self.ack_limit.saturating_sub(self.inner.lock().acks.len())
     }
 

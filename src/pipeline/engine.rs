@@ -17,7 +17,7 @@ use crate::model::Record;
 pub use crate::model::{Counters, DeadLetter, Output, PipelineProgress, Progress};
 
 /// Longest payload prefix kept in a dead letter.
-pub const DEAD_LETTER_PAYLOAD_MAX: usize = 1024;
+pub(crate) const DEAD_LETTER_PAYLOAD_MAX: usize = 1024;
 
 /// A failure to read the checkpointed state (an I/O or corruption error in the store).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -25,9 +25,9 @@ use super::spec::{Field, Format};
 use super::value::Num;
 
 /// Deepest nesting of `not` and parentheses: the parser recurses once per level.
-pub const MAX_DEPTH: usize = 64;
+pub(crate) const MAX_DEPTH: usize = 64;
 /// Longest expression, in bytes.
-pub const MAX_LEN: usize = 4096;
+pub(crate) const MAX_LEN: usize = 4096;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum CmpOp {
@@ -79,7 +79,7 @@ pub enum Value {
 
 /// A parse error at a byte offset of the expression.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SyntaxError {
+pub(crate) struct SyntaxError {
     pub offset: usize,
     pub message: String,
 }

@@ -5,14 +5,14 @@
 
 pub(crate) mod describe;
 pub mod engine;
-pub mod filter;
+pub(crate) mod filter;
 pub mod memory;
 pub(crate) mod parse;
 pub(crate) mod sketch;
 pub mod spec;
 pub mod time;
 pub(crate) mod topic;
-pub mod value;
+pub(crate) mod value;
 
 pub use engine::{
     Batch, Checkpoint, Counters, DeadLetter, Engine, Outcome, Output, PipelineProgress, Progress,

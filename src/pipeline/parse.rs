@@ -9,7 +9,7 @@ use super::value::{MAX_EXACT_FLOAT, Num};
 
 /// The fields of one event, before dedup and aggregation.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Parsed {
+pub(crate) struct Parsed {
     pub event_id: String,
     pub key: String,
     /// `Int(1)` for `count` pipelines, which have no value field.
@@ -20,7 +20,7 @@ pub struct Parsed {
 
 /// Why a payload was refused. `reason` is a stable, greppable word; `detail` says more.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Refusal {
+pub(crate) struct Refusal {
     pub reason: &'static str,
     pub detail: String,
 }

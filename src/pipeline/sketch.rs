@@ -16,17 +16,17 @@
 use serde::{Deserialize, Serialize};
 
 /// Mantissa bits kept: 2^7 = 128 buckets per power of two.
-pub const MANTISSA_BITS: u32 = 7;
+pub(crate) const MANTISSA_BITS: u32 = 7;
 /// Most buckets one sketch holds. A bucket costs 2 to 13 bytes in the store (a varint key
 /// and a varint count), typically 4, so a sketch stays near 2 KiB and below 6.5 KiB at
 /// worst. sled writes a leaf of up to ~17 values as one log item and moves items over
 /// ~128 KiB to blob files it never fsyncs, so even a leaf full of worst-case sketches
 /// must stay below that: 17 × 6.5 KiB leaves room for keys and the other aggregates.
-pub const MAX_BUCKETS: usize = 512;
+pub(crate) const MAX_BUCKETS: usize = 512;
 /// Largest relative error of a reported percentile with respect to the value at its rank,
 /// while no buckets were folded: 2^-MANTISSA_BITS. Only the tests check against it.
 #[cfg(test)]
-pub const RELATIVE_ERROR: f64 = 1.0 / 128.0;
+pub(crate) const RELATIVE_ERROR: f64 = 1.0 / 128.0;
 
 const SHIFT: u32 = 52 - MANTISSA_BITS;
 

@@ -147,7 +147,7 @@ pub struct WindowSpec {
 }
 
 /// Most windows one event may land in (`ceil(size / slide)`): each is a state write.
-pub const MAX_WINDOWS_PER_EVENT: u64 = 100;
+pub(crate) const MAX_WINDOWS_PER_EVENT: u64 = 100;
 
 impl WindowSpec {
     /// The slide; never 0, even in a hand-built spec, since it divides.

@@ -4,7 +4,7 @@ use super::parse::Refusal;
 
 /// The longest topic MQTT can carry (a 16-bit length prefix). A longer one would make the
 /// broker drop the connection, and the outbox would send it again after every reconnect.
-pub const MAX_TOPIC_LEN: usize = 65_535;
+pub(crate) const MAX_TOPIC_LEN: usize = 65_535;
 
 /// Does `topic` match the MQTT topic filter `filter` (`+` one level, `#` the rest)?
 /// Topics starting with `$` are matched only by filters that start with `$` too

@@ -15,7 +15,7 @@ use super::sketch::Sketch;
 use super::spec::{Aggregate, AggregateSpec};
 
 /// Largest magnitude a float may have: beyond it, consecutive integers are not representable.
-pub const MAX_EXACT_FLOAT: f64 = 9_007_199_254_740_992.0;
+pub(crate) const MAX_EXACT_FLOAT: f64 = 9_007_199_254_740_992.0;
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub enum Num {

@@ -56,7 +56,7 @@ use std::fmt;
 /// The time-shaped wrappers the tests use keep record times in units of `1 << COARSE_SHIFT`
 /// ms: `coarse = seen_ms >> 10`.
 #[cfg(test)]
-pub const COARSE_SHIFT: u32 = 10;
+pub(crate) const COARSE_SHIFT: u32 = 10;
 
 /// The value of an empty slot. A used slot is never 0: its `fp` has its lowest bit set.
 const EMPTY: u64 = 0;
@@ -69,7 +69,7 @@ const MIN_SLOTS: usize = 16;
 const MAX_SLOTS_LOG2: u32 = 31;
 
 /// A compact multi-map from hash fingerprints to coarse record times (see the module docs).
-pub struct FingerprintIndex {
+pub(crate) struct FingerprintIndex {
     /// A power of two, at least [`MIN_SLOTS`], at most `2^MAX_SLOTS_LOG2`; [`EMPTY`] or a packed
     /// `(fp, coarse)`.
     slots: Vec<u64>,

@@ -47,17 +47,17 @@ use super::index::FingerprintIndex;
 
 /// Most entries in one chunk (a handful in unit tests, so that their small batches span
 /// several chunks, as large ones do in production).
-pub const CHUNK_ENTRIES: usize = if cfg!(test) { 8 } else { 512 };
+pub(crate) const CHUNK_ENTRIES: usize = if cfg!(test) { 8 } else { 512 };
 /// Most encoded bytes (estimated: the ID and 12 bytes per entry) in one chunk.
-pub const CHUNK_BYTES: usize = 4 * 1024;
+pub(crate) const CHUNK_BYTES: usize = 4 * 1024;
 /// Most wholly expired chunks dropped per pipeline in one checkpoint (bounds the
 /// transaction; the rest go at the next ones).
-pub const EXPIRE_CHUNKS_MAX: usize = 64;
+pub(crate) const EXPIRE_CHUNKS_MAX: usize = 64;
 /// Decoded chunks kept for lookups (redelivered duplicates hit recent chunks again and again).
-pub const CACHE_CHUNKS: usize = 8;
+pub(crate) const CACHE_CHUNKS: usize = 8;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Chunk {
+pub(crate) struct Chunk {
     pub max_seen_ms: u64,
     /// (event ID, record time accepted), sorted by ID, IDs unique within the chunk.
     pub entries: Vec<(String, u64)>,
@@ -122,7 +122,7 @@ pub(crate) fn make_chunks(
 
 /// One pipeline's in-memory view of its ledger.
 #[derive(Default)]
-pub struct Ledger {
+pub(crate) struct Ledger {
     pub index: FingerprintIndex,
     /// Key suffix → (greatest record time in that chunk, its number; `None`: not indexed).
     chunks: BTreeMap<Vec<u8>, (u64, Option<u32>)>,
@@ -257,7 +257,7 @@ impl Ledger {
 }
 
 /// Decoded ledger chunks by key.
-pub type ChunkCache = super::lru::Lru<Vec<u8>, Arc<Chunk>>;
+pub(crate) type ChunkCache = super::lru::Lru<Vec<u8>, Arc<Chunk>>;
 
 #[cfg(test)]
 mod tests {

@@ -1,7 +1,7 @@
 //! A few decoded chunks kept for reuse, most recently used first. Both the ledger and the
 //! outbox keep one: a linear scan over a handful of entries is cheaper than any map.
 
-pub struct Lru<K, V> {
+pub(crate) struct Lru<K, V> {
     capacity: usize,
     entries: Vec<(K, V)>,
 }
@@ -35,7 +35,7 @@ impl<K: PartialEq, V: Clone> Lru<K, V> {
         self.entries.truncate(self.capacity);
     }
 
-    pub fn forget<Q>(&mut self, key: &Q)
+    pub(crate) fn forget<Q>(&mut self, key: &Q)
     where
         K: std::borrow::Borrow<Q>,
         Q: PartialEq + ?Sized,

@@ -84,7 +84,7 @@ use crate::pipeline::engine::{DeadLetter, Output, Progress, ReadError, ReadState
 use crate::pipeline::value::KeyState;
 
 /// Checkpoint records kept for `cairn inspect checkpoints`.
-pub const CHECKPOINT_HISTORY: u64 = 1000;
+pub(crate) const CHECKPOINT_HISTORY: u64 = 1000;
 
 const PROGRESS_KEY: &[u8] = b"progress";
 const FORMAT_KEY: &[u8] = b"format";
@@ -93,17 +93,17 @@ const DEAD_STATS_KEY: &[u8] = b"dead_letters";
 /// Most bytes of one tree entry (key plus value) outside `meta`. sled writes a whole leaf
 /// node, up to 17 entries, as one log item, and an item over 128 KiB goes to a blob file that
 /// sled never fsyncs (DESIGN §4): 17 entries of 7 KiB stay below it. The chunks aim at 4 KiB.
-pub const MAX_ENTRY_BYTES: usize = 7 * 1024;
+pub(crate) const MAX_ENTRY_BYTES: usize = 7 * 1024;
 /// Most bytes of one `meta` entry: `meta` holds three values, and the progress record grows
 /// with the number of pipelines (their definitions), which the config bounds, not a sender.
-pub const MAX_META_BYTES: usize = 96 * 1024;
+pub(crate) const MAX_META_BYTES: usize = 96 * 1024;
 /// A dead letter's topic and detail are cut to these many bytes when the whole letter would
 /// not fit in [`MAX_ENTRY_BYTES`] (a topic may be 64 KiB long; the letter is for a person).
 const DEAD_TOPIC_KEEP: usize = 512;
 const DEAD_DETAIL_KEEP: usize = 1024;
 /// Most dead letters pruned by age in one commit beyond those the batch adds (bounds the
 /// transaction; the rest go at the next commits).
-pub const DEAD_PRUNE_MAX: usize = 1024;
+pub(crate) const DEAD_PRUNE_MAX: usize = 1024;
 /// Most unindexed ledger chunks indexed again in one commit, per pipeline.
 const PROMOTE_MAX: usize = 16;
 
@@ -132,7 +132,7 @@ impl Default for StoreBounds {
 /// What the dead-letter tree holds and what pruning took out of it (kept in `meta`, written
 /// by the commit that changes it).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DeadLetterStats {
+pub(crate) struct DeadLetterStats {
     /// Dead letters in the tree.
     pub stored: u64,
     /// Pruned because they were older than `max_age`.
@@ -143,7 +143,7 @@ pub struct DeadLetterStats {
 
 /// Figures about the store's own bounds, for `/metrics` and `cairn status`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct BoundFigures {
+pub(crate) struct BoundFigures {
     pub dead_letters: DeadLetterStats,
     /// Bytes of the ledger indexes (all pipelines).
     pub ledger_index_bytes: u64,
@@ -152,7 +152,7 @@ pub struct BoundFigures {
 }
 
 /// The layout this build writes (see the module docs).
-pub const STORE_FORMAT: u32 = 3;
+pub(crate) const STORE_FORMAT: u32 = 3;
 /// The older layout this build still reads: the same trees, a progress record without
 /// generations and with counters that have no `filtered`.
 const STORE_FORMAT_V2: u32 = 2;

@@ -33,11 +33,11 @@ use std::sync::Arc;
 use super::lru::Lru;
 use crate::pipeline::engine::Output;
 
-pub const CHUNK_ENTRIES: usize = 256;
-pub const CHUNK_BYTES: usize = 4 * 1024;
+pub(crate) const CHUNK_ENTRIES: usize = 256;
+pub(crate) const CHUNK_BYTES: usize = 4 * 1024;
 const CACHE_CHUNKS: usize = 16;
 
-pub type ChunkEntries = Arc<Vec<(u64, Output)>>;
+pub(crate) type ChunkEntries = Arc<Vec<(u64, Output)>>;
 
 /// Cut outputs (in sequence order) into chunks of consecutive sequence numbers:
 /// (first seq, entries).
@@ -92,7 +92,7 @@ struct Newest {
     version: u64,
 }
 
-pub struct OutboxMem {
+pub(crate) struct OutboxMem {
     chunks: BTreeMap<u64, ChunkMeta>,
     newest: HashMap<u128, Newest>,
     hashers: (RandomState, RandomState),

@@ -72,7 +72,7 @@ const FILE_SUFFIX: &str = ".cairn";
 const TMP_PREFIX: &str = ".savepoint-";
 
 /// The checkpoint trees, in file order; an entry's tree byte is the index here.
-pub const TREES: [&str; 6] = ["meta", "state", "dedup", "outbox", "dead", "checkpoints"];
+pub(crate) const TREES: [&str; 6] = ["meta", "state", "dedup", "outbox", "dead", "checkpoints"];
 
 /// What a savepoint file's header says, plus where it is and how big.
 #[derive(Debug, Clone, PartialEq, Eq)]
