@@ -24,6 +24,9 @@ pub(crate) fn diff(old: &Config, new: &Config) -> ReloadPlan {
     if new.mqtt != old.mqtt {
         restart.push("[mqtt]");
     }
+    if new.uplink != old.uplink {
+        restart.push("[uplink]");
+    }
     if new.storage != old.storage {
         restart.push("[storage]");
     }
@@ -53,6 +56,7 @@ pub(crate) fn apply_safe(cfg: &mut Config, new: &Config) {
     cfg.log.commit_interval = new.log.commit_interval;
     cfg.checkpoint = new.checkpoint.clone();
     cfg.outbox.max_entries = new.outbox.max_entries;
+    cfg.outbox.max_size = new.outbox.max_size;
     cfg.outbox.drain_timeout = new.outbox.drain_timeout;
     cfg.savepoint = new.savepoint.clone();
 }

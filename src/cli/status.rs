@@ -174,6 +174,8 @@ fn from_data_dir(cfg: &Config) -> Result<Value, Failure> {
     v["unconfigured_pipelines"] = unconfigured_json(&unconfigured);
     v["definition_problems"] = json!(refusals);
     v["outbox_entries"] = json!(store.outbox_len());
+    v["outbox"] = json!({"entries": store.outbox_len(), "bytes": store.outbox_bytes(),
+                         "max_bytes": cfg.outbox.max_size});
     v["dead_letters"] = json!(store.dead_letter_len());
     let b = store.bound_figures();
     v["dead_letters_stored"] = json!(b.dead_letters.stored);
@@ -273,6 +275,7 @@ fn human(v: &Value) -> String {
             s(&v["outbox_entries"]),
             s(&v["dead_letters"])
         ));
+        lines.extend(queue_lines(v));
         let p = &v["dead_letters_pruned"];
         lines.push(format!(
             "dead store  {} kept; pruned {} by age, {} by count",
@@ -302,6 +305,47 @@ fn human(v: &Value) -> String {
         lines.push(format!("note        {n}"));
     }
     lines.join("\n")
+}
+
+/// The uplink and the outbox as its queue (issue 13): connected or not and for how long,
+/// bytes, oldest entry, drain rate and the time left to drain.
+fn queue_lines(v: &Value) -> Vec<String> {
+    let mut lines = Vec::new();
+    let u = &v["uplink"];
+    if u.is_object() {
+        lines.push(format!(
+            "uplink      {} for {}s, {} connections lost",
+            if u["connected"] == json!(true) {
+                "connected"
+            } else {
+                "DOWN"
+            },
+            u["state_seconds"],
+            u["reconnects"]
+        ));
+    }
+    let o = &v["outbox"];
+    if o.is_object() {
+        let mut line = format!(
+            "queue       {} results, {} of {} bytes",
+            o["entries"], o["bytes"], o["max_bytes"]
+        );
+        if let Some(age) = o["oldest_age_seconds"].as_f64() {
+            line.push_str(&format!(", oldest {age}s"));
+        }
+        if let Some(rate) = o["drain_rate"].as_f64() {
+            line.push_str(&format!(", draining {rate:.1}/s"));
+        }
+        match o["drain_eta_seconds"].as_f64() {
+            Some(eta) => line.push_str(&format!(", about {eta:.0}s to drain")),
+            None if v["source"] == json!("agent") && o["entries"] != json!(0) => {
+                line.push_str(", not shrinking")
+            }
+            None => {}
+        }
+        lines.push(line);
+    }
+    lines
 }
 
 #[cfg(test)]
