@@ -138,10 +138,14 @@ impl Link {
         })
     }
 
-    /// Lost at `wall_ms`; `true` if it was up. A drain in progress ends unfinished.
+    /// Lost (or a first attempt failed) at `wall_ms`; `true` if it was up. A drain in
+    /// progress ends unfinished.
     pub(crate) fn lost(&mut self, wall_ms: u64) -> bool {
         self.draining = None;
         if !std::mem::replace(&mut self.connected, false) {
+            if self.since_ms == 0 {
+                self.since_ms = wall_ms; // down since the first attempt
+            }
             return false;
         }
         self.since_ms = wall_ms;
@@ -354,6 +358,9 @@ mod tests {
         let mut l = Link::default();
         assert!(!l.lost(5), "never up: not a loss");
         assert_eq!(l.figures().reconnects, 0);
+        assert_eq!(l.figures().since_ms, 5, "down since the first attempt");
+        assert!(!l.lost(7));
+        assert_eq!(l.figures().since_ms, 5, "still the same down period");
         assert_eq!(
             l.connected(10, t0, 50, 100),
             None,

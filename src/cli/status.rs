@@ -377,4 +377,48 @@ mod tests {
         assert_eq!((&u["name"], &u["keys"]), (&json!("gone"), &json!(4)), "{v}");
         assert!(human(&v).contains("pipeline `gone` is not configured: 4 keys"));
     }
+
+    #[test]
+    fn the_uplink_and_its_queue_are_shown_with_the_time_to_drain_or_null() {
+        let f = crate::metrics::Figures {
+            outbox_entries: 5_000,
+            outbox_bytes: 650_000,
+            outbox_max_bytes: 1 << 30,
+            outbox_oldest_age_ms: 90_000,
+            outbox_drain_rate: 2_000.0,
+            outbox_drain_eta_seconds: Some(2.5),
+            uplink: Some(crate::metrics::UplinkFigures {
+                connected: true,
+                since_ms: 40_000,
+                reconnects: 3,
+            }),
+            ..Default::default()
+        };
+        let mut v = crate::metrics::status_json(&crate::metrics::families(&f, 100_000));
+        v["source"] = json!("agent");
+        assert_eq!(v["uplink"]["connected"], json!(true), "{v}");
+        assert_eq!(v["uplink"]["state_seconds"], json!(60), "{v}");
+        assert_eq!(v["outbox"]["bytes"], json!(650_000), "{v}");
+        assert_eq!(v["outbox"]["drain_eta_seconds"], json!(2.5), "{v}");
+        let text = human(&v);
+        assert!(
+            text.contains("uplink      connected for 60s, 3 connections lost"),
+            "{text}"
+        );
+        assert!(
+            text.contains("queue       5000 results, 650000 of 1073741824 bytes, oldest 90s, draining 2000.0/s, about 2s to drain"),
+            "{text}"
+        );
+        let f = crate::metrics::Figures {
+            outbox_entries: 7,
+            outbox_drain_eta_seconds: None,
+            uplink: None,
+            ..f
+        };
+        let mut v = crate::metrics::status_json(&crate::metrics::families(&f, 100_000));
+        v["source"] = json!("agent");
+        assert_eq!(v["uplink"], json!(null), "no [uplink]");
+        assert_eq!(v["outbox"]["drain_eta_seconds"], json!(null), "no estimate");
+        assert!(human(&v).contains(", not shrinking"), "{}", human(&v));
+    }
 }

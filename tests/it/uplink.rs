@@ -335,6 +335,9 @@ fn outage(powercut: bool) {
     let before = fleet.subscriber.count();
     fleet.restore();
     agent.wait_for_stderr("uplink: backlog draining", Duration::from_secs(20));
+    // New results keep flowing while the backlog drains.
+    publish_all(fleet.local.port(), &events(next, next + 300, ""));
+    next += 300;
     expect_oracle(&fleet.subscriber, &oracle(next, ""), &["sums"], &agent);
     agent.wait_for_stderr("uplink: backlog drained", Duration::from_secs(20));
     assert!(fleet.subscriber.count() > before);
