@@ -77,6 +77,7 @@ impl Agent {
         let receipt = start_receipt(&cfg, &log, &proc, clock.as_ref());
         let replay_time = clock.monotonic().saturating_duration_since(started);
         let metrics = start_metrics(&cfg, &proc, &stats, replay_time)?;
+        super::uplink::note_waiting_outbox(&metrics, proc.store())?;
         let savepoints = crate::store::list_savepoints(&cfg.savepoint_dir())?;
         note_savepoint_files(&metrics, &savepoints);
         let checkpointer = Checkpointer::new(

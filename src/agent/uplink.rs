@@ -182,6 +182,27 @@ impl Link {
     }
 }
 
+/// At start, when the outbox entries already waiting were committed (for the oldest
+/// entry's age, which otherwise would count from this start): checkpoint `k`'s results end
+/// at the durable `outbox_seq` less the results of every later checkpoint in the history.
+/// Entries older than the history (1000 checkpoints) get its oldest time: understated.
+pub(super) fn note_waiting_outbox(
+    metrics: &crate::metrics::Metrics,
+    store: &crate::store::Store,
+) -> Result<(), crate::store::StoreError> {
+    let history: Vec<_> = store.checkpoints().collect::<Result<_, _>>()?;
+    let mut end = store.progress()?.outbox_seq;
+    let mut marks = Vec::with_capacity(history.len());
+    for c in history.iter().rev() {
+        marks.push((end, c.committed_at_ms));
+        end = end.saturating_sub(c.outputs);
+    }
+    for (end, at) in marks.into_iter().rev() {
+        metrics.note_outbox_committed(end, at);
+    }
+    Ok(())
+}
+
 impl Agent {
     /// The connection results go out on: the uplink if configured, else the input one.
     pub(super) fn results(&self) -> &Mqtt {

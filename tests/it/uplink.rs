@@ -332,6 +332,12 @@ fn outage(powercut: bool) {
     assert_eq!(s["uplink"]["connected"], Value::Bool(false), "{s}");
     assert!(s["outbox"]["entries"].as_u64().unwrap() > 0, "{s}");
     assert!(s["outbox"]["bytes"].as_u64().unwrap() > 0, "{s}");
+    // Its oldest result waits since before the kills, not since this start.
+    let oldest = s["outbox"]["oldest_age_seconds"].as_f64().unwrap();
+    assert!(oldest > 1.0, "oldest {oldest}s: {s}");
+    let (_, human, _) = agent.command(&["status"]);
+    assert!(human.contains("uplink      DOWN for "), "{human}");
+    assert!(human.contains("queue       "), "{human}");
     let before = fleet.subscriber.count();
     fleet.restore();
     agent.wait_for_stderr("uplink: backlog draining", Duration::from_secs(20));
