@@ -37,6 +37,7 @@ use crate::pipeline::spec::{
     TemplatePart, WindowSpec,
 };
 
+mod link;
 #[path = "locate.rs"]
 mod locate;
 mod names;
@@ -51,12 +52,12 @@ mod tests;
 mod units;
 mod uplink;
 
+use link::RawLink;
 use locate::{Lines, Seg};
 use names::valid_name;
 use raw::*;
 pub use summary::summary;
 use units::{format_duration_ms, format_size, parse_duration_ms, parse_size};
-use uplink::RawLink;
 
 // ---------------------------------------------------------------------------------------
 // Defaults and bounds. Durations in ms, sizes in bytes.

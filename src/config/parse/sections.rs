@@ -77,74 +77,8 @@ impl Validator {
         })
     }
 
-    /// The connection keys `[mqtt]` and `[uplink]` share, under `section`; `ingest_batch`
-    /// and `channel_capacity` are left 0 for the caller.
-    pub(super) fn link(&mut self, section: &str, r: RawLink) -> Option<MqttConfig> {
-        let host = r.host.unwrap_or_else(|| DEFAULT_HOST.to_string());
-        let host_ok = self.require(
-            &format!("{section}.host"),
-            !host.is_empty() && !host.contains(char::is_whitespace),
-            || format!("`{host}` is not a host name or IP address"),
-        );
-        let port = self
-            .int(
-                &format!("{section}.port"),
-                r.port,
-                DEFAULT_PORT,
-                1..=65_535,
-                "",
-            )
-            .map(|p| p as u16);
-
-        let client_id = self.client_id(section, r.client_id);
-
-        let keep_alive = self.keep_alive(section, r.keep_alive);
-
-        let username = match r.username {
-            Some(u) if u.is_empty() => {
-                self.problem(
-                    &format!("{section}.username"),
-                    "is empty: remove it, or name the user",
-                );
-                None
-            }
-            u => Some(u),
-        };
-        let password_file = self.path(&format!("{section}.password_file"), r.password_file);
-        if let (Some(Some(_)), Some(None)) = (&password_file, &username) {
-            self.problem(
-                &format!("{section}.password_file"),
-                format!(
-                    "needs `{section}.username`: MQTT 3.1.1 does not allow a password without a \
-                     user name"
-                ),
-            );
-        }
-        let tls = match r.tls {
-            None => Some(None),
-            Some(t) => self.tls(section, t).map(Some),
-        };
-
-        let (reconnect_min, reconnect_max) =
-            self.reconnect(section, r.reconnect_min, r.reconnect_max);
-
-        Some(MqttConfig {
-            host: host_ok.then_some(host)?,
-            port: port?,
-            client_id: client_id?,
-            keep_alive: Duration::from_millis(keep_alive?),
-            username: username?,
-            password_file: password_file?,
-            tls: tls?,
-            ingest_batch: 0,
-            reconnect_min: Duration::from_millis(reconnect_min?),
-            reconnect_max: Duration::from_millis(reconnect_max?),
-            channel_capacity: 0,
-        })
-    }
-
     /// The client ID: required, stable and short (the broker keeps the session under it).
-    fn client_id(&mut self, section: &str, raw: Option<String>) -> Option<String> {
+    pub(super) fn client_id(&mut self, section: &str, raw: Option<String>) -> Option<String> {
         let key = format!("{section}.client_id");
         match raw {
             None => {
@@ -167,7 +101,7 @@ impl Validator {
         }
     }
 
-    fn keep_alive(&mut self, section: &str, raw: Option<DurationText>) -> Option<u64> {
+    pub(super) fn keep_alive(&mut self, section: &str, raw: Option<DurationText>) -> Option<u64> {
         let key = format!("{section}.keep_alive");
         self.duration(&key, raw, DEFAULT_KEEP_ALIVE_MS)
             .filter(|&ms| {
@@ -186,7 +120,7 @@ impl Validator {
     }
 
     /// The reconnect backoff bounds, `min <= max`.
-    fn reconnect(
+    pub(super) fn reconnect(
         &mut self,
         section: &str,
         min: Option<DurationText>,
@@ -266,7 +200,7 @@ impl Validator {
     }
 
     /// An optional path: `Some(None)` when absent, `None` after a problem.
-    fn path(&mut self, key: &str, raw: Option<String>) -> Option<Option<PathBuf>> {
+    pub(super) fn path(&mut self, key: &str, raw: Option<String>) -> Option<Option<PathBuf>> {
         match raw {
             None => Some(None),
             Some(p) if p.is_empty() => {
@@ -277,7 +211,7 @@ impl Validator {
         }
     }
 
-    fn tls(&mut self, section: &str, r: RawTls) -> Option<TlsConfig> {
+    pub(super) fn tls(&mut self, section: &str, r: RawTls) -> Option<TlsConfig> {
         let key = |k: &str| format!("{section}.tls.{k}");
         let ca_file = match r.ca_file {
             None => {

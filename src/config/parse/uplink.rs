@@ -1,5 +1,5 @@
 //! `[uplink]`: a second, publish-only MQTT connection for results (issue 13). Its
-//! connection keys are checked by the same code as `[mqtt]`'s ([`Validator::link`]); here
+//! connection keys are checked by the same code as `[mqtt]`'s (`link.rs`); here
 //! only what is its own: `topic_prefix`, and that it is not `[mqtt]`'s session.
 
 use super::*;
@@ -7,19 +7,6 @@ use crate::config::UplinkConfig;
 
 /// Longest `topic_prefix`: room is left for the result topic itself under MQTT's 65,535.
 pub(super) const MAX_TOPIC_PREFIX_LEN: usize = 1024;
-
-/// The connection keys `[mqtt]` and `[uplink]` share, as read.
-pub(super) struct RawLink {
-    pub(super) host: Option<String>,
-    pub(super) port: Option<i64>,
-    pub(super) client_id: Option<String>,
-    pub(super) keep_alive: Option<DurationText>,
-    pub(super) username: Option<String>,
-    pub(super) password_file: Option<String>,
-    pub(super) tls: Option<RawTls>,
-    pub(super) reconnect_min: Option<DurationText>,
-    pub(super) reconnect_max: Option<DurationText>,
-}
 
 impl Validator {
     /// `None` after a problem; `Some(None)` when there is no `[uplink]`.
