@@ -229,7 +229,7 @@ impl Mqtt {
     /// (input connection, uplink connection, events). The channel is `cfg`'s capacity: the
     /// uplink adds at most `publish_inflight` acknowledgements, which the input connection
     /// (publishing nothing then) leaves free.
-    pub fn start_with_uplink(
+    pub(crate) fn start_with_uplink(
         cfg: &MqttConfig,
         subscriptions: Vec<String>,
         uplink: &MqttConfig,

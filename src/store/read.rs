@@ -93,7 +93,7 @@ impl Store {
     /// Bytes (keys and values) of the outbox chunks on disk, for `outbox.max_size` (O(1)):
     /// counted as chunks are written and deleted, rebuilt at open. sled's own overhead and
     /// the space it has not reclaimed yet are not in it.
-    pub fn outbox_bytes(&self) -> u64 {
+    pub(crate) fn outbox_bytes(&self) -> u64 {
         self.lock().outbox.bytes()
     }
 
