@@ -26,6 +26,8 @@
 //! - `checkpointer`: when to checkpoint, retention's cutoff, relief for held input,
 //!   savepoint scheduling and the savepoint floor, when to look at sled's files.
 //! - `reload`: SIGHUP as a pure diff of two configs, then applied.
+//! - `uplink`: with `[uplink]`, results go out on a second connection (its events arrive
+//!   on the same channel); the link's state and the backlog's drain rate.
 //! - `start`: recovery and wiring; `savepoints`: savepoints carried out; `figures`: metrics
 //!   and the `STATUS=` line; `memory`: heap trimming; `error`: [`AgentError`].
 
