@@ -338,8 +338,12 @@ fn queue_lines(v: &Value) -> Vec<String> {
         }
         match o["drain_eta_seconds"].as_f64() {
             Some(eta) => line.push_str(&format!(", about {eta:.0}s to drain")),
+            // Results keep coming as fast as they go (or nothing goes: the link is down).
             None if v["source"] == json!("agent") && o["entries"] != json!(0) => {
-                line.push_str(", not shrinking")
+                line.push_str(match o["drain_rate"].as_f64() {
+                    Some(r) if r > 0.0 => ", not shrinking",
+                    _ => ", not draining",
+                })
             }
             None => {}
         }
