@@ -119,7 +119,7 @@ mod tests {
         let old = config("");
         let new = config(
             "[log]\nmax_size = \"320MiB\"\nretention = \"1h\"\ncommit_interval = \"20ms\"\n\
-             [checkpoint]\nmax_records = 77\n[outbox]\nmax_entries = 123\n",
+             [checkpoint]\nmax_records = 77\n[outbox]\nmax_entries = 123\nmax_size = \"2MiB\"\n",
         );
         assert_ne!(old.log, new.log);
         assert_ne!(old.checkpoint, new.checkpoint);
@@ -134,7 +134,7 @@ mod tests {
         let old = config("");
         let new = config(
             "[log]\nsegment_size = \"8MiB\"\n[outbox]\ninflight = 3\n\
-             [metrics]\nlisten = \"127.0.0.1:9999\"\n",
+             [metrics]\nlisten = \"127.0.0.1:9999\"\n[uplink]\nclient_id = \"up\"\n",
         );
         let new = Config {
             mqtt: crate::config::MqttConfig {
@@ -147,6 +147,7 @@ mod tests {
             diff(&old, &new).restart,
             [
                 "[mqtt]",
+                "[uplink]",
                 "[metrics]",
                 "log.segment_size/log.max_payload",
                 "outbox.inflight"
