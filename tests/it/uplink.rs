@@ -426,6 +426,13 @@ fn a_full_outbox_stops_acknowledging_then_recovers_when_the_link_returns_losing_
     assert_eq!(s["backpressure"], 1, "{s}");
     assert!(s["outbox"]["bytes"].as_u64().unwrap() >= 1 << 20, "{s}");
     assert_eq!(s["outbox"]["max_bytes"], 1 << 20, "{s}");
+    assert_eq!(s["uplink"]["connected"], false, "{s}");
+    assert_eq!(s["outbox"]["drain_rate"], 0, "nothing acknowledged: {s}");
+    assert_eq!(
+        s["outbox"]["drain_eta_seconds"],
+        Value::Null,
+        "not draining: {s}"
+    );
     let applied = |s: &Value| s["pipelines"][0]["applied"].as_u64().unwrap();
     let stuck = applied(&s);
     assert!(
@@ -442,6 +449,16 @@ fn a_full_outbox_stops_acknowledging_then_recovers_when_the_link_returns_losing_
     fleet.restore();
     expect_oracle(&fleet.subscriber, &oracle(n, &pad), &["sums"], &agent);
     agent.wait_for_stderr("backpressure off", Duration::from_secs(20));
+    // Drained: the rate of the last seconds shows, and nothing is left to wait for.
+    let drained = wait_until(Duration::from_secs(20), || {
+        status(&agent)["outbox"]["entries"] == 0
+    });
+    assert!(drained, "{}", agent.stderr_tail(20));
+    let s = status(&agent);
+    assert_eq!(s["uplink"]["connected"], true, "{s}");
+    assert!(s["outbox"]["drain_rate"].as_f64().unwrap() > 0.0, "{s}");
+    assert_eq!(s["outbox"]["drain_eta_seconds"], 0, "{s}");
+    assert_eq!(s["outbox"]["bytes"], 0, "{s}");
     assert_eq!(
         agent.terminate().code(),
         Some(0),
