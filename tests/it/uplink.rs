@@ -17,7 +17,9 @@ use serde_json::Value;
 use crate::support::agent::{AgentConfig, CairnProcess};
 use crate::support::central::DurableCollector;
 use crate::support::powercut::PowerCut;
-use crate::support::{Broker, Proxy, Seen, free_port, publish_all, unique_id, wait_until};
+use crate::support::{
+    Broker, Collector, Proxy, Seen, free_port, publish_all, unique_id, wait_until,
+};
 
 const PREFIX: &str = "site/box-1/";
 const KEYS: u64 = 6;
@@ -216,6 +218,8 @@ struct Fleet {
     central: Broker,
     link: Proxy,
     subscriber: DurableCollector,
+    /// Everything on the local broker: inputs only, no result may go there.
+    local_seen: Collector,
     cfg: AgentConfig,
 }
 
@@ -225,6 +229,7 @@ impl Fleet {
         let central = Broker::start();
         let link = Proxy::start(central.port());
         let subscriber = DurableCollector::start(central.port(), &format!("{PREFIX}#"));
+        let local_seen = Collector::start(local.port(), "#");
         let up_id = unique_id("uplink").replace('-', "_");
         let mut cfg =
             AgentConfig::new(local.port(), pipelines).with_uplink(link.port(), &up_id, PREFIX);
@@ -234,6 +239,7 @@ impl Fleet {
             central,
             link,
             subscriber,
+            local_seen,
             cfg,
         }
     }
@@ -260,6 +266,22 @@ impl Fleet {
 
     fn restore(&self) {
         self.link.pause(false);
+    }
+
+    /// No result went to the local broker: with an uplink, inputs only come from there.
+    fn expect_nothing_published_locally(&self) {
+        let stray: Vec<String> = self
+            .local_seen
+            .messages()
+            .into_iter()
+            .map(|m| m.topic)
+            .filter(|t| !t.starts_with("in/"))
+            .collect();
+        assert!(stray.is_empty(), "results on the local broker: {stray:?}");
+        assert!(
+            !self.local_seen.messages().is_empty(),
+            "the local collector saw no inputs"
+        );
     }
 }
 
@@ -347,6 +369,7 @@ fn outage(powercut: bool) {
     expect_oracle(&fleet.subscriber, &oracle(next, ""), &["sums"], &agent);
     agent.wait_for_stderr("uplink: backlog drained", Duration::from_secs(20));
     assert!(fleet.subscriber.count() > before);
+    fleet.expect_nothing_published_locally();
     assert_eq!(
         agent.terminate().code(),
         Some(0),
