@@ -209,6 +209,13 @@ fn expect_oracle(
         "the final versions never all arrived:\n{}",
         agent.stderr_tail(40)
     );
+    let distinct: BTreeSet<String> = seen.iter().map(|m| decode(m).id).collect();
+    eprintln!(
+        "central side: {} messages, {} distinct IDs ({} re-sent)",
+        seen.len(),
+        distinct.len(),
+        seen.len() - distinct.len()
+    );
 }
 
 /// Local and central brokers, the cuttable link, the central subscriber, and the agent's
@@ -324,13 +331,20 @@ fn outage(powercut: bool) {
         let port = fleet.local.port();
         let publisher = std::thread::spawn(move || publish_all(port, &batch));
         std::thread::sleep(Duration::from_millis(150 + 100 * round));
-        if let (Some(c), 3) = (&cut, round) {
-            let reply = c.command("cut all");
-            agent.note(&format!("power cut: {reply}"));
+        // Power cuts in two rounds: everything unsynced lost, then a torn prefix.
+        let cut_mode = match round {
+            2 => Some("cut all".to_string()),
+            4 => Some(format!("cut prefix {} tear", 0x5eed + next)),
+            _ => None,
+        };
+        let power = cut.as_ref().zip(cut_mode);
+        if let Some((c, mode)) = &power {
+            let reply = c.command(mode);
+            agent.note(&format!("power cut `{mode}`: {reply}"));
         }
         agent.kill();
         publisher.join().expect("publisher");
-        if let (Some(c), 3) = (&cut, round) {
+        if let Some((c, _)) = &power {
             c.command("thaw");
         }
     }
@@ -363,9 +377,19 @@ fn outage(powercut: bool) {
     let before = fleet.subscriber.count();
     fleet.restore();
     agent.wait_for_stderr("uplink: backlog draining", Duration::from_secs(20));
-    // New results keep flowing while the backlog drains.
-    publish_all(fleet.local.port(), &events(next, next + 300, ""));
+    // New results keep flowing while the backlog drains, and the agent is killed once
+    // mid-drain: what it sent but had not seen acknowledged goes again, with the same IDs.
+    let port = fleet.local.port();
+    let live = events(next, next + 300, "");
     next += 300;
+    let publisher = std::thread::spawn(move || publish_all(port, &live));
+    let some = wait_until(Duration::from_secs(30), || {
+        fleet.subscriber.count() >= before + 100
+    });
+    assert!(some, "the drain did not start:\n{}", agent.stderr_tail(40));
+    agent.kill();
+    publisher.join().expect("publisher");
+    fleet.start(&mut agent);
     expect_oracle(&fleet.subscriber, &oracle(next, ""), &["sums"], &agent);
     agent.wait_for_stderr("uplink: backlog drained", Duration::from_secs(20));
     assert!(fleet.subscriber.count() > before);
