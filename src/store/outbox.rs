@@ -125,7 +125,7 @@ impl OutboxMem {
     }
 
     /// Bytes of the chunks still on disk: what `outbox.max_size` bounds.
-    pub fn bytes(&self) -> u64 {
+    pub(crate) fn bytes(&self) -> u64 {
         self.bytes
     }
 
