@@ -44,7 +44,9 @@
 //!   backpressure, times of receipt, `too_large` stand-ins), `agent/publisher.rs` (the
 //!   outbox window; which entry a PUBACK deletes), `agent/checkpointer.rs` (when to
 //!   checkpoint, retention's cutoff, savepoint schedule and floor, the store watch),
-//!   `agent/reload.rs` (SIGHUP as a diff of two configs). Recovery and wiring in
+//!   `agent/reload.rs` (SIGHUP as a diff of two configs), `agent/uplink.rs` (results to a
+//!   central broker over a second connection, the outbox as its queue, the drain's
+//!   figures). Recovery and wiring in
 //!   `agent/start.rs`; savepoints carried out in `agent/savepoints.rs`; `/metrics` copying
 //!   and the status line in `agent/figures.rs`; heap trimming in `agent/memory.rs`.
 //! - [`config`]: TOML → validated [`config::Config`], every problem with file and line.

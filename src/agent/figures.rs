@@ -59,7 +59,7 @@ impl Agent {
         let progress = self.proc.engine().progress();
         let (log, stats) = (&self.log, &self.stats);
         let sp = self.checkpointer.newest_savepoint();
-        let (connected, backpressure) = (self.publisher.is_connected(), self.ingest.backpressure());
+        let (connected, backpressure) = (self.input_connected(), self.ingest.backpressure());
         self.metrics.update(|f| {
             f.received = stats.received;
             f.acked = stats.acked;
@@ -111,10 +111,10 @@ impl Agent {
             self.proc.next_offset(),
             self.proc.engine().progress().checkpoint_id,
             self.proc.store().outbox_len(),
-            if self.publisher.is_connected() {
-                ""
-            } else {
-                ", broker disconnected"
+            match (self.publisher.is_connected(), self.uplink.is_some()) {
+                (true, _) => "",
+                (false, true) => ", uplink disconnected",
+                (false, false) => ", broker disconnected",
             }
         )
     }

@@ -26,6 +26,8 @@
 //! - `checkpointer`: when to checkpoint, retention's cutoff, relief for held input,
 //!   savepoint scheduling and the savepoint floor, when to look at sled's files.
 //! - `reload`: SIGHUP as a pure diff of two configs, then applied.
+//! - `uplink`: with `[uplink]`, results go out on a second connection (its events arrive
+//!   on the same channel); the link's state and the backlog's drain rate.
 //! - `start`: recovery and wiring; `savepoints`: savepoints carried out; `figures`: metrics
 //!   and the `STATUS=` line; `memory`: heap trimming; `error`: [`AgentError`].
 
@@ -38,6 +40,7 @@ mod publisher;
 mod reload;
 mod savepoints;
 mod start;
+mod uplink;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -121,6 +124,8 @@ pub struct Agent {
     clock: Box<dyn Clock>,
     /// Warnings for processed segments deleted inside retention (a log short of room).
     eviction_log: crate::logging::RateLimit,
+    /// `[uplink]`: the connection results go out on instead of `mqtt` (issue 13).
+    uplink: Option<uplink::Uplink>,
 }
 
 impl Agent {
@@ -198,30 +203,35 @@ impl Agent {
                     self.append(m)?;
                 }
             }
-            Event::PubAcked { output_id } => {
-                if let Some(seq) = self.publisher.acked(&output_id) {
-                    failpoint("outbox.before_delete")?;
-                    self.proc.store().outbox_delete(seq, &output_id)?;
-                    failpoint("outbox.after_delete")?;
-                    self.stats.pubacked += 1;
-                }
-            }
+            Event::PubAcked { output_id } => self.pubacked(&output_id)?,
+            Event::Uplink(ev) => self.on_uplink_event(*ev)?,
             Event::Connected { session_present } => {
                 log::info!(
                     "mqtt: connected to {}:{} (session present: {session_present})",
                     self.cfg.mqtt.host,
                     self.cfg.mqtt.port
                 );
-                self.publisher.connected();
+                self.input_link(true);
             }
             Event::Disconnected { reason } => {
-                if self.publisher.disconnected() {
+                if self.input_link(false) {
                     self.stats.reconnects += 1;
                 }
                 // Acks still queued for that connection are dropped by the MQTT module; the
                 // broker redelivers those messages (DUP=1) and dedup by event ID drops them.
                 log::warn!("mqtt: disconnected: {reason}");
             }
+        }
+        Ok(())
+    }
+
+    /// The broker acknowledged a result: delete its outbox entry.
+    fn pubacked(&mut self, output_id: &str) -> Result<(), AgentError> {
+        if let Some(seq) = self.publisher.acked(output_id) {
+            failpoint("outbox.before_delete")?;
+            self.proc.store().outbox_delete(seq, output_id)?;
+            failpoint("outbox.after_delete")?;
+            self.stats.pubacked += 1;
         }
         Ok(())
     }
@@ -459,6 +469,7 @@ impl Agent {
         self.relieve_backpressure()?;
         self.publish()?;
         self.refresh_metrics(force)?;
+        self.refresh_uplink();
         let work = self.stats.checkpoints + self.stats.pubacked;
         if self.trim.take(now, work) {
             memory::return_free_memory();
@@ -466,13 +477,21 @@ impl Agent {
         Ok(())
     }
 
-    fn outbox_full(&self) -> bool {
-        self.proc.store().outbox_len() as u64 >= self.cfg.outbox.max_entries
+    /// Which outbox bound is reached, if one is.
+    fn outbox_full(&self) -> Option<&'static str> {
+        let store = self.proc.store();
+        if store.outbox_len() as u64 >= self.cfg.outbox.max_entries {
+            Some("the outbox is full (outbox.max_entries)")
+        } else if store.outbox_bytes() >= self.cfg.outbox.max_size {
+            Some("the outbox is full (outbox.max_size)")
+        } else {
+            None
+        }
     }
 
     fn relieve_backpressure(&mut self) -> Result<(), AgentError> {
-        if self.outbox_full() {
-            self.set_backpressure(true, "the outbox is full");
+        if let Some(why) = self.outbox_full() {
+            self.set_backpressure(true, why);
             return Ok(());
         }
         let relief = Checkpointer::relief(self.ingest.has_held(), || {
@@ -496,7 +515,7 @@ impl Agent {
     fn publish(&mut self) -> Result<(), AgentError> {
         let room = self
             .publisher
-            .room(self.cfg.outbox.inflight, || self.mqtt.inflight());
+            .room(self.cfg.outbox.inflight, || self.results().inflight());
         if room == 0 {
             return Ok(());
         }
@@ -508,9 +527,10 @@ impl Agent {
             .collect::<Result<_, _>>()?;
         for (seq, out) in batch {
             failpoint("outbox.before_publish")?;
+            let topic = self.result_topic(&out.topic);
             match self
-                .mqtt
-                .publish(out.id.clone(), &out.topic, out.payload, out.retain)
+                .results()
+                .publish(out.id.clone(), &topic, out.payload, out.retain)
             {
                 Ok(()) => {
                     self.publisher.sent(out.id, seq);
@@ -553,6 +573,9 @@ impl Agent {
         self.proc.store().sync()?;
         log::info!("shutdown: done; {left} outbox entries left for the next start");
         self.metrics.stop_server();
+        if let Some(u) = self.uplink.take() {
+            u.mqtt.shutdown();
+        }
         self.mqtt.shutdown();
         Ok(())
     }

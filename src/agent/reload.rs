@@ -24,6 +24,9 @@ pub(crate) fn diff(old: &Config, new: &Config) -> ReloadPlan {
     if new.mqtt != old.mqtt {
         restart.push("[mqtt]");
     }
+    if new.uplink != old.uplink {
+        restart.push("[uplink]");
+    }
     if new.storage != old.storage {
         restart.push("[storage]");
     }
@@ -53,6 +56,7 @@ pub(crate) fn apply_safe(cfg: &mut Config, new: &Config) {
     cfg.log.commit_interval = new.log.commit_interval;
     cfg.checkpoint = new.checkpoint.clone();
     cfg.outbox.max_entries = new.outbox.max_entries;
+    cfg.outbox.max_size = new.outbox.max_size;
     cfg.outbox.drain_timeout = new.outbox.drain_timeout;
     cfg.savepoint = new.savepoint.clone();
 }
@@ -115,7 +119,7 @@ mod tests {
         let old = config("");
         let new = config(
             "[log]\nmax_size = \"320MiB\"\nretention = \"1h\"\ncommit_interval = \"20ms\"\n\
-             [checkpoint]\nmax_records = 77\n[outbox]\nmax_entries = 123\n",
+             [checkpoint]\nmax_records = 77\n[outbox]\nmax_entries = 123\nmax_size = \"2MiB\"\n",
         );
         assert_ne!(old.log, new.log);
         assert_ne!(old.checkpoint, new.checkpoint);
@@ -130,7 +134,7 @@ mod tests {
         let old = config("");
         let new = config(
             "[log]\nsegment_size = \"8MiB\"\n[outbox]\ninflight = 3\n\
-             [metrics]\nlisten = \"127.0.0.1:9999\"\n",
+             [metrics]\nlisten = \"127.0.0.1:9999\"\n[uplink]\nclient_id = \"up\"\n",
         );
         let new = Config {
             mqtt: crate::config::MqttConfig {
@@ -143,6 +147,7 @@ mod tests {
             diff(&old, &new).restart,
             [
                 "[mqtt]",
+                "[uplink]",
                 "[metrics]",
                 "log.segment_size/log.max_payload",
                 "outbox.inflight"

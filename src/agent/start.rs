@@ -20,6 +20,7 @@ use super::figures::{Refresh, note_savepoint_files};
 use super::ingest::Ingest;
 use super::memory::{TRIM_INTERVAL, Trim, return_free_memory};
 use super::publisher::Publisher;
+use super::uplink::Uplink;
 use super::{Agent, AgentError, Stats};
 
 impl Agent {
@@ -76,6 +77,7 @@ impl Agent {
         let receipt = start_receipt(&cfg, &log, &proc, clock.as_ref());
         let replay_time = clock.monotonic().saturating_duration_since(started);
         let metrics = start_metrics(&cfg, &proc, &stats, replay_time)?;
+        super::uplink::note_waiting_outbox(&metrics, proc.store())?;
         let savepoints = crate::store::list_savepoints(&cfg.savepoint_dir())?;
         note_savepoint_files(&metrics, &savepoints);
         let checkpointer = Checkpointer::new(
@@ -84,7 +86,7 @@ impl Agent {
             clock.wall_ms(),
             clock.monotonic(),
         );
-        let (mqtt, events) = subscribe(&cfg)?;
+        let (mqtt, uplink, events) = subscribe(&cfg)?;
         let first_seq = proc
             .store()
             .outbox_from(0)
@@ -116,6 +118,7 @@ impl Agent {
             sync,
             clock,
             eviction_log: crate::logging::RateLimit::new(3, Duration::from_secs(60)),
+            uplink,
         })
     }
 }
@@ -265,8 +268,9 @@ fn start_metrics(
     Ok(metrics)
 }
 
-/// Connect, subscribed to every pipeline's topic filters (each once).
-fn subscribe(cfg: &Config) -> Result<(Mqtt, Receiver<Event>), AgentError> {
+/// Connect, subscribed to every pipeline's topic filters (each once); and to the uplink
+/// broker, publish-only, if there is one.
+fn subscribe(cfg: &Config) -> Result<(Mqtt, Option<Uplink>, Receiver<Event>), AgentError> {
     let mut filters: Vec<String> = cfg
         .pipelines
         .iter()
@@ -274,7 +278,18 @@ fn subscribe(cfg: &Config) -> Result<(Mqtt, Receiver<Event>), AgentError> {
         .collect();
     filters.sort();
     filters.dedup();
-    Ok(Mqtt::start(&cfg.mqtt, filters, cfg.outbox.inflight)?)
+    let inflight = cfg.outbox.inflight;
+    Ok(match &cfg.uplink {
+        None => {
+            let (mqtt, events) = Mqtt::start(&cfg.mqtt, filters, inflight)?;
+            (mqtt, None, events)
+        }
+        Some(u) => {
+            let (mqtt, up, events) =
+                Mqtt::start_with_uplink(&cfg.mqtt, filters, &u.mqtt, inflight)?;
+            (mqtt, Some(Uplink::new(u, up)), events)
+        }
+    })
 }
 
 /// Put a clock note in the journal, with what it means for this configuration.

@@ -174,6 +174,8 @@ fn from_data_dir(cfg: &Config) -> Result<Value, Failure> {
     v["unconfigured_pipelines"] = unconfigured_json(&unconfigured);
     v["definition_problems"] = json!(refusals);
     v["outbox_entries"] = json!(store.outbox_len());
+    v["outbox"] = json!({"entries": store.outbox_len(), "bytes": store.outbox_bytes(),
+                         "max_bytes": cfg.outbox.max_size});
     v["dead_letters"] = json!(store.dead_letter_len());
     let b = store.bound_figures();
     v["dead_letters_stored"] = json!(b.dead_letters.stored);
@@ -273,6 +275,7 @@ fn human(v: &Value) -> String {
             s(&v["outbox_entries"]),
             s(&v["dead_letters"])
         ));
+        lines.extend(queue_lines(v));
         let p = &v["dead_letters_pruned"];
         lines.push(format!(
             "dead store  {} kept; pruned {} by age, {} by count",
@@ -304,6 +307,51 @@ fn human(v: &Value) -> String {
     lines.join("\n")
 }
 
+/// The uplink and the outbox as its queue (issue 13): connected or not and for how long,
+/// bytes, oldest entry, drain rate and the time left to drain.
+fn queue_lines(v: &Value) -> Vec<String> {
+    let mut lines = Vec::new();
+    let u = &v["uplink"];
+    if u.is_object() {
+        lines.push(format!(
+            "uplink      {} for {}s, {} connections lost",
+            if u["connected"] == json!(true) {
+                "connected"
+            } else {
+                "DOWN"
+            },
+            u["state_seconds"],
+            u["reconnects"]
+        ));
+    }
+    let o = &v["outbox"];
+    if o.is_object() {
+        let mut line = format!(
+            "queue       {} results, {} of {} bytes",
+            o["entries"], o["bytes"], o["max_bytes"]
+        );
+        if let Some(age) = o["oldest_age_seconds"].as_f64() {
+            line.push_str(&format!(", oldest {age}s"));
+        }
+        if let Some(rate) = o["drain_rate"].as_f64() {
+            line.push_str(&format!(", draining {rate:.1}/s"));
+        }
+        match o["drain_eta_seconds"].as_f64() {
+            Some(eta) => line.push_str(&format!(", about {eta:.0}s to drain")),
+            // Results keep coming as fast as they go (or nothing goes: the link is down).
+            None if v["source"] == json!("agent") && o["entries"] != json!(0) => {
+                line.push_str(match o["drain_rate"].as_f64() {
+                    Some(r) if r > 0.0 => ", not shrinking",
+                    _ => ", not draining",
+                })
+            }
+            None => {}
+        }
+        lines.push(line);
+    }
+    lines
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -332,5 +380,49 @@ mod tests {
         let u = &v["unconfigured_pipelines"][0];
         assert_eq!((&u["name"], &u["keys"]), (&json!("gone"), &json!(4)), "{v}");
         assert!(human(&v).contains("pipeline `gone` is not configured: 4 keys"));
+    }
+
+    #[test]
+    fn the_uplink_and_its_queue_are_shown_with_the_time_to_drain_or_null() {
+        let f = crate::metrics::Figures {
+            outbox_entries: 5_000,
+            outbox_bytes: 650_000,
+            outbox_max_bytes: 1 << 30,
+            outbox_oldest_age_ms: 90_000,
+            outbox_drain_rate: 2_000.0,
+            outbox_drain_eta_seconds: Some(2.5),
+            uplink: Some(crate::metrics::UplinkFigures {
+                connected: true,
+                since_ms: 40_000,
+                reconnects: 3,
+            }),
+            ..Default::default()
+        };
+        let mut v = crate::metrics::status_json(&crate::metrics::families(&f, 100_000));
+        v["source"] = json!("agent");
+        assert_eq!(v["uplink"]["connected"], json!(true), "{v}");
+        assert_eq!(v["uplink"]["state_seconds"], json!(60), "{v}");
+        assert_eq!(v["outbox"]["bytes"], json!(650_000), "{v}");
+        assert_eq!(v["outbox"]["drain_eta_seconds"], json!(2.5), "{v}");
+        let text = human(&v);
+        assert!(
+            text.contains("uplink      connected for 60s, 3 connections lost"),
+            "{text}"
+        );
+        assert!(
+            text.contains("queue       5000 results, 650000 of 1073741824 bytes, oldest 90s, draining 2000.0/s, about 2s to drain"),
+            "{text}"
+        );
+        let f = crate::metrics::Figures {
+            outbox_entries: 7,
+            outbox_drain_eta_seconds: None,
+            uplink: None,
+            ..f
+        };
+        let mut v = crate::metrics::status_json(&crate::metrics::families(&f, 100_000));
+        v["source"] = json!("agent");
+        assert_eq!(v["uplink"], json!(null), "no [uplink]");
+        assert_eq!(v["outbox"]["drain_eta_seconds"], json!(null), "no estimate");
+        assert!(human(&v).contains(", not shrinking"), "{}", human(&v));
     }
 }

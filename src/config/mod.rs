@@ -26,6 +26,8 @@ pub struct Config {
     pub savepoint: SavepointConfig,
     pub logging: LoggingConfig,
     pub dead_letters: DeadLettersConfig,
+    /// `[uplink]`: where results go when they do not go to `[mqtt]`'s broker.
+    pub uplink: Option<UplinkConfig>,
     pub pipelines: Vec<PipelineSpec>,
 }
 
@@ -71,6 +73,17 @@ pub struct MqttConfig {
     pub channel_capacity: usize,
 }
 
+/// `[uplink]`: a second, publish-only connection to a central broker; results go there
+/// (with `topic_prefix` before their topic) and the outbox holds them through outages.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UplinkConfig {
+    /// The connection, checked as `[mqtt]`'s is. `ingest_batch` and `channel_capacity`
+    /// are `[mqtt]`'s: both connections feed one event channel.
+    pub mqtt: MqttConfig,
+    /// Prepended to every result topic ("" by default).
+    pub topic_prefix: String,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct StorageConfig {
     /// `log/` and `store/` live below it.
@@ -104,6 +117,8 @@ pub struct CheckpointConfig {
 pub struct OutboxConfig {
     /// Above this many entries, ingest stops acking until the publisher catches up.
     pub max_entries: u64,
+    /// Above this many bytes of outbox chunks on disk, ingest stops acking likewise.
+    pub max_size: u64,
     /// Unacknowledged outgoing publishes at once.
     pub inflight: u16,
     /// On shutdown, how long the publisher may keep draining.
@@ -156,9 +171,13 @@ impl Config {
     pub fn warnings(&self) -> Vec<String> {
         use std::os::unix::fs::PermissionsExt;
         let mut out = Vec::new();
-        if let Some(path) = &self.mqtt.password_file
-            && let Ok(meta) = std::fs::metadata(path)
-        {
+        let files = [("mqtt", &self.mqtt)]
+            .into_iter()
+            .chain(self.uplink.as_ref().map(|u| ("uplink", &u.mqtt)));
+        for (section, path) in files.filter_map(|(s, m)| Some((s, m.password_file.as_ref()?))) {
+            let Ok(meta) = std::fs::metadata(path) else {
+                continue;
+            };
             let mode = meta.permissions().mode() & 0o7777;
             let who = match (mode & 0o040 != 0, mode & 0o004 != 0) {
                 (_, true) => Some("everyone"),
@@ -167,7 +186,7 @@ impl Config {
             };
             if let Some(who) = who {
                 out.push(format!(
-                    "mqtt.password_file: {} is readable by {who} (mode {mode:04o}): it holds the \
+                    "{section}.password_file: {} is readable by {who} (mode {mode:04o}): it holds the \
                      broker password; `chmod 600 {}` (or 640 with only the service's group)",
                     path.display(),
                     path.display()

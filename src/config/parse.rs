@@ -37,6 +37,7 @@ use crate::pipeline::spec::{
     TemplatePart, WindowSpec,
 };
 
+mod link;
 #[path = "locate.rs"]
 mod locate;
 mod names;
@@ -49,7 +50,9 @@ mod summary;
 mod tests;
 #[path = "units.rs"]
 mod units;
+mod uplink;
 
+use link::RawLink;
 use locate::{Lines, Seg};
 use names::valid_name;
 use raw::*;
@@ -127,6 +130,13 @@ const MAX_CHECKPOINT_MAX_RECORDS: i64 = 1_000_000;
 
 /// Hours of output while the broker is away, at a few kB each: well under the disk.
 const DEFAULT_OUTBOX_MAX_ENTRIES: i64 = 100_000;
+/// The outbox is the uplink's store-and-forward queue: 1 GiB holds about 5 million
+/// results of ~200 bytes (a day and a half of changelog results at 40/s with the uplink
+/// down), half the replay log's default 2 GiB, and still small beside an edge box's
+/// flash. In `upsert` mode it holds one result per key whatever the outage.
+const DEFAULT_OUTBOX_MAX_SIZE: u64 = GIB;
+/// One checkpoint's outputs must fit under the bound with room to spare.
+const MIN_OUTBOX_MAX_SIZE: u64 = MIB;
 const DEFAULT_OUTBOX_INFLIGHT: i64 = 100;
 const DEFAULT_DRAIN_TIMEOUT_MS: u64 = 5_000;
 /// systemd kills after TimeoutStopSec (90s by default); finish well before.
@@ -462,6 +472,7 @@ impl Validator {
         let metrics = self.metrics(raw.metrics.unwrap_or_default());
         let logging = self.logging(raw.logging.unwrap_or_default());
         let dead_letters = self.dead_letters(raw.dead_letters.unwrap_or_default());
+        let uplink = self.uplink(raw.uplink, mqtt.as_ref());
         let pipelines = self.pipelines(raw.pipeline);
         Some(Config {
             source: path.to_path_buf(),
@@ -474,6 +485,7 @@ impl Validator {
             savepoint: savepoint?,
             logging: logging?,
             dead_letters: dead_letters?,
+            uplink: uplink?,
             pipelines: pipelines?,
         })
     }

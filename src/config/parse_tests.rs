@@ -154,6 +154,7 @@ fn a_minimal_config_gets_safe_default_limits() {
         cfg.outbox,
         OutboxConfig {
             max_entries: 100_000,
+            max_size: 1 << 30,
             inflight: 100,
             drain_timeout: Duration::from_secs(5)
         }

@@ -90,6 +90,16 @@ pub struct PipelineFigures {
     pub filtered: u64,
 }
 
+/// The uplink connection (issue 13).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct UplinkFigures {
+    pub connected: bool,
+    /// Wall clock of the last change (connected or lost); 0 before the first.
+    pub since_ms: u64,
+    /// Connections lost.
+    pub reconnects: u64,
+}
+
 /// Everything exported. The agent writes it; [`render`] reads a copy.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Figures {
@@ -127,6 +137,15 @@ pub struct Figures {
     pub outbox_entries: u64,
     /// Wall-clock age of the oldest outbox entry (0 when empty).
     pub outbox_oldest_age_ms: u64,
+    /// The outbox as the uplink's queue (issue 13): its chunks' bytes on disk, its bound
+    /// (`outbox.max_size`), results acknowledged per second lately, and the estimated time
+    /// to empty it at the current net drain (`None` while it is not shrinking).
+    pub outbox_bytes: u64,
+    pub outbox_max_bytes: u64,
+    pub outbox_drain_rate: f64,
+    pub outbox_drain_eta_seconds: Option<f64>,
+    /// `None` without `[uplink]`.
+    pub uplink: Option<UplinkFigures>,
     pub pipelines: BTreeMap<String, PipelineFigures>,
     // The store's own bounds (as of the last checkpoint).
     pub dead_letters_stored: u64,

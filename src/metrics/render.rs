@@ -21,6 +21,9 @@ use std::fmt::Write as _;
 
 use super::{DURATION_BUCKETS, Figures, Histogram, Metrics, PipelineFigures, Sample};
 
+#[path = "render_uplink.rs"]
+mod uplink;
+
 const COUNTER: &str = "counter";
 const GAUGE: &str = "gauge";
 
@@ -164,6 +167,7 @@ pub fn families(f: &Figures, now_ms: u64) -> Vec<Family> {
     pipelines(&mut o, f);
     bounds(&mut o, f);
     savepoints(&mut o, f, now_ms);
+    uplink::families(&mut o, f, now_ms);
     o.0
 }
 

@@ -26,6 +26,14 @@ fn num(v: f64) -> Value {
     }
 }
 
+/// `null` for a negative figure (an estimate there is none of).
+fn non_negative(v: Value) -> Value {
+    match v.as_f64() {
+        Some(x) if x >= 0.0 => v,
+        _ => json!(null),
+    }
+}
+
 /// The status document of one table of families.
 pub fn status_json(families: &[Family]) -> Value {
     let samples: Vec<&Sample> = families.iter().flat_map(|f| &f.samples).collect();
@@ -72,6 +80,18 @@ pub fn status_json(families: &[Family]) -> Value {
         "store": {"size_bytes": one("cairn_store_size_bytes"),
                   "live_bytes_estimate": one("cairn_store_live_bytes_estimate")},
         "outbox_entries": one("cairn_outbox_entries"),
+        "outbox": {"entries": one("cairn_outbox_entries"), "bytes": one("cairn_outbox_bytes"),
+                   "max_bytes": one("cairn_outbox_max_bytes"),
+                   "oldest_age_seconds": one("cairn_outbox_oldest_age_seconds"),
+                   "drain_rate": one("cairn_outbox_drain_rate"),
+                   "drain_eta_seconds": non_negative(one("cairn_outbox_drain_eta_seconds"))},
+        "uplink": if one("cairn_uplink_configured") == json!(1) {
+            json!({"connected": one("cairn_uplink_connected") == json!(1),
+                   "state_seconds": one("cairn_uplink_state_seconds"),
+                   "reconnects": one("cairn_uplink_reconnects_total")})
+        } else {
+            json!(null)
+        },
         "dead_letters": num(dead),
         "dead_letters_stored": one("cairn_dead_letters_stored"),
         "dead_letters_pruned": {"age": pruned("age"), "count": pruned("count")},

@@ -45,7 +45,7 @@ mod worker;
 use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, sync_channel};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
@@ -140,6 +140,36 @@ pub enum Event {
     PubAcked {
         output_id: String,
     },
+    /// An event of the uplink connection of [`Mqtt::start_with_uplink`] (never itself an
+    /// `Uplink`): both connections feed one channel, so the caller waits on one receiver and
+    /// neither connection's events wait behind the other's.
+    Uplink(Box<Event>),
+}
+
+/// Where a connection's thread hands its events: the caller's channel, each event wrapped
+/// in [`Event::Uplink`] for the uplink connection.
+pub(crate) struct Sink {
+    tx: SyncSender<Event>,
+    uplink: bool,
+}
+
+impl Sink {
+    /// As [`SyncSender::try_send`]; a refused event comes back unwrapped.
+    pub(crate) fn try_send(&self, event: Event) -> Result<(), TrySendError<Event>> {
+        if !self.uplink {
+            return self.tx.try_send(event);
+        }
+        let unwrap = |e: Event| match e {
+            Event::Uplink(inner) => *inner,
+            other => other,
+        };
+        self.tx
+            .try_send(Event::Uplink(Box::new(event)))
+            .map_err(|e| match e {
+                TrySendError::Full(e) => TrySendError::Full(unwrap(e)),
+                TrySendError::Disconnected(e) => TrySendError::Disconnected(unwrap(e)),
+            })
+    }
 }
 
 /// State shared between the caller and the MQTT thread.
@@ -185,6 +215,46 @@ impl Mqtt {
         subscriptions: Vec<String>,
         publish_inflight: u16,
     ) -> Result<(Mqtt, Receiver<Event>), MqttError> {
+        let (events_tx, events_rx) = sync_channel(cfg.channel_capacity.max(1));
+        let sink = Sink {
+            tx: events_tx,
+            uplink: false,
+        };
+        let mqtt = Mqtt::start_on(cfg, subscriptions, publish_inflight, sink)?;
+        Ok((mqtt, events_rx))
+    }
+
+    /// As [`Mqtt::start`], plus a second, publish-only connection (no subscriptions) to
+    /// `uplink` whose events come out of the same receiver as [`Event::Uplink`]. Returns
+    /// (input connection, uplink connection, events). The channel is `cfg`'s capacity: the
+    /// uplink adds at most `publish_inflight` acknowledgements, which the input connection
+    /// (publishing nothing then) leaves free.
+    pub(crate) fn start_with_uplink(
+        cfg: &MqttConfig,
+        subscriptions: Vec<String>,
+        uplink: &MqttConfig,
+        publish_inflight: u16,
+    ) -> Result<(Mqtt, Mqtt, Receiver<Event>), MqttError> {
+        let (events_tx, events_rx) = sync_channel(cfg.channel_capacity.max(1));
+        let up = Sink {
+            tx: events_tx.clone(),
+            uplink: true,
+        };
+        let up = Mqtt::start_on(uplink, Vec::new(), publish_inflight, up)?;
+        let sink = Sink {
+            tx: events_tx,
+            uplink: false,
+        };
+        let input = Mqtt::start_on(cfg, subscriptions, publish_inflight, sink)?;
+        Ok((input, up, events_rx))
+    }
+
+    fn start_on(
+        cfg: &MqttConfig,
+        subscriptions: Vec<String>,
+        publish_inflight: u16,
+        events: Sink,
+    ) -> Result<Mqtt, MqttError> {
         for filter in &subscriptions {
             if !rumqttc::valid_filter(filter) || filter.contains('\0') {
                 return Err(MqttError::InvalidFilter(filter.clone()));
@@ -195,7 +265,6 @@ impl Mqtt {
             .channel_capacity
             .max(publish_inflight as usize + cfg.ingest_batch + REQUEST_CHANNEL_MARGIN);
         let (client, eventloop) = AsyncClient::new(opts, request_capacity);
-        let (events_tx, events_rx) = sync_channel(cfg.channel_capacity.max(1));
 
         let inner = Arc::new(Inner {
             queues: Mutex::new(Queues {
@@ -213,26 +282,20 @@ impl Mqtt {
             .enable_time()
             .build()
             .map_err(MqttError::Start)?;
-        let worker = worker::Worker::new(
-            cfg,
-            eventloop,
-            client,
-            inner.clone(),
-            events_tx,
-            subscriptions,
-        );
+        let name = if events.uplink { "uplink" } else { "mqtt" };
+        let worker =
+            worker::Worker::new(cfg, eventloop, client, inner.clone(), events, subscriptions);
         let thread = std::thread::Builder::new()
-            .name("mqtt".into())
+            .name(name.into())
             .spawn(move || runtime.block_on(worker.run()))
             .map_err(MqttError::Start)?;
 
-        let mqtt = Mqtt {
+        Ok(Mqtt {
             inner,
             thread: Some(thread),
             publish_limit: publish_inflight as usize,
             ack_limit: request_capacity,
-        };
-        Ok((mqtt, events_rx))
+        })
     }
 
     /// Queues the PUBACK for a received message. Call in receipt order. Returns at once; the

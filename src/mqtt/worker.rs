@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::{SyncSender, TrySendError};
+use std::sync::mpsc::TrySendError;
 use std::time::Duration;
 
 use log::{debug, error, info, warn};
@@ -18,7 +18,7 @@ use rumqttc::{
 };
 
 use super::binding::Sent;
-use super::{AckToken, Event, Incoming, Inner};
+use super::{AckToken, Event, Incoming, Inner, Sink};
 use crate::config::MqttConfig;
 
 /// Floor for the reconnect backoff, so that a zero in the config cannot make a tight loop.
@@ -34,7 +34,7 @@ pub(crate) struct Worker {
     eventloop: EventLoop,
     client: AsyncClient,
     inner: Arc<Inner>,
-    events: SyncSender<Event>,
+    events: Sink,
     filters: Vec<String>,
     endpoint: String,
     backoff_min: Duration,
@@ -58,7 +58,7 @@ impl Worker {
         eventloop: EventLoop,
         client: AsyncClient,
         inner: Arc<Inner>,
-        events: SyncSender<Event>,
+        events: Sink,
         filters: Vec<String>,
     ) -> Worker {
         let backoff_min = cfg.reconnect_min.max(BACKOFF_FLOOR);

@@ -55,7 +55,7 @@ impl Store {
         let mem = &mut *mem;
         let (dedup, added, dropped) = self.ledger_batch(mem, b, cp.progress.checkpoint_id)?;
         let out_chunks = outbox_chunks(mem, b);
-        let outbox = outbox_batch(&out_chunks)?;
+        let (outbox, out_bytes) = outbox_batch(&out_chunks)?;
         let (dead, dead_stats) = self.dead_letter_batch(&b.dead_letters, &cp.progress, mem.dead)?;
         let info = CheckpointInfo {
             id: cp.progress.checkpoint_id,
@@ -81,7 +81,7 @@ impl Store {
         };
         self.transaction(&writes)?;
         mem.dead = dead_stats;
-        self.update_memory(mem, added, dropped, out_chunks)?;
+        self.update_memory(mem, added, dropped, out_chunks, out_bytes)?;
         let fp = |name| crate::failpoint::hit(name).map_err(io_err(&self.dir));
         fp("checkpoint.before_fsync")?;
         self.sync()?;
@@ -166,6 +166,7 @@ impl Store {
         added: ChunkChanges,
         dropped: ChunkChanges,
         out_chunks: Vec<(u64, Vec<(u64, Output)>)>,
+        out_bytes: Vec<u64>,
     ) -> Result<(), StoreError> {
         // The trees hold it now (durable after the fsync that follows; if that fails the
         // process stops, and this memory with it).
@@ -196,8 +197,8 @@ impl Store {
             mem.chunks.put(pkey(&p, &suffix), Arc::new(chunk));
         }
         let mut emptied = Vec::new();
-        for (first, entries) in out_chunks {
-            emptied.extend(mem.outbox.add_chunk(first, Arc::new(entries)));
+        for ((first, entries), bytes) in out_chunks.into_iter().zip(out_bytes) {
+            emptied.extend(mem.outbox.add_chunk(first, Arc::new(entries), bytes));
         }
         // Chunks whose every entry a newer upsert superseded. Not fsynced, like deletions on
         // PUBACK: after a crash loading marks the same entries superseded again.
@@ -337,14 +338,19 @@ fn outbox_chunks(mem: &Mem, b: &Batch) -> Vec<(u64, Vec<(u64, Output)>)> {
     outbox::make_chunks(fresh)
 }
 
-fn outbox_batch(out_chunks: &[(u64, Vec<(u64, Output)>)]) -> Result<sled::Batch, StoreError> {
+/// The outbox writes, and the bytes (key and value) of each chunk for `outbox.max_size`.
+fn outbox_batch(
+    out_chunks: &[(u64, Vec<(u64, Output)>)],
+) -> Result<(sled::Batch, Vec<u64>), StoreError> {
     let mut outbox = sled::Batch::default();
+    let mut bytes = Vec::with_capacity(out_chunks.len());
     for (first, entries) in out_chunks {
         let key = first.to_be_bytes();
         let value = bounded("outbox", &key, encode(entries))?;
+        bytes.push((key.len() + value.len()) as u64);
         outbox.insert(&key, value);
     }
-    Ok(outbox)
+    Ok((outbox, bytes))
 }
 
 /// This checkpoint's record, and the one that falls out of the kept history.

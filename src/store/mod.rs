@@ -503,4 +503,6 @@ fn pkey_dead(offset: u64, pipeline: &str) -> Vec<u8> {
 }
 
 #[cfg(test)]
+mod outbox_tests;
+#[cfg(test)]
 mod tests;

@@ -115,7 +115,8 @@ impl Store {
         for kv in self.outbox.iter() {
             let (k, v) = kv?;
             let entries: Vec<(u64, Output)> = decode("outbox chunk", &v)?;
-            emptied.extend(mem.outbox.add_chunk(u64_of(&k)?, Arc::new(entries)));
+            let bytes = (k.len() + v.len()) as u64;
+            emptied.extend(mem.outbox.add_chunk(u64_of(&k)?, Arc::new(entries), bytes));
         }
         // Superseded whole before a crash let their deletion be forgotten.
         for first in emptied {

@@ -75,6 +75,8 @@ fn split_id(id: &str) -> (&str, u64) {
 struct ChunkMeta {
     n: u64,
     waiting: u64,
+    /// Its key and value on disk.
+    bytes: u64,
     /// Bit `i`: entry `first + i` is done (acknowledged or superseded).
     done: Vec<u64>,
 }
@@ -97,6 +99,8 @@ pub(crate) struct OutboxMem {
     newest: HashMap<u128, Newest>,
     hashers: (RandomState, RandomState),
     len: usize,
+    /// Bytes of the chunks on disk (see [`ChunkMeta::bytes`]).
+    bytes: u64,
     /// Decoded chunks.
     cache: Lru<u64, ChunkEntries>,
 }
@@ -108,6 +112,7 @@ impl Default for OutboxMem {
             newest: HashMap::new(),
             hashers: Default::default(),
             len: 0,
+            bytes: 0,
             cache: Lru::new(CACHE_CHUNKS),
         }
     }
@@ -117,6 +122,11 @@ impl OutboxMem {
     /// Entries waiting to be sent or acknowledged.
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Bytes of the chunks still on disk: what `outbox.max_size` bounds.
+    pub(crate) fn bytes(&self) -> u64 {
+        self.bytes
     }
 
     fn key_hash(&self, key: &str) -> u128 {
@@ -137,17 +147,20 @@ impl OutboxMem {
     /// Register a chunk that is (or is about to be) in the tree. Its entries must have
     /// consecutive sequence numbers starting at `first`. Returns the chunks (this one
     /// included) that its upserts left with nothing waiting, to delete from the tree.
-    pub(crate) fn add_chunk(&mut self, first: u64, entries: ChunkEntries) -> Vec<u64> {
+    /// `bytes`: its key and value as written.
+    pub(crate) fn add_chunk(&mut self, first: u64, entries: ChunkEntries, bytes: u64) -> Vec<u64> {
         let n = entries.len() as u64;
         self.chunks.insert(
             first,
             ChunkMeta {
                 n,
                 waiting: n,
+                bytes,
                 done: vec![0; n.div_ceil(64) as usize],
             },
         );
         self.len += entries.len();
+        self.bytes += bytes;
         let mut emptied = Vec::new();
         for (i, (seq, o)) in entries.iter().enumerate() {
             assert_eq!(
@@ -181,7 +194,9 @@ impl OutboxMem {
         if meta.waiting > 0 {
             return Some(None);
         }
-        self.chunks.remove(&first);
+        if let Some(gone) = self.chunks.remove(&first) {
+            self.bytes = self.bytes.saturating_sub(gone.bytes);
+        }
         self.cache.forget(&first);
         Some(Some(first))
     }
@@ -273,7 +288,7 @@ mod tests {
         let n = chunks[0].1.len() as u64;
         let second = chunks[1].0;
         for (first, entries) in chunks {
-            assert!(m.add_chunk(first, Arc::new(entries)).is_empty());
+            assert!(m.add_chunk(first, Arc::new(entries), 100).is_empty());
         }
         assert_eq!(m.len(), 300);
         assert!(
@@ -305,15 +320,16 @@ mod tests {
             entry(1, "up/B/1", 1, true),
             entry(2, "ch/A/1", 1, false),
         ];
-        assert!(m.add_chunk(0, Arc::new(a)).is_empty());
+        assert!(m.add_chunk(0, Arc::new(a), 10).is_empty());
         let b = vec![
             entry(3, "up/A/2", 1, true),
             entry(4, "ch/A/2", 1, false),
             entry(5, "up/B/2", 1, true),
         ];
-        assert_eq!(m.add_chunk(3, Arc::new(b)), Vec::<u64>::new());
+        assert_eq!(m.add_chunk(3, Arc::new(b), 20), Vec::<u64>::new());
         // up/A/1 and up/B/1 are superseded; ch/A/1 still waits.
         assert_eq!(m.len(), 4);
+        assert_eq!(m.bytes(), 30, "both chunks are still on disk");
         assert_eq!(m.next_from(0), Some((2, 0)));
         assert!(!m.admits("up/A/2") && !m.admits("up/A/1") && m.admits("up/A/3"));
         // The ack of a superseded entry, still in flight, changes nothing.
@@ -325,7 +341,7 @@ mod tests {
             "chunk 0 has nothing waiting now"
         );
         let c = vec![entry(6, "up/A/3", 1, true)];
-        assert_eq!(m.add_chunk(6, Arc::new(c)), Vec::<u64>::new());
+        assert_eq!(m.add_chunk(6, Arc::new(c), 40), Vec::<u64>::new());
         assert_eq!(m.next_from(0), Some((4, 3)));
         assert_eq!(m.ack(4, "ch/A/2"), None);
         assert_eq!(
@@ -334,5 +350,6 @@ mod tests {
             "up/A/2 was superseded by up/A/3"
         );
         assert_eq!(m.len(), 1);
+        assert_eq!(m.bytes(), 40, "only the last chunk is left on disk");
     }
 }

@@ -90,6 +90,13 @@ impl Store {
         self.lock().outbox.len()
     }
 
+    /// Bytes (keys and values) of the outbox chunks on disk, for `outbox.max_size` (O(1)):
+    /// counted as chunks are written and deleted, rebuilt at open. sled's own overhead and
+    /// the space it has not reclaimed yet are not in it.
+    pub(crate) fn outbox_bytes(&self) -> u64 {
+        self.lock().outbox.bytes()
+    }
+
     // ---- inspection ----
 
     /// Every state entry, optionally of one pipeline: (pipeline, stored key, state).

@@ -29,3 +29,4 @@ mod reload;
 mod retention;
 mod savepoint;
 mod status;
+mod uplink;

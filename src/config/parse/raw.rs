@@ -14,6 +14,7 @@ pub(super) struct RawConfig {
     pub(super) savepoint: Option<RawSavepoint>,
     pub(super) logging: Option<RawLogging>,
     pub(super) dead_letters: Option<RawDeadLetters>,
+    pub(super) uplink: Option<RawUplink>,
     pub(super) pipeline: Option<Vec<RawPipeline>>,
 }
 
@@ -44,6 +45,22 @@ pub(super) struct RawMqtt {
     pub(super) reconnect_min: Option<DurationText>,
     pub(super) reconnect_max: Option<DurationText>,
     pub(super) channel_capacity: Option<i64>,
+}
+
+/// `[uplink]`: the connection keys of `[mqtt]` (less the ingest ones), and the prefix.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawUplink {
+    pub(super) host: Option<String>,
+    pub(super) port: Option<i64>,
+    pub(super) client_id: Option<String>,
+    pub(super) keep_alive: Option<DurationText>,
+    pub(super) username: Option<String>,
+    pub(super) password_file: Option<String>,
+    pub(super) tls: Option<RawTls>,
+    pub(super) topic_prefix: Option<String>,
+    pub(super) reconnect_min: Option<DurationText>,
+    pub(super) reconnect_max: Option<DurationText>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -83,6 +100,7 @@ pub(super) struct RawCheckpoint {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawOutbox {
     pub(super) max_entries: Option<i64>,
+    pub(super) max_size: Option<SizeText>,
     pub(super) inflight: Option<i64>,
     pub(super) drain_timeout: Option<DurationText>,
 }

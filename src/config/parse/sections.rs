@@ -47,39 +47,20 @@ impl Validator {
     }
 
     pub(super) fn mqtt(&mut self, r: RawMqtt, outbox_inflight: Option<u16>) -> Option<MqttConfig> {
-        let host = r.host.unwrap_or_else(|| DEFAULT_HOST.to_string());
-        let host_ok = self.require(
-            "mqtt.host",
-            !host.is_empty() && !host.contains(char::is_whitespace),
-            || format!("`{host}` is not a host name or IP address"),
+        let link = self.link(
+            "mqtt",
+            RawLink {
+                host: r.host,
+                port: r.port,
+                client_id: r.client_id,
+                keep_alive: r.keep_alive,
+                username: r.username,
+                password_file: r.password_file,
+                tls: r.tls,
+                reconnect_min: r.reconnect_min,
+                reconnect_max: r.reconnect_max,
+            },
         );
-        let port = self
-            .int("mqtt.port", r.port, DEFAULT_PORT, 1..=65_535, "")
-            .map(|p| p as u16);
-
-        let client_id = self.client_id(r.client_id);
-
-        let keep_alive = self.keep_alive(r.keep_alive);
-
-        let username = match r.username {
-            Some(u) if u.is_empty() => {
-                self.problem("mqtt.username", "is empty: remove it, or name the user");
-                None
-            }
-            u => Some(u),
-        };
-        let password_file = self.path("mqtt.password_file", r.password_file);
-        if let (Some(Some(_)), Some(None)) = (&password_file, &username) {
-            self.problem(
-                "mqtt.password_file",
-                "needs `mqtt.username`: MQTT 3.1.1 does not allow a password without a user name",
-            );
-        }
-        let tls = match r.tls {
-            None => Some(None),
-            Some(t) => self.tls(t).map(Some),
-        };
-
         let ingest_batch = self.int(
             "mqtt.ingest_batch",
             r.ingest_batch,
@@ -87,40 +68,29 @@ impl Validator {
             1..=65_535,
             "; keep it at or below the broker's max_inflight_messages (mosquitto: 20)",
         );
-
-        let (reconnect_min, reconnect_max) = self.reconnect(r.reconnect_min, r.reconnect_max);
-
         let channel_capacity =
             self.channel_capacity(r.channel_capacity, ingest_batch, outbox_inflight);
-
         Some(MqttConfig {
-            host: host_ok.then_some(host)?,
-            port: port?,
-            client_id: client_id?,
-            keep_alive: Duration::from_millis(keep_alive?),
-            username: username?,
-            password_file: password_file?,
-            tls: tls?,
             ingest_batch: usize::try_from(ingest_batch?).ok()?,
-            reconnect_min: Duration::from_millis(reconnect_min?),
-            reconnect_max: Duration::from_millis(reconnect_max?),
             channel_capacity: usize::try_from(channel_capacity?).ok()?,
+            ..link?
         })
     }
 
     /// The client ID: required, stable and short (the broker keeps the session under it).
-    fn client_id(&mut self, raw: Option<String>) -> Option<String> {
+    pub(super) fn client_id(&mut self, section: &str, raw: Option<String>) -> Option<String> {
+        let key = format!("{section}.client_id");
         match raw {
             None => {
                 self.missing(
-                    "mqtt.client_id",
+                    &key,
                     "the broker keeps this agent's persistent session under it, so it must be \
                      stable and unique per box (two boxes with one ID keep disconnecting each other)",
                 );
                 None
             }
             Some(id) => {
-                let ok = self.require("mqtt.client_id", valid_name(&id, MAX_CLIENT_ID_LEN), || {
+                let ok = self.require(&key, valid_name(&id, MAX_CLIENT_ID_LEN), || {
                     format!(
                         "`{id}` is not a valid client ID: use 1 to {MAX_CLIENT_ID_LEN} of A-Z a-z 0-9 _ - \
                          ({PORTABLE_CLIENT_ID_LEN} or fewer work with every MQTT 3.1.1 broker)"
@@ -131,12 +101,12 @@ impl Validator {
         }
     }
 
-    fn keep_alive(&mut self, raw: Option<DurationText>) -> Option<u64> {
-        self
-            .duration("mqtt.keep_alive", raw, DEFAULT_KEEP_ALIVE_MS)
+    pub(super) fn keep_alive(&mut self, section: &str, raw: Option<DurationText>) -> Option<u64> {
+        let key = format!("{section}.keep_alive");
+        self.duration(&key, raw, DEFAULT_KEEP_ALIVE_MS)
             .filter(|&ms| {
                 self.require(
-                    "mqtt.keep_alive",
+                    &key,
                     (MIN_KEEP_ALIVE_MS..=MAX_KEEP_ALIVE_MS).contains(&ms) && ms % 1000 == 0,
                     || {
                         format!(
@@ -150,15 +120,20 @@ impl Validator {
     }
 
     /// The reconnect backoff bounds, `min <= max`.
-    fn reconnect(
+    pub(super) fn reconnect(
         &mut self,
+        section: &str,
         min: Option<DurationText>,
         max: Option<DurationText>,
     ) -> (Option<u64>, Option<u64>) {
+        let (min_key, max_key) = (
+            format!("{section}.reconnect_min"),
+            format!("{section}.reconnect_max"),
+        );
         let reconnect_min = self
-            .duration("mqtt.reconnect_min", min, DEFAULT_RECONNECT_MIN_MS)
+            .duration(&min_key, min, DEFAULT_RECONNECT_MIN_MS)
             .filter(|&ms| {
-                self.require("mqtt.reconnect_min", ms >= MIN_RECONNECT_MIN_MS, || {
+                self.require(&min_key, ms >= MIN_RECONNECT_MIN_MS, || {
                     format!(
                         "must be at least {}, found {}: a shorter backoff hammers a broker that is down",
                         format_duration_ms(MIN_RECONNECT_MIN_MS),
@@ -167,9 +142,9 @@ impl Validator {
                 })
             });
         let reconnect_max = self
-            .duration("mqtt.reconnect_max", max, DEFAULT_RECONNECT_MAX_MS)
+            .duration(&max_key, max, DEFAULT_RECONNECT_MAX_MS)
             .filter(|&ms| {
-                self.require("mqtt.reconnect_max", ms <= MAX_RECONNECT_MAX_MS, || {
+                self.require(&max_key, ms <= MAX_RECONNECT_MAX_MS, || {
                     format!(
                         "must be at most {}, found {}: while we are away the broker queues our \
                          messages, and mosquitto drops them silently past max_queued_messages",
@@ -181,9 +156,9 @@ impl Validator {
         let reconnect_max = match (reconnect_min, reconnect_max) {
             (Some(lo), Some(hi)) if hi < lo => {
                 self.problem(
-                    "mqtt.reconnect_max",
+                    &max_key,
                     format!(
-                        "must be at least mqtt.reconnect_min ({}), found {}",
+                        "must be at least {min_key} ({}), found {}",
                         format_duration_ms(lo),
                         format_duration_ms(hi)
                     ),
@@ -225,7 +200,7 @@ impl Validator {
     }
 
     /// An optional path: `Some(None)` when absent, `None` after a problem.
-    fn path(&mut self, key: &str, raw: Option<String>) -> Option<Option<PathBuf>> {
+    pub(super) fn path(&mut self, key: &str, raw: Option<String>) -> Option<Option<PathBuf>> {
         match raw {
             None => Some(None),
             Some(p) if p.is_empty() => {
@@ -236,30 +211,31 @@ impl Validator {
         }
     }
 
-    fn tls(&mut self, r: RawTls) -> Option<TlsConfig> {
+    pub(super) fn tls(&mut self, section: &str, r: RawTls) -> Option<TlsConfig> {
+        let key = |k: &str| format!("{section}.tls.{k}");
         let ca_file = match r.ca_file {
             None => {
                 self.missing(
-                    "mqtt.tls.ca_file",
+                    &key("ca_file"),
                     "TLS needs the CA certificate that signed the broker's certificate",
                 );
                 None
             }
-            some => self.path("mqtt.tls.ca_file", some).flatten(),
+            some => self.path(&key("ca_file"), some).flatten(),
         };
-        let cert_file = self.path("mqtt.tls.cert_file", r.cert_file);
-        let key_file = self.path("mqtt.tls.key_file", r.key_file);
+        let cert_file = self.path(&key("cert_file"), r.cert_file);
+        let key_file = self.path(&key("key_file"), r.key_file);
         let (cert_file, key_file) = match (cert_file, key_file) {
             (Some(Some(_)), Some(None)) => {
                 self.problem(
-                    "mqtt.tls.cert_file",
+                    &key("cert_file"),
                     "needs `key_file` too: a client certificate is useless without its key",
                 );
                 (None, None)
             }
             (Some(None), Some(Some(_))) => {
                 self.problem(
-                    "mqtt.tls.key_file",
+                    &key("key_file"),
                     "needs `cert_file` too: a client key is useless without its certificate",
                 );
                 (None, None)
@@ -459,6 +435,16 @@ impl Validator {
             1..=i64::MAX,
             "",
         );
+        let max_size = self
+            .size("outbox.max_size", r.max_size, DEFAULT_OUTBOX_MAX_SIZE)
+            .filter(|&n| {
+                self.require("outbox.max_size", n >= MIN_OUTBOX_MAX_SIZE, || {
+                    format!(
+                        "must be at least 1MiB, found {}: one checkpoint's results must fit",
+                        format_size(n)
+                    )
+                })
+            });
         let inflight = self.int(
             "outbox.inflight",
             r.inflight,
@@ -483,6 +469,7 @@ impl Validator {
             });
         Some(OutboxConfig {
             max_entries: u64::try_from(max_entries?).ok()?,
+            max_size: max_size?,
             inflight: u16::try_from(inflight?).ok()?,
             drain_timeout: Duration::from_millis(drain_timeout?),
         })

@@ -6,6 +6,20 @@ use super::*;
 /// A short human summary of a validated config, printed by `cairn validate`.
 pub fn summary(cfg: &Config) -> String {
     let mut lines = broker_summary(&cfg.mqtt);
+    if let Some(u) = &cfg.uplink {
+        let m = &u.mqtt;
+        lines.push(format!(
+            "uplink      {}:{} as {} ({}, keep-alive {}), results to `{}<topic>`, reconnect {}..{}",
+            m.host,
+            m.port,
+            m.client_id,
+            if m.tls.is_some() { "TLS" } else { "plain TCP" },
+            summary_duration(m.keep_alive),
+            u.topic_prefix,
+            summary_duration(m.reconnect_min),
+            summary_duration(m.reconnect_max)
+        ));
+    }
     lines.extend(storage_summary(cfg));
     lines.extend(cfg.pipelines.iter().map(pipeline_summary));
     let mut out = String::new();
@@ -91,8 +105,9 @@ fn storage_summary(cfg: &Config) -> Vec<String> {
             cfg.checkpoint.max_records
         ),
         format!(
-            "outbox      <= {} entries, {} inflight, drain {}",
+            "outbox      <= {} entries, <= {}, {} inflight, drain {}",
             o.max_entries,
+            format_size(o.max_size),
             o.inflight,
             d(o.drain_timeout)
         ),

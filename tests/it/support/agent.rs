@@ -47,6 +47,8 @@ pub struct AgentConfig {
     pub extra: String,
     /// One or more complete `[[pipeline]]` tables.
     pub pipelines: String,
+    /// `[uplink]` table body; empty: no uplink (results go to `[mqtt]`'s broker).
+    pub uplink: String,
 }
 
 impl AgentConfig {
@@ -66,7 +68,19 @@ impl AgentConfig {
             mqtt_extra: String::new(),
             extra: String::new(),
             pipelines: pipelines.into(),
+            uplink: String::new(),
         }
+    }
+
+    /// Results to a second broker on `port` under their own session `client_id`, with
+    /// `prefix` before each topic, reconnecting fast (tests cut that link).
+    pub fn with_uplink(mut self, port: u16, client_id: &str, prefix: &str) -> AgentConfig {
+        self.uplink = format!(
+            "host = \"127.0.0.1\"\nport = {port}\nclient_id = \"{client_id}\"\n\
+             topic_prefix = \"{prefix}\"\nkeep_alive = \"5s\"\n\
+             reconnect_min = \"50ms\"\nreconnect_max = \"500ms\"\n"
+        );
+        self
     }
 
     /// The `cairn.toml` text; `dir` is the agent's directory (data under `dir/data` unless
@@ -87,6 +101,7 @@ impl AgentConfig {
             ("log", &self.log),
             ("checkpoint", &self.checkpoint),
             ("outbox", &self.outbox),
+            ("uplink", &self.uplink),
         ] {
             if !body.is_empty() {
                 text.push_str(&format!("[{table}]\n{body}\n"));

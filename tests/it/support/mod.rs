@@ -9,6 +9,8 @@
 #![allow(dead_code)]
 
 pub mod agent;
+pub mod central;
+pub mod powercut;
 
 use std::collections::BTreeMap;
 use std::io::{ErrorKind, Read, Write};
@@ -251,6 +253,13 @@ impl Broker {
             signal(child.id(), "TERM");
             let _ = child.wait();
         }
+    }
+
+    /// SIGTERM (mosquitto saves its persistence file), then start again on the same port
+    /// with the same persistence directory: a broker restarted by its operator.
+    pub fn restart_clean(&mut self) {
+        self.stop();
+        self.spawn();
     }
 
     /// Starts again on the same port with the same persistence directory.

@@ -1,0 +1,413 @@
+//! The uplink (issue 13): results published over a second, publish-only connection to a
+//! central broker, with `topic_prefix` before each topic; inputs still come from `[mqtt]`.
+//! The outbox is its store-and-forward queue: durable, bounded by `outbox.max_size`, and
+//! drained in sequence order when the link returns.
+//!
+//! Both connections feed the loop's one event channel (the uplink's events wrapped in
+//! [`Event::Uplink`]), so the loop never waits on one connection while the other has
+//! events. Without `[uplink]` the results go to the input connection, as before.
+//!
+//! [`Link`] and [`DrainRate`] do no IO: told what happened and when, they answer what
+//! changed (for the journal) and the figures (for `status` and `/metrics`).
+
+use std::borrow::Cow;
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use crate::config::UplinkConfig;
+use crate::mqtt::{Event, Mqtt};
+
+use super::{Agent, AgentError};
+
+/// The drain rate is measured over this much recent time...
+const RATE_SPAN: Duration = Duration::from_secs(10);
+/// ... from samples at least this far apart.
+const RATE_STEP: Duration = Duration::from_millis(250);
+
+/// The uplink connection and what the loop knows of it.
+pub(crate) struct Uplink {
+    pub(super) mqtt: Mqtt,
+    prefix: String,
+    endpoint: String,
+    /// The input connection (`[mqtt]`): the publisher follows the uplink instead.
+    pub(super) input_connected: bool,
+    pub(super) link: Link,
+}
+
+impl Uplink {
+    pub(super) fn new(cfg: &UplinkConfig, mqtt: Mqtt) -> Uplink {
+        Uplink {
+            mqtt,
+            prefix: cfg.topic_prefix.clone(),
+            endpoint: format!("{}:{}", cfg.mqtt.host, cfg.mqtt.port),
+            input_connected: false,
+            link: Link::default(),
+        }
+    }
+}
+
+/// Recent samples of (when, outbox entries, results acknowledged so far): the rate at which
+/// the broker acknowledges results, and the time left to drain at the net rate (acks less
+/// new results).
+#[derive(Debug, Default)]
+pub(crate) struct DrainRate {
+    samples: VecDeque<(Instant, u64, u64)>,
+}
+
+impl DrainRate {
+    pub(crate) fn sample(&mut self, now: Instant, entries: u64, acked: u64) {
+        if let Some(&(t, _, _)) = self.samples.back()
+            && now.saturating_duration_since(t) < RATE_STEP
+        {
+            return;
+        }
+        self.samples.push_back((now, entries, acked));
+        while self.samples.len() > 2
+            && self
+                .samples
+                .front()
+                .is_some_and(|&(t, _, _)| now.saturating_duration_since(t) > RATE_SPAN)
+        {
+            self.samples.pop_front();
+        }
+    }
+
+    /// (entries, acked) at the first and the last sample, and the seconds between them.
+    fn span(&self) -> Option<(Counts, Counts, f64)> {
+        let (&(t0, e0, a0), &(t1, e1, a1)) = (self.samples.front()?, self.samples.back()?);
+        let secs = t1.saturating_duration_since(t0).as_secs_f64();
+        (secs > 0.0).then_some(((e0, a0), (e1, a1), secs))
+    }
+
+    /// Results acknowledged per second over the span (0 before two samples).
+    pub(crate) fn acked_per_second(&self) -> f64 {
+        self.span().map_or(0.0, |((_, a0), (_, a1), s)| {
+            a1.saturating_sub(a0) as f64 / s
+        })
+    }
+
+    /// Seconds until the outbox is empty if it keeps shrinking as it did over the span:
+    /// 0 when empty, `None` when it is not shrinking (or not known yet).
+    pub(crate) fn eta_seconds(&self) -> Option<f64> {
+        let ((e0, _), (e1, _), secs) = self.span()?;
+        if e1 == 0 {
+            return Some(0.0);
+        }
+        let shrink = e0.checked_sub(e1).filter(|&d| d > 0)? as f64 / secs;
+        Some(e1 as f64 / shrink)
+    }
+}
+
+/// (outbox entries, results acknowledged so far) at one sample.
+type Counts = (u64, u64);
+
+/// A change of the uplink's state worth a journal line.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Change {
+    /// Connected with this many results waiting: a backlog to drain.
+    Draining { entries: u64 },
+    /// The backlog is down to what the inflight window holds.
+    Drained { took: Duration, from: u64 },
+}
+
+/// Connected or not and since when; a backlog being drained.
+#[derive(Debug, Default)]
+pub(crate) struct Link {
+    connected: bool,
+    since_ms: u64,
+    reconnects: u64,
+    /// Since when (monotonic) and from how many entries a backlog is being drained.
+    draining: Option<(Instant, u64)>,
+    pub(crate) rate: DrainRate,
+}
+
+impl Link {
+    /// Connected at `wall_ms` with `entries` waiting: a backlog if more than one `window`.
+    pub(crate) fn connected(
+        &mut self,
+        wall_ms: u64,
+        now: Instant,
+        entries: u64,
+        window: u64,
+    ) -> Option<Change> {
+        self.connected = true;
+        self.since_ms = wall_ms;
+        (entries > window).then(|| {
+            self.draining = Some((now, entries));
+            Change::Draining { entries }
+        })
+    }
+
+    /// Lost (or a first attempt failed) at `wall_ms`; `true` if it was up. A drain in
+    /// progress ends unfinished.
+    pub(crate) fn lost(&mut self, wall_ms: u64) -> bool {
+        self.draining = None;
+        if !std::mem::replace(&mut self.connected, false) {
+            if self.since_ms == 0 {
+                self.since_ms = wall_ms; // down since the first attempt
+            }
+            return false;
+        }
+        self.since_ms = wall_ms;
+        self.reconnects += 1;
+        true
+    }
+
+    /// Every tick: the outbox holds `entries`, `acked` results were acknowledged so far.
+    pub(crate) fn observe(
+        &mut self,
+        now: Instant,
+        entries: u64,
+        acked: u64,
+        window: u64,
+    ) -> Option<Change> {
+        self.rate.sample(now, entries, acked);
+        let (began, from) = self.draining?;
+        if !self.connected || entries > window {
+            return None;
+        }
+        self.draining = None;
+        Some(Change::Drained {
+            took: now.saturating_duration_since(began),
+            from,
+        })
+    }
+
+    pub(crate) fn figures(&self) -> crate::metrics::UplinkFigures {
+        crate::metrics::UplinkFigures {
+            connected: self.connected,
+            since_ms: self.since_ms,
+            reconnects: self.reconnects,
+        }
+    }
+}
+
+/// At start, when the outbox entries already waiting were committed (for the oldest
+/// entry's age, which otherwise would count from this start): checkpoint `k`'s results end
+/// at the durable `outbox_seq` less the results of every later checkpoint in the history.
+/// Entries older than the history (1000 checkpoints) get its oldest time: understated.
+pub(super) fn note_waiting_outbox(
+    metrics: &crate::metrics::Metrics,
+    store: &crate::store::Store,
+) -> Result<(), crate::store::StoreError> {
+    let history: Vec<_> = store.checkpoints().collect::<Result<_, _>>()?;
+    let mut end = store.progress()?.outbox_seq;
+    let mut marks = Vec::with_capacity(history.len());
+    for c in history.iter().rev() {
+        marks.push((end, c.committed_at_ms));
+        end = end.saturating_sub(c.outputs);
+    }
+    for (end, at) in marks.into_iter().rev() {
+        metrics.note_outbox_committed(end, at);
+    }
+    Ok(())
+}
+
+impl Agent {
+    /// The connection results go out on: the uplink if configured, else the input one.
+    pub(super) fn results(&self) -> &Mqtt {
+        self.uplink.as_ref().map_or(&self.mqtt, |u| &u.mqtt)
+    }
+
+    /// A result's topic on that connection: `topic_prefix` first, with an uplink.
+    pub(super) fn result_topic<'a>(&self, topic: &'a str) -> Cow<'a, str> {
+        match &self.uplink {
+            Some(u) if !u.prefix.is_empty() => Cow::Owned(format!("{}{topic}", u.prefix)),
+            _ => Cow::Borrowed(topic),
+        }
+    }
+
+    /// Whether the input connection (`[mqtt]`) is up.
+    pub(super) fn input_connected(&self) -> bool {
+        self.uplink
+            .as_ref()
+            .map_or(self.publisher.is_connected(), |u| u.input_connected)
+    }
+
+    /// The input connection came up (`true`) or went down; `true` if that was a change to
+    /// count as a reconnect. Without an uplink the publisher follows it.
+    pub(super) fn input_link(&mut self, up: bool) -> bool {
+        match (&mut self.uplink, up) {
+            (Some(u), up) => std::mem::replace(&mut u.input_connected, up) && !up,
+            (None, true) => {
+                self.publisher.connected();
+                false
+            }
+            (None, false) => self.publisher.disconnected(),
+        }
+    }
+
+    /// An event of the uplink connection.
+    pub(super) fn on_uplink_event(&mut self, ev: Event) -> Result<(), AgentError> {
+        if let Event::PubAcked { output_id } = &ev {
+            return self.pubacked(output_id);
+        }
+        let entries = self.proc.store().outbox_len() as u64;
+        let window = u64::from(self.cfg.outbox.inflight);
+        let wall = self.clock.wall_ms();
+        let now = self.now();
+        let Some(u) = self.uplink.as_mut() else {
+            return Ok(());
+        };
+        match ev {
+            Event::PubAcked { .. } | Event::Uplink(_) => {}
+            Event::Connected { session_present } => {
+                log::info!(
+                    "uplink: connected to {} (session present: {session_present}); {entries} \
+                     results waiting in the outbox",
+                    u.endpoint
+                );
+                if let Some(Change::Draining { entries }) =
+                    u.link.connected(wall, now, entries, window)
+                {
+                    log::info!(
+                        "uplink: backlog draining: {entries} results, {} bytes, in order",
+                        self.proc.store().outbox_bytes()
+                    );
+                }
+                self.publisher.connected();
+            }
+            Event::Disconnected { reason } => {
+                if u.link.lost(wall) {
+                    log::warn!(
+                        "uplink: lost {}: {reason}; results wait in the outbox ({entries} now, \
+                         up to outbox.max_size {} bytes)",
+                        u.endpoint,
+                        self.cfg.outbox.max_size
+                    );
+                } else {
+                    log::warn!("uplink: cannot connect to {}: {reason}", u.endpoint);
+                }
+                self.publisher.disconnected();
+            }
+            Event::Message(m) => {
+                // No subscriptions are made on the uplink; a session kept from a config
+                // that had some may still deliver. Acknowledge and drop it.
+                log::warn!(
+                    "uplink: dropped a message on `{}`: the uplink's session {} has a \
+                     subscription it should not have",
+                    m.topic,
+                    u.endpoint
+                );
+                u.mqtt.ack(m.token)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every tick: the drain's figures, and a journal line when a backlog has drained.
+    pub(super) fn refresh_uplink(&mut self) {
+        let store = self.proc.store();
+        let (entries, bytes) = (store.outbox_len() as u64, store.outbox_bytes());
+        let now = self.now();
+        let window = u64::from(self.cfg.outbox.inflight);
+        let acked = self.stats.pubacked;
+        let max = self.cfg.outbox.max_size;
+        let (rate, eta, up) = match self.uplink.as_mut() {
+            Some(u) => {
+                if let Some(Change::Drained { took, from }) =
+                    u.link.observe(now, entries, acked, window)
+                {
+                    log::info!(
+                        "uplink: backlog drained: {from} results in {:.1}s",
+                        took.as_secs_f64()
+                    );
+                }
+                let r = &u.link.rate;
+                (
+                    r.acked_per_second(),
+                    r.eta_seconds(),
+                    Some(u.link.figures()),
+                )
+            }
+            None => (0.0, None, None),
+        };
+        self.metrics.update(|f| {
+            f.outbox_bytes = bytes;
+            f.outbox_max_bytes = max;
+            f.outbox_drain_rate = rate;
+            f.outbox_drain_eta_seconds = eta;
+            f.uplink = up;
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(t0: Instant, ms: u64) -> Instant {
+        t0 + Duration::from_millis(ms)
+    }
+
+    #[test]
+    fn the_rate_counts_acks_and_the_eta_follows_the_net_shrink() {
+        let t0 = Instant::now();
+        let mut r = DrainRate::default();
+        assert_eq!(r.acked_per_second(), 0.0);
+        assert_eq!(r.eta_seconds(), None, "nothing known yet");
+        r.sample(at(t0, 0), 10_000, 0);
+        r.sample(at(t0, 100), 9_000, 1_000); // closer than a step: ignored
+        r.sample(at(t0, 1_000), 9_000, 2_000);
+        // 2000 acked in 1s, while 1000 new results came in: net shrink 1000/s.
+        assert_eq!(r.acked_per_second(), 2_000.0);
+        assert_eq!(r.eta_seconds(), Some(9.0));
+        r.sample(at(t0, 2_000), 9_500, 2_500);
+        assert_eq!(r.eta_seconds(), Some(9_500.0 / 250.0));
+        r.sample(at(t0, 3_000), 12_000, 2_500);
+        assert_eq!(r.eta_seconds(), None, "growing: no estimate");
+        r.sample(at(t0, 4_000), 0, 14_500);
+        assert_eq!(r.eta_seconds(), Some(0.0), "empty");
+    }
+
+    #[test]
+    fn the_rate_forgets_samples_older_than_its_span() {
+        let t0 = Instant::now();
+        let mut r = DrainRate::default();
+        r.sample(t0, 100, 0);
+        for s in 1..=30 {
+            r.sample(at(t0, s * 1_000), 100, s * 10);
+        }
+        // Only the last 10 s: 10 acks/s, not diluted by the first sample.
+        assert_eq!(r.acked_per_second(), 10.0);
+        assert!(r.samples.len() <= 12, "{}", r.samples.len());
+    }
+
+    #[test]
+    fn a_backlog_at_connect_drains_once_and_a_loss_is_counted_once() {
+        let t0 = Instant::now();
+        let mut l = Link::default();
+        assert!(!l.lost(5), "never up: not a loss");
+        assert_eq!(l.figures().reconnects, 0);
+        assert_eq!(l.figures().since_ms, 5, "down since the first attempt");
+        assert!(!l.lost(7));
+        assert_eq!(l.figures().since_ms, 5, "still the same down period");
+        assert_eq!(
+            l.connected(10, t0, 50, 100),
+            None,
+            "within a window: no backlog"
+        );
+        assert!(l.lost(20));
+        assert!(!l.lost(21), "already down");
+        assert_eq!(l.figures().since_ms, 20);
+        assert_eq!(
+            l.connected(30, t0, 5_000, 100),
+            Some(Change::Draining { entries: 5_000 })
+        );
+        assert!(l.figures().connected);
+        assert_eq!(l.observe(at(t0, 500), 3_000, 2_000, 100), None);
+        assert_eq!(
+            l.observe(at(t0, 1_500), 80, 5_000, 100),
+            Some(Change::Drained {
+                took: Duration::from_millis(1_500),
+                from: 5_000
+            })
+        );
+        assert_eq!(l.observe(at(t0, 2_000), 0, 5_080, 100), None, "once");
+        // Lost mid-drain: no "drained" until a new drain finishes.
+        assert!(l.connected(40, t0, 1_000, 100).is_some());
+        assert!(l.lost(50));
+        assert_eq!(l.observe(at(t0, 3_000), 0, 6_000, 100), None);
+        assert_eq!(l.figures().reconnects, 2);
+    }
+}

@@ -1,0 +1,85 @@
+//! The connection keys `[mqtt]` and `[uplink]` share (host, port, client ID, keep-alive,
+//! credentials, TLS, reconnect backoff), checked by one code under either section's name.
+
+use super::*;
+
+/// The connection keys `[mqtt]` and `[uplink]` share, as read.
+pub(super) struct RawLink {
+    pub(super) host: Option<String>,
+    pub(super) port: Option<i64>,
+    pub(super) client_id: Option<String>,
+    pub(super) keep_alive: Option<DurationText>,
+    pub(super) username: Option<String>,
+    pub(super) password_file: Option<String>,
+    pub(super) tls: Option<RawTls>,
+    pub(super) reconnect_min: Option<DurationText>,
+    pub(super) reconnect_max: Option<DurationText>,
+}
+
+impl Validator {
+    /// The connection keys `[mqtt]` and `[uplink]` share, under `section`; `ingest_batch`
+    /// and `channel_capacity` are left 0 for the caller.
+    pub(super) fn link(&mut self, section: &str, r: RawLink) -> Option<MqttConfig> {
+        let host = r.host.unwrap_or_else(|| DEFAULT_HOST.to_string());
+        let host_ok = self.require(
+            &format!("{section}.host"),
+            !host.is_empty() && !host.contains(char::is_whitespace),
+            || format!("`{host}` is not a host name or IP address"),
+        );
+        let port = self
+            .int(
+                &format!("{section}.port"),
+                r.port,
+                DEFAULT_PORT,
+                1..=65_535,
+                "",
+            )
+            .map(|p| p as u16);
+
+        let client_id = self.client_id(section, r.client_id);
+
+        let keep_alive = self.keep_alive(section, r.keep_alive);
+
+        let username = match r.username {
+            Some(u) if u.is_empty() => {
+                self.problem(
+                    &format!("{section}.username"),
+                    "is empty: remove it, or name the user",
+                );
+                None
+            }
+            u => Some(u),
+        };
+        let password_file = self.path(&format!("{section}.password_file"), r.password_file);
+        if let (Some(Some(_)), Some(None)) = (&password_file, &username) {
+            self.problem(
+                &format!("{section}.password_file"),
+                format!(
+                    "needs `{section}.username`: MQTT 3.1.1 does not allow a password without a \
+                     user name"
+                ),
+            );
+        }
+        let tls = match r.tls {
+            None => Some(None),
+            Some(t) => self.tls(section, t).map(Some),
+        };
+
+        let (reconnect_min, reconnect_max) =
+            self.reconnect(section, r.reconnect_min, r.reconnect_max);
+
+        Some(MqttConfig {
+            host: host_ok.then_some(host)?,
+            port: port?,
+            client_id: client_id?,
+            keep_alive: Duration::from_millis(keep_alive?),
+            username: username?,
+            password_file: password_file?,
+            tls: tls?,
+            ingest_batch: 0,
+            reconnect_min: Duration::from_millis(reconnect_min?),
+            reconnect_max: Duration::from_millis(reconnect_max?),
+            channel_capacity: 0,
+        })
+    }
+}

@@ -1,0 +1,107 @@
+//! The outbox on disk as the uplink's queue (issue 13): its byte count, and that upserts
+//! cost space per key, not per event, however long nothing is acknowledged.
+
+use super::*;
+use crate::fsio;
+use crate::model::Record;
+use crate::pipeline::engine::Engine;
+
+fn spec(emit: &str) -> crate::pipeline::spec::PipelineSpec {
+    crate::config::pipeline_from_toml(&format!(
+        r#"name = "p"
+topics = ["t/#"]
+format = "delimited"
+event_id = "0"
+key = "1"
+value = "2"
+aggregate = "sum"
+output_topic = "out/{{key}}"
+emit = "{emit}""#
+    ))
+    .unwrap()
+}
+
+fn rec(offset: u64, key: u64) -> Record {
+    Record {
+        offset,
+        received_at_ms: 1000 + offset,
+        topic: "t/x".into(),
+        payload: format!("E{offset}/K{key}/1").into_bytes(),
+        qos: 1,
+        retain: false,
+    }
+}
+
+/// Apply `events` events over `keys` keys (scattered: key = a hash of the offset), a
+/// checkpoint every 100, never acknowledging anything (the uplink is down).
+fn outage(store: &Store, engine: &mut Engine, from: u64, events: u64, keys: u64) {
+    for off in from..from + events {
+        let key = off.wrapping_mul(0x9E37_79B9_7F4A_7C15) % keys;
+        engine.apply(store, &rec(off, key)).unwrap();
+        if off % 100 == 99 {
+            store.commit(&engine.take_checkpoint(), 0).unwrap();
+        }
+    }
+    store.commit(&engine.take_checkpoint(), 0).unwrap();
+}
+
+/// Keys and values of the outbox tree, as the byte count counts them.
+fn tree_bytes(store: &Store) -> u64 {
+    store
+        .outbox
+        .iter()
+        .map(|kv| kv.map(|(k, v)| (k.len() + v.len()) as u64).unwrap())
+        .sum()
+}
+
+#[test]
+fn upserts_cost_space_per_key_not_per_event_and_the_byte_count_follows_the_tree() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    let mut engine = Engine::new(vec![spec("upsert")], store.progress().unwrap());
+    outage(&store, &mut engine, 0, 5_000, 50);
+    let (after_5k, chunks_5k) = (store.outbox_bytes(), store.outbox.len());
+    assert_eq!(store.outbox_len(), 50, "one waiting result per key");
+    assert_eq!(store.outbox_bytes(), tree_bytes(&store));
+    outage(&store, &mut engine, 5_000, 45_000, 50);
+    assert_eq!(store.outbox_len(), 50);
+    assert_eq!(store.outbox_bytes(), tree_bytes(&store));
+    // Ten times the events, the same keys: the chunks holding a key's newest result are
+    // all that is left (at most one per key), so the space does not grow with the outage.
+    assert!(store.outbox.len() <= 50, "{} chunks", store.outbox.len());
+    assert!(
+        store.outbox_bytes() <= after_5k.max(50 * 4096),
+        "{} bytes after 50k events, {after_5k} after 5k ({chunks_5k} chunks)",
+        store.outbox_bytes()
+    );
+    // Rebuilt at open from the tree, to the byte.
+    let (len, bytes) = (store.outbox_len(), store.outbox_bytes());
+    drop(engine);
+    drop(store);
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    assert_eq!((store.outbox_len(), store.outbox_bytes()), (len, bytes));
+    // Acknowledging everything deletes every chunk, and the count goes back to 0.
+    let all: Vec<_> = store.outbox_from(0).map(Result::unwrap).collect();
+    for (seq, out) in all {
+        store.outbox_delete(seq, &out.id).unwrap();
+    }
+    assert_eq!((store.outbox_len(), store.outbox_bytes()), (0, 0));
+    assert_eq!(store.outbox.len(), 0);
+}
+
+#[test]
+fn changelog_results_all_wait_and_their_bytes_grow_with_the_events() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    let mut engine = Engine::new(vec![spec("changelog")], store.progress().unwrap());
+    outage(&store, &mut engine, 0, 2_000, 50);
+    let b1 = store.outbox_bytes();
+    outage(&store, &mut engine, 2_000, 2_000, 50);
+    assert_eq!(store.outbox_len(), 4_000, "a changelog drops nothing");
+    assert_eq!(store.outbox_bytes(), tree_bytes(&store));
+    assert!(
+        store.outbox_bytes() >= 2 * b1 - b1 / 10,
+        "{b1} then {}",
+        store.outbox_bytes()
+    );
+}

@@ -1,0 +1,114 @@
+//! The power-cut filesystem (tests/powercut-fs) mounted for one test: what the agent writes
+//! under [`PowerCut::mount`] survives a cut only if it was fsynced. Used by tests/it/crash.rs
+//! and tests/it/uplink.rs.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use super::{signal, wait_until};
+
+pub struct PowerCut {
+    child: Child,
+    /// Where the agent's data goes: everything under it is forgotten at a cut unless synced.
+    pub mount: PathBuf,
+    control: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl PowerCut {
+    pub fn mount() -> PowerCut {
+        assert!(
+            Path::new("/dev/fuse").exists(),
+            "/dev/fuse is missing: the power-cut tests need FUSE (load the `fuse` module, run as root)"
+        );
+        let bin = powercut_bin();
+        let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+        let (backing, mount, control) = (
+            dir.path().join("backing"),
+            dir.path().join("mnt"),
+            dir.path().join("ctl.sock"),
+        );
+        std::fs::create_dir_all(&backing).unwrap();
+        std::fs::create_dir_all(&mount).unwrap();
+        let mut child = Command::new(bin)
+            .arg("--backing")
+            .arg(&backing)
+            .arg("--mount")
+            .arg(&mount)
+            .arg("--control")
+            .arg(&control)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn powercut-fs");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line.trim(), "ready", "powercut-fs did not mount");
+        PowerCut {
+            child,
+            mount,
+            control,
+            _dir: dir,
+        }
+    }
+
+    /// A control command (`cut all`, `cut prefix N`, `thaw`, ...); panics unless it is `ok`.
+    pub fn command(&self, cmd: &str) -> String {
+        let mut s = UnixStream::connect(&self.control).expect("powercut control socket");
+        writeln!(s, "{cmd}").unwrap();
+        let mut line = String::new();
+        BufReader::new(s).read_line(&mut line).unwrap();
+        assert!(
+            line.starts_with("ok") || line.starts_with("pong"),
+            "powercut `{cmd}`: {line}"
+        );
+        line.trim().to_string()
+    }
+}
+
+impl Drop for PowerCut {
+    fn drop(&mut self) {
+        let _ = self.command_quiet("thaw");
+        signal(self.child.id(), "TERM");
+        let _ = wait_until(Duration::from_secs(5), || {
+            matches!(self.child.try_wait(), Ok(Some(_)))
+        });
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = Command::new("umount")
+            .arg("-l")
+            .arg(&self.mount)
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+impl PowerCut {
+    fn command_quiet(&self, cmd: &str) -> std::io::Result<()> {
+        let mut s = UnixStream::connect(&self.control)?;
+        writeln!(s, "{cmd}")?;
+        let mut line = String::new();
+        BufReader::new(s).read_line(&mut line)?;
+        Ok(())
+    }
+}
+
+/// The powercut-fs binary, built from this workspace if it is not there yet.
+fn powercut_bin() -> PathBuf {
+    let cairn = PathBuf::from(env!("CARGO_BIN_EXE_cairn"));
+    let bin = cairn.with_file_name("powercut-fs");
+    if !bin.exists() {
+        let st = Command::new(env!("CARGO"))
+            .args(["build", "-q", "-p", "powercut-fs"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .expect("run cargo to build powercut-fs");
+        assert!(st.success(), "building powercut-fs failed");
+    }
+    bin
+}
