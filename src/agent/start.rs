@@ -116,6 +116,7 @@ impl Agent {
             sync,
             clock,
             eviction_log: crate::logging::RateLimit::new(3, Duration::from_secs(60)),
+            backfill: super::backfill::Backfilling::new(),
         })
     }
 }

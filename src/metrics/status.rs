@@ -98,6 +98,7 @@ fn pipelines(samples: &[&Sample]) -> Vec<Value> {
             "cairn_dead_letters_total" => "dead_letters",
             "cairn_outputs_total" => "outputs",
             "cairn_filtered_total" => "filtered",
+            "cairn_backfill_records_left" => "backfill_left",
             _ => continue,
         };
         pipelines
