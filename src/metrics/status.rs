@@ -159,6 +159,7 @@ mod tests {
             let pf = PipelineFigures {
                 dead_letters: dead,
                 applied: 5,
+                backfill_left: dead * 100,
                 ..Default::default()
             };
             f.pipelines.insert(name.into(), pf);
@@ -176,6 +177,7 @@ mod tests {
         assert_eq!(v["dead_letters"], json!(5));
         assert_eq!(v["checkpoint"]["age_seconds"], json!(0.6));
         assert_eq!(v["pipelines"][0]["name"], json!("a\"b"));
+        assert_eq!(v["pipelines"][1]["backfill_left"], json!(300));
         assert_eq!(v["savepoint"]["checkpoint_id"], json!(2));
         assert_eq!(
             v["metrics"]["cairn_outbox_oldest_age_seconds"],
