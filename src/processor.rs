@@ -4,6 +4,10 @@
 //! Recovery is replay (invariant 4): [`Processor::open`] loads the last checkpoint, and
 //! [`Processor::replay`] re-applies every durable log record from its `next_offset`. Nothing
 //! else is read and nothing else is trusted.
+//!
+//! Why ~630 lines: most of it is [`ProcessError`], whose messages tell an operator what to
+//! do, and the start-time reconcile of stored definitions; backfill slices live in
+//! `processor/backfill.rs`.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
@@ -251,6 +255,8 @@ impl Processor {
     /// - state under its name whose definition the store does not know is refused likewise;
     /// - a pipeline the store does not know starts empty: in generation 1 if it never ran
     ///   here, else in a new generation (its store was moved aside, or it was dropped);
+    ///   with `start = "earliest"` (also after a reset) it first backfills the retained log
+    ///   ([`Processor::backfill_slice`]); on a pipeline with state `start` is ignored;
     /// - a stored pipeline that is not configured stays dormant (kept, reported in the
     ///   journal), unless named in `reset`: then its state, ledger and progress are dropped.
     ///

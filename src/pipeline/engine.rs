@@ -2,9 +2,10 @@
 //! an in-memory overlay of everything applied since. Pure and deterministic: the same
 //! checkpoint and the same log records give the same write set, byte for byte.
 //!
-//! Why one file of ~680 lines: the apply path (dedup, slots, next state, emit, eviction)
-//! is one state machine over the engine's private overlay; split across files, each step
-//! would need that overlay opened to its siblings. The plain data it produces lives in
+//! Why one file of ~780 lines: the apply path (dedup, slots, next state, emit, eviction,
+//! and the backfill target that routes a record to one pipeline) is one state machine over
+//! the engine's private overlay; split across files, each step would need that overlay
+//! opened to its siblings. The plain data it produces lives in
 //! [`crate::model`].
 
 use std::collections::BTreeMap;
