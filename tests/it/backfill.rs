@@ -317,10 +317,11 @@ fn pipeline_status(v: &serde_json::Value, name: &str) -> serde_json::Value {
         .unwrap_or_else(|| panic!("no pipeline {name} in {v}"))
 }
 
+/// Until the backfill is done (in this run, or in an earlier one a kill ended later).
 fn wait_done(agent: &CairnProcess) {
     assert!(
         wait_until(Duration::from_secs(60), || agent
-            .run_stderr()
+            .stderr()
             .contains("pipeline `back`: backfill done")),
         "the backfill did not finish:\n{}",
         agent.stderr_tail(20)
@@ -390,12 +391,17 @@ fn start_earliest_backfills_the_retained_log_with_its_own_dedup_and_latest_sees_
 }
 
 /// Phase 1: `n` events (ids 0..n) and `dups` duplicates, logged under `base` only, padded
-/// to `pad` bytes. Returns the agent (stopped) and its config.
-fn logged(broker: &Broker, n: u64, dups: u64, pad: usize) -> (CairnProcess, AgentConfig) {
+/// to `pad` bytes, with `retention`. Returns the agent (stopped) and its config.
+fn logged(
+    broker: &Broker,
+    (n, dups, pad): (u64, u64, usize),
+    retention: &str,
+) -> (CairnProcess, AgentConfig) {
     let mut cfg = AgentConfig::new(broker.port(), &pipeline("base", None));
-    cfg.log = "segment_size = \"1MiB\"\nmax_size = \"256MiB\"\nretention = \"1h\"\n\
-               commit_interval = \"2ms\"\nmax_payload = \"64KiB\"\n"
-        .into();
+    cfg.log = format!(
+        "segment_size = \"1MiB\"\nmax_size = \"256MiB\"\nretention = \"{retention}\"\n\
+         commit_interval = \"2ms\"\nmax_payload = \"64KiB\"\n"
+    );
     let mut agent = CairnProcess::new(&cfg);
     agent.start_connected();
     let msgs: Vec<_> = (0..n).chain(0..dups).map(|i| event(i, pad)).collect();
@@ -432,7 +438,7 @@ fn crash_with(agent: &mut CairnProcess, failpoints: &str) {
 #[test]
 fn a_kill_in_the_middle_of_a_backfill_resumes_it_without_loss_or_double_counting() {
     let broker = Broker::start();
-    let (mut agent, _cfg) = logged(&broker, 1500, 100, 0);
+    let (mut agent, _cfg) = logged(&broker, (1500, 100, 0), "1h");
 
     // Killed after the 4th slice was applied, before its checkpoint: 3 committed.
     crash_with(&mut agent, "backfill.after_slice=abort@4");
@@ -453,7 +459,7 @@ fn a_kill_in_the_middle_of_a_backfill_resumes_it_without_loss_or_double_counting
     // And a SIGKILL wherever it lands.
     agent.start();
     agent.wait_for_stderr("resuming its backfill", Duration::from_secs(30));
-    std::thread::sleep(Duration::from_millis(150));
+    std::thread::sleep(Duration::from_millis(20));
     agent.kill();
 
     agent.start_connected();
@@ -472,7 +478,7 @@ fn a_kill_in_the_middle_of_a_backfill_resumes_it_without_loss_or_double_counting
 fn retention_keeps_every_segment_an_unfinished_backfill_needs() {
     let broker = Broker::start();
     // ~3 MiB: three 1 MiB segments and more.
-    let (mut agent, mut cfg) = logged(&broker, 1500, 0, 2000);
+    let (mut agent, mut cfg) = logged(&broker, (1500, 0, 2000), "1h");
     assert!(
         std::fs::read_dir(agent.data_dir().join("log"))
             .unwrap()
@@ -505,4 +511,24 @@ fn retention_keeps_every_segment_an_unfinished_backfill_needs() {
         v["log"]["first_offset"].as_u64().unwrap() > 0,
         "retention deleted nothing once the backfill was done: {v}"
     );
+}
+
+/// The first log offset still on disk (the agent stopped).
+fn first_offset(agent: &CairnProcess) -> u64 {
+    status(agent)["log"]["first_offset"].as_u64().unwrap()
+}
+
+#[test]
+fn a_backfill_covers_exactly_what_retention_left_in_the_log() {
+    let broker = Broker::start();
+    // Retention 0s: every sealed, checkpointed segment went while `base` ran.
+    let (mut agent, _cfg) = logged(&broker, (1500, 0, 2000), "0s");
+    let first = first_offset(&agent);
+    assert!(first > 0 && first < 1500, "retention left [{first}, 1500)");
+    agent.start_connected();
+    wait_done(&agent);
+    assert!(agent.terminate().success());
+    // Published in order, once each: offset i holds event i.
+    assert_eq!(state(&agent, "back"), fold(first..1500));
+    assert_eq!(state(&agent, "base"), fold(0..1500));
 }
