@@ -104,6 +104,22 @@ impl Agent {
         Ok(())
     }
 
+    /// `, backfilling N records` for the `STATUS=` line while a backfill runs.
+    pub(super) fn backfill_status(&self) -> String {
+        let engine = self.proc.engine();
+        let first = self.log.first_offset();
+        let live = engine.progress().next_offset;
+        let left: u64 = engine
+            .backfills()
+            .map(|(_, b)| live.saturating_sub(b.next.max(first)))
+            .sum();
+        if left == 0 {
+            String::new()
+        } else {
+            format!(", backfilling {left} records")
+        }
+    }
+
     /// Retention found the log short of room but a backfill holds its oldest segments:
     /// say so (at most every [`REPORT_INTERVAL`]); ingest stops acknowledging until the
     /// backfill moves on.

@@ -105,12 +105,13 @@ impl Agent {
     /// The `STATUS=` line `systemctl status` shows.
     pub(super) fn status_line(&self) -> String {
         format!(
-            "running: received {}, acked {}, processed up to offset {}, checkpoint {}, outbox {}{}",
+            "running: received {}, acked {}, processed up to offset {}, checkpoint {}, outbox {}{}{}",
             self.stats.received,
             self.stats.acked,
             self.proc.next_offset(),
             self.proc.engine().progress().checkpoint_id,
             self.proc.store().outbox_len(),
+            self.backfill_status(),
             if self.publisher.is_connected() {
                 ""
             } else {
