@@ -1052,6 +1052,9 @@ fn start_is_latest_by_default_or_earliest_and_nothing_else() {
         start(&with_pipeline("start = \"earliest\"")),
         Start::Earliest
     );
+    let earliest = parse(&with_pipeline("start = \"earliest\"")).unwrap();
+    assert!(summary(&earliest).contains("start earliest: backfills the retained log"));
+    assert!(!summary(&parse(MINIMAL).unwrap()).contains("start"));
     let text = with_pipeline("start = \"beginning\"");
     assert_problem(
         &only(&text),
