@@ -144,3 +144,56 @@ impl Agent {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::model::Backfill;
+
+    fn config() -> Config {
+        let table = |name: &str| {
+            format!(
+                "[[pipeline]]\nname = \"{name}\"\ntopics = [\"m/#\"]\nevent_id = \"/id\"\n\
+                 key = \"/k\"\naggregate = \"count\"\noutput_topic = \"{name}/{{key}}\"\n"
+            )
+        };
+        let text = format!(
+            "[mqtt]\nclient_id = \"t\"\n[storage]\ndata_dir = \".\"\n{}{}",
+            table("a"),
+            table("b")
+        );
+        crate::config::parse_str(&text, Path::new("t.toml")).unwrap()
+    }
+
+    fn progress(cursors: &[(&str, Option<Offset>)]) -> Progress {
+        Progress {
+            next_offset: 1_000,
+            pipelines: cursors
+                .iter()
+                .map(|(name, next)| PipelineProgress {
+                    name: name.to_string(),
+                    backfill: next.map(|next| Backfill { next, clock_ms: 0 }),
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn retention_keeps_the_log_from_the_lowest_configured_backfill_cursor() {
+        let cfg = config();
+        let none = progress(&[("a", None), ("b", None)]);
+        assert_eq!(retention_floor(&none, &cfg), 1_000);
+        let two = progress(&[("a", Some(700)), ("b", Some(300))]);
+        assert_eq!(retention_floor(&two, &cfg), 300);
+        // A dormant pipeline's backfill would hold the log for ever: it holds nothing.
+        let dormant = progress(&[("a", Some(700)), ("gone", Some(5))]);
+        assert_eq!(retention_floor(&dormant, &cfg), 700);
+        assert_eq!(records_left(&two, &two.pipelines[1], 0), 700);
+        assert_eq!(records_left(&two, &two.pipelines[1], 400), 600);
+        assert_eq!(records_left(&none, &none.pipelines[0], 0), 0);
+    }
+}
