@@ -20,6 +20,7 @@
 //! | `ingest.before_puback`, `ingest.after_puback` | around the acks of a committed batch |
 //! | `checkpoint.before_commit`, `checkpoint.after_commit` | around the whole checkpoint |
 //! | `checkpoint.before_fsync`, `checkpoint.after_fsync` | around the fsync of sled's `db` |
+//! | `backfill.after_slice` | a backfill slice was applied, not yet checkpointed |
 //! | `outbox.before_publish`, `outbox.after_publish` | around handing an entry to MQTT |
 //! | `outbox.before_delete`, `outbox.after_delete` | around deleting an entry on PUBACK |
 //! | `unsafe.ack_before_fsync` (`on`) | PUBACK a batch *before* its log fsync |

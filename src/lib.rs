@@ -34,7 +34,8 @@
 //!   `store/open.rs`, `store/read.rs`, `store/v2.rs` for format-2 stores), savepoints,
 //!   inspection through a private copy (`store/copy.rs`).
 //! - [`processor`]: log records → engine → checkpoints; replay; at start, stored pipeline
-//!   definitions against the config (changed, dormant, reset, dropped). [`quarantine`]: a
+//!   definitions against the config (changed, dormant, reset, dropped); backfill slices for
+//!   `start = "earliest"` pipelines (`processor/backfill.rs`). [`quarantine`]: a
 //!   record whose processing panics is retried a bounded number of times, then set aside.
 //! - [`generations`]: the output-ID generation of each pipeline, in a file beside the store.
 //! - [`clock`]: the time of receipt stamped on new records, monotonic across clock steps.
@@ -46,7 +47,8 @@
 //!   checkpoint, retention's cutoff, savepoint schedule and floor, the store watch),
 //!   `agent/reload.rs` (SIGHUP as a diff of two configs), `agent/uplink.rs` (results to a
 //!   central broker over a second connection, the outbox as its queue, the drain's
-//!   figures). Recovery and wiring in
+//!   figures), `agent/backfill.rs` (backfill slices beside live work; the log they need
+//!   kept from retention). Recovery and wiring in
 //!   `agent/start.rs`; savepoints carried out in `agent/savepoints.rs`; `/metrics` copying
 //!   and the status line in `agent/figures.rs`; heap trimming in `agent/memory.rs`.
 //! - [`config`]: TOML → validated [`config::Config`], every problem with file and line.
@@ -77,7 +79,8 @@
 //! 7. No queue, log, ledger or batch grows without a configured bound; reaching one stops
 //!    acknowledging instead of dropping (`tests/it/faults.rs`, `tests/it/e2e.rs`). A full log
 //!    first deletes segments every durable checkpoint covers, so it never stays full
-//!    (`tests/it/retention.rs`; the rule is in `log`'s docs).
+//!    (`tests/it/retention.rs`; the rule is in `log`'s docs), except those an unfinished
+//!    backfill still needs (`tests/it/backfill.rs`).
 //! 8. Bad input never stops processing: it becomes a dead letter with a reason, and no
 //!    record can make the engine panic or the agent crash-loop (`tests/it/pipeline.rs`,
 //!    `tests/it/hostile.rs`; oversized inputs and records whose processing panics:

@@ -154,6 +154,24 @@ pub struct PipelineProgress {
     /// reuses an ID that went out with another payload. 0 and 1 both mean the first: IDs
     /// without a generation, as before generations existed.
     pub generation: u32,
+    /// Set while a pipeline started with `start = "earliest"` works through the log that
+    /// was there before it (issue 15): it takes no live record until it has caught up.
+    /// Not in the progress record's postcard layout (the store keeps it under its own key,
+    /// in the same transaction), so stores written before backfill read unchanged.
+    #[serde(skip)]
+    pub backfill: Option<Backfill>,
+}
+
+/// Where a backfilling pipeline stands in the log behind the live position. Checkpointed
+/// with its state, so a crash resumes it without losing or repeating a record.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Backfill {
+    /// The next log offset this pipeline takes. It joins live processing once this reaches
+    /// the live `next_offset`; until then retention keeps the log from here on.
+    pub next: Offset,
+    /// Greatest `received_at_ms` of the records it took: its dedup clock until it joins,
+    /// so duplicates inside the backfilled range are judged as they were received.
+    pub clock_ms: u64,
 }
 
 /// Everything besides the trees that a checkpoint records.

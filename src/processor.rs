@@ -4,6 +4,10 @@
 //! Recovery is replay (invariant 4): [`Processor::open`] loads the last checkpoint, and
 //! [`Processor::replay`] re-applies every durable log record from its `next_offset`. Nothing
 //! else is read and nothing else is trusted.
+//!
+//! Why ~630 lines: most of it is [`ProcessError`], whose messages tell an operator what to
+//! do, and the start-time reconcile of stored definitions; backfill slices live in
+//! `processor/backfill.rs`.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
@@ -13,10 +17,13 @@ use crate::generations::{Generations, GenerationsError};
 use crate::log::{Log, LogError};
 use crate::model::{Offset, Record};
 use crate::pipeline::describe::explain_changes;
-use crate::pipeline::engine::{Engine, Outcome, PipelineProgress, Progress, definition};
+use crate::pipeline::engine::{Engine, Outcome, PipelineProgress, Progress, Target, definition};
 use crate::pipeline::spec::PipelineSpec;
 use crate::quarantine::{MAX_ATTEMPTS, Quarantine};
 use crate::store::{CheckpointInfo, Store, StoreError};
+
+mod backfill;
+pub use backfill::BackfillSlice;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProcessError {
@@ -217,6 +224,9 @@ pub struct Processor {
     quarantine: Option<Quarantine>,
     /// Set when a panic was caught: the engine may be half-way through a change.
     poisoned: bool,
+    /// The log reader of the backfill in progress, kept between slices (see
+    /// [`Processor::backfill_slice`]), with the pipeline it reads for.
+    backfill_reader: Option<(usize, crate::log::LogReader)>,
 }
 
 impl Processor {
@@ -245,6 +255,8 @@ impl Processor {
     /// - state under its name whose definition the store does not know is refused likewise;
     /// - a pipeline the store does not know starts empty: in generation 1 if it never ran
     ///   here, else in a new generation (its store was moved aside, or it was dropped);
+    ///   with `start = "earliest"` (also after a reset) it first backfills the retained log
+    ///   ([`Processor::backfill_slice`]); on a pipeline with state `start` is ignored;
     /// - a stored pipeline that is not configured stays dormant (kept, reported in the
     ///   journal), unless named in `reset`: then its state, ledger and progress are dropped.
     ///
@@ -310,6 +322,7 @@ impl Processor {
             store,
             quarantine: None,
             poisoned: false,
+            backfill_reader: None,
         })
     }
 
@@ -317,7 +330,7 @@ impl Processor {
     /// it. Entries the checkpoint already settled are pruned first.
     pub(crate) fn set_quarantine(&mut self, mut q: Quarantine) -> Result<(), ProcessError> {
         let file = q.path().to_path_buf();
-        q.prune_below(self.next_offset())
+        q.prune_below(self.settled_below())
             .map_err(|source| ProcessError::Quarantine { file, source })?;
         self.quarantine = Some(q);
         Ok(())
@@ -340,6 +353,12 @@ impl Processor {
         self.engine.progress().next_offset
     }
 
+    /// Below this offset every record is settled for every configured pipeline: the live
+    /// position, or a backfill's cursor behind it.
+    pub fn settled_below(&self) -> Offset {
+        settled_below(&self.engine, self.next_offset())
+    }
+
     /// Records applied since the last checkpoint.
     pub fn pending_records(&self) -> u64 {
         self.engine.pending_records()
@@ -350,6 +369,12 @@ impl Processor {
     /// goes through the engine, and a panic there is caught, its attempt recorded, and
     /// returned as [`ProcessError::Panicked`] (the caller must exit).
     pub fn apply(&mut self, rec: &Record) -> Result<Vec<Outcome>, ProcessError> {
+        self.apply_at(Target::Live, rec)
+    }
+
+    /// [`Processor::apply`] for `target`: live, or one backfilling pipeline (see
+    /// [`Processor::backfill_slice`]).
+    fn apply_at(&mut self, target: Target, rec: &Record) -> Result<Vec<Outcome>, ProcessError> {
         if self.poisoned {
             return Err(ProcessError::Poisoned);
         }
@@ -373,9 +398,14 @@ impl Processor {
                 e.panic
             );
             let keep = rec.too_large().map_or(&rec.payload[..], |t| t.prefix);
-            return Ok(self
-                .engine
-                .refuse(&self.store, rec, "internal", &detail, keep)?);
+            return Ok(self.engine.refuse_at(
+                &self.store,
+                target,
+                rec,
+                "internal",
+                &detail,
+                keep,
+            )?);
         }
         let (engine, store) = (&mut self.engine, &self.store);
         // Unwind safety: after a panic the engine is never used again (`poisoned`), and
@@ -391,9 +421,9 @@ impl Processor {
                         t.limit,
                         t.prefix.len()
                     );
-                    engine.refuse(store, rec, "too_large", &detail, t.prefix)
+                    engine.refuse_at(store, target, rec, "too_large", &detail, t.prefix)
                 }
-                None => engine.apply(store, rec),
+                None => engine.apply_at(store, target, rec),
             }
         }));
         match run {
@@ -446,7 +476,7 @@ impl Processor {
         if let Some(q) = self.quarantine.as_mut() {
             // Settled records are never consulted again; a failed prune only leaves them
             // in the file a little longer (the next checkpoint tries again).
-            if let Err(e) = q.prune_below(info.next_offset) {
+            if let Err(e) = q.prune_below(settled_below(&self.engine, info.next_offset)) {
                 log::warn!("quarantine: cannot prune {}: {e}", q.path().display());
             }
         }
@@ -495,6 +525,14 @@ impl Processor {
     }
 }
 
+/// The lowest of `live` and the backfill cursors of the configured pipelines.
+fn settled_below(engine: &Engine, live: Offset) -> Offset {
+    engine
+        .backfills()
+        .map(|(_, b)| b.next)
+        .fold(live, Offset::min)
+}
+
 fn position(p: &Progress, name: &str) -> Option<usize> {
     p.pipelines.iter().position(|x| x.name == name)
 }
@@ -525,6 +563,7 @@ impl<'s> Reconcile<'_, 's> {
                     old.max_version
                 );
                 self.progress.pipelines[i] = PipelineProgress::reset(old, spec, generation);
+                backfill::begin(spec, &mut self.progress.pipelines[i]);
                 self.wiped.push(name);
                 return Ok(true);
             } else if old.definition != definition(spec) {
@@ -536,6 +575,7 @@ impl<'s> Reconcile<'_, 's> {
             } else if old.generation > 1 {
                 log::info!("pipeline `{name}`: generation {}", old.generation);
             }
+            backfill::note_stored(spec, old);
             return Ok(false);
         }
         // Not in the progress record: new here, or its state was forgotten or moved.
@@ -559,9 +599,9 @@ impl<'s> Reconcile<'_, 's> {
                  or it was dropped), so its output IDs are now `{name}@{generation}/...`"
             );
         }
-        self.progress
-            .pipelines
-            .push(PipelineProgress::new(spec, generation));
+        let mut fresh = PipelineProgress::new(spec, generation);
+        backfill::begin(spec, &mut fresh);
+        self.progress.pipelines.push(fresh);
         Ok(true)
     }
 }

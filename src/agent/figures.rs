@@ -73,7 +73,7 @@ impl Agent {
             f.log_first_offset = log.first_offset();
             f.log_next_offset = log.next_offset();
             f.records_unmatched = progress.unmatched;
-            f.pipelines = pipeline_figures(progress);
+            f.pipelines = pipeline_figures(progress, log.first_offset());
             f.savepoint = sp.map(|s| (s.checkpoint_id, s.next_offset, s.created_at_ms));
             let needed = sp.map_or(f.checkpoint_next_offset, |s| s.next_offset);
             f.source_replayable = log.first_offset() <= needed;
@@ -105,12 +105,13 @@ impl Agent {
     /// The `STATUS=` line `systemctl status` shows.
     pub(super) fn status_line(&self) -> String {
         format!(
-            "running: received {}, acked {}, processed up to offset {}, checkpoint {}, outbox {}{}",
+            "running: received {}, acked {}, processed up to offset {}, checkpoint {}, outbox {}{}{}",
             self.stats.received,
             self.stats.acked,
             self.proc.next_offset(),
             self.proc.engine().progress().checkpoint_id,
             self.proc.store().outbox_len(),
+            self.backfill_status(),
             match (self.publisher.is_connected(), self.uplink.is_some()) {
                 (true, _) => "",
                 (false, true) => ", uplink disconnected",
@@ -120,9 +121,11 @@ impl Agent {
     }
 }
 
-/// Each pipeline's figures for `/metrics`, from the engine's progress.
+/// Each pipeline's figures for `/metrics`, from the engine's progress (`first_offset`: the
+/// log's, where a backfill's cursor may lie below it).
 pub(super) fn pipeline_figures(
     progress: &crate::pipeline::engine::Progress,
+    first_offset: crate::model::Offset,
 ) -> std::collections::BTreeMap<String, crate::metrics::PipelineFigures> {
     progress
         .pipelines
@@ -137,6 +140,7 @@ pub(super) fn pipeline_figures(
                 dead_letters: c.dead_letters,
                 outputs: c.outputs,
                 filtered: c.filtered,
+                backfill_left: super::backfill::records_left(progress, p, first_offset),
             };
             (p.name.clone(), figures)
         })

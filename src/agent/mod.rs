@@ -28,9 +28,12 @@
 //! - `reload`: SIGHUP as a pure diff of two configs, then applied.
 //! - `uplink`: with `[uplink]`, results go out on a second connection (its events arrive
 //!   on the same channel); the link's state and the backlog's drain rate.
+//! - `backfill`: slices of the retained log for `start = "earliest"` pipelines, and the
+//!   log they need kept from retention.
 //! - `start`: recovery and wiring; `savepoints`: savepoints carried out; `figures`: metrics
 //!   and the `STATUS=` line; `memory`: heap trimming; `error`: [`AgentError`].
 
+mod backfill;
 mod checkpointer;
 mod error;
 mod figures;
@@ -126,6 +129,8 @@ pub struct Agent {
     eviction_log: crate::logging::RateLimit,
     /// `[uplink]`: the connection results go out on instead of `mqtt` (issue 13).
     uplink: Option<uplink::Uplink>,
+    /// Backfills (`start = "earliest"`) in progress, if any.
+    backfill: backfill::Backfilling,
 }
 
 impl Agent {
@@ -173,6 +178,7 @@ impl Agent {
                 Err(RecvTimeoutError::Disconnected) => return Err(AgentError::MqttGone),
             }
             self.tick(false)?;
+            self.backfill_step()?;
             if crate::signals::take_reload() {
                 self.reload();
             }
@@ -183,6 +189,9 @@ impl Agent {
 
     /// The next timer: the group commit's or the checkpoint's, at most 100 ms away.
     fn next_deadline(&self) -> Instant {
+        if self.backfill.active() {
+            return self.now(); // a backfill slice is waiting: do not wait for input
+        }
         let far = self.now() + Duration::from_millis(100);
         let a = self
             .ingest
@@ -404,7 +413,10 @@ impl Agent {
     fn retention(&mut self) -> Result<(), AgentError> {
         // Durable progress only, never the engine's applied offset: after a crash the
         // replay starts at the committed checkpoint, so everything from there must stay.
-        let durable = self.proc.store().progress()?.next_offset;
+        // And never what a backfill still needs (see `backfill`).
+        let stored = self.proc.store().progress()?;
+        let durable = backfill::retention_floor(&stored, &self.cfg);
+        self.note_backfill_holds_log(durable, stored.next_offset);
         // Segment ages are times of receipt: measure them with the receipt clock, which never
         // goes back (by a wall clock stepped back, segments would be kept for as long as it
         // stays behind).

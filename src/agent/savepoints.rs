@@ -16,7 +16,7 @@ impl Agent {
         let outbox_end = self.proc.engine().progress().outbox_seq;
         self.metrics
             .note_outbox_committed(outbox_end, info.committed_at_ms);
-        let pipelines = pipeline_figures(self.proc.engine().progress());
+        let pipelines = pipeline_figures(self.proc.engine().progress(), self.log.first_offset());
         let bounds = self.proc.store().bound_figures();
         self.metrics.update(|f| {
             super::figures::set_bound_figures(f, &bounds);

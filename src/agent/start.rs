@@ -119,6 +119,7 @@ impl Agent {
             clock,
             eviction_log: crate::logging::RateLimit::new(3, Duration::from_secs(60)),
             uplink,
+            backfill: super::backfill::Backfilling::new(),
         })
     }
 }

@@ -147,6 +147,7 @@ fn from_data_dir(cfg: &Config) -> Result<Value, Failure> {
         Err(e) => return Err(Failure::runtime(e)),
     };
     let p = store.progress().map_err(Failure::runtime)?;
+    let first = v["log"]["first_offset"].as_u64().unwrap_or(0);
     let last = store
         .checkpoints()
         .next_back()
@@ -166,6 +167,7 @@ fn from_data_dir(cfg: &Config) -> Result<Value, Failure> {
                    "applied": pp.counters.applied, "duplicates": pp.counters.duplicates,
                    "dead_letters": pp.counters.dead_letters, "outputs": pp.counters.outputs,
                    "filtered": pp.counters.filtered,
+                   "backfill_left": pp.backfill.map_or(0, |b| p.next_offset.saturating_sub(b.next.max(first))),
                    "generation": pp.generation.max(1)})
         })
         .collect();
@@ -259,6 +261,9 @@ fn human(v: &Value) -> String {
             // Only pipelines with a `where` skip anything; the others keep their line.
             match p["filtered"].as_u64() {
                 Some(n) if n > 0 => format!(", filtered {n}"),
+                _ => String::new(),
+            } + &match p["backfill_left"].as_u64() {
+                Some(n) if n > 0 => format!(", backfilling: {n} records left"),
                 _ => String::new(),
             }
         ));

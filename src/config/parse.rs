@@ -33,7 +33,7 @@ use super::{
 };
 use crate::pipeline::filter::{Expr, parse_filter};
 use crate::pipeline::spec::{
-    Aggregate, AggregateSpec, Emit, Field, Format, MAX_WINDOWS_PER_EVENT, PipelineSpec,
+    Aggregate, AggregateSpec, Emit, Field, Format, MAX_WINDOWS_PER_EVENT, PipelineSpec, Start,
     TemplatePart, WindowSpec,
 };
 

@@ -183,6 +183,7 @@ fn a_minimal_config_gets_safe_default_limits() {
             output_topic: "balances/{key}".into(),
             retain: true,
             emit: Emit::Upsert,
+            start: Start::Latest,
             max_key_len: 128,
             max_keys: 1_000_000,
             max_id_len: 256,
@@ -1041,4 +1042,25 @@ fn dead_letter_bounds_and_the_ledger_index_bound_have_defaults_and_ranges() {
         assert_eq!(p.key, key, "{p:#?}");
         assert!(p.message.contains(says), "{p:#?}");
     }
+}
+
+#[test]
+fn start_is_latest_by_default_or_earliest_and_nothing_else() {
+    let start = |text: &str| parse(text).unwrap().pipelines[0].start;
+    assert_eq!(start(MINIMAL), Start::Latest);
+    assert_eq!(start(&with_pipeline("start = \"latest\"")), Start::Latest);
+    assert_eq!(
+        start(&with_pipeline("start = \"earliest\"")),
+        Start::Earliest
+    );
+    let earliest = parse(&with_pipeline("start = \"earliest\"")).unwrap();
+    assert!(summary(&earliest).contains("start earliest: backfills the retained log"));
+    assert!(!summary(&parse(MINIMAL).unwrap()).contains("start"));
+    let text = with_pipeline("start = \"beginning\"");
+    assert_problem(
+        &only(&text),
+        "pipeline[0].start",
+        line_of(&text, "start ="),
+        "expected \"latest\" or \"earliest\"",
+    );
 }

@@ -88,6 +88,9 @@ pub struct PipelineFigures {
     pub outputs: u64,
     /// Inputs skipped by the pipeline's `where` filter.
     pub filtered: u64,
+    /// Records a backfilling pipeline has still to take before it joins live processing
+    /// (`start = "earliest"`); 0 when it is live.
+    pub backfill_left: u64,
 }
 
 /// The uplink connection (issue 13).

@@ -416,6 +416,13 @@ fn pipelines(o: &mut Out, f: &Figures) {
         |p| p.dead_letters,
     );
     o.per_pipeline(
+        "cairn_backfill_records_left",
+        GAUGE,
+        "Log records a pipeline started with start = \"earliest\" has still to take before it joins live processing.",
+        f,
+        |p| p.backfill_left,
+    );
+    o.per_pipeline(
         "cairn_filtered_total",
         COUNTER,
         "Inputs skipped because they do not match the pipeline's `where` filter.",

@@ -118,6 +118,7 @@ fn pipelines(samples: &[&Sample]) -> Vec<Value> {
             "cairn_dead_letters_total" => "dead_letters",
             "cairn_outputs_total" => "outputs",
             "cairn_filtered_total" => "filtered",
+            "cairn_backfill_records_left" => "backfill_left",
             _ => continue,
         };
         pipelines
@@ -178,6 +179,7 @@ mod tests {
             let pf = PipelineFigures {
                 dead_letters: dead,
                 applied: 5,
+                backfill_left: dead * 100,
                 ..Default::default()
             };
             f.pipelines.insert(name.into(), pf);
@@ -195,6 +197,7 @@ mod tests {
         assert_eq!(v["dead_letters"], json!(5));
         assert_eq!(v["checkpoint"]["age_seconds"], json!(0.6));
         assert_eq!(v["pipelines"][0]["name"], json!("a\"b"));
+        assert_eq!(v["pipelines"][1]["backfill_left"], json!(300));
         assert_eq!(v["savepoint"]["checkpoint_id"], json!(2));
         assert_eq!(
             v["metrics"]["cairn_outbox_oldest_age_seconds"],

@@ -2,9 +2,10 @@
 //! an in-memory overlay of everything applied since. Pure and deterministic: the same
 //! checkpoint and the same log records give the same write set, byte for byte.
 //!
-//! Why one file of ~680 lines: the apply path (dedup, slots, next state, emit, eviction)
-//! is one state machine over the engine's private overlay; split across files, each step
-//! would need that overlay opened to its siblings. The plain data it produces lives in
+//! Why one file of ~780 lines: the apply path (dedup, slots, next state, emit, eviction,
+//! and the backfill target that routes a record to one pipeline) is one state machine over
+//! the engine's private overlay; split across files, each step would need that overlay
+//! opened to its siblings. The plain data it produces lives in
 //! [`crate::model`].
 
 use std::collections::BTreeMap;
@@ -14,7 +15,7 @@ use super::spec::{Emit, PipelineSpec};
 use super::topic::{check_publish_topic, escape_key, matches, render};
 use super::value::{KeyState, Num};
 use crate::model::Record;
-pub use crate::model::{Counters, DeadLetter, Output, PipelineProgress, Progress};
+pub use crate::model::{Backfill, Counters, DeadLetter, Output, PipelineProgress, Progress};
 
 /// Longest payload prefix kept in a dead letter.
 pub(crate) const DEAD_LETTER_PAYLOAD_MAX: usize = 1024;
@@ -104,6 +105,14 @@ pub fn definition(spec: &PipelineSpec) -> String {
     .to_string()
 }
 
+/// Which pipelines a record goes to: every matching one that is live, or one backfilling
+/// pipeline (which takes records behind the live position, in log order, until it joins).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    Live,
+    Backfill(usize),
+}
+
 /// What became of one record in one pipeline.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
@@ -170,7 +179,42 @@ impl Engine {
         base: &R,
         rec: &Record,
     ) -> Result<Vec<Outcome>, ReadError> {
-        self.each_matching(rec, |e, p| e.apply_one(base, p, rec))
+        self.apply_at(base, Target::Live, rec)
+    }
+
+    /// [`Engine::apply`] for `target`: live, or one backfilling pipeline. A backfill record
+    /// must be the pipeline's next (`>= backfill.next`) and lie behind the live position.
+    pub fn apply_at<R: ReadState>(
+        &mut self,
+        base: &R,
+        target: Target,
+        rec: &Record,
+    ) -> Result<Vec<Outcome>, ReadError> {
+        self.each_matching(target, rec, |e, p| e.apply_one(base, p, rec))
+    }
+
+    /// The configured pipelines still backfilling, in config order, with their cursors.
+    pub fn backfills(&self) -> impl Iterator<Item = (usize, Backfill)> + '_ {
+        self.progress.pipelines[..self.specs.len()]
+            .iter()
+            .enumerate()
+            .filter_map(|(p, pp)| pp.backfill.map(|b| (p, b)))
+    }
+
+    /// End pipeline `p`'s backfill: it has taken every record behind the live position, and
+    /// takes live records from now on. Replay decides the same: the ending is part of the
+    /// progress the next checkpoint records.
+    pub fn finish_backfill(&mut self, p: usize) {
+        self.progress.pipelines[p].backfill = None;
+    }
+
+    /// The record time pipeline `p` measures its dedup window with: the log clock, or while
+    /// it backfills, the newest time of receipt it has taken.
+    fn clock(&self, p: usize) -> u64 {
+        match self.progress.pipelines[p].backfill {
+            Some(b) => b.clock_ms,
+            None => self.progress.log_clock_ms,
+        }
     }
 
     /// Move progress past `rec` and run `f` for every pipeline whose topic filter matches
@@ -178,9 +222,13 @@ impl Engine {
     /// aside moves progress exactly as a processed one does, and replay agrees.
     fn each_matching(
         &mut self,
+        target: Target,
         rec: &Record,
         mut f: impl FnMut(&mut Engine, usize) -> Result<Outcome, ReadError>,
     ) -> Result<Vec<Outcome>, ReadError> {
+        if let Target::Backfill(p) = target {
+            return self.backfill_one(p, rec, f);
+        }
         assert!(
             rec.offset >= self.progress.next_offset,
             "record {} applied twice (next is {})",
@@ -192,13 +240,51 @@ impl Engine {
         self.progress.log_clock_ms = self.progress.log_clock_ms.max(rec.received_at_ms);
         self.batch.records += 1;
         let mut outcomes = Vec::new();
+        let mut matched = false;
         for p in 0..self.specs.len() {
             if self.specs[p].topics.iter().any(|t| matches(t, &rec.topic)) {
-                outcomes.push(f(self, p)?);
+                matched = true;
+                // A backfilling pipeline takes this record later, from the log, in order.
+                if self.progress.pipelines[p].backfill.is_none() {
+                    outcomes.push(f(self, p)?);
+                }
             }
         }
-        if outcomes.is_empty() {
+        if !matched {
             self.progress.unmatched += 1;
+        }
+        Ok(outcomes)
+    }
+
+    /// One record behind the live position, for backfilling pipeline `p` alone: move its
+    /// cursor and clock, apply if its topic filter matches, and join live processing once
+    /// the cursor reaches the live position.
+    fn backfill_one(
+        &mut self,
+        p: usize,
+        rec: &Record,
+        mut f: impl FnMut(&mut Engine, usize) -> Result<Outcome, ReadError>,
+    ) -> Result<Vec<Outcome>, ReadError> {
+        let live = self.progress.next_offset;
+        let b = self.progress.pipelines[p]
+            .backfill
+            .as_mut()
+            .expect("backfill record for a pipeline that is not backfilling");
+        assert!(
+            rec.offset >= b.next && rec.offset < live,
+            "backfill record {} out of order (next {}, live position {live})",
+            rec.offset,
+            b.next
+        );
+        b.next = rec.offset + 1;
+        b.clock_ms = b.clock_ms.max(rec.received_at_ms);
+        self.batch.records += 1;
+        let mut outcomes = Vec::new();
+        if self.specs[p].topics.iter().any(|t| matches(t, &rec.topic)) {
+            outcomes.push(f(self, p)?);
+        }
+        if rec.offset + 1 >= live {
+            self.finish_backfill(p);
         }
         Ok(outcomes)
     }
@@ -215,7 +301,20 @@ impl Engine {
         detail: &str,
         payload: &[u8],
     ) -> Result<Vec<Outcome>, ReadError> {
-        self.each_matching(rec, |e, p| {
+        self.refuse_at(base, Target::Live, rec, reason, detail, payload)
+    }
+
+    /// [`Engine::refuse`] for `target` (see [`Engine::apply_at`]).
+    pub fn refuse_at<R: ReadState>(
+        &mut self,
+        base: &R,
+        target: Target,
+        rec: &Record,
+        reason: &'static str,
+        detail: &str,
+        payload: &[u8],
+    ) -> Result<Vec<Outcome>, ReadError> {
+        self.each_matching(target, rec, |e, p| {
             let r = Refusal {
                 reason,
                 detail: detail.to_string(),
@@ -250,7 +349,7 @@ impl Engine {
         let name = self.specs[p].name.clone();
         let content_id = dead_letter_id(&rec.topic, &rec.payload);
         let seen = self.dedup_get(base, &name, &content_id)?;
-        let now = self.progress.log_clock_ms;
+        let now = self.clock(p);
         if seen.is_some_and(|t| now.saturating_sub(t) < self.specs[p].dedup_window_ms) {
             self.progress.pipelines[p].counters.duplicates += 1;
             return Ok(Outcome::Duplicate);
@@ -293,7 +392,7 @@ impl Engine {
             Ok(ev) => ev,
             Err(r) => return self.dead(base, p, rec, r),
         };
-        let now = self.progress.log_clock_ms;
+        let now = self.clock(p);
         let name = spec.name.clone();
 
         // Invariant 5: an event ID seen within the window (in record time) is skipped.
@@ -599,9 +698,13 @@ impl Engine {
         for ((p, skey), (st, topic)) in touched {
             self.emit(p, &skey, &st, topic);
         }
-        let now = self.progress.log_clock_ms;
-        for spec in &self.specs {
-            // Expired: `now - seen >= window`, and the log clock never goes back.
+        for (p, spec) in self.specs.iter().enumerate() {
+            // Expired: `now - seen >= window`, and the pipeline's clock never goes back (a
+            // backfill's clock stays below the log clock, which it then joins).
+            let now = match self.progress.pipelines[p].backfill {
+                Some(b) => b.clock_ms,
+                None => self.progress.log_clock_ms,
+            };
             if let Some(cutoff) = now.checked_sub(spec.dedup_window_ms) {
                 self.batch
                     .dedup_expired_at_or_before

@@ -131,6 +131,18 @@ pub enum Emit {
     Final,
 }
 
+/// Where a pipeline new to the store starts in the log (`start`). Only a pipeline with no
+/// stored state starts; for one that has state the setting is ignored. Not part of the
+/// definition: it says nothing about what stored state means.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Start {
+    /// At the live position: only records that arrive after it was added (the default).
+    #[default]
+    Latest,
+    /// The whole retained log first (a backfill, with its own dedup), then live records.
+    Earliest,
+}
+
 /// An event-time window: tumbling, or hopping when `slide_ms` is set. `size_ms` is above
 /// zero and a slide lies in `(0, size_ms)` with at most [`MAX_WINDOWS_PER_EVENT`] windows
 /// covering any instant (config validation); any size and lateness is safe, since window
@@ -194,6 +206,8 @@ pub struct PipelineSpec {
     pub output_topic: String,
     pub retain: bool,
     pub emit: Emit,
+    /// Where a new pipeline starts: the live position, or the retained log (backfill).
+    pub start: Start,
     /// Longest key accepted, in bytes; longer keys are dead letters.
     pub max_key_len: usize,
     /// Most distinct keys (per window when windowed) held in state; an event for a new key

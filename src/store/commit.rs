@@ -11,9 +11,10 @@ use sled::Transactional;
 use super::ledger::{self, Chunk};
 use super::outbox;
 use super::{
-    CHECKPOINT_HISTORY, CheckpointInfo, DEAD_PRUNE_MAX, DEAD_STATS_KEY, DeadLetterStats,
-    FORMAT_KEY, Mem, PROGRESS_KEY, PROMOTE_MAX, STORE_FORMAT, Store, StoreError, bounded,
-    dead_letter_value, decode, encode, index_room, io_err, pkey, pkey_dead,
+    BACKFILL_KEY, CHECKPOINT_HISTORY, CheckpointInfo, DEAD_PRUNE_MAX, DEAD_STATS_KEY,
+    DeadLetterStats, FORMAT_KEY, Mem, PROGRESS_KEY, PROMOTE_MAX, STORE_FORMAT, Store, StoreError,
+    backfill_record, bounded, dead_letter_value, decode, encode, index_room, io_err, pkey,
+    pkey_dead,
 };
 use crate::pipeline::engine::{Batch, Checkpoint, DeadLetter, Output, Progress};
 
@@ -28,6 +29,8 @@ struct Writes {
     dead: sled::Batch,
     checkpoints: sled::Batch,
     progress: Vec<u8>,
+    /// The backfill cursors (see `BACKFILL_KEY`).
+    backfill: Vec<u8>,
     /// `None` when the counts did not change.
     dead_stats: Option<Vec<u8>>,
 }
@@ -75,6 +78,7 @@ impl Store {
             dead,
             checkpoints,
             progress: bounded("meta", PROGRESS_KEY, encode(&progress))?,
+            backfill: backfill_record(&progress)?,
             dead_stats: (dead_stats != mem.dead)
                 .then(|| bounded("meta", DEAD_STATS_KEY, encode(&dead_stats)))
                 .transpose()?,
@@ -146,6 +150,7 @@ impl Store {
                 tx[4].apply_batch(&w.dead)?;
                 tx[5].apply_batch(&w.checkpoints)?;
                 tx[0].insert(PROGRESS_KEY, w.progress.as_slice())?;
+                tx[0].insert(BACKFILL_KEY, w.backfill.as_slice())?;
                 // The progress record is written in this build's layout: say so with it.
                 tx[0].insert(FORMAT_KEY, &STORE_FORMAT.to_be_bytes())?;
                 if let Some(v) = &w.dead_stats {

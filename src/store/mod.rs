@@ -80,7 +80,7 @@ use serde::{Deserialize, Serialize};
 use sled::Transactional;
 
 use crate::fsio::{Durability, SyncKind};
-use crate::pipeline::engine::{DeadLetter, Output, Progress, ReadError, ReadState};
+use crate::pipeline::engine::{Backfill, DeadLetter, Output, Progress, ReadError, ReadState};
 use crate::pipeline::value::KeyState;
 
 /// Checkpoint records kept for `cairn inspect checkpoints`.
@@ -89,6 +89,9 @@ pub(crate) const CHECKPOINT_HISTORY: u64 = 1000;
 const PROGRESS_KEY: &[u8] = b"progress";
 const FORMAT_KEY: &[u8] = b"format";
 const DEAD_STATS_KEY: &[u8] = b"dead_letters";
+/// The cursors of backfilling pipelines, `Vec<(name, Backfill)>`: written with the
+/// progress record in the same transaction, kept apart so its layout stays unchanged.
+const BACKFILL_KEY: &[u8] = b"backfill";
 
 /// Most bytes of one tree entry (key plus value) outside `meta`. sled writes a whole leaf
 /// node, up to 17 entries, as one log item, and an item over 128 KiB goes to a blob file that
@@ -400,12 +403,20 @@ impl Store {
         let Some(v) = self.meta.get(PROGRESS_KEY)? else {
             return Ok(Progress::default());
         };
-        match self.meta.get(FORMAT_KEY)? {
+        let mut progress: Progress = match self.meta.get(FORMAT_KEY)? {
             Some(f) if f.as_ref() == STORE_FORMAT_V2.to_be_bytes() => {
-                Ok(decode::<v2::Progress>("format-2 progress", &v)?.into())
+                decode::<v2::Progress>("format-2 progress", &v)?.into()
             }
-            _ => decode("progress", &v),
+            _ => decode("progress", &v)?,
+        };
+        if let Some(v) = self.meta.get(BACKFILL_KEY)? {
+            for (name, b) in decode::<Vec<(String, Backfill)>>("backfill cursors", &v)? {
+                if let Some(pp) = progress.pipelines.iter_mut().find(|pp| pp.name == name) {
+                    pp.backfill = Some(b);
+                }
+            }
         }
+        Ok(progress)
     }
 
     /// The durability seam this store syncs through (for files kept beside it).
@@ -472,6 +483,7 @@ impl Store {
                 }
             }
         }
+        let backfill = backfill_record(progress)?;
         let progress = encode(progress);
         let trees = [&self.meta, &self.state, &self.dedup];
         trees[..]
@@ -479,6 +491,7 @@ impl Store {
                 tx[1].apply_batch(&batches[0])?;
                 tx[2].apply_batch(&batches[1])?;
                 tx[0].insert(PROGRESS_KEY, progress.as_slice())?;
+                tx[0].insert(BACKFILL_KEY, backfill.as_slice())?;
                 tx[0].insert(FORMAT_KEY, &STORE_FORMAT.to_be_bytes())?;
                 Ok::<(), sled::transaction::ConflictableTransactionError<()>>(())
             })
@@ -494,6 +507,16 @@ impl Store {
         drop(mem);
         self.sync()
     }
+}
+
+/// The backfill cursors of `progress`, as [`BACKFILL_KEY`] holds them.
+fn backfill_record(progress: &Progress) -> Result<Vec<u8>, StoreError> {
+    let cursors: Vec<(&str, Backfill)> = progress
+        .pipelines
+        .iter()
+        .filter_map(|pp| pp.backfill.map(|b| (pp.name.as_str(), b)))
+        .collect();
+    bounded("meta", BACKFILL_KEY, encode(&cursors))
 }
 
 fn pkey_dead(offset: u64, pipeline: &str) -> Vec<u8> {

@@ -67,6 +67,7 @@ impl From<Progress> for engine::Progress {
                     max_version: pp.max_version,
                     // Every result a format-2 store made went out without a generation.
                     generation: 1,
+                    backfill: None,
                 })
                 .collect(),
         }

@@ -23,6 +23,9 @@ use crate::support::agent::{AgentConfig, CairnProcess};
 use crate::support::powercut::PowerCut;
 use crate::support::{Broker, Collector, publish_all, unique_id, wait_until};
 
+/// The pipeline of the richer kind (issue 15) that every scenario also runs.
+mod rich;
+
 const WINDOW_MS: u64 = 1_000;
 const LATENESS_MS: u64 = 1_000;
 const KEYS: u64 = 8;
@@ -225,7 +228,7 @@ emit = "upsert"
 /// reconnects, 1 MiB segments, checkpoints every 30 ms or 300 records), its data in
 /// `data_dir` (under the power-cut mount when there is one).
 fn crash_agent(data_dir: &Path, port: u16) -> CairnProcess {
-    let mut cfg = AgentConfig::new(port, PIPELINES);
+    let mut cfg = AgentConfig::new(port, &format!("{PIPELINES}{}", rich::PIPELINE));
     cfg.client_id = unique_id("crash").replace('-', "_");
     cfg.mqtt = "keep_alive = \"5s\"\nreconnect_min = \"20ms\"\nreconnect_max = \"200ms\"\n".into();
     cfg.storage = "cache_size = \"4MiB\"\n".into();
@@ -457,12 +460,21 @@ impl Harness {
         if let Some(line) = journal.lines().find(|l| l.contains("blob_io")) {
             return Err(format!("sled used blob files: {line}"));
         }
-        compare(
+        let plain = compare(
             &self.agent,
             &self.outputs,
             &oracle(&self.acked),
             self.broker.port(),
-        )
+        );
+        let rich = rich::compare(&self.agent, &self.outputs, &self.acked);
+        match (plain, rich) {
+            (Ok(()), Ok(())) => Ok(()),
+            (a, b) => Err([a.err(), b.err()]
+                .into_iter()
+                .flatten()
+                .collect::<Vec<_>>()
+                .join("\n")),
+        }
     }
 }
 

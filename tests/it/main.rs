@@ -9,6 +9,7 @@
 
 mod support;
 
+mod backfill;
 mod checkpoint;
 mod cli;
 mod config_errors;

@@ -57,7 +57,8 @@ max_keys = 1000"#
     .unwrap()
 }
 
-/// Issue 15 in one pipeline: a filter on a topic level and a field, a key from a template
+/// Issue 15 in one pipeline: a filter on a topic level and a field (every operator kind:
+/// `and`, `or`, `not`, parentheses; for integers it reads `{2} > -900`), a key from a template
 /// mixing a field and a topic level, every aggregate in a list, hopping windows, final
 /// results.
 fn rich() -> PipelineSpec {
@@ -70,7 +71,7 @@ event_id = "0"
 key = "{{1}}@{{topic[0]}}"
 value = "2"
 event_time = "3"
-where = 'topic[1] == "run" and {{2}} > -900'
+where = 'topic[1] == "run" and not ({{2}} <= -950 or ({{2}} < -899 and {{2}} >= -950))'
 aggregate = [{}]
 window = {{ size = "{WINDOW}ms", slide = "{SLIDE}ms", allowed_lateness = "{LATENESS}ms" }}
 dedup_window = "366d"

@@ -121,6 +121,7 @@ impl Validator {
         let dedup_window_ms = self.dedup_window(&p, r.dedup_window);
         let output_topic = self.output_topic(&p, r.output_topic, &window);
         let emit = self.emit(&p, r.emit.as_deref(), &window);
+        let start = self.start(&p, r.start.as_deref());
         let limits =
             self.pipeline_limits(&p, r.max_key_len, r.max_keys, r.max_id_len, r.max_future);
 
@@ -140,6 +141,7 @@ impl Validator {
             output_topic: output_topic?,
             retain: r.retain.unwrap_or(true),
             emit: emit?,
+            start: start?,
             max_key_len: usize::try_from(limits.max_key_len?).ok()?,
             max_keys: u64::try_from(limits.max_keys?).ok()?,
             max_id_len: usize::try_from(limits.max_id_len?).ok()?,
@@ -501,6 +503,19 @@ impl Validator {
                         "`{other}` is not an emit mode: expected \"upsert\", \"changelog\" or \"final\""
                     ),
                 );
+                None
+            }
+        }
+    }
+
+    /// Where a new pipeline starts: `latest` (the default) or `earliest` (a backfill).
+    fn start(&mut self, p: &str, raw: Option<&str>) -> Option<Start> {
+        match raw {
+            None | Some("latest") => Some(Start::Latest),
+            Some("earliest") => Some(Start::Earliest),
+            Some(other) => {
+                let why = format!("`{other}` is not a start: expected \"latest\" or \"earliest\"");
+                self.problem(&format!("{p}.start"), why);
                 None
             }
         }

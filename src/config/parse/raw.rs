@@ -137,6 +137,7 @@ pub(super) struct RawPipeline {
     pub(super) output_topic: Option<String>,
     pub(super) retain: Option<bool>,
     pub(super) emit: Option<String>,
+    pub(super) start: Option<String>,
     pub(super) max_key_len: Option<i64>,
     pub(super) max_keys: Option<i64>,
     pub(super) max_id_len: Option<i64>,

@@ -148,7 +148,7 @@ fn pipeline_summary(p: &PipelineSpec) -> String {
         })
         .unwrap_or_default();
     format!(
-        "pipeline    {}: {} [{format}] -> {}{value} by {}{window} -> {} ({}, {}, dedup {}, <= {} keys)",
+        "pipeline    {}: {} [{format}] -> {}{value} by {}{window} -> {} ({}, {}, dedup {}, <= {} keys{})",
         p.name,
         p.topics.join(", "),
         aggregate_text(&p.aggregate),
@@ -161,7 +161,12 @@ fn pipeline_summary(p: &PipelineSpec) -> String {
             Emit::Final => "final",
         },
         format_duration_ms(p.dedup_window_ms),
-        p.max_keys
+        p.max_keys,
+        match p.start {
+            crate::pipeline::spec::Start::Latest => "",
+            crate::pipeline::spec::Start::Earliest =>
+                ", start earliest: backfills the retained log",
+        }
     )
 }
 
