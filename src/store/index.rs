@@ -26,7 +26,9 @@
 //! # Layout
 //!
 //! An open-addressing table of `u64` slots (0 = empty), linear probing, deletion by backward
-//! shift (no tombstones), doubling when the load would exceed 7/8. Each used slot packs:
+//! shift (no tombstones), growing when the load would exceed 7/8: doubling while the table is
+//! small, by a quarter from [`GROW_BY_QUARTER_FROM`] slots on (see *Memory*). Each used slot
+//! packs:
 //!
 //! ```text
 //!  63                              32 31                               0
@@ -38,18 +40,24 @@
 //!
 //! Forcing the lowest bit of `fp` to 1 makes a used slot never 0, so 0 can mean "empty".
 //!
-//! # Why buckets come from the top bits
+//! # Why buckets come from `fp` alone
 //!
-//! The full hash is not kept, only `fp`. The home bucket of an entry is the top `log2(capacity)`
-//! bits of `fp`, so when the table doubles each slot can be re-placed from the slot alone: the
-//! new home is the old top bits plus the next one. (Capacity stops at 2^31 slots so the home
-//! never uses the forced bit.) The caller's hash must therefore be well mixed in its top bits.
+//! The full hash is not kept, only `fp`. The home bucket of an entry in a table of `n` slots
+//! is `fp * n / 2^32` (multiply and shift: for a power of two `n`, the top `log2(n)` bits of
+//! `fp`), so when the table grows each slot can be re-placed from the slot alone, whatever
+//! the new size. The caller's hash must therefore be well mixed in its top bits.
 //!
 //! # Memory
 //!
-//! 8 bytes per slot. Between doublings the load runs from 7/16 to 7/8, about 18 down to 9 bytes
-//! per entry (removals never shrink the table): one million entries fit in 2^21 slots, 16 MiB. While the table doubles, the old and the new
-//! table are held together for a moment.
+//! 8 bytes per slot; removals never shrink the table. Doubling kept the load between 7/16
+//! and 7/8 (18 down to 9 bytes per entry) and held the old and the new table together while
+//! it grew: a million entries took 16 MiB, and 24 MiB while it doubled, the largest single
+//! item of the agent's peak RSS (issue 16). From [`GROW_BY_QUARTER_FROM`] slots (512 KiB) on
+//! the table grows by a quarter instead: the load stays between 7/10 and 7/8 (11.4 down to
+//! 9.1 bytes per entry), a million entries take 9.1 MiB, 16.4 MiB for the moment it grows.
+//! The cost is more re-placing (each entry moves about five times over the table's life
+//! instead of twice: under 1% of the time a million inserts take) and a higher average load
+//! for lookups (unrecorded IDs probe a few more slots, within one or two cache lines).
 
 use std::fmt;
 
@@ -64,14 +72,16 @@ const EMPTY: u64 = 0;
 /// The smallest table, in slots (a power of two).
 const MIN_SLOTS: usize = 16;
 
-/// The largest table is `2^MAX_SLOTS_LOG2` slots, so that the home bucket (the top bits of
-/// `fp`) never includes the lowest bit of `fp`, which is always 1.
-const MAX_SLOTS_LOG2: u32 = 31;
+/// The largest table, in slots.
+const MAX_SLOTS: usize = 1 << 31;
+
+/// From this many slots on, the table grows by a quarter instead of doubling (see *Memory*).
+const GROW_BY_QUARTER_FROM: usize = 1 << 16;
 
 /// A compact multi-map from hash fingerprints to coarse record times (see the module docs).
 pub struct FingerprintIndex {
-    /// A power of two, at least [`MIN_SLOTS`], at most `2^MAX_SLOTS_LOG2`; [`EMPTY`] or a packed
-    /// `(fp, coarse)`.
+    /// A multiple of 8, at least [`MIN_SLOTS`], at most [`MAX_SLOTS`]; [`EMPTY`] or a packed
+    /// `(fp, tag)`.
     slots: Vec<u64>,
     /// Used slots.
     len: usize,
@@ -120,29 +130,49 @@ fn max_len(slots: usize) -> usize {
     slots / 8 * 7
 }
 
-/// The home bucket of `fp` in a table of `slots` slots: the top `log2(slots)` bits of `fp`.
+/// The home bucket of `fp` in a table of `slots` slots: `fp * slots / 2^32` (for a power of
+/// two, the top `log2(slots)` bits of `fp`).
 fn home(fp: u32, slots: usize) -> usize {
-    (fp >> (32 - slots.trailing_zeros())) as usize
+    ((u64::from(fp) * slots as u64) >> 32) as usize
+}
+
+/// The slot after `i` in a table of `n` slots, wrapping at the end.
+fn next(i: usize, n: usize) -> usize {
+    if i + 1 == n { 0 } else { i + 1 }
+}
+
+/// How many steps forward (cyclically) `to` lies from `from` in a table of `n` slots.
+fn distance(from: usize, to: usize, n: usize) -> usize {
+    if to >= from { to - from } else { n - from + to }
 }
 
 /// Puts `slot` in the first empty slot at or after its home bucket, wrapping at the end.
 /// The table must have an empty slot.
 fn place(slots: &mut [u64], slot: u64) {
-    let mask = slots.len() - 1;
-    let mut i = home(slot_fp(slot), slots.len());
+    let n = slots.len();
+    let mut i = home(slot_fp(slot), n);
     while slots[i] != EMPTY {
-        i = (i + 1) & mask;
+        i = next(i, n);
     }
     slots[i] = slot;
 }
 
-/// Panics unless a table of `slots` slots may double.
-fn assert_can_double(slots: usize) {
-    assert!(
-        slots.trailing_zeros() < MAX_SLOTS_LOG2,
-        "FingerprintIndex: more than {} entries",
-        max_len(slots)
-    );
+/// The size a table of `slots` slots grows to (a multiple of 8), or `None` at [`MAX_SLOTS`].
+fn grown(slots: usize) -> Option<usize> {
+    if slots >= MAX_SLOTS {
+        return None;
+    }
+    let bigger = if slots < GROW_BY_QUARTER_FROM {
+        slots * 2
+    } else {
+        slots + slots / 32 * 8
+    };
+    Some(bigger.min(MAX_SLOTS))
+}
+
+/// The size a table of `slots` slots grows to; panics at [`MAX_SLOTS`].
+fn must_grow(slots: usize) -> usize {
+    grown(slots).unwrap_or_else(|| panic!("FingerprintIndex: more than {} entries", max_len(slots)))
 }
 
 impl FingerprintIndex {
@@ -154,8 +184,8 @@ impl FingerprintIndex {
         }
     }
 
-    /// An empty index that holds `entries` entries without growing: the smallest power of two
-    /// of slots, at least 16, of which 7/8 is at least `entries`.
+    /// An empty index that holds `entries` entries without growing: the first size of the
+    /// growth sequence from 16 slots of which 7/8 is at least `entries`.
     ///
     /// # Panics
     ///
@@ -164,9 +194,19 @@ impl FingerprintIndex {
     pub fn with_capacity(entries: usize) -> Self {
         let mut slots = MIN_SLOTS;
         while max_len(slots) < entries {
-            assert_can_double(slots);
-            slots *= 2;
+            slots = must_grow(slots);
         }
+        Self {
+            slots: vec![EMPTY; slots],
+            len: 0,
+        }
+    }
+
+    /// An empty index of `slots` slots (a multiple of 8, at least 16): the tests' way to a
+    /// table whose size is no power of two while it is still small.
+    #[cfg(test)]
+    pub(crate) fn with_slots(slots: usize) -> Self {
+        assert!(slots % 8 == 0 && (MIN_SLOTS..=MAX_SLOTS).contains(&slots));
         Self {
             slots: vec![EMPTY; slots],
             len: 0,
@@ -194,7 +234,7 @@ impl FingerprintIndex {
 
     /// Add one entry: the fingerprint of `hash` and a caller's `tag` (the ledger uses the
     /// number of the chunk the entry is in). Adds it even if an equal one is there already;
-    /// doubles the table first if the load would exceed 7/8.
+    /// grows the table first if the load would exceed 7/8.
     ///
     /// # Panics
     ///
@@ -212,8 +252,8 @@ impl FingerprintIndex {
     pub(crate) fn tags(&self, hash: u64, out: &mut Vec<u32>) {
         out.clear();
         let fp = fingerprint(hash);
-        let mask = self.slots.len() - 1;
-        let mut i = home(fp, self.slots.len());
+        let n = self.slots.len();
+        let mut i = home(fp, n);
         // Every entry lies in the run of used slots that starts at its home bucket, so the
         // first empty slot ends the search. There is one: the load is at most 7/8.
         loop {
@@ -224,7 +264,7 @@ impl FingerprintIndex {
             if slot_fp(slot) == fp {
                 out.push(slot_coarse(slot));
             }
-            i = (i + 1) & mask;
+            i = next(i, n);
         }
     }
 
@@ -253,13 +293,12 @@ impl FingerprintIndex {
     pub(crate) fn remove_tag(&mut self, hash: u64, tag: u32) -> bool {
         let target = pack(fingerprint(hash), tag);
         let n = self.slots.len();
-        let mask = n - 1;
         let mut i = home(slot_fp(target), n);
         loop {
             match self.slots[i] {
                 EMPTY => return false,
                 slot if slot == target => break,
-                _ => i = (i + 1) & mask,
+                _ => i = next(i, n),
             }
         }
         // Backward shift: walk the rest of the run after the hole. An entry moves into the hole
@@ -267,19 +306,19 @@ impl FingerprintIndex {
         // its home is at least the hole's distance behind it. Otherwise (its home is after the
         // hole, possibly across the end of the array) it stays, and the walk goes on.
         let mut hole = i;
-        let mut j = (i + 1) & mask;
+        let mut j = next(i, n);
         loop {
             let slot = self.slots[j];
             if slot == EMPTY {
                 break;
             }
-            let from_home = j.wrapping_sub(home(slot_fp(slot), n)) & mask;
-            let from_hole = j.wrapping_sub(hole) & mask;
+            let from_home = distance(home(slot_fp(slot), n), j, n);
+            let from_hole = distance(hole, j, n);
             if from_home >= from_hole {
                 self.slots[hole] = slot;
                 hole = j;
             }
-            j = (j + 1) & mask;
+            j = next(j, n);
         }
         self.slots[hole] = EMPTY;
         self.len -= 1;
@@ -291,27 +330,23 @@ impl FingerprintIndex {
         self.slots.len() * size_of::<u64>()
     }
 
-    /// Bytes the table would hold after `extra` more inserts (it doubles until 7/8 of it
-    /// holds them), or `None` if no table of at most 2^31 slots can. The ledger asks before
+    /// Bytes the table would hold after `extra` more inserts (it grows until 7/8 of it holds
+    /// them), or `None` if no table of at most 2^31 slots can. The ledger asks before
     /// it indexes a chunk, so that the index stays within its memory bound and never reaches
     /// the panic in [`FingerprintIndex::insert_tag`].
     pub(crate) fn bytes_to_hold(&self, extra: usize) -> Option<usize> {
         let want = self.len.checked_add(extra)?;
         let mut slots = self.slots.len();
         while max_len(slots) < want {
-            if slots.trailing_zeros() >= MAX_SLOTS_LOG2 {
-                return None;
-            }
-            slots *= 2;
+            slots = grown(slots)?;
         }
         slots.checked_mul(size_of::<u64>())
     }
 
-    /// Doubles the table, re-placing every entry from its slot alone.
+    /// Grows the table one step, re-placing every entry from its slot alone.
     fn grow(&mut self) {
-        let n = self.slots.len();
-        assert_can_double(n);
-        let old = std::mem::replace(&mut self.slots, vec![EMPTY; n * 2]);
+        let bigger = must_grow(self.slots.len());
+        let old = std::mem::replace(&mut self.slots, vec![EMPTY; bigger]);
         for slot in old.into_iter().filter(|&s| s != EMPTY) {
             place(&mut self.slots, slot);
         }

@@ -21,7 +21,7 @@ fn sorted(ix: &FingerprintIndex, hash: u64) -> Vec<(u64, u64)> {
 /// every entry is reachable: all the slots from its home bucket to it (cyclically) are used.
 fn check_invariants(ix: &FingerprintIndex) {
     let n = ix.slots.len();
-    assert!(n.is_power_of_two() && n >= MIN_SLOTS);
+    assert!(n % 8 == 0 && (MIN_SLOTS..=MAX_SLOTS).contains(&n));
     let used = ix.slots.iter().filter(|&&s| s != EMPTY).count();
     assert_eq!(used, ix.len, "len counts the used slots");
     assert!(used <= max_len(n), "load at most 7/8");
@@ -181,7 +181,9 @@ fn with_capacity_is_the_smallest_table_that_fits() {
         (15, 32),
         (28, 32),
         (29, 64),
-        (1_000_000, 1 << 21),
+        (57_344, 1 << 16),
+        (57_345, 81_920),
+        (1_000_000, 1_192_024),
     ] {
         let mut ix = FingerprintIndex::with_capacity(entries);
         assert_eq!(ix.memory_bytes(), slots * 8, "{entries} entries");
@@ -195,9 +197,43 @@ fn with_capacity_is_the_smallest_table_that_fits() {
     }
     assert_eq!(
         FingerprintIndex::with_capacity(1_000_000).memory_bytes(),
-        16 << 20,
-        "16 MiB for a million entries"
+        9_536_192,
+        "9.1 MiB for a million entries (16 MiB when every step doubled)"
     );
+}
+
+#[test]
+fn large_tables_grow_by_a_quarter_and_keep_every_entry_findable() {
+    // 57,344 entries fill 2^16 slots to 7/8; the next ones grow it to 81,920, then 102,400.
+    let mut ix = FingerprintIndex::new();
+    let n = 89_000u64;
+    for i in 0..n {
+        ix.insert_tag(mix(i), i as u32);
+        if i == 57_343 {
+            assert_eq!(ix.memory_bytes(), (1 << 16) * 8);
+        }
+        if i == 57_344 {
+            assert_eq!(ix.memory_bytes(), 81_920 * 8, "a quarter more, not double");
+        }
+    }
+    assert_eq!(ix.memory_bytes(), 102_400 * 8);
+    assert_eq!(ix.bytes_to_hold(0), Some(102_400 * 8));
+    assert_eq!(ix.bytes_to_hold(20_000), Some(128_000 * 8));
+    check_invariants(&ix);
+    let mut tags = Vec::new();
+    for i in 0..n {
+        ix.tags(mix(i), &mut tags);
+        assert!(tags.contains(&(i as u32)), "entry {i} lost");
+    }
+    // Removal by backward shift on a table whose size is no power of two, wrapping included.
+    for i in (0..n).filter(|i| i % 3 != 0) {
+        assert!(ix.remove_tag(mix(i), i as u32), "entry {i}");
+    }
+    check_invariants(&ix);
+    for i in 0..n {
+        ix.tags(mix(i), &mut tags);
+        assert_eq!(tags.contains(&(i as u32)), i % 3 == 0, "entry {i}");
+    }
 }
 
 #[test]
@@ -413,6 +449,8 @@ proptest! {
     ) {
         let mut ix = match initial {
             None => FingerprintIndex::new(),
+            // Odd: a table whose size is no power of two (as large tables grow to).
+            Some(n) if n % 2 == 1 => FingerprintIndex::with_slots(8 * (n / 2 + 2)),
             Some(n) => FingerprintIndex::with_capacity(n),
         };
         let mut model: Vec<(u32, u32)> = Vec::new();
