@@ -52,12 +52,13 @@
 //! 8 bytes per slot; removals never shrink the table. Doubling kept the load between 7/16
 //! and 7/8 (18 down to 9 bytes per entry) and held the old and the new table together while
 //! it grew: a million entries took 16 MiB, and 24 MiB while it doubled, the largest single
-//! item of the agent's peak RSS (issue 16). From [`GROW_BY_QUARTER_FROM`] slots (512 KiB) on
-//! the table grows by a quarter instead: the load stays between 7/10 and 7/8 (11.4 down to
-//! 9.1 bytes per entry), a million entries take 9.1 MiB, 16.4 MiB for the moment it grows.
-//! The cost is more re-placing (each entry moves about five times over the table's life
-//! instead of twice: under 1% of the time a million inserts take) and a higher average load
-//! for lookups (unrecorded IDs probe a few more slots, within one or two cache lines).
+//! item of the agent's peak RSS (issue 16). From [`GROW_BY_QUARTER_FROM`] slots (32 KiB) on
+//! a table grows by a quarter instead, so the load stays between 7/10 and 7/8 (11.4 down to
+//! 9.1 bytes per entry). Past 512 KiB the ledger splits its index into [`SHARDS`] tables
+//! ([`ShardedIndex`]), so only a sixteenth is held twice while it grows: 980k entries take
+//! 9.1 MiB, 9.6 MiB for a moment. The cost is more re-placing (each entry moves about five
+//! times over a table's life instead of twice) and a higher average load for lookups
+//! (unrecorded IDs probe a few more slots, within one or two cache lines).
 
 use std::fmt;
 
@@ -76,7 +77,7 @@ const MIN_SLOTS: usize = 16;
 const MAX_SLOTS: usize = 1 << 31;
 
 /// From this many slots on, the table grows by a quarter instead of doubling (see *Memory*).
-const GROW_BY_QUARTER_FROM: usize = 1 << 16;
+const GROW_BY_QUARTER_FROM: usize = 1 << 12;
 
 /// A compact multi-map from hash fingerprints to coarse record times (see the module docs).
 pub struct FingerprintIndex {
@@ -170,6 +171,16 @@ fn grown(slots: usize) -> Option<usize> {
     Some(bigger.min(MAX_SLOTS))
 }
 
+/// The first size of the growth sequence from [`MIN_SLOTS`] that holds `entries`, or `None`
+/// past [`MAX_SLOTS`].
+fn slots_for(entries: usize) -> Option<usize> {
+    let mut slots = MIN_SLOTS;
+    while max_len(slots) < entries {
+        slots = grown(slots)?;
+    }
+    Some(slots)
+}
+
 /// The size a table of `slots` slots grows to; panics at [`MAX_SLOTS`].
 fn must_grow(slots: usize) -> usize {
     grown(slots).unwrap_or_else(|| panic!("FingerprintIndex: more than {} entries", max_len(slots)))
@@ -192,10 +203,7 @@ impl FingerprintIndex {
     /// If that would take more than 2^31 slots.
     #[cfg(test)]
     pub fn with_capacity(entries: usize) -> Self {
-        let mut slots = MIN_SLOTS;
-        while max_len(slots) < entries {
-            slots = must_grow(slots);
-        }
+        let slots = slots_for(entries).unwrap_or_else(|| must_grow(MAX_SLOTS));
         Self {
             slots: vec![EMPTY; slots],
             len: 0,
@@ -350,6 +358,145 @@ impl FingerprintIndex {
         for slot in old.into_iter().filter(|&s| s != EMPTY) {
             place(&mut self.slots, slot);
         }
+    }
+}
+
+/// The ledger's index: one [`FingerprintIndex`] while it is small, [`SHARDS`] of them once
+/// it would grow past [`SPLIT_AT_SLOTS`]. An entry's shard is named by bits 1 to 4 of its
+/// fingerprint (bit 0 is always 1; a home bucket comes from the top bits), so the split
+/// re-places slots without their hashes.
+///
+/// Why shards: a table grows by re-placing every entry into a larger one, and for that
+/// moment both are held. One table of a million entries held 7.3 + 9.1 MiB while it grew,
+/// at the agent's peak RSS (issue 16); a shard holds a sixteenth of that. The load and the
+/// bytes per entry are those of a single table.
+pub struct ShardedIndex {
+    /// One table, or [`SHARDS`].
+    shards: Vec<FingerprintIndex>,
+}
+
+/// Tables of a split [`ShardedIndex`] (a power of two).
+pub(crate) const SHARDS: usize = 16;
+
+/// A [`ShardedIndex`] splits when its one table would grow beyond this many slots (512 KiB).
+const SPLIT_AT_SLOTS: usize = 1 << 16;
+
+/// The shard of `fp` among `shards` (1 or [`SHARDS`]).
+fn shard_of(fp: u32, shards: usize) -> usize {
+    ((fp >> 1) as usize) & (shards - 1)
+}
+
+impl ShardedIndex {
+    fn shard(&self, hash: u64) -> usize {
+        shard_of(fingerprint(hash), self.shards.len())
+    }
+
+    /// The entries of all shards.
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|t| t.len).sum()
+    }
+
+    /// Whether it is split into [`SHARDS`] tables.
+    #[cfg(test)]
+    pub(crate) fn is_split(&self) -> bool {
+        self.shards.len() == SHARDS
+    }
+
+    /// See [`FingerprintIndex::insert_tag`].
+    pub(crate) fn insert_tag(&mut self, hash: u64, tag: u32) {
+        if self.shards.len() == 1
+            && self.shards[0]
+                .bytes_to_hold(1)
+                .is_none_or(|b| b > SPLIT_AT_SLOTS * size_of::<u64>())
+        {
+            self.split();
+        }
+        let i = self.shard(hash);
+        self.shards[i].insert_tag(hash, tag);
+    }
+
+    /// Entries per shard of a split index, for the slots of one table.
+    fn counts(one: &FingerprintIndex) -> [usize; SHARDS] {
+        let mut counts = [0; SHARDS];
+        for &s in one.slots.iter().filter(|&&s| s != EMPTY) {
+            counts[shard_of(slot_fp(s), SHARDS)] += 1;
+        }
+        counts
+    }
+
+    /// One table becomes [`SHARDS`], each sized for its entries.
+    fn split(&mut self) {
+        let one = self.shards.pop().expect("one table");
+        let counts = Self::counts(&one);
+        self.shards = counts
+            .iter()
+            .map(|&c| FingerprintIndex {
+                slots: vec![EMPTY; slots_for(c).expect("a shard holds less than the table")],
+                len: 0,
+            })
+            .collect();
+        for s in one.slots.into_iter().filter(|&s| s != EMPTY) {
+            let t = &mut self.shards[shard_of(slot_fp(s), SHARDS)];
+            place(&mut t.slots, s);
+            t.len += 1;
+        }
+    }
+
+    /// See [`FingerprintIndex::tags`].
+    pub(crate) fn tags(&self, hash: u64, out: &mut Vec<u32>) {
+        self.shards[self.shard(hash)].tags(hash, out);
+    }
+
+    /// See [`FingerprintIndex::remove_tag`].
+    pub(crate) fn remove_tag(&mut self, hash: u64, tag: u32) -> bool {
+        let i = self.shard(hash);
+        self.shards[i].remove_tag(hash, tag)
+    }
+
+    /// Bytes held by all shards.
+    pub(crate) fn memory_bytes(&self) -> usize {
+        self.shards.iter().map(FingerprintIndex::memory_bytes).sum()
+    }
+
+    /// Bytes the index would hold after inserting entries with these hashes, or `None` if a
+    /// table could not hold its share (see [`FingerprintIndex::bytes_to_hold`]).
+    pub(crate) fn bytes_to_hold(&self, hashes: &[u64]) -> Option<usize> {
+        let mut counts = if let [one] = self.shards.as_slice() {
+            // Inserts split the table exactly when it would grow past the split size.
+            let unsplit = one.bytes_to_hold(hashes.len())?;
+            if unsplit <= SPLIT_AT_SLOTS * size_of::<u64>() {
+                return Some(unsplit);
+            }
+            Self::counts(one)
+        } else {
+            self.shards
+                .iter()
+                .map(|t| t.len)
+                .collect::<Vec<_>>()
+                .try_into()
+                .ok()?
+        };
+        for &h in hashes {
+            counts[shard_of(fingerprint(h), SHARDS)] += 1;
+        }
+        counts.iter().try_fold(0usize, |sum, &c| {
+            sum.checked_add(slots_for(c)?.checked_mul(size_of::<u64>())?)
+        })
+    }
+}
+
+impl Default for ShardedIndex {
+    fn default() -> Self {
+        ShardedIndex {
+            shards: vec![FingerprintIndex::new()],
+        }
+    }
+}
+
+impl fmt::Debug for ShardedIndex {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(&self.shards).finish()
     }
 }
 
