@@ -54,9 +54,11 @@ const MMAP_THRESHOLD: i32 = 256 * 1024;
 /// Most glibc arenas (`M_ARENA_MAX`).
 const ARENA_MAX: i32 = 2;
 
-/// glibc's allocator, set for a small box (issue 16). Measured on the 1M-input backlog
-/// (same bench, one run each, a loaded 2-core box): peak RSS 97.6 -> 85.9 MiB, RSS at rest
-/// unchanged (51.9 / 51.7 MiB).
+/// glibc's allocator, set for a small box (issue 16). Measured with `cargo bench --bench
+/// compare` on a loaded 2-core box, two runs with these settings against five without:
+/// 1,000 keys, RSS after 10 s idle 14.1 / 14.5 MiB against 16.0-16.7, peak during the live
+/// runs 21-22 MiB against 26-29. On the 1M-input backlog the difference is within what
+/// varies from run to run (peak 86-103 MiB with them, 98-117 without; at rest 52-55 both).
 ///
 /// - A fixed mmap threshold: by default glibc raises it (up to 32 MiB) each time a large
 ///   mmapped block is freed, so the next large buffers (ledger index shards, a burst's ack
