@@ -4,7 +4,9 @@
 //! logging only notices, so the broker is not busy writing a line per message) carries the
 //! same seeded stream to three systems:
 //!
-//! - a plain relay (rumqttc: subscribe, auto-ack, republish; no storage): the ceiling;
+//! - a plain relay (rumqttc: subscribe, auto-ack, republish; no storage): the ceiling. It
+//!   runs as a process of its own (this binary, re-executed), so that its CPU time per event
+//!   is measured as Cairn's is: utime + stime over the flat-out runs / events;
 //! - Cairn, the binary cargo built for this bench (`target/release/cairn` under the bench
 //!   profile), with a changelog `sum` pipeline: one result per input, like the others;
 //! - Node-RED 4 (from npm, under `target/node-red`; `benches/install-node-red.sh` installs it
@@ -18,8 +20,10 @@
 //!
 //! Then, Cairn only: recovery from a SIGKILL with 100,000 logged but unprocessed records
 //! (pre-filled with `cairn::log::Log` while the agent is stopped), READY timed on a fake
-//! `NOTIFY_SOCKET`; footprint with 100k keys and a 1M-entry dedup ledger (RSS, bytes written,
-//! idle CPU, stripped binary). And both Cairn and Node-RED get the same SIGKILL at the same
+//! `NOTIFY_SOCKET`; footprint (issue 16): a backlog of 1M inputs over 100k keys (2%
+//! duplicates) waiting in a broker, drained by a freshly started agent (peak RSS, RSS after
+//! 10 s idle, disk bytes and CPU per input, drain rate), RSS after 10 s idle with the live
+//! runs' 1,000 keys, stripped binary. The targets are printed with pass/FAIL. And both Cairn and Node-RED get the same SIGKILL at the same
 //! input of the same paced stream; their final per-key sums are compared with the oracle.
 //!
 //! Figures are printed, never asserted. Every child process is killed on drop.
@@ -189,10 +193,10 @@ fn ticks_per_second() -> f64 {
 /// matter here: the inflight window, deep queues, Nagle off, rare autosaves, and only
 /// notice-level logging (every publish logged would cost throughput; notices still show
 /// connections for `Broker::connections`).
-fn start_broker() -> Broker {
+fn start_broker(autosave_interval_s: u32) -> Broker {
     Broker::start_with(BrokerConfig {
         max_inflight: broker_inflight() as u32,
-        autosave_interval_s: 5,
+        autosave_interval_s,
         log_types: vec!["error", "warning", "notice"],
         extra: [
             "max_queued_bytes 0",
@@ -440,60 +444,73 @@ trait System {
     fn proc(&self) -> Option<&Proc>;
 }
 
-/// The ceiling: auto-ack, republish the payload to `relay/out/<key>`, no storage. Polling and
-/// publishing run on different threads (one thread doing both can deadlock rumqttc).
+/// The ceiling: auto-ack, republish the payload to `relay/out/<key>`, no storage. It runs in
+/// a process of its own (this bench binary again, with [`RELAY_ENV`] set), so that its CPU
+/// time and RSS are measured like Cairn's, without the bench's publisher and sink.
 struct Relay {
-    stop: Arc<AtomicBool>,
-    client: Client,
+    proc: Proc,
 }
+
+/// Set to a broker port, this binary runs [`relay_main`] instead of the bench.
+const RELAY_ENV: &str = "CAIRN_COMPARE_RELAY_PORT";
 
 impl Relay {
     fn start(port: u16) -> Relay {
-        let mut o = MqttOptions::new(unique_id("cmp-relay"), "127.0.0.1", port);
-        o.set_keep_alive(Duration::from_secs(10)).set_inflight(100);
-        let (client, mut conn) = Client::new(o, 1_000);
-        client
-            .subscribe("relay/in/#", QoS::AtLeastOnce)
-            .expect("relay subscribe");
-        let stop = Arc::new(AtomicBool::new(false));
-        let subscribed = Arc::new(AtomicBool::new(false));
-        // Unbounded: the polling thread must never wait on the publishing one (which may be
-        // waiting for the polling thread to drain rumqttc's request channel).
-        let (tx, rx) = std::sync::mpsc::channel::<(String, Vec<u8>)>();
-        let (s, sub) = (stop.clone(), subscribed.clone());
-        std::thread::spawn(move || {
-            while !s.load(Ordering::SeqCst) {
-                match conn.recv_timeout(Duration::from_millis(50)) {
-                    Ok(Ok(Event::Incoming(Packet::SubAck(_)))) => sub.store(true, Ordering::SeqCst),
-                    Ok(Ok(Event::Incoming(Packet::Publish(p)))) => {
-                        let topic = p.topic.replacen("relay/in", "relay/out", 1);
-                        if tx.send((topic, p.payload.to_vec())).is_err() {
-                            break;
-                        }
-                    }
-                    Ok(Err(_)) => std::thread::sleep(Duration::from_millis(20)),
-                    _ => {}
-                }
-            }
-        });
-        let out = client.clone();
-        std::thread::spawn(move || {
-            while let Ok((topic, body)) = rx.recv() {
-                if out.publish(topic, QoS::AtLeastOnce, false, body).is_err() {
-                    break;
-                }
-            }
-        });
-        assert!(wait_until(Duration::from_secs(10), || subscribed
-            .load(Ordering::SeqCst)));
-        Relay { stop, client }
+        let exe = std::env::current_exe().expect("the bench binary");
+        let mut cmd = Command::new(exe);
+        cmd.env(RELAY_ENV, port.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut proc = Proc::spawn(&mut cmd);
+        let out = proc
+            .child
+            .as_mut()
+            .and_then(|c| c.stdout.take())
+            .expect("relay stdout");
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut line)
+            .expect("relay says it subscribed");
+        assert_eq!(line.trim(), "subscribed", "relay did not subscribe");
+        Relay { proc }
     }
 }
 
-impl Drop for Relay {
-    fn drop(&mut self) {
-        let _ = self.client.try_disconnect();
-        self.stop.store(true, Ordering::SeqCst);
+/// The relay process: subscribe, republish each input, until killed. Polling and publishing
+/// run on different threads (one thread doing both can deadlock rumqttc).
+fn relay_main(port: u16) {
+    let mut o = MqttOptions::new(unique_id("cmp-relay"), "127.0.0.1", port);
+    o.set_keep_alive(Duration::from_secs(10)).set_inflight(100);
+    let (client, mut conn) = Client::new(o, 1_000);
+    client
+        .subscribe("relay/in/#", QoS::AtLeastOnce)
+        .expect("relay subscribe");
+    // Unbounded: the polling thread must never wait on the publishing one (which may be
+    // waiting for the polling thread to drain rumqttc's request channel).
+    let (tx, rx) = std::sync::mpsc::channel::<(String, Vec<u8>)>();
+    let out = client.clone();
+    std::thread::spawn(move || {
+        while let Ok((topic, body)) = rx.recv() {
+            if out.publish(topic, QoS::AtLeastOnce, false, body).is_err() {
+                break;
+            }
+        }
+    });
+    loop {
+        match conn.recv_timeout(Duration::from_millis(50)) {
+            Ok(Ok(Event::Incoming(Packet::SubAck(_)))) => {
+                println!("subscribed");
+                let _ = std::io::stdout().flush();
+            }
+            Ok(Ok(Event::Incoming(Packet::Publish(p)))) => {
+                let topic = p.topic.replacen("relay/in", "relay/out", 1);
+                if tx.send((topic, p.payload.to_vec())).is_err() {
+                    break;
+                }
+            }
+            Ok(Err(_)) => std::thread::sleep(Duration::from_millis(20)),
+            _ => {}
+        }
     }
 }
 
@@ -505,8 +522,16 @@ impl System for Relay {
         "relay"
     }
     fn proc(&self) -> Option<&Proc> {
-        None
+        Some(&self.proc)
     }
+}
+
+/// The agent under test: the one cargo built for this bench, or `CAIRN_COMPARE_BIN` (another
+/// build, e.g. an older commit's, for a before/after under the same load).
+fn cairn_bin() -> PathBuf {
+    std::env::var_os("CAIRN_COMPARE_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(support::agent::cairn_bin)
 }
 
 /// The `cairn` binary with its own data directory and config.
@@ -568,7 +593,7 @@ impl Cairn {
             .open(self.stderr_path())
             .expect("stderr file");
         writeln!(f, "=== run {} ===", self.runs).expect("stderr header");
-        let mut cmd = Command::new(support::agent::cairn_bin());
+        let mut cmd = Command::new(cairn_bin());
         cmd.arg("run")
             .arg("--config")
             .arg(self.dir.join("cairn.toml"))
@@ -796,6 +821,8 @@ struct Live {
     bytes_per_event: Option<f64>,
     peak_rss: Option<f64>,
     rss: Option<f64>,
+    /// CPU time (user + system) of the system's process over the flat-out runs / events.
+    cpu_us_per_event: Option<f64>,
     incomplete: bool,
 }
 
@@ -867,6 +894,7 @@ fn measure_live(sys: &dyn System, publisher: &Publisher, sink: &Sink, t0: Instan
     next += WARMUP;
     let mut events = 0;
     let w1 = sys.proc().map(|p| p.write_bytes());
+    let cpu1 = sys.proc().map(|p| p.cpu_ticks());
     for r in 0..RUNS {
         let (rate, _, all) = one_run(publisher, sink, prefix, "f", next, RUN_EVENTS, 0, t0);
         next += RUN_EVENTS;
@@ -881,6 +909,10 @@ fn measure_live(sys: &dyn System, publisher: &Publisher, sink: &Sink, t0: Instan
     }
     if let (Some(a), Some(p)) = (w1, sys.proc()) {
         live.bytes_per_event = Some((p.write_bytes() - a) as f64 / events as f64);
+    }
+    if let (Some(a), Some(p)) = (cpu1, sys.proc()) {
+        let us = (p.cpu_ticks() - a) as f64 / ticks_per_second() * 1e6;
+        live.cpu_us_per_event = Some(us / events as f64);
     }
     let _ = w0;
     live.rate = median(&live.rates);
@@ -1061,6 +1093,16 @@ fn row(metric: &str, relay: Option<f64>, cairn: Option<f64>, nr: Option<f64>, pr
     );
 }
 
+/// One target line: the figure, the bound, and pass, FAIL or n/a (the part did not run).
+fn target_line(what: &str, got: Option<f64>, op: &str, bound: f64) {
+    let verdict = match got.filter(|v| v.is_finite()) {
+        None => "n/a",
+        Some(v) if (op == "<=" && v <= bound) || (op == ">=" && v >= bound) => "pass",
+        Some(_) => "FAIL",
+    };
+    println!("  {what:<40} {:>8} {op} {bound:<6} {verdict}", fmt(got, 2));
+}
+
 fn dir_size(p: &Path) -> u64 {
     let Ok(rd) = std::fs::read_dir(p) else {
         return 0;
@@ -1074,17 +1116,157 @@ fn dir_size(p: &Path) -> u64 {
         .sum()
 }
 
+// ---------------------------------------------------------------- footprint ----------
+
+/// What the backlog run measured; NaN where it did not run.
+struct Foot {
+    peak_rss: f64,
+    idle_rss: f64,
+    bytes_per_event: f64,
+    cpu_us_per_event: f64,
+    events_per_s: f64,
+    idle_cpu: f64,
+}
+
+impl Default for Foot {
+    fn default() -> Self {
+        Foot {
+            peak_rss: f64::NAN,
+            idle_rss: f64::NAN,
+            bytes_per_event: f64::NAN,
+            cpu_us_per_event: f64::NAN,
+            events_per_s: f64::NAN,
+            idle_cpu: f64::NAN,
+        }
+    }
+}
+
+/// Input `j` of the backlog: the stream's event `j`, except that every 50th repeats the
+/// event 17 inputs before it (same ID, same payload): 2% duplicates.
+fn backlog_event(j: u64) -> u64 {
+    if j % 50 == 49 { j - 17 } else { j }
+}
+
+/// Publish the backlog into the broker while the agent (persistent session) is away.
+fn publish_backlog(port: u16) {
+    let publisher = Publisher::start(port);
+    let acked0 = publisher.acked.load(Ordering::SeqCst);
+    for j in 0..FOOT_EVENTS {
+        let i = backlog_event(j);
+        let (key, value) = event(SEED, i, FOOT_KEYS);
+        publisher
+            .client
+            .publish(
+                format!("cairn/in/k{key:06}"),
+                QoS::AtLeastOnce,
+                false,
+                payload("foot", i, key, value),
+            )
+            .expect("queue a publish");
+    }
+    let all = wait_until(STEP_TIMEOUT * 5, || {
+        publisher.acked.load(Ordering::SeqCst) - acked0 >= FOOT_EVENTS
+    });
+    assert!(all, "the broker did not take the whole backlog");
+}
+
+/// A broker of its own (rare autosaves: a million queued messages would be written every few
+/// seconds otherwise), the agent subscribed once and stopped, the backlog published, then a
+/// fresh agent drains it: peak RSS, CPU and bytes written per input, then RSS at rest.
+fn footprint(root: &Path, t0: Instant) -> Foot {
+    let _ = t0;
+    let broker = start_broker(3600);
+    let port = broker.port();
+    let mut c = Cairn::new(root, "cairn-footprint", port, "upsert", 5_000);
+    // A broker busy with a million queued messages can leave a ping unanswered for 10 s;
+    // a reconnect then made mosquitto 2.0.11 send much of the backlog again (1.2M
+    // duplicates seen), which measures the broker, not the agent's footprint.
+    let conf = c.dir.join("cairn.toml");
+    let text = std::fs::read_to_string(&conf).expect("read cairn.toml");
+    std::fs::write(
+        &conf,
+        text.replace("keep_alive = \"10s\"", "keep_alive = \"60s\""),
+    )
+    .expect("write cairn.toml");
+    c.start(None);
+    assert!(c.wait_connected(Duration::from_secs(20)));
+    if let Some(p) = c.proc.as_mut() {
+        p.terminate(Duration::from_secs(10));
+    }
+    let published = Instant::now();
+    publish_backlog(port);
+    println!(
+        "  backlog published in {:.1} s",
+        published.elapsed().as_secs_f64()
+    );
+    let started = Instant::now();
+    c.start(None);
+    let done = wait_until(STEP_TIMEOUT * 10, || {
+        std::thread::sleep(Duration::from_millis(250));
+        c.metric("cairn_checkpoint_next_offset")
+            .is_some_and(|n| n >= FOOT_EVENTS as f64)
+            && c.metric("cairn_outbox_entries") == Some(0.0)
+    });
+    let secs = started.elapsed().as_secs_f64();
+    let records = c.metric("cairn_checkpoint_next_offset").unwrap_or(f64::NAN);
+    let p = c.proc().expect("running");
+    let cpu_s = p.cpu_ticks() as f64 / ticks_per_second();
+    let written = p.write_bytes();
+    let peak = p.hwm_mib();
+    let idle_cpu = p.idle_cpu_percent(IDLE);
+    let idle = p.rss_mib();
+    let (anon, file) = (
+        p.status_kib("RssAnon:") as f64 / 1024.0,
+        p.status_kib("RssFile:") as f64 / 1024.0,
+    );
+    let keys = c.metric("cairn_state_keys");
+    let dedup = c.metric("cairn_dedup_entries");
+    let dups = c.metric("cairn_duplicates_total");
+    let index = c
+        .metric("cairn_ledger_index_bytes")
+        .map(|b| b / (1 << 20) as f64);
+    let store = dir_size(&c.dir.join("data/store")) as f64 / (1 << 20) as f64;
+    c.kill();
+    if !done {
+        println!("  (footprint: the backlog was NOT drained within the wait; figures are partial)");
+    }
+    println!(
+        "  drained in {secs:.1} s ({records} records logged); keys {} dedup entries {} \
+         duplicates {}; ledger index {} MiB; \
+         store {store:.0} MiB on disk; RSS after {} s idle {idle:.1} MiB = {anon:.1} anonymous \
+         + {file:.1} file-backed",
+        fmt(keys, 0),
+        fmt(dedup, 0),
+        fmt(dups, 0),
+        fmt(index, 1),
+        IDLE.as_secs(),
+    );
+    Foot {
+        peak_rss: peak,
+        idle_rss: idle,
+        bytes_per_event: written as f64 / FOOT_EVENTS as f64,
+        // Per record processed: a redelivery is work too.
+        cpu_us_per_event: cpu_s * 1e6 / records,
+        events_per_s: FOOT_EVENTS as f64 / secs,
+        idle_cpu,
+    }
+}
+
 // --------------------------------------------------------------------- main ----------
 
 fn main() {
+    if let Some(port) = std::env::var(RELAY_ENV).ok().and_then(|p| p.parse().ok()) {
+        relay_main(port);
+        return;
+    }
     let bench_t0 = Instant::now();
     let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("target");
     let root = target.join("bench-compare");
     let _ = std::fs::remove_dir_all(&root);
     std::fs::create_dir_all(&root).expect("bench dir under target/");
-    let bin = support::agent::cairn_bin();
+    let bin = cairn_bin();
     println!("cairn binary: {} (bench profile)", bin.display());
-    let broker = start_broker();
+    let broker = start_broker(5);
     let port = broker.port();
     let t0 = Instant::now();
     let publisher = Publisher::start(port);
@@ -1121,6 +1303,7 @@ fn main() {
     };
 
     // ---- cairn live ----
+    let mut small_idle_rss = None;
     let cairn_live = if want("cairn") {
         println!("cairn: the same");
         let mut cairn = Cairn::new(&root, "cairn-live", port, "changelog", 5_000);
@@ -1133,6 +1316,9 @@ fn main() {
         let sink = Sink::start(port, "cairn", KEYS, t0);
         let live = measure_live(&cairn, &publisher, &sink, t0);
         drop(sink);
+        // At rest with the live runs' 1,000 keys: RSS after IDLE without input.
+        std::thread::sleep(IDLE);
+        small_idle_rss = cairn.proc().map(|p| p.rss_mib());
         if let Some(p) = cairn.proc.as_mut() {
             p.terminate(Duration::from_secs(10));
         }
@@ -1292,53 +1478,13 @@ fn main() {
 
     // ---- footprint ----
     println!(
-        "footprint: {FOOT_EVENTS} distinct events over {FOOT_KEYS} keys (dedup ledger {FOOT_EVENTS} entries), upsert"
+        "footprint: a backlog of {FOOT_EVENTS} inputs over {FOOT_KEYS} keys (every 50th a duplicate) \
+         waiting in the broker, drained by a freshly started agent, upsert"
     );
-    let foot = if !want("footprint") {
-        (f64::NAN, f64::NAN, f64::NAN, f64::NAN, f64::NAN)
+    let foot = if want("footprint") {
+        footprint(&root, t0)
     } else {
-        let mut c = Cairn::new(&root, "cairn-footprint", port, "upsert", 5_000);
-        c.start(None);
-        assert!(c.wait_connected(Duration::from_secs(20)));
-        c.kill();
-        c.prefill_log("foot", FOOT_EVENTS, FOOT_KEYS);
-        let started = Instant::now();
-        c.start(None);
-        let up = c.wait_connected(STEP_TIMEOUT * 5);
-        let replay_s = started.elapsed().as_secs_f64();
-        let written = c.proc().map(|p| p.write_bytes()).unwrap_or(0);
-        // The outbox drains to the broker (nobody subscribes); wait for it, bounded.
-        let drained = wait_until(STEP_TIMEOUT, || {
-            c.metric("cairn_outbox_entries") == Some(0.0)
-        });
-        let p = c.proc().expect("running");
-        let peak = p.hwm_mib();
-        let idle_cpu = p.idle_cpu_percent(IDLE);
-        let steady = p.rss_mib();
-        let (anon, file) = (
-            p.status_kib("RssAnon:") as f64 / 1024.0,
-            p.status_kib("RssFile:") as f64 / 1024.0,
-        );
-        let keys = c.metric("cairn_state_keys");
-        let dedup = c.metric("cairn_dedup_entries");
-        let store = dir_size(&c.dir.join("data/store")) as f64 / (1 << 20) as f64;
-        c.kill();
-        if !up || !drained {
-            println!("  (footprint: connected {up}, outbox drained {drained})");
-        }
-        println!(
-            "  replay {replay_s:.1} s; keys {} dedup entries {}; store {store:.0} MiB on disk; \
-             steady RSS {steady:.1} MiB = {anon:.1} anonymous + {file:.1} file-backed",
-            fmt(keys, 0),
-            fmt(dedup, 0)
-        );
-        (
-            peak,
-            steady,
-            written as f64 / FOOT_EVENTS as f64,
-            idle_cpu,
-            FOOT_EVENTS as f64 / replay_s,
-        )
+        Foot::default()
     };
     let stripped = {
         let copy = root.join("cairn.stripped");
@@ -1408,10 +1554,24 @@ fn main() {
         0,
     );
     row(
+        "CPU (user+system) per event, flat out, µs",
+        relay_live.cpu_us_per_event,
+        cairn_live.cpu_us_per_event,
+        nr.and_then(|l| l.cpu_us_per_event),
+        1,
+    );
+    row(
         "peak RSS during live runs, MiB",
-        None,
+        relay_live.peak_rss,
         cairn_live.peak_rss,
         nr.and_then(|l| l.peak_rss),
+        1,
+    );
+    row(
+        &format!("RSS after the live runs + {} s idle, MiB", IDLE.as_secs()),
+        None,
+        small_idle_rss,
+        None,
         1,
     );
     row(
@@ -1438,7 +1598,7 @@ fn main() {
     row(
         "idle CPU over 10 s, % of a core",
         None,
-        Some(foot.3),
+        Some(foot.idle_cpu),
         nr_idle_cpu,
         2,
     );
@@ -1474,36 +1634,66 @@ fn main() {
         2,
     );
     row(
-        "footprint (100k keys, 1M dedup): peak RSS MiB",
+        "backlog of 1M over 100k keys: peak RSS, MiB",
         None,
-        Some(foot.0),
+        Some(foot.peak_rss),
         None,
         1,
     );
-    row("  steady RSS after drain, MiB", None, Some(foot.1), None, 1);
     row(
-        "  disk bytes written per event (replay)",
+        &format!("  RSS after {} s idle, MiB", IDLE.as_secs()),
         None,
-        Some(foot.2),
+        Some(foot.idle_rss),
+        None,
+        1,
+    );
+    row(
+        "  disk bytes written per event",
+        None,
+        Some(foot.bytes_per_event),
         None,
         0,
     );
-    row("  replay events/s", None, Some(foot.4), None, 0);
+    row(
+        "  CPU (user+system) per event, µs",
+        None,
+        Some(foot.cpu_us_per_event),
+        None,
+        1,
+    );
+    row(
+        "  drain events/s (start to all out)",
+        None,
+        Some(foot.events_per_s),
+        None,
+        0,
+    );
     row("stripped binary, MiB", None, stripped, None, 2);
     println!("{}", "-".repeat(102));
-    let verdict = |ok: bool| if ok { "met" } else { "MISSED" };
     let thr = cairn_live.rate / relay_live.rate;
-    println!(
-        "targets: throughput >= 0.8x relay: {:.2}x {}; replay >= 3x live: {} {}; RSS <= 64 MiB: {:.1} {}; stripped <= 10 MiB: {} {}",
-        thr,
-        verdict(thr >= 0.8),
-        fmt(replay_rate.map(|r| r / cairn_live.rate), 2),
-        verdict(replay_rate.is_some_and(|r| r / cairn_live.rate >= 3.0)),
-        foot.0,
-        verdict(foot.0 <= 64.0),
-        fmt(stripped, 2),
-        verdict(stripped.is_some_and(|s| s <= 10.0)),
+    let cpu = cairn_live
+        .cpu_us_per_event
+        .zip(relay_live.cpu_us_per_event)
+        .map(|(c, r)| c / r);
+    let replay = replay_rate.map(|r| r / cairn_live.rate);
+    println!("targets:");
+    target_line("throughput, x relay", Some(thr), ">=", 0.8);
+    target_line("replay / live throughput", replay, ">=", 3.0);
+    target_line("CPU per event, x relay (changelog)", cpu, "<=", 1.2);
+    target_line("backlog: peak RSS, MiB", Some(foot.peak_rss), "<=", 64.0);
+    target_line(
+        "backlog: RSS after idle, MiB",
+        Some(foot.idle_rss),
+        "<=",
+        32.0,
     );
+    target_line(
+        "1,000 keys: RSS after idle, MiB",
+        small_idle_rss,
+        "<=",
+        16.0,
+    );
+    target_line("stripped binary, MiB", stripped, "<=", 10.0);
     if let Err(why) = &red {
         println!("node-red: NOT AVAILABLE, its columns are n/a: {why}");
     }

@@ -15,6 +15,19 @@ use std::time::{Duration, Instant};
 use crate::clock::{Note, ReceiptClock};
 use crate::model::{QOS_TOO_LARGE, Record, TooLarge};
 
+/// Slots a queue here keeps once it is empty again. A burst can grow one far beyond that:
+/// mosquitto 2.0.11 sends a queued backlog without waiting for acks, and draining 1M queued
+/// inputs left 16 MiB of ack tokens' room behind, a quarter of the agent's RSS at rest
+/// (issue 16).
+const KEEP_EMPTY: usize = 4096;
+
+/// Give back an empty queue's room beyond [`KEEP_EMPTY`].
+fn shrink_if_empty<T>(q: &mut VecDeque<T>) {
+    if q.is_empty() && q.capacity() > KEEP_EMPTY {
+        *q = VecDeque::new();
+    }
+}
+
 pub(crate) struct Ingest<A, M> {
     /// Appended but not yet committed: their acks and records, in receipt order.
     unsynced_acks: VecDeque<A>,
@@ -59,7 +72,9 @@ impl<A, M> Ingest<A, M> {
 
     /// The oldest held message, to try appending again.
     pub(crate) fn next_held(&mut self) -> Option<M> {
-        self.held.pop_front()
+        let m = self.held.pop_front();
+        shrink_if_empty(&mut self.held);
+        m
     }
 
     pub(crate) fn has_held(&self) -> bool {
@@ -127,6 +142,7 @@ impl<A, M> Ingest<A, M> {
     /// `now`.
     pub(crate) fn committed(&mut self, now: Instant) -> Vec<Record> {
         self.first_unsynced = (!self.unsynced_acks.is_empty()).then_some(now);
+        shrink_if_empty(&mut self.unsynced_acks);
         std::mem::take(&mut self.unsynced_recs)
     }
 }
@@ -211,6 +227,24 @@ mod tests {
         assert_eq!(i.acks_to_send(5).count(), 2);
         assert!(i.committed(t1).is_empty());
         assert_eq!(i.deadline(every), None, "nothing waits");
+    }
+
+    #[test]
+    fn a_queue_a_burst_grew_gives_its_room_back_once_empty() {
+        let mut i = ingest();
+        let t0 = Instant::now();
+        for n in 0..100_000 {
+            i.appended(rec(n), n as u32, t0);
+        }
+        assert_eq!(i.acks_to_send(usize::MAX).count(), 100_000);
+        assert_eq!(i.committed(t0).len(), 100_000);
+        assert!(i.unsynced_acks.capacity() <= KEEP_EMPTY);
+        i.set_backpressure(true);
+        for _ in 0..100_000 {
+            i.arrive("m");
+        }
+        while i.next_held().is_some() {}
+        assert!(i.held.capacity() <= KEEP_EMPTY);
     }
 
     #[test]

@@ -26,7 +26,9 @@
 //! # Layout
 //!
 //! An open-addressing table of `u64` slots (0 = empty), linear probing, deletion by backward
-//! shift (no tombstones), doubling when the load would exceed 7/8. Each used slot packs:
+//! shift (no tombstones), growing when the load would exceed 7/8: doubling while the table is
+//! small, by a quarter from [`GROW_BY_QUARTER_FROM`] slots on (see *Memory*). Each used slot
+//! packs:
 //!
 //! ```text
 //!  63                              32 31                               0
@@ -38,18 +40,25 @@
 //!
 //! Forcing the lowest bit of `fp` to 1 makes a used slot never 0, so 0 can mean "empty".
 //!
-//! # Why buckets come from the top bits
+//! # Why buckets come from `fp` alone
 //!
-//! The full hash is not kept, only `fp`. The home bucket of an entry is the top `log2(capacity)`
-//! bits of `fp`, so when the table doubles each slot can be re-placed from the slot alone: the
-//! new home is the old top bits plus the next one. (Capacity stops at 2^31 slots so the home
-//! never uses the forced bit.) The caller's hash must therefore be well mixed in its top bits.
+//! The full hash is not kept, only `fp`. The home bucket of an entry in a table of `n` slots
+//! is `fp * n / 2^32` (multiply and shift: for a power of two `n`, the top `log2(n)` bits of
+//! `fp`), so when the table grows each slot can be re-placed from the slot alone, whatever
+//! the new size. The caller's hash must therefore be well mixed in its top bits.
 //!
 //! # Memory
 //!
-//! 8 bytes per slot. Between doublings the load runs from 7/16 to 7/8, about 18 down to 9 bytes
-//! per entry (removals never shrink the table): one million entries fit in 2^21 slots, 16 MiB. While the table doubles, the old and the new
-//! table are held together for a moment.
+//! 8 bytes per slot; removals never shrink the table. Doubling kept the load between 7/16
+//! and 7/8 (18 down to 9 bytes per entry) and held the old and the new table together while
+//! it grew: a million entries took 16 MiB, and 24 MiB while it doubled, the largest single
+//! item of the agent's peak RSS (issue 16). From [`GROW_BY_QUARTER_FROM`] slots (32 KiB) on
+//! a table grows by a quarter instead, so the load stays between 7/10 and 7/8 (11.4 down to
+//! 9.1 bytes per entry). Past 512 KiB the ledger splits its index into [`SHARDS`] tables
+//! ([`ShardedIndex`]), so only a sixteenth is held twice while it grows: 980k entries take
+//! 9.1 MiB, 9.6 MiB for a moment. The cost is more re-placing (each entry moves about five
+//! times over a table's life instead of twice) and a higher average load for lookups
+//! (unrecorded IDs probe a few more slots, within one or two cache lines).
 
 use std::fmt;
 
@@ -64,14 +73,16 @@ const EMPTY: u64 = 0;
 /// The smallest table, in slots (a power of two).
 const MIN_SLOTS: usize = 16;
 
-/// The largest table is `2^MAX_SLOTS_LOG2` slots, so that the home bucket (the top bits of
-/// `fp`) never includes the lowest bit of `fp`, which is always 1.
-const MAX_SLOTS_LOG2: u32 = 31;
+/// The largest table, in slots.
+const MAX_SLOTS: usize = 1 << 31;
+
+/// From this many slots on, the table grows by a quarter instead of doubling (see *Memory*).
+const GROW_BY_QUARTER_FROM: usize = 1 << 12;
 
 /// A compact multi-map from hash fingerprints to coarse record times (see the module docs).
 pub(crate) struct FingerprintIndex {
-    /// A power of two, at least [`MIN_SLOTS`], at most `2^MAX_SLOTS_LOG2`; [`EMPTY`] or a packed
-    /// `(fp, coarse)`.
+    /// A multiple of 8, at least [`MIN_SLOTS`], at most [`MAX_SLOTS`]; [`EMPTY`] or a packed
+    /// `(fp, tag)`.
     slots: Vec<u64>,
     /// Used slots.
     len: usize,
@@ -120,29 +131,59 @@ fn max_len(slots: usize) -> usize {
     slots / 8 * 7
 }
 
-/// The home bucket of `fp` in a table of `slots` slots: the top `log2(slots)` bits of `fp`.
+/// The home bucket of `fp` in a table of `slots` slots: `fp * slots / 2^32` (for a power of
+/// two, the top `log2(slots)` bits of `fp`).
 fn home(fp: u32, slots: usize) -> usize {
-    (fp >> (32 - slots.trailing_zeros())) as usize
+    ((u64::from(fp) * slots as u64) >> 32) as usize
+}
+
+/// The slot after `i` in a table of `n` slots, wrapping at the end.
+fn next(i: usize, n: usize) -> usize {
+    if i + 1 == n { 0 } else { i + 1 }
+}
+
+/// How many steps forward (cyclically) `to` lies from `from` in a table of `n` slots.
+fn distance(from: usize, to: usize, n: usize) -> usize {
+    if to >= from { to - from } else { n - from + to }
 }
 
 /// Puts `slot` in the first empty slot at or after its home bucket, wrapping at the end.
 /// The table must have an empty slot.
 fn place(slots: &mut [u64], slot: u64) {
-    let mask = slots.len() - 1;
-    let mut i = home(slot_fp(slot), slots.len());
+    let n = slots.len();
+    let mut i = home(slot_fp(slot), n);
     while slots[i] != EMPTY {
-        i = (i + 1) & mask;
+        i = next(i, n);
     }
     slots[i] = slot;
 }
 
-/// Panics unless a table of `slots` slots may double.
-fn assert_can_double(slots: usize) {
-    assert!(
-        slots.trailing_zeros() < MAX_SLOTS_LOG2,
-        "FingerprintIndex: more than {} entries",
-        max_len(slots)
-    );
+/// The size a table of `slots` slots grows to (a multiple of 8), or `None` at [`MAX_SLOTS`].
+fn grown(slots: usize) -> Option<usize> {
+    if slots >= MAX_SLOTS {
+        return None;
+    }
+    let bigger = if slots < GROW_BY_QUARTER_FROM {
+        slots * 2
+    } else {
+        slots + slots / 32 * 8
+    };
+    Some(bigger.min(MAX_SLOTS))
+}
+
+/// The first size of the growth sequence from [`MIN_SLOTS`] that holds `entries`, or `None`
+/// past [`MAX_SLOTS`].
+fn slots_for(entries: usize) -> Option<usize> {
+    let mut slots = MIN_SLOTS;
+    while max_len(slots) < entries {
+        slots = grown(slots)?;
+    }
+    Some(slots)
+}
+
+/// The size a table of `slots` slots grows to; panics at [`MAX_SLOTS`].
+fn must_grow(slots: usize) -> usize {
+    grown(slots).unwrap_or_else(|| panic!("FingerprintIndex: more than {} entries", max_len(slots)))
 }
 
 impl FingerprintIndex {
@@ -154,19 +195,26 @@ impl FingerprintIndex {
         }
     }
 
-    /// An empty index that holds `entries` entries without growing: the smallest power of two
-    /// of slots, at least 16, of which 7/8 is at least `entries`.
+    /// An empty index that holds `entries` entries without growing: the first size of the
+    /// growth sequence from 16 slots of which 7/8 is at least `entries`.
     ///
     /// # Panics
     ///
     /// If that would take more than 2^31 slots.
     #[cfg(test)]
     pub fn with_capacity(entries: usize) -> Self {
-        let mut slots = MIN_SLOTS;
-        while max_len(slots) < entries {
-            assert_can_double(slots);
-            slots *= 2;
+        let slots = slots_for(entries).unwrap_or_else(|| must_grow(MAX_SLOTS));
+        Self {
+            slots: vec![EMPTY; slots],
+            len: 0,
         }
+    }
+
+    /// An empty index of `slots` slots (a multiple of 8, at least 16): the tests' way to a
+    /// table whose size is no power of two while it is still small.
+    #[cfg(test)]
+    pub(crate) fn with_slots(slots: usize) -> Self {
+        assert!(slots % 8 == 0 && (MIN_SLOTS..=MAX_SLOTS).contains(&slots));
         Self {
             slots: vec![EMPTY; slots],
             len: 0,
@@ -194,7 +242,7 @@ impl FingerprintIndex {
 
     /// Add one entry: the fingerprint of `hash` and a caller's `tag` (the ledger uses the
     /// number of the chunk the entry is in). Adds it even if an equal one is there already;
-    /// doubles the table first if the load would exceed 7/8.
+    /// grows the table first if the load would exceed 7/8.
     ///
     /// # Panics
     ///
@@ -212,8 +260,8 @@ impl FingerprintIndex {
     pub(crate) fn tags(&self, hash: u64, out: &mut Vec<u32>) {
         out.clear();
         let fp = fingerprint(hash);
-        let mask = self.slots.len() - 1;
-        let mut i = home(fp, self.slots.len());
+        let n = self.slots.len();
+        let mut i = home(fp, n);
         // Every entry lies in the run of used slots that starts at its home bucket, so the
         // first empty slot ends the search. There is one: the load is at most 7/8.
         loop {
@@ -224,7 +272,7 @@ impl FingerprintIndex {
             if slot_fp(slot) == fp {
                 out.push(slot_coarse(slot));
             }
-            i = (i + 1) & mask;
+            i = next(i, n);
         }
     }
 
@@ -253,13 +301,12 @@ impl FingerprintIndex {
     pub(crate) fn remove_tag(&mut self, hash: u64, tag: u32) -> bool {
         let target = pack(fingerprint(hash), tag);
         let n = self.slots.len();
-        let mask = n - 1;
         let mut i = home(slot_fp(target), n);
         loop {
             match self.slots[i] {
                 EMPTY => return false,
                 slot if slot == target => break,
-                _ => i = (i + 1) & mask,
+                _ => i = next(i, n),
             }
         }
         // Backward shift: walk the rest of the run after the hole. An entry moves into the hole
@@ -267,19 +314,19 @@ impl FingerprintIndex {
         // its home is at least the hole's distance behind it. Otherwise (its home is after the
         // hole, possibly across the end of the array) it stays, and the walk goes on.
         let mut hole = i;
-        let mut j = (i + 1) & mask;
+        let mut j = next(i, n);
         loop {
             let slot = self.slots[j];
             if slot == EMPTY {
                 break;
             }
-            let from_home = j.wrapping_sub(home(slot_fp(slot), n)) & mask;
-            let from_hole = j.wrapping_sub(hole) & mask;
+            let from_home = distance(home(slot_fp(slot), n), j, n);
+            let from_hole = distance(hole, j, n);
             if from_home >= from_hole {
                 self.slots[hole] = slot;
                 hole = j;
             }
-            j = (j + 1) & mask;
+            j = next(j, n);
         }
         self.slots[hole] = EMPTY;
         self.len -= 1;
@@ -291,30 +338,165 @@ impl FingerprintIndex {
         self.slots.len() * size_of::<u64>()
     }
 
-    /// Bytes the table would hold after `extra` more inserts (it doubles until 7/8 of it
-    /// holds them), or `None` if no table of at most 2^31 slots can. The ledger asks before
+    /// Bytes the table would hold after `extra` more inserts (it grows until 7/8 of it holds
+    /// them), or `None` if no table of at most 2^31 slots can. The ledger asks before
     /// it indexes a chunk, so that the index stays within its memory bound and never reaches
     /// the panic in [`FingerprintIndex::insert_tag`].
     pub(crate) fn bytes_to_hold(&self, extra: usize) -> Option<usize> {
         let want = self.len.checked_add(extra)?;
         let mut slots = self.slots.len();
         while max_len(slots) < want {
-            if slots.trailing_zeros() >= MAX_SLOTS_LOG2 {
-                return None;
-            }
-            slots *= 2;
+            slots = grown(slots)?;
         }
         slots.checked_mul(size_of::<u64>())
     }
 
-    /// Doubles the table, re-placing every entry from its slot alone.
+    /// Grows the table one step, re-placing every entry from its slot alone.
     fn grow(&mut self) {
-        let n = self.slots.len();
-        assert_can_double(n);
-        let old = std::mem::replace(&mut self.slots, vec![EMPTY; n * 2]);
+        let bigger = must_grow(self.slots.len());
+        let old = std::mem::replace(&mut self.slots, vec![EMPTY; bigger]);
         for slot in old.into_iter().filter(|&s| s != EMPTY) {
             place(&mut self.slots, slot);
         }
+    }
+}
+
+/// The ledger's index: one [`FingerprintIndex`] while it is small, [`SHARDS`] of them once
+/// it would grow past [`SPLIT_AT_SLOTS`]. An entry's shard is named by bits 1 to 4 of its
+/// fingerprint (bit 0 is always 1; a home bucket comes from the top bits), so the split
+/// re-places slots without their hashes.
+///
+/// Why shards: a table grows by re-placing every entry into a larger one, and for that
+/// moment both are held. One table of a million entries held 7.3 + 9.1 MiB while it grew,
+/// at the agent's peak RSS (issue 16); a shard holds a sixteenth of that. The load and the
+/// bytes per entry are those of a single table.
+pub(crate) struct ShardedIndex {
+    /// One table, or [`SHARDS`].
+    shards: Vec<FingerprintIndex>,
+}
+
+/// Tables of a split [`ShardedIndex`] (a power of two).
+pub(crate) const SHARDS: usize = 16;
+
+/// A [`ShardedIndex`] splits when its one table would grow beyond this many slots (512 KiB).
+const SPLIT_AT_SLOTS: usize = 1 << 16;
+
+/// The shard of `fp` among `shards` (1 or [`SHARDS`]).
+fn shard_of(fp: u32, shards: usize) -> usize {
+    ((fp >> 1) as usize) & (shards - 1)
+}
+
+impl ShardedIndex {
+    fn shard(&self, hash: u64) -> usize {
+        shard_of(fingerprint(hash), self.shards.len())
+    }
+
+    /// The entries of all shards.
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|t| t.len).sum()
+    }
+
+    /// Whether it is split into [`SHARDS`] tables.
+    #[cfg(test)]
+    pub(crate) fn is_split(&self) -> bool {
+        self.shards.len() == SHARDS
+    }
+
+    /// See [`FingerprintIndex::insert_tag`].
+    pub(crate) fn insert_tag(&mut self, hash: u64, tag: u32) {
+        if self.shards.len() == 1
+            && self.shards[0]
+                .bytes_to_hold(1)
+                .is_none_or(|b| b > SPLIT_AT_SLOTS * size_of::<u64>())
+        {
+            self.split();
+        }
+        let i = self.shard(hash);
+        self.shards[i].insert_tag(hash, tag);
+    }
+
+    /// Entries per shard of a split index, for the slots of one table.
+    fn counts(one: &FingerprintIndex) -> [usize; SHARDS] {
+        let mut counts = [0; SHARDS];
+        for &s in one.slots.iter().filter(|&&s| s != EMPTY) {
+            counts[shard_of(slot_fp(s), SHARDS)] += 1;
+        }
+        counts
+    }
+
+    /// One table becomes [`SHARDS`], each sized for its entries.
+    fn split(&mut self) {
+        let one = self.shards.pop().expect("one table");
+        let counts = Self::counts(&one);
+        self.shards = counts
+            .iter()
+            .map(|&c| FingerprintIndex {
+                slots: vec![EMPTY; slots_for(c).expect("a shard holds less than the table")],
+                len: 0,
+            })
+            .collect();
+        for s in one.slots.into_iter().filter(|&s| s != EMPTY) {
+            let t = &mut self.shards[shard_of(slot_fp(s), SHARDS)];
+            place(&mut t.slots, s);
+            t.len += 1;
+        }
+    }
+
+    /// See [`FingerprintIndex::tags`].
+    pub(crate) fn tags(&self, hash: u64, out: &mut Vec<u32>) {
+        self.shards[self.shard(hash)].tags(hash, out);
+    }
+
+    /// See [`FingerprintIndex::remove_tag`].
+    pub(crate) fn remove_tag(&mut self, hash: u64, tag: u32) -> bool {
+        let i = self.shard(hash);
+        self.shards[i].remove_tag(hash, tag)
+    }
+
+    /// Bytes held by all shards.
+    pub(crate) fn memory_bytes(&self) -> usize {
+        self.shards.iter().map(FingerprintIndex::memory_bytes).sum()
+    }
+
+    /// Bytes the index would hold after inserting entries with these hashes, or `None` if a
+    /// table could not hold its share (see [`FingerprintIndex::bytes_to_hold`]).
+    pub(crate) fn bytes_to_hold(&self, hashes: &[u64]) -> Option<usize> {
+        let mut counts = if let [one] = self.shards.as_slice() {
+            // Inserts split the table exactly when it would grow past the split size.
+            let unsplit = one.bytes_to_hold(hashes.len())?;
+            if unsplit <= SPLIT_AT_SLOTS * size_of::<u64>() {
+                return Some(unsplit);
+            }
+            Self::counts(one)
+        } else {
+            self.shards
+                .iter()
+                .map(|t| t.len)
+                .collect::<Vec<_>>()
+                .try_into()
+                .ok()?
+        };
+        for &h in hashes {
+            counts[shard_of(fingerprint(h), SHARDS)] += 1;
+        }
+        counts.iter().try_fold(0usize, |sum, &c| {
+            sum.checked_add(slots_for(c)?.checked_mul(size_of::<u64>())?)
+        })
+    }
+}
+
+impl Default for ShardedIndex {
+    fn default() -> Self {
+        ShardedIndex {
+            shards: vec![FingerprintIndex::new()],
+        }
+    }
+}
+
+impl fmt::Debug for ShardedIndex {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(&self.shards).finish()
     }
 }
 

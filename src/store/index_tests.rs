@@ -21,7 +21,7 @@ fn sorted(ix: &FingerprintIndex, hash: u64) -> Vec<(u64, u64)> {
 /// every entry is reachable: all the slots from its home bucket to it (cyclically) are used.
 fn check_invariants(ix: &FingerprintIndex) {
     let n = ix.slots.len();
-    assert!(n.is_power_of_two() && n >= MIN_SLOTS);
+    assert!(n % 8 == 0 && (MIN_SLOTS..=MAX_SLOTS).contains(&n));
     let used = ix.slots.iter().filter(|&&s| s != EMPTY).count();
     assert_eq!(used, ix.len, "len counts the used slots");
     assert!(used <= max_len(n), "load at most 7/8");
@@ -181,7 +181,9 @@ fn with_capacity_is_the_smallest_table_that_fits() {
         (15, 32),
         (28, 32),
         (29, 64),
-        (1_000_000, 1 << 21),
+        (3_584, 4_096),
+        (3_585, 5_120),
+        (1_000_000, 1_354_016),
     ] {
         let mut ix = FingerprintIndex::with_capacity(entries);
         assert_eq!(ix.memory_bytes(), slots * 8, "{entries} entries");
@@ -195,9 +197,43 @@ fn with_capacity_is_the_smallest_table_that_fits() {
     }
     assert_eq!(
         FingerprintIndex::with_capacity(1_000_000).memory_bytes(),
-        16 << 20,
-        "16 MiB for a million entries"
+        1_354_016 * 8,
+        "10.3 MiB for a million entries (16 MiB when every step doubled)"
     );
+}
+
+#[test]
+fn large_tables_grow_by_a_quarter_and_keep_every_entry_findable() {
+    // 3,584 entries fill 4,096 slots to 7/8; the next ones grow it by quarters.
+    let mut ix = FingerprintIndex::new();
+    let n = 10_000u64;
+    for i in 0..n {
+        ix.insert_tag(mix(i), i as u32);
+        if i == 3_583 {
+            assert_eq!(ix.memory_bytes(), 4_096 * 8);
+        }
+        if i == 3_584 {
+            assert_eq!(ix.memory_bytes(), 5_120 * 8, "a quarter more, not double");
+        }
+    }
+    assert_eq!(ix.memory_bytes(), 12_496 * 8);
+    assert_eq!(ix.bytes_to_hold(0), Some(12_496 * 8));
+    assert_eq!(ix.bytes_to_hold(1_000), Some(15_616 * 8));
+    check_invariants(&ix);
+    let mut tags = Vec::new();
+    for i in 0..n {
+        ix.tags(mix(i), &mut tags);
+        assert!(tags.contains(&(i as u32)), "entry {i} lost");
+    }
+    // Removal by backward shift on a table whose size is no power of two, wrapping included.
+    for i in (0..n).filter(|i| i % 3 != 0) {
+        assert!(ix.remove_tag(mix(i), i as u32), "entry {i}");
+    }
+    check_invariants(&ix);
+    for i in 0..n {
+        ix.tags(mix(i), &mut tags);
+        assert_eq!(tags.contains(&(i as u32)), i % 3 == 0, "entry {i}");
+    }
 }
 
 #[test]
@@ -208,7 +244,7 @@ fn growth_keeps_every_entry_findable() {
         ix.insert(mix(i), i * 1000);
     }
     assert_eq!(ix.len(), n as usize);
-    assert_eq!(ix.memory_bytes(), (1 << 15) * 8);
+    assert_eq!(ix.memory_bytes(), 24_400 * 8);
     check_invariants(&ix);
     let mut out = Vec::new();
     for i in 0..n {
@@ -413,6 +449,8 @@ proptest! {
     ) {
         let mut ix = match initial {
             None => FingerprintIndex::new(),
+            // Odd: a table whose size is no power of two (as large tables grow to).
+            Some(n) if n % 2 == 1 => FingerprintIndex::with_slots(8 * (n / 2 + 2)),
             Some(n) => FingerprintIndex::with_capacity(n),
         };
         let mut model: Vec<(u32, u32)> = Vec::new();
@@ -453,5 +491,47 @@ proptest! {
                 prop_assert_eq!(sorted(&ix, hash), model_ranges(&model, hash));
             }
         }
+    }
+}
+
+#[test]
+fn the_sharded_index_splits_when_large_finds_every_entry_and_bounds_exactly() {
+    let mut ix = ShardedIndex::default();
+    assert_eq!(ix.memory_bytes(), 16 * 8, "small: one table");
+    let hashes: Vec<u64> = (0..200_000u64).map(mix).collect();
+    // In steps, so that the bound is checked before the split, across it and after.
+    for (k, part) in hashes.chunks(7_000).enumerate() {
+        let need = ix.bytes_to_hold(part).unwrap();
+        for (i, &h) in part.iter().enumerate() {
+            ix.insert_tag(h, (k * 7_000 + i) as u32);
+        }
+        assert_eq!(
+            ix.memory_bytes(),
+            need,
+            "step {k}: the bound given is what it took"
+        );
+    }
+    assert!(ix.is_split());
+    assert_eq!(ix.len(), 200_000);
+    assert!(
+        ix.memory_bytes() < 200_000 * 12,
+        "{} bytes",
+        ix.memory_bytes()
+    );
+    let mut tags = Vec::new();
+    for (i, &h) in hashes.iter().enumerate() {
+        ix.tags(h, &mut tags);
+        assert!(tags.contains(&(i as u32)), "entry {i}");
+    }
+    for (i, &h) in hashes.iter().enumerate().filter(|(i, _)| i % 2 == 0) {
+        assert!(ix.remove_tag(h, i as u32));
+    }
+    assert_eq!(ix.len(), 100_000);
+    for (i, &h) in hashes.iter().enumerate() {
+        ix.tags(h, &mut tags);
+        assert_eq!(tags.contains(&(i as u32)), i % 2 == 1, "entry {i}");
+    }
+    for t in &ix.shards {
+        check_invariants(t);
     }
 }

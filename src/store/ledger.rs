@@ -14,11 +14,11 @@
 //!   the chunks' record-time ranges follow one another: a chunk's `max_seen_ms` is at most
 //!   the next chunk's minimum. Expiry relies on it.
 //!
-//! In memory, per pipeline: a [`FingerprintIndex`] over every entry, tagged with the number
-//! of its chunk (a miss proves an ID was never recorded, which is the common case and costs
-//! no read; a hit names the one chunk to confirm in, which gives the exact answer), and a
-//! directory of the chunks: key, greatest record time, number. Both are rebuilt from the tree
-//! at open; chunk numbers live only in memory.
+//! In memory, per pipeline: a fingerprint index ([`ShardedIndex`]) over every entry, tagged
+//! with the number of its chunk (a miss proves an ID was never recorded, which is the common
+//! case and costs no read; a hit names the one chunk to confirm in, which gives the exact
+//! answer), and a directory of the chunks: key, greatest record time, number. Both are
+//! rebuilt from the tree at open; chunk numbers live only in memory.
 //!
 //! # The memory bound (`[storage] ledger_index_max`)
 //!
@@ -43,7 +43,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use super::index::FingerprintIndex;
+use super::index::ShardedIndex;
 
 /// Most entries in one chunk (a handful in unit tests, so that their small batches span
 /// several chunks, as large ones do in production).
@@ -120,10 +120,19 @@ pub(crate) fn make_chunks(
     out
 }
 
+/// The index hashes of a chunk's IDs, in entry order.
+fn hashes(hasher: &impl BuildHasher, chunk: &Chunk) -> Vec<u64> {
+    chunk
+        .entries
+        .iter()
+        .map(|(id, _)| hasher.hash_one(id.as_bytes()))
+        .collect()
+}
+
 /// One pipeline's in-memory view of its ledger.
 #[derive(Default)]
 pub(crate) struct Ledger {
-    pub index: FingerprintIndex,
+    pub index: ShardedIndex,
     /// Key suffix → (greatest record time in that chunk, its number; `None`: not indexed).
     chunks: BTreeMap<Vec<u8>, (u64, Option<u32>)>,
     /// Number → key suffix.
@@ -146,9 +155,10 @@ impl Ledger {
         max_index_bytes: usize,
     ) -> bool {
         self.entries += chunk.entries.len() as u64;
+        let hashes = hashes(hasher, chunk);
         let fits = self
             .index
-            .bytes_to_hold(chunk.entries.len())
+            .bytes_to_hold(&hashes)
             .is_some_and(|b| b <= max_index_bytes);
         if !fits {
             self.chunks
@@ -156,11 +166,11 @@ impl Ledger {
             self.unindexed.insert(suffix);
             return false;
         }
-        self.index_entries(hasher, suffix, chunk);
+        self.index_entries(&hashes, suffix, chunk);
         true
     }
 
-    fn index_entries(&mut self, hasher: &impl BuildHasher, suffix: Vec<u8>, chunk: &Chunk) {
+    fn index_entries(&mut self, hashes: &[u64], suffix: Vec<u8>, chunk: &Chunk) {
         // A number no live chunk has (they wrap after 2^32 chunks, long after the first
         // ones expired).
         let number = loop {
@@ -170,9 +180,8 @@ impl Ledger {
                 break n;
             }
         };
-        for (id, _) in &chunk.entries {
-            self.index
-                .insert_tag(hasher.hash_one(id.as_bytes()), number);
+        for &h in hashes {
+            self.index.insert_tag(h, number);
         }
         self.chunks
             .insert(suffix.clone(), (chunk.max_seen_ms, Some(number)));
@@ -188,14 +197,15 @@ impl Ledger {
         chunk: &Chunk,
         max_index_bytes: usize,
     ) -> bool {
+        let hashes = hashes(hasher, chunk);
         let fits = self
             .index
-            .bytes_to_hold(chunk.entries.len())
+            .bytes_to_hold(&hashes)
             .is_some_and(|b| b <= max_index_bytes);
         if !fits || !self.unindexed.remove(suffix) {
             return false;
         }
-        self.index_entries(hasher, suffix.to_vec(), chunk);
+        self.index_entries(&hashes, suffix.to_vec(), chunk);
         true
     }
 
