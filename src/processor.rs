@@ -425,13 +425,29 @@ impl Processor {
     /// Commit everything applied since the last checkpoint. `None` if nothing was.
     /// On error the engine is ahead of the store: the caller must stop and restart.
     pub fn checkpoint(&mut self, now_ms: u64) -> Result<Option<CheckpointInfo>, ProcessError> {
+        self.checkpoint_settled(now_ms, 0)
+            .map(|c| c.map(|(info, _)| info))
+    }
+
+    /// [`Processor::checkpoint`], leaving out of the outbox the outputs with a sequence below
+    /// `settled_below`: the publisher sent them before this checkpoint and the broker
+    /// acknowledged them and everything sent before them (issue 14: the outbox stores only
+    /// what still needs it). Also returns how many were left out.
+    pub fn checkpoint_settled(
+        &mut self,
+        now_ms: u64,
+        settled_below: u64,
+    ) -> Result<Option<(CheckpointInfo, u64)>, ProcessError> {
         if self.poisoned {
             return Err(ProcessError::Poisoned);
         }
         if self.engine.pending_records() == 0 {
             return Ok(None);
         }
-        let cp = self.engine.take_checkpoint();
+        let mut cp = self.engine.take_checkpoint();
+        let before = cp.batch.outputs.len();
+        cp.batch.outputs.retain(|(seq, _)| *seq >= settled_below);
+        let settled = (before - cp.batch.outputs.len()) as u64;
         let fp = |name| {
             crate::failpoint::hit(name).map_err(|source| StoreError::Io {
                 path: self.store.dir().to_path_buf(),
@@ -450,7 +466,22 @@ impl Processor {
                 log::warn!("quarantine: cannot prune {}: {e}", q.path().display());
             }
         }
-        Ok(Some(info))
+        Ok(Some((info, settled)))
+    }
+
+    /// Emit the upserts touched since the last flush (see [`Engine::flush_upserts`]).
+    pub fn flush_upserts(&mut self) {
+        self.engine.flush_upserts();
+    }
+
+    /// Outputs not yet in a checkpoint, in sequence order (see [`Engine::pending_outputs`]).
+    pub fn pending_outputs(&self) -> &[(u64, crate::model::Output)] {
+        self.engine.pending_outputs()
+    }
+
+    /// Give the store back (to open it again under other definitions).
+    pub(crate) fn into_store(self) -> Store {
+        self.store
     }
 
     /// Re-apply every durable record from the checkpoint's `next_offset`, committing every

@@ -29,6 +29,7 @@
 //! - `start`: recovery and wiring; `savepoints`: savepoints carried out; `figures`: metrics
 //!   and the `STATUS=` line; `memory`: heap trimming; `error`: [`AgentError`].
 
+mod boundary;
 mod checkpointer;
 mod error;
 mod figures;
@@ -94,6 +95,10 @@ pub struct Stats {
     pub checkpoints: u64,
     pub published: u64,
     pub pubacked: u64,
+    /// Results published before the checkpoint that commits them (issue 14).
+    pub published_early: u64,
+    /// Results acknowledged before their checkpoint, so never written to the outbox.
+    pub settled_early: u64,
     pub reconnects: u64,
     /// Inputs over `log.max_payload`, logged as `too_large` stand-ins.
     pub oversize: u64,
@@ -199,10 +204,21 @@ impl Agent {
                 }
             }
             Event::PubAcked { output_id } => {
-                if let Some(seq) = self.publisher.acked(&output_id) {
-                    failpoint("outbox.before_delete")?;
-                    self.proc.store().outbox_delete(seq, &output_id)?;
-                    failpoint("outbox.after_delete")?;
+                // Outputs from `fresh` on are not in the store yet: nothing to delete.
+                let fresh = self
+                    .proc
+                    .pending_outputs()
+                    .first()
+                    .map_or(u64::MAX, |o| o.0);
+                for (seq, id) in self.publisher.acked(&output_id) {
+                    if seq >= fresh {
+                        // At the broker, its checkpoint not yet committed (tests/it/crash.rs).
+                        failpoint("publish.acked_before_checkpoint")?;
+                    } else {
+                        failpoint("outbox.before_delete")?;
+                        self.proc.store().outbox_delete(seq, &id)?;
+                        failpoint("outbox.after_delete")?;
+                    }
                     self.stats.pubacked += 1;
                 }
             }
@@ -319,6 +335,7 @@ impl Agent {
         // The records go on to processing; acks the MQTT module had no room for wait for
         // the next commit interval.
         let now = self.now();
+        let mut applied = false;
         for rec in self.ingest.committed(now) {
             for outcome in self.proc.apply(&rec)? {
                 if let Outcome::DeadLetter { reason } = outcome {
@@ -327,6 +344,11 @@ impl Agent {
             }
             let now = self.now();
             self.checkpointer.applied(now);
+            applied = true;
+        }
+        if applied {
+            // Upserts too leave at log-commit latency, one per key touched in this commit.
+            self.proc.flush_upserts();
         }
         if Checkpointer::records_due(self.proc.pending_records(), self.cfg.checkpoint.max_records) {
             self.checkpoint()?;
@@ -367,7 +389,10 @@ impl Agent {
 
     fn checkpoint(&mut self) -> Result<(), AgentError> {
         let began = self.now();
-        let done = self.proc.checkpoint(self.clock.wall_ms());
+        let settled_below = self.publisher.settled_below();
+        let done = self
+            .proc
+            .checkpoint_settled(self.clock.wall_ms(), settled_below);
         if let Err(e) = &done {
             self.metrics.update(|f| f.checkpoint_failures += 1);
             // Fatal by design: the engine is now ahead of the store; a restart replays.
@@ -375,8 +400,9 @@ impl Agent {
                 "checkpoint failed: {e}; exiting so that recovery replays from the last checkpoint"
             );
         }
-        if let Some(info) = done? {
+        if let Some((info, settled)) = done? {
             self.stats.checkpoints += 1;
+            self.stats.settled_early += settled;
             log::debug!("checkpoint {} at offset {}", info.id, info.next_offset);
             let took = self.now().saturating_duration_since(began);
             self.after_checkpoint(took, &info);
@@ -492,7 +518,9 @@ impl Agent {
         Ok(())
     }
 
-    /// Send durable outbox entries, in order, within the inflight window.
+    /// Send, in order and within the inflight window, the durable outbox entries from the
+    /// cursor, then the outputs still waiting for their checkpoint (their inputs are durable
+    /// in the log: see `publisher`).
     fn publish(&mut self) -> Result<(), AgentError> {
         let room = self
             .publisher
@@ -500,13 +528,26 @@ impl Agent {
         if room == 0 {
             return Ok(());
         }
-        let batch: Vec<_> = self
+        let cursor = self.publisher.cursor();
+        let mut batch: Vec<_> = self
             .proc
             .store()
-            .outbox_from(self.publisher.cursor())
+            .outbox_from(cursor)
             .take(room)
+            .map(|e| e.map(|(seq, out)| (seq, out, false)))
             .collect::<Result<_, _>>()?;
-        for (seq, out) in batch {
+        // Then outputs still waiting for their checkpoint, from the cursor on: all newer
+        // than any outbox entry.
+        let pending = self.proc.pending_outputs();
+        let from = pending.partition_point(|(seq, _)| *seq < cursor);
+        let left = room - batch.len();
+        batch.extend(
+            pending[from..]
+                .iter()
+                .take(left)
+                .map(|(s, o)| (*s, o.clone(), true)),
+        );
+        for (seq, out, fresh) in batch {
             failpoint("outbox.before_publish")?;
             match self
                 .mqtt
@@ -515,6 +556,7 @@ impl Agent {
                 Ok(()) => {
                     self.publisher.sent(out.id, seq);
                     self.stats.published += 1;
+                    self.stats.published_early += u64::from(fresh);
                     failpoint("outbox.after_publish")?;
                 }
                 Err(MqttError::InflightFull { .. }) => break,
@@ -551,7 +593,12 @@ impl Agent {
         }
         let left = self.proc.store().outbox_len();
         self.proc.store().sync()?;
-        log::info!("shutdown: done; {left} outbox entries left for the next start");
+        log::info!(
+            "shutdown: done; {left} outbox entries left for the next start; {} results \
+             published before their checkpoint, {} of them acknowledged before it",
+            self.stats.published_early,
+            self.stats.settled_early
+        );
         self.metrics.stop_server();
         self.mqtt.shutdown();
         Ok(())
