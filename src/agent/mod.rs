@@ -556,6 +556,12 @@ impl Agent {
                 Ok(()) => {
                     self.publisher.sent(out.id, seq);
                     self.stats.published += 1;
+                    if fresh && self.stats.published_early == 0 {
+                        log::info!(
+                            "publish: results now leave before their checkpoint (first: {})",
+                            self.stats.published
+                        );
+                    }
                     self.stats.published_early += u64::from(fresh);
                     failpoint("outbox.after_publish")?;
                 }
