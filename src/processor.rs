@@ -4,6 +4,35 @@
 //! Recovery is replay (invariant 4): [`Processor::open`] loads the last checkpoint, and
 //! [`Processor::replay`] re-applies every durable log record from its `next_offset`. Nothing
 //! else is read and nothing else is trusted.
+//!
+//! ## Replay gives every ID the payload it had (audit for issue 14)
+//!
+//! Results go out before their checkpoint, so a replay after a crash must compute, for every
+//! output ID the first run computed, the same payload. What processing reads, and why replay
+//! reads the same:
+//!
+//! - **Records**: the log, fsynced before they are applied; times come from the record
+//!   (`received_at_ms`, the payload), never the clock.
+//! - **State and ledger** at the checkpoint, then the overlay of every record since: the
+//!   same on both runs. A dedup decision is by record time: an ID is a duplicate iff
+//!   `log_clock - seen < dedup_window`; whether the store has already forgotten an expired
+//!   chunk does not change it (an expired entry accepts either way). The ledger's memory
+//!   bound (`ledger_index_max`) only decides where a lookup reads, not its answer.
+//! - **Where checkpoints fall**: changes which upsert versions are emitted (one per key per
+//!   flush or checkpoint), never what one carries: an ID names a version, and the payload is
+//!   that version's state. Sequence numbers may differ; they are not part of a result.
+//! - **Windows**: closed by the watermark, the greatest event time applied (record data);
+//!   `emit = "final"` emits a window's state when that closes it, on both runs alike.
+//! - **Dead letters**: their caps prune the stored tree by log offset and record time;
+//!   nothing processing decides reads that tree. A refusal is deduplicated through the
+//!   ledger like an event.
+//! - **Quarantine**: a record whose processing panics stops the process before anything
+//!   after it is published; after the attempts it is set aside on every later run alike.
+//! - **Definitions**: the store refuses a changed definition; the rest of a pipeline
+//!   (`where`, `topics`, `dedup_window`, `emit`, limits) changes only at a checkpoint
+//!   boundary (`agent/boundary.rs`), and `--reset-pipeline` starts a new generation of IDs.
+//! - **Counters** (`outputs` in upsert mode) depend on where flushes fell; they are figures,
+//!   and no decision reads them.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};

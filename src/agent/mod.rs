@@ -4,8 +4,9 @@
 //!  mqtt thread ──Event──▶ loop: append to log ─(group commit: fsync)─▶ PUBACK in order
 //!                                 │                                     │
 //!                                 │            processor.apply(record) ◀┘
-//!                                 │            checkpoint (one sled tx + fsync)
-//!                                 └──────────▶ publish durable outbox entries; delete on PUBACK
+//!                                 │            publish at once, in order (inputs durable)
+//!                                 │            checkpoint (one sled tx + fsync): unsettled
+//!                                 └──────────▶ results into the outbox; delete on PUBACK
 //! ```
 //!
 //! The loop never waits on the MQTT thread: acks and publishes are queued without blocking
@@ -22,10 +23,12 @@
 //!
 //! - `ingest`: group commit (unsynced acks and records), ack order, held input and
 //!   backpressure, times of receipt, the `too_large` stand-in.
-//! - `publisher`: the outbox cursor and inflight window; which entry a PUBACK deletes.
+//! - `publisher`: results before their checkpoint, the cursor and inflight window; what a
+//!   PUBACK settles.
 //! - `checkpointer`: when to checkpoint, retention's cutoff, relief for held input,
 //!   savepoint scheduling and the savepoint floor, when to look at sled's files.
-//! - `reload`: SIGHUP as a pure diff of two configs, then applied.
+//! - `reload`: SIGHUP as a pure diff of two configs, then applied. `boundary`: pipeline
+//!   changes take effect at a checkpoint boundary.
 //! - `start`: recovery and wiring; `savepoints`: savepoints carried out; `figures`: metrics
 //!   and the `STATUS=` line; `memory`: heap trimming; `error`: [`AgentError`].
 

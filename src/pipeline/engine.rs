@@ -1,6 +1,8 @@
 //! The processor core: `apply(record)` over a read-only view of the last checkpoint plus
 //! an in-memory overlay of everything applied since. Pure and deterministic: the same
-//! checkpoint and the same log records give the same write set, byte for byte.
+//! checkpoint and the same log records give the same write set, byte for byte (with the
+//! upserts flushed at the same points: a flush changes which versions are emitted, never an
+//! ID's payload).
 //!
 //! Why one file of ~680 lines: the apply path (dedup, slots, next state, emit, eviction)
 //! is one state machine over the engine's private overlay; split across files, each step
