@@ -21,6 +21,14 @@
 //! everything re-sent is newer, per key, than everything settled, so the last message per
 //! key after a restart is the newest one there is (`tests/it/crash.rs` checks it).
 //!
+//! **After a restart.** Recovery replays the log tail before the agent connects, so nothing
+//! is published until replay has committed its results into the outbox. There, a newer
+//! upsert of a key supersedes an older one still waiting (`store/outbox.rs`): replay's
+//! results and the entries left from before the crash are coalesced per key, and only the
+//! newest version of each key goes out. `changelog` results are all re-sent, in order,
+//! with their IDs: a consumer drops the IDs it has seen, and the last message per key is
+//! still the newest.
+//!
 //! No IO: the loop reads the outbox and the processor's fresh outputs, publishes, and
 //! deletes; this part keeps the cursor (the next sequence to send), what is on the wire
 //! under which output ID, and whether the broker is there at all.

@@ -1004,3 +1004,30 @@ fn a_kill_after_publish_and_before_the_checkpoint_resends_the_same_id_with_the_s
         panic!("after a kill between publish and checkpoint the agent deviates:\n{e}");
     }
 }
+
+/// The checker itself: an older version first seen after a newer one is a regression; a
+/// re-sent ID (any version) is not, and neither are other keys' versions.
+#[test]
+fn the_version_check_flags_an_older_first_seen_version_after_a_newer_one() {
+    let seen = |topic: &str, id: &str, version: u64| crate::support::Seen {
+        topic: topic.into(),
+        payload: format!(r#"{{"id":"{id}","version":{version}}}"#).into_bytes(),
+        retain: false,
+    };
+    let fine = [
+        seen("sums/A", "sums/A/1", 1),
+        seen("sums/B", "sums/B/1", 1),
+        seen("sums/A", "sums/A/2", 2),
+        seen("sums/A", "sums/A/1", 1), // a re-send after a restart
+        seen("sums/A", "sums/A/3", 3),
+    ];
+    assert!(version_regressions(&fine).is_empty());
+    let regressed = [
+        seen("win/A/0", "windows/A/0/1", 1),
+        seen("win/A/0", "windows/A/0/3", 3),
+        seen("win/A/0", "windows/A/0/2", 2),
+    ];
+    let problems = version_regressions(&regressed);
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(problems[0].contains("windows/A/0/2"), "{problems:?}");
+}
