@@ -62,13 +62,14 @@ pub(crate) fn record(cfg: &Config, sync: &Durability) -> std::io::Result<()> {
 
 /// Whether the old pipelines must settle the tail first: they differ from the config, and
 /// the store holds exactly their definitions (it is the store they ran on: not one restored
-/// or moved aside since, which the start handles as before).
+/// or moved aside since, which the start handles as before). A pipeline the config adds
+/// therefore starts at that checkpoint boundary, like every other change.
 pub(crate) fn must_settle(
     store: &Store,
     old: &[PipelineSpec],
     new: &[PipelineSpec],
 ) -> Result<bool, StoreError> {
-    if old == new {
+    if old == new || old.is_empty() {
         return Ok(false);
     }
     let progress = store.progress()?;
@@ -96,4 +97,38 @@ pub(crate) fn changed_names(old: &[PipelineSpec], new: &[PipelineSpec]) -> Strin
     names.sort();
     names.dedup();
     names.join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::processor::Processor;
+
+    fn spec(filter: &str) -> PipelineSpec {
+        crate::config::pipeline_from_toml(&format!(
+            "name = \"sums\"\ntopics = [\"in/#\"]\nformat = \"json\"\nevent_id = \"/id\"\n\
+             key = \"/k\"\nvalue = \"/v\"\naggregate = \"sum\"\noutput_topic = \"s/{{key}}\"\n{filter}"
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn only_a_changed_config_over_the_store_its_pipelines_wrote_settles_the_tail() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), 1 << 20, crate::fsio::real()).unwrap();
+        let (old, new) = (vec![spec("")], vec![spec("where = '/v > 2'")]);
+        // An empty store wrote none of the old definitions: a restored or new store.
+        assert!(!must_settle(&store, &old, &new).unwrap());
+        let store = Processor::open(store, old.clone()).unwrap().into_store();
+        assert!(must_settle(&store, &old, &new).unwrap());
+        assert!(!must_settle(&store, &old, &old).unwrap(), "unchanged");
+        assert!(
+            !must_settle(&store, &[], &new).unwrap(),
+            "no record of a last run"
+        );
+        assert_eq!(changed_names(&old, &new), "sums");
+        let mut other = spec("");
+        other.name = "other".into();
+        assert_eq!(changed_names(&old, &[old[0].clone(), other]), "other");
+    }
 }
