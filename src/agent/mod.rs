@@ -352,6 +352,8 @@ impl Agent {
         if applied {
             // Upserts too leave at log-commit latency, one per key touched in this commit.
             self.proc.flush_upserts();
+            // Before any checkpoint: its fsync must not delay results that need none.
+            self.publish()?;
         }
         if Checkpointer::records_due(self.proc.pending_records(), self.cfg.checkpoint.max_records) {
             self.checkpoint()?;
