@@ -246,6 +246,8 @@ pub struct Processor {
     quarantine: Option<Quarantine>,
     /// Set when a panic was caught: the engine may be half-way through a change.
     poisoned: bool,
+    /// Checkpoints leave their fsync to the caller (see [`Processor::defer_sync`]).
+    defer_sync: bool,
 }
 
 impl Processor {
@@ -339,6 +341,7 @@ impl Processor {
             store,
             quarantine: None,
             poisoned: false,
+            defer_sync: false,
         })
     }
 
@@ -484,18 +487,36 @@ impl Processor {
             })
         };
         fp("checkpoint.before_commit")?;
-        let info = self.store.commit(&cp, now_ms)?;
+        let info = if self.defer_sync {
+            self.store.commit_unsynced(&cp, now_ms)?
+        } else {
+            self.store.commit(&cp, now_ms)?
+        };
         let store = &self.store;
         self.engine.set_dedup_entries(|name| store.dedup_len(name));
         fp("checkpoint.after_commit")?;
+        if !self.defer_sync {
+            self.synced(info.next_offset);
+        }
+        Ok(Some((info, settled)))
+    }
+
+    /// From now on [`Processor::checkpoint_settled`] leaves the fsync to the caller (a
+    /// [`crate::store::Syncer`] beside the agent's loop), who then calls
+    /// [`Processor::synced`]. Replay always syncs itself.
+    pub(crate) fn defer_sync(&mut self) {
+        self.defer_sync = true;
+    }
+
+    /// The checkpoint up to `next_offset` is durable: the quarantine forgets what it settled.
+    pub(crate) fn synced(&mut self, next_offset: Offset) {
         if let Some(q) = self.quarantine.as_mut() {
             // Settled records are never consulted again; a failed prune only leaves them
             // in the file a little longer (the next checkpoint tries again).
-            if let Err(e) = q.prune_below(info.next_offset) {
+            if let Err(e) = q.prune_below(next_offset) {
                 log::warn!("quarantine: cannot prune {}: {e}", q.path().display());
             }
         }
-        Ok(Some((info, settled)))
     }
 
     /// Emit the upserts touched since the last flush (see [`Engine::flush_upserts`]).
@@ -535,6 +556,7 @@ impl Processor {
             to: from,
             ..Default::default()
         };
+        let deferred = std::mem::replace(&mut self.defer_sync, false);
         for rec in log.read_from(from)? {
             let rec = rec?;
             self.apply(&rec)?;
@@ -550,6 +572,7 @@ impl Processor {
         if self.checkpoint(now_ms())?.is_some() {
             stats.checkpoints += 1;
         }
+        self.defer_sync = deferred;
         stats.millis = started.elapsed().as_millis() as u64;
         Ok(stats)
     }

@@ -56,6 +56,28 @@ fn replayed(stderr: &str) -> Option<u64> {
         .ok()
 }
 
+/// What blocked the agent's loop so far: checkpoints and log commits, how many, their mean
+/// duration, and how many took over 25 ms (from `/metrics`).
+fn stalls(c: &Cairn) -> String {
+    let part = |name: &str| {
+        let n = c.metric(&format!("{name}_count")).unwrap_or(0.0);
+        let sum = c.metric(&format!("{name}_sum")).unwrap_or(0.0);
+        let fast = c
+            .metric(&format!("{name}_bucket{{le=\"0.025\"}}"))
+            .unwrap_or(0.0);
+        format!(
+            "{n:.0}, mean {:.1} ms, {:.0} over 25 ms",
+            if n > 0.0 { sum / n * 1e3 } else { 0.0 },
+            n - fast
+        )
+    };
+    format!(
+        "checkpoints {}; log commits {}",
+        part("cairn_checkpoint_duration_seconds"),
+        part("cairn_log_commit_duration_seconds")
+    )
+}
+
 /// Run the curve. `port`: the shared broker; results are printed as they come.
 pub(super) fn sweep(
     root: &std::path::Path,
@@ -89,6 +111,8 @@ pub(super) fn sweep(
             _ => None,
         };
         let payload_bytes = mean_payload("b", n);
+        let stalls = stalls(&c);
+        println!("  {stalls}");
         println!(
             "  {n} events at {rate}/s: {} bytes written per event ({payload_bytes:.0}-byte payloads){}",
             bytes.map_or("n/a".into(), |b| format!("{b:.0}")),

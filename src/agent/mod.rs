@@ -36,6 +36,7 @@ mod boundary;
 mod checkpointer;
 mod error;
 mod figures;
+mod fsync;
 mod ingest;
 mod memory;
 mod publisher;
@@ -116,6 +117,8 @@ pub struct Agent {
     ingest: Ingest<AckToken, Incoming>,
     publisher: Publisher,
     checkpointer: Checkpointer,
+    /// The checkpoint's fsync, beside the loop.
+    fsync: fsync::Fsync,
     /// Free space under the log and the store: below the reserve, stop acking (invariant 7).
     space: crate::disk::SpaceGuard,
     stats: Stats,
@@ -393,6 +396,8 @@ impl Agent {
     }
 
     fn checkpoint(&mut self) -> Result<(), AgentError> {
+        // At most one fsync outstanding: the previous checkpoint's first.
+        self.settle_fsync(true)?;
         let began = self.now();
         let settled_below = self.publisher.settled_below();
         let done = self
@@ -405,15 +410,39 @@ impl Agent {
                 "checkpoint failed: {e}; exiting so that recovery replays from the last checkpoint"
             );
         }
-        if let Some((info, settled)) = done? {
+        let done = done?;
+        let committed = done.is_some();
+        if let Some((info, settled)) = done {
             self.stats.checkpoints += 1;
             self.stats.settled_early += settled;
             log::debug!("checkpoint {} at offset {}", info.id, info.next_offset);
             let took = self.now().saturating_duration_since(began);
+            self.fsync.begin(info.next_offset)?;
             self.after_checkpoint(took, &info);
         }
         self.checkpointer.checkpointed();
-        self.retention()?;
+        // After a commit, retention runs once it is durable (`settle_fsync`); with nothing
+        // to commit, it still runs by time.
+        if !committed {
+            self.retention()?;
+        }
+        Ok(())
+    }
+
+    /// A finished checkpoint fsync (`wait`: wait for the one in progress): the quarantine
+    /// forgets what it settled, and retention may delete what it covers.
+    fn settle_fsync(&mut self, wait: bool) -> Result<(), AgentError> {
+        let settled = self.fsync.settle(wait);
+        if let Err(e) = &settled {
+            self.metrics.update(|f| f.checkpoint_failures += 1);
+            log::error!(
+                "checkpoint failed: {e}; exiting so that recovery replays from the last checkpoint"
+            );
+        }
+        if let Some(next) = settled? {
+            self.proc.synced(next);
+            self.retention()?;
+        }
         Ok(())
     }
 }
@@ -423,9 +452,10 @@ impl Agent {
     /// no committed checkpoint covers; outside `retention` and below the newest savepoint
     /// while there is room; oldest processed first, whatever their age, when there is not.
     fn retention(&mut self) -> Result<(), AgentError> {
-        // Durable progress only, never the engine's applied offset: after a crash the
-        // replay starts at the committed checkpoint, so everything from there must stay.
-        let durable = self.proc.store().progress()?.next_offset;
+        // Durable progress only, never the engine's applied offset nor a checkpoint whose
+        // fsync has not finished: after a crash the replay starts at the durable checkpoint,
+        // so everything from there must stay.
+        let durable = self.fsync.durable();
         // Segment ages are times of receipt: measure them with the receipt clock, which never
         // goes back (by a wall clock stepped back, segments would be kept for as long as it
         // stays behind).
@@ -474,6 +504,7 @@ impl Agent {
     /// The timers, in the order of the diagram: log commit, checkpoint, held input, publish;
     /// then the figures and the heap.
     fn tick(&mut self, force: bool) -> Result<(), AgentError> {
+        self.settle_fsync(force)?;
         let now = self.now();
         if self
             .ingest
@@ -603,6 +634,7 @@ impl Agent {
             beat.beat(self.now(), || "stopping: publishing the outbox".into());
         }
         let left = self.proc.store().outbox_len();
+        self.settle_fsync(true)?;
         self.proc.store().sync()?;
         log::info!(
             "shutdown: done; {left} outbox entries left for the next start; {} results \

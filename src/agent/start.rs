@@ -85,6 +85,14 @@ impl Agent {
             clock.wall_ms(),
             clock.monotonic(),
         );
+        // From here on the checkpoint's fsync runs beside the loop (`fsync`).
+        proc.defer_sync();
+        let fsync =
+            super::fsync::Fsync::start(proc.store().syncer(), proc.store().progress()?.next_offset)
+                .map_err(|source| crate::store::StoreError::Io {
+                    path: cfg.store_dir(),
+                    source,
+                })?;
         let (mqtt, events) = subscribe(&cfg)?;
         let first_seq = proc
             .store()
@@ -108,6 +116,7 @@ impl Agent {
             ingest: Ingest::new(receipt),
             publisher: Publisher::new(first_seq),
             checkpointer,
+            fsync,
             space,
             stats: Stats::default(),
             dead_letter_log: crate::logging::RateLimit::new(10, Duration::from_secs(60)),

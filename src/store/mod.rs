@@ -443,6 +443,31 @@ impl Store {
 
     /// `flush()` and then the real fsync that `flush()` alone does not give.
     pub fn sync(&self) -> Result<(), StoreError> {
+        self.syncer().sync()
+    }
+
+    /// A handle that makes durable, from another thread, everything committed so far (see
+    /// [`Store::commit_unsynced`]).
+    pub fn syncer(&self) -> Syncer {
+        Syncer {
+            db: self.db.clone(),
+            dir: self.dir.clone(),
+            sync: self.sync.clone(),
+        }
+    }
+}
+
+/// [`Store::sync`], for another thread: the agent's checkpoint fsync runs beside its loop.
+#[derive(Clone)]
+pub struct Syncer {
+    db: sled::Db,
+    dir: PathBuf,
+    sync: Durability,
+}
+
+impl Syncer {
+    /// `flush()` and then the real fsync that `flush()` alone does not give.
+    pub fn sync(&self) -> Result<(), StoreError> {
         self.db.flush()?;
         if crate::failpoint::enabled("unsafe.skip_store_fsync") {
             return Ok(()); // deliberately unsafe build for the crash harness's own test
@@ -454,6 +479,12 @@ impl Store {
             .map_err(io_err(&path))
     }
 
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Store {
     /// Forget the state and dedup ledgers of `pipelines` (reset, or dropped because no
     /// longer configured) and record `progress`, all in one transaction followed by the
     /// fsync, like a checkpoint: after a crash either all of it happened or none. With no
