@@ -47,7 +47,8 @@
 //!   before their checkpoint, the inflight window; what a PUBACK settles), `agent/checkpointer.rs` (when to
 //!   checkpoint, retention's cutoff, savepoint schedule and floor, the store watch),
 //!   `agent/reload.rs` (SIGHUP as a diff of two configs), `agent/boundary.rs` (pipeline
-//!   changes apply at a checkpoint boundary). Recovery and wiring in
+//!   changes apply at a checkpoint boundary), `agent/fsync.rs` (the checkpoint's fsync on
+//!   its own thread; what waits for it). Recovery and wiring in
 //!   `agent/start.rs`; savepoints carried out in `agent/savepoints.rs`; `/metrics` copying
 //!   and the status line in `agent/figures.rs`; heap trimming in `agent/memory.rs`.
 //! - [`config`]: TOML → validated [`config::Config`], every problem with file and line.

@@ -28,7 +28,8 @@
 //! - `checkpointer`: when to checkpoint, retention's cutoff, relief for held input,
 //!   savepoint scheduling and the savepoint floor, when to look at sled's files.
 //! - `reload`: SIGHUP as a pure diff of two configs, then applied. `boundary`: pipeline
-//!   changes take effect at a checkpoint boundary.
+//!   changes take effect at a checkpoint boundary. `fsync`: the checkpoint's fsync beside
+//!   the loop; retention and the quarantine wait for it.
 //! - `start`: recovery and wiring; `savepoints`: savepoints carried out; `figures`: metrics
 //!   and the `STATUS=` line; `memory`: heap trimming; `error`: [`AgentError`].
 

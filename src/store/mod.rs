@@ -6,7 +6,8 @@
 //!   the progress record (`next_offset`, checkpoint id, counters) for the log range
 //!   `[prev.next_offset, next_offset)` are written in **one** sled transaction over all the
 //!   trees, then `Db::flush()`, then a real `fsync` of sled's `db` file. [`Store::commit`]
-//!   returns only after that fsync. A checkpoint that did not complete does not exist:
+//!   returns only after that fsync; [`Store::commit_unsynced`] leaves it to a [`Syncer`]
+//!   (the agent's fsync thread), and the checkpoint is durable only once that has run. A checkpoint that did not complete does not exist:
 //!   recovery sees the previous one and replays from its `next_offset` (invariant 2;
 //!   `tests/it/checkpoint.rs::a_crash_before_commit_leaves_the_previous_checkpoint`).
 //! - `next_offset` never decreases and `checkpoint_id` rises by one per commit
