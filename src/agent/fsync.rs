@@ -19,7 +19,10 @@ use crate::model::Offset;
 use crate::store::{StoreError, Syncer};
 
 pub(super) struct Fsync {
-    jobs: SyncSender<Offset>,
+    /// `None` only while dropping.
+    jobs: Option<SyncSender<Offset>>,
+    /// Joined on drop, so that the store's last handle is gone when the agent is.
+    thread: Option<std::thread::JoinHandle<()>>,
     done: Receiver<Result<Offset, StoreError>>,
     /// The `next_offset` of the checkpoint being synced.
     pending: Option<Offset>,
@@ -34,7 +37,7 @@ impl Fsync {
         let (jobs, rx) = sync_channel::<Offset>(1);
         let (tx, done) = sync_channel(1);
         let dir = syncer.dir().to_path_buf();
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("cairn-fsync".into())
             .spawn(move || {
                 while let Ok(next) = rx.recv() {
@@ -44,7 +47,8 @@ impl Fsync {
                 }
             })?;
         Ok(Fsync {
-            jobs,
+            jobs: Some(jobs),
+            thread: Some(thread),
             done,
             pending: None,
             durable,
@@ -61,7 +65,8 @@ impl Fsync {
     /// must be done (see [`Fsync::settle`]).
     pub(super) fn begin(&mut self, next_offset: Offset) -> Result<(), StoreError> {
         assert!(self.pending.is_none(), "one checkpoint fsync at a time");
-        self.jobs.send(next_offset).map_err(|_| self.gone())?;
+        let jobs = self.jobs.as_ref().ok_or_else(|| self.gone())?;
+        jobs.send(next_offset).map_err(|_| self.gone())?;
         self.pending = Some(next_offset);
         Ok(())
     }
@@ -90,6 +95,15 @@ impl Fsync {
         StoreError::Io {
             path: self.dir.clone(),
             source: std::io::Error::other("the checkpoint fsync thread stopped"),
+        }
+    }
+}
+
+impl Drop for Fsync {
+    fn drop(&mut self) {
+        self.jobs = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
         }
     }
 }
