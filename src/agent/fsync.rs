@@ -119,3 +119,29 @@ fn run(syncer: &Syncer) -> Result<(), StoreError> {
     syncer.sync()?;
     fp("checkpoint.after_fsync")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_checkpoint_counts_as_durable_only_once_its_fsync_is_done() {
+        let dir = tempfile::tempdir().unwrap();
+        let sync = crate::fsio::TestSync::new();
+        let store = crate::store::Store::open(dir.path(), 1 << 20, sync.clone()).unwrap();
+        let mut f = Fsync::start(store.syncer(), 3).unwrap();
+        assert_eq!(f.settle(true).unwrap(), None, "nothing pending");
+        let before = sync.file_syncs();
+        f.begin(9).unwrap();
+        assert_eq!(f.durable(), 3, "not durable before the fsync is done");
+        assert_eq!(f.settle(true).unwrap(), Some(9));
+        assert!(sync.file_syncs() > before, "the thread fsynced the store");
+        assert_eq!(f.durable(), 9);
+        assert_eq!(f.settle(false).unwrap(), None);
+        f.begin(12).unwrap();
+        assert!(
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f.begin(13))).is_err(),
+            "one fsync at a time"
+        );
+    }
+}
