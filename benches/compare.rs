@@ -18,6 +18,10 @@
 //! result − first send), median of [`RUNS`] runs after a warm-up. Latency is then taken at
 //! 50% and 90% of each system's own median peak.
 //!
+//! Then the checkpoint interval's curve (issue 14, `compare/intervals.rs`): Cairn's
+//! throughput, latency at 50% load, bytes written per event and recovery after a SIGKILL for
+//! intervals of 50 ms, 200 ms, 1 s and 5 s, beside the relay of the same run.
+//!
 //! Then, Cairn only: recovery from a SIGKILL with 100,000 logged but unprocessed records
 //! (pre-filled with `cairn::log::Log` while the agent is stopped), READY timed on a fake
 //! `NOTIFY_SOCKET`; footprint (issue 16): a backlog of 1M inputs over 100k keys (2%
@@ -30,6 +34,10 @@
 
 #[path = "../tests/it/support/mod.rs"]
 mod support;
+
+/// The checkpoint-interval curve (issue 14): `CAIRN_COMPARE_ONLY=relay,intervals`.
+#[path = "compare/intervals.rs"]
+mod intervals;
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
@@ -578,6 +586,20 @@ impl Cairn {
 
     fn stderr_path(&self) -> PathBuf {
         self.dir.join("cairn.stderr")
+    }
+
+    /// Set `[checkpoint]` (before the agent starts).
+    fn set_checkpoint(&self, interval: &str, max_records: u64) {
+        let path = self.dir.join("cairn.toml");
+        let conf = std::fs::read_to_string(&path).expect("read cairn.toml");
+        let at = conf.find("[checkpoint]").expect("a [checkpoint] table");
+        let end = at + conf[at..].find("\n\n").expect("the table ends");
+        let conf = format!(
+            "{}[checkpoint]\ninterval = \"{interval}\"\nmax_records = {max_records}{}",
+            &conf[..at],
+            &conf[end..]
+        );
+        std::fs::write(&path, conf).expect("write cairn.toml");
     }
 
     fn stderr(&self) -> String {
@@ -1270,7 +1292,7 @@ fn main() {
     let port = broker.port();
     let t0 = Instant::now();
     let publisher = Publisher::start(port);
-    // For profiling one part: CAIRN_COMPARE_ONLY=relay,cairn,node-red,kill,recovery,footprint
+    // For profiling one part: CAIRN_COMPARE_ONLY=relay,cairn,intervals,node-red,kill,recovery,footprint
     // (any subset). Skipped parts print n/a.
     let only = std::env::var("CAIRN_COMPARE_ONLY").ok();
     let want = |part: &str| {
@@ -1325,6 +1347,17 @@ fn main() {
         live
     } else {
         skipped()
+    };
+
+    // ---- the checkpoint interval's curve (issue 14) ----
+    let curve = if want("intervals") {
+        println!(
+            "checkpoint intervals: {:?}",
+            intervals::INTERVALS.map(|i| i.0)
+        );
+        intervals::sweep(&root, port, &publisher, t0)
+    } else {
+        Vec::new()
     };
 
     // ---- node-red live ----
@@ -1694,6 +1727,9 @@ fn main() {
         16.0,
     );
     target_line("stripped binary, MiB", stripped, "<=", 10.0);
+    if !curve.is_empty() {
+        intervals::print(&curve, &relay_live);
+    }
     if let Err(why) = &red {
         println!("node-red: NOT AVAILABLE, its columns are n/a: {why}");
     }

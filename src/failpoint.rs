@@ -21,7 +21,8 @@
 //! | `checkpoint.before_commit`, `checkpoint.after_commit` | around the whole checkpoint |
 //! | `checkpoint.before_fsync`, `checkpoint.after_fsync` | around the fsync of sled's `db` |
 //! | `backfill.after_slice` | a backfill slice was applied, not yet checkpointed |
-//! | `outbox.before_publish`, `outbox.after_publish` | around handing an entry to MQTT |
+//! | `outbox.before_publish`, `outbox.after_publish` | around handing a result to MQTT (from the outbox, or before its checkpoint) |
+//! | `publish.acked_before_checkpoint` | the broker acknowledged a result whose checkpoint is not committed yet |
 //! | `outbox.before_delete`, `outbox.after_delete` | around deleting an entry on PUBACK |
 //! | `unsafe.ack_before_fsync` (`on`) | PUBACK a batch *before* its log fsync |
 //! | `unsafe.skip_store_fsync` (`on`) | skip the fsync after `sled::Db::flush()` |

@@ -12,10 +12,12 @@
 //!                        processor: pipeline engine (parse → dedup → aggregate → window)
 //!                                 │   pure: same checkpoint + same records ⇒ same writes
 //!                                 ▼
-//!                        store: ONE sled transaction {state, dedup, outbox, dead letters,
+//!                        store: ONE sled transaction {state, dedup, outbox (what the
+//!                                 broker has not acknowledged yet), dead letters,
 //!                                 progress(next_offset)} + a real fsync
 //!                                 │
-//!  broker ◀─PUBLISH q1 (id)── agent: publish durable outbox entries; delete on PUBACK
+//!  broker ◀─PUBLISH q1 (id)── agent: publish outbox entries, then results not yet
+//!                             checkpointed (their inputs are durable); settle on PUBACK
 //! ```
 //!
 //! Recovery is replay: open the log (truncating a torn tail), load the last checkpoint,
@@ -42,13 +44,15 @@
 //! - [`mqtt`]: the rumqttc facade: manual acks, packet-id binding, reconnect backoff, TLS.
 //! - [`agent`]: the event loop wiring them (`agent/mod.rs`), carrying out what its parts
 //!   decide without IO: `agent/ingest.rs` (group commit, ack order, held input and
-//!   backpressure, times of receipt, `too_large` stand-ins), `agent/publisher.rs` (the
-//!   outbox window; which entry a PUBACK deletes), `agent/checkpointer.rs` (when to
-//!   checkpoint, retention's cutoff, savepoint schedule and floor, the store watch),
-//!   `agent/reload.rs` (SIGHUP as a diff of two configs), `agent/uplink.rs` (results to a
-//!   central broker over a second connection, the outbox as its queue, the drain's
-//!   figures), `agent/backfill.rs` (backfill slices beside live work; the log they need
-//!   kept from retention). Recovery and wiring in
+//!   backpressure, times of receipt, `too_large` stand-ins), `agent/publisher.rs` (results
+//!   before their checkpoint, the inflight window; what a PUBACK settles),
+//!   `agent/checkpointer.rs` (when to checkpoint, retention's cutoff, savepoint schedule
+//!   and floor, the store watch), `agent/reload.rs` (SIGHUP as a diff of two configs),
+//!   `agent/uplink.rs` (results to a central broker over a second connection, the outbox
+//!   as its queue, the drain's figures), `agent/backfill.rs` (backfill slices beside live
+//!   work; the log they need kept from retention), `agent/boundary.rs` (pipeline changes
+//!   apply at a checkpoint boundary), `agent/fsync.rs` (the checkpoint's fsync on its own
+//!   thread; what waits for it). Recovery and wiring in
 //!   `agent/start.rs`; savepoints carried out in `agent/savepoints.rs`; `/metrics` copying
 //!   and the status line in `agent/figures.rs`; heap trimming in `agent/memory.rs`.
 //! - [`config`]: TOML → validated [`config::Config`], every problem with file and line.
@@ -74,8 +78,12 @@
 //!    rumqttc, tokio or the file system (`tests/it/model.rs`, `tests/it/pipeline.rs`).
 //! 4. Recovery never trusts anything but the log and the last checkpoint.
 //! 5. An event ID inside the dedup window is never applied twice, whoever sent it twice.
-//! 6. The publisher never sends an entry whose checkpoint is not durable, and never gives
-//!    one ID two payloads (`tests/it/crash.rs`).
+//! 6. The publisher never sends a result whose inputs are not durable in the log, and an ID
+//!    never carries two payloads, across any crash. Results leave at log-commit latency, before
+//!    their checkpoint; after a restart no key's result goes back to an older version
+//!    (`tests/it/crash.rs`: repeated IDs carry one payload, first-seen versions ascend per
+//!    key, the last retained value is the oracle's, and a kill after a result's PUBACK and
+//!    before its checkpoint re-sends it unchanged).
 //! 7. No queue, log, ledger or batch grows without a configured bound; reaching one stops
 //!    acknowledging instead of dropping (`tests/it/faults.rs`, `tests/it/e2e.rs`). A full log
 //!    first deletes segments every durable checkpoint covers, so it never stays full

@@ -8,6 +8,38 @@
 //! Why ~630 lines: most of it is [`ProcessError`], whose messages tell an operator what to
 //! do, and the start-time reconcile of stored definitions; backfill slices live in
 //! `processor/backfill.rs`.
+//!
+//! ## Replay gives every ID the payload it had (audit for issue 14)
+//!
+//! Results go out before their checkpoint, so a replay after a crash must compute, for every
+//! output ID the first run computed, the same payload. What processing reads, and why replay
+//! reads the same:
+//!
+//! - **Records**: the log, fsynced before they are applied; times come from the record
+//!   (`received_at_ms`, the payload), never the clock.
+//! - **State and ledger** at the checkpoint, then the overlay of every record since: the
+//!   same on both runs. A dedup decision is by record time: an ID is a duplicate iff
+//!   `log_clock - seen < dedup_window`; whether the store has already forgotten an expired
+//!   chunk does not change it (an expired entry accepts either way). The ledger's memory
+//!   bound (`ledger_index_max`) only decides where a lookup reads, not its answer.
+//! - **Where checkpoints fall**: changes which upsert versions are emitted (one per key per
+//!   flush or checkpoint), never what one carries: an ID names a version, and the payload is
+//!   that version's state. Sequence numbers may differ; they are not part of a result.
+//! - **Windows**: closed by the watermark, the greatest event time applied (record data);
+//!   `emit = "final"` emits a window's state when that closes it, on both runs alike.
+//! - **Dead letters**: their caps prune the stored tree by log offset and record time;
+//!   nothing processing decides reads that tree. A refusal is deduplicated through the
+//!   ledger like an event.
+//! - **Quarantine**: a record whose processing panics stops the process before anything
+//!   after it is published; after the attempts it is set aside on every later run alike.
+//! - **Definitions**: the store refuses a changed definition; the rest of a pipeline
+//!   (`where`, `topics`, `dedup_window`, `emit`, limits) changes only at a checkpoint
+//!   boundary (`agent/boundary.rs`), and `--reset-pipeline` starts a new generation of IDs.
+//! - **Backfills**: a backfilling pipeline reads the log in order from its own cursor with
+//!   its own dedup clock; where its slices fall between live work changes nothing it
+//!   computes (property test `tests/it/backfill.rs`).
+//! - **Counters** (`outputs` in upsert mode) depend on where flushes fell; they are figures,
+//!   and no decision reads them.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
@@ -227,6 +259,12 @@ pub struct Processor {
     /// The log reader of the backfill in progress, kept between slices (see
     /// [`Processor::backfill_slice`]), with the pipeline it reads for.
     backfill_reader: Option<(usize, crate::log::LogReader)>,
+    /// Checkpoints leave their fsync to the caller (see [`Processor::defer_sync`]).
+    defer_sync: bool,
+    /// For each committed checkpoint whose fsync is still to come: its `next_offset` and
+    /// where the quarantine may prune once it is durable (below every backfill cursor that
+    /// checkpoint holds, which the engine may have passed by the time the fsync is done).
+    unsynced_prunes: std::collections::VecDeque<(Offset, Offset)>,
 }
 
 impl Processor {
@@ -323,6 +361,8 @@ impl Processor {
             quarantine: None,
             poisoned: false,
             backfill_reader: None,
+            defer_sync: false,
+            unsynced_prunes: std::collections::VecDeque::new(),
         })
     }
 
@@ -455,13 +495,29 @@ impl Processor {
     /// Commit everything applied since the last checkpoint. `None` if nothing was.
     /// On error the engine is ahead of the store: the caller must stop and restart.
     pub fn checkpoint(&mut self, now_ms: u64) -> Result<Option<CheckpointInfo>, ProcessError> {
+        self.checkpoint_settled(now_ms, 0)
+            .map(|c| c.map(|(info, _)| info))
+    }
+
+    /// [`Processor::checkpoint`], leaving out of the outbox the outputs with a sequence below
+    /// `settled_below`: the publisher sent them before this checkpoint and the broker
+    /// acknowledged them and everything sent before them (issue 14: the outbox stores only
+    /// what still needs it). Also returns how many were left out.
+    pub fn checkpoint_settled(
+        &mut self,
+        now_ms: u64,
+        settled_below: u64,
+    ) -> Result<Option<(CheckpointInfo, u64)>, ProcessError> {
         if self.poisoned {
             return Err(ProcessError::Poisoned);
         }
         if self.engine.pending_records() == 0 {
             return Ok(None);
         }
-        let cp = self.engine.take_checkpoint();
+        let mut cp = self.engine.take_checkpoint();
+        let before = cp.batch.outputs.len();
+        cp.batch.outputs.retain(|(seq, _)| *seq >= settled_below);
+        let settled = (before - cp.batch.outputs.len()) as u64;
         let fp = |name| {
             crate::failpoint::hit(name).map_err(|source| StoreError::Io {
                 path: self.store.dir().to_path_buf(),
@@ -469,18 +525,69 @@ impl Processor {
             })
         };
         fp("checkpoint.before_commit")?;
-        let info = self.store.commit(&cp, now_ms)?;
+        let info = if self.defer_sync {
+            self.store.commit_unsynced(&cp, now_ms)?
+        } else {
+            self.store.commit(&cp, now_ms)?
+        };
         let store = &self.store;
         self.engine.set_dedup_entries(|name| store.dedup_len(name));
         fp("checkpoint.after_commit")?;
+        // The engine's progress is this checkpoint's now; it moves on before the fsync ends.
+        let prune = self::settled_below(&self.engine, info.next_offset);
+        self.unsynced_prunes.push_back((info.next_offset, prune));
+        if !self.defer_sync {
+            self.synced(info.next_offset);
+        }
+        Ok(Some((info, settled)))
+    }
+
+    /// From now on [`Processor::checkpoint_settled`] leaves the fsync to the caller (a
+    /// [`crate::store::Syncer`] beside the agent's loop), who then calls
+    /// [`Processor::synced`]. Replay always syncs itself.
+    pub(crate) fn defer_sync(&mut self) {
+        self.defer_sync = true;
+    }
+
+    /// Where the quarantine may prune once the checkpoint up to `next_offset` is durable:
+    /// below what that checkpoint settled, live and backfill alike.
+    fn prune_point(&mut self, next_offset: Offset) -> Offset {
+        let mut below = next_offset;
+        while let Some(&(next, prune)) = self.unsynced_prunes.front() {
+            if next > next_offset {
+                break;
+            }
+            below = prune.min(next_offset);
+            self.unsynced_prunes.pop_front();
+        }
+        below
+    }
+
+    /// The checkpoint up to `next_offset` is durable: the quarantine forgets what it settled.
+    pub(crate) fn synced(&mut self, next_offset: Offset) {
+        let below = self.prune_point(next_offset);
         if let Some(q) = self.quarantine.as_mut() {
             // Settled records are never consulted again; a failed prune only leaves them
             // in the file a little longer (the next checkpoint tries again).
-            if let Err(e) = q.prune_below(settled_below(&self.engine, info.next_offset)) {
+            if let Err(e) = q.prune_below(below) {
                 log::warn!("quarantine: cannot prune {}: {e}", q.path().display());
             }
         }
-        Ok(Some(info))
+    }
+
+    /// Emit the upserts touched since the last flush (see [`Engine::flush_upserts`]).
+    pub fn flush_upserts(&mut self) {
+        self.engine.flush_upserts();
+    }
+
+    /// Outputs not yet in a checkpoint, in sequence order (see [`Engine::pending_outputs`]).
+    pub fn pending_outputs(&self) -> &[(u64, crate::model::Output)] {
+        self.engine.pending_outputs()
+    }
+
+    /// Give the store back (to open it again under other definitions).
+    pub(crate) fn into_store(self) -> Store {
+        self.store
     }
 
     /// Re-apply every durable record from the checkpoint's `next_offset`, committing every
@@ -505,6 +612,7 @@ impl Processor {
             to: from,
             ..Default::default()
         };
+        let deferred = std::mem::replace(&mut self.defer_sync, false);
         for rec in log.read_from(from)? {
             let rec = rec?;
             self.apply(&rec)?;
@@ -520,6 +628,7 @@ impl Processor {
         if self.checkpoint(now_ms())?.is_some() {
             stats.checkpoints += 1;
         }
+        self.defer_sync = deferred;
         stats.millis = started.elapsed().as_millis() as u64;
         Ok(stats)
     }

@@ -66,6 +66,7 @@ impl Agent {
             f.oversize_refused = stats.oversize;
             f.published = stats.published;
             f.pubacked = stats.pubacked;
+            f.published_early = stats.published_early;
             f.reconnects = stats.reconnects;
             f.connected = connected;
             f.backpressure = backpressure;

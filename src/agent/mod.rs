@@ -4,8 +4,9 @@
 //!  mqtt thread ──Event──▶ loop: append to log ─(group commit: fsync)─▶ PUBACK in order
 //!                                 │                                     │
 //!                                 │            processor.apply(record) ◀┘
-//!                                 │            checkpoint (one sled tx + fsync)
-//!                                 └──────────▶ publish durable outbox entries; delete on PUBACK
+//!                                 │            publish at once, in order (inputs durable)
+//!                                 │            checkpoint (one sled tx + fsync): unsettled
+//!                                 └──────────▶ results into the outbox; delete on PUBACK
 //! ```
 //!
 //! The loop never waits on the MQTT thread: acks and publishes are queued without blocking
@@ -22,10 +23,13 @@
 //!
 //! - `ingest`: group commit (unsynced acks and records), ack order, held input and
 //!   backpressure, times of receipt, the `too_large` stand-in.
-//! - `publisher`: the outbox cursor and inflight window; which entry a PUBACK deletes.
+//! - `publisher`: results before their checkpoint, the cursor and inflight window; what a
+//!   PUBACK settles.
 //! - `checkpointer`: when to checkpoint, retention's cutoff, relief for held input,
 //!   savepoint scheduling and the savepoint floor, when to look at sled's files.
-//! - `reload`: SIGHUP as a pure diff of two configs, then applied.
+//! - `reload`: SIGHUP as a pure diff of two configs, then applied. `boundary`: pipeline
+//!   changes take effect at a checkpoint boundary. `fsync`: the checkpoint's fsync beside
+//!   the loop; retention and the quarantine wait for it.
 //! - `uplink`: with `[uplink]`, results go out on a second connection (its events arrive
 //!   on the same channel); the link's state and the backlog's drain rate.
 //! - `backfill`: slices of the retained log for `start = "earliest"` pipelines, and the
@@ -34,9 +38,11 @@
 //!   and the `STATUS=` line; `memory`: heap trimming; `error`: [`AgentError`].
 
 mod backfill;
+mod boundary;
 mod checkpointer;
 mod error;
 mod figures;
+mod fsync;
 mod ingest;
 mod memory;
 mod publisher;
@@ -100,6 +106,10 @@ pub(crate) struct Stats {
     pub checkpoints: u64,
     pub published: u64,
     pub pubacked: u64,
+    /// Results published before the checkpoint that commits them (issue 14).
+    pub published_early: u64,
+    /// Results acknowledged before their checkpoint, so never written to the outbox.
+    pub settled_early: u64,
     pub reconnects: u64,
     /// Inputs over `log.max_payload`, logged as `too_large` stand-ins.
     pub oversize: u64,
@@ -114,6 +124,8 @@ pub struct Agent {
     ingest: Ingest<AckToken, Incoming>,
     publisher: Publisher,
     checkpointer: Checkpointer,
+    /// The checkpoint's fsync, beside the loop.
+    fsync: fsync::Fsync,
     /// Free space under the log and the store: below the reserve, stop acking (invariant 7).
     space: crate::disk::SpaceGuard,
     stats: Stats,
@@ -236,10 +248,21 @@ impl Agent {
 
     /// The broker acknowledged a result: delete its outbox entry.
     fn pubacked(&mut self, output_id: &str) -> Result<(), AgentError> {
-        if let Some(seq) = self.publisher.acked(output_id) {
-            failpoint("outbox.before_delete")?;
-            self.proc.store().outbox_delete(seq, output_id)?;
-            failpoint("outbox.after_delete")?;
+        // Outputs from `fresh` on are not in the store yet: nothing to delete.
+        let fresh = self
+            .proc
+            .pending_outputs()
+            .first()
+            .map_or(u64::MAX, |o| o.0);
+        for (seq, id) in self.publisher.acked(output_id) {
+            if seq >= fresh {
+                // At the broker, its checkpoint not yet committed (tests/it/crash.rs).
+                failpoint("publish.acked_before_checkpoint")?;
+            } else {
+                failpoint("outbox.before_delete")?;
+                self.proc.store().outbox_delete(seq, &id)?;
+                failpoint("outbox.after_delete")?;
+            }
             self.stats.pubacked += 1;
         }
         Ok(())
@@ -338,6 +361,7 @@ impl Agent {
         // The records go on to processing; acks the MQTT module had no room for wait for
         // the next commit interval.
         let now = self.now();
+        let mut applied = false;
         for rec in self.ingest.committed(now) {
             for outcome in self.proc.apply(&rec)? {
                 if let Outcome::DeadLetter { reason } = outcome {
@@ -346,6 +370,13 @@ impl Agent {
             }
             let now = self.now();
             self.checkpointer.applied(now);
+            applied = true;
+        }
+        if applied {
+            // Upserts too leave at log-commit latency, one per key touched in this commit.
+            self.proc.flush_upserts();
+            // Before any checkpoint: its fsync must not delay results that need none.
+            self.publish()?;
         }
         if Checkpointer::records_due(self.proc.pending_records(), self.cfg.checkpoint.max_records) {
             self.checkpoint()?;
@@ -385,8 +416,13 @@ impl Agent {
     }
 
     fn checkpoint(&mut self) -> Result<(), AgentError> {
+        // At most one fsync outstanding: the previous checkpoint's first.
+        self.settle_fsync(true)?;
         let began = self.now();
-        let done = self.proc.checkpoint(self.clock.wall_ms());
+        let settled_below = self.publisher.settled_below();
+        let done = self
+            .proc
+            .checkpoint_settled(self.clock.wall_ms(), settled_below);
         if let Err(e) = &done {
             self.metrics.update(|f| f.checkpoint_failures += 1);
             // Fatal by design: the engine is now ahead of the store; a restart replays.
@@ -394,14 +430,40 @@ impl Agent {
                 "checkpoint failed: {e}; exiting so that recovery replays from the last checkpoint"
             );
         }
-        if let Some(info) = done? {
+        let done = done?;
+        let committed = done.is_some();
+        if let Some((info, settled)) = done {
             self.stats.checkpoints += 1;
+            self.stats.settled_early += settled;
             log::debug!("checkpoint {} at offset {}", info.id, info.next_offset);
             let took = self.now().saturating_duration_since(began);
+            let floor = backfill::retention_floor(&self.proc.store().progress()?, &self.cfg);
+            self.fsync.begin(info.next_offset, floor)?;
             self.after_checkpoint(took, &info);
         }
         self.checkpointer.checkpointed();
-        self.retention()?;
+        // After a commit, retention runs once it is durable (`settle_fsync`); with nothing
+        // to commit, it still runs by time.
+        if !committed {
+            self.retention()?;
+        }
+        Ok(())
+    }
+
+    /// A finished checkpoint fsync (`wait`: wait for the one in progress): the quarantine
+    /// forgets what it settled, and retention may delete what it covers.
+    fn settle_fsync(&mut self, wait: bool) -> Result<(), AgentError> {
+        let settled = self.fsync.settle(wait);
+        if let Err(e) = &settled {
+            self.metrics.update(|f| f.checkpoint_failures += 1);
+            log::error!(
+                "checkpoint failed: {e}; exiting so that recovery replays from the last checkpoint"
+            );
+        }
+        if let Some(next) = settled? {
+            self.proc.synced(next);
+            self.retention()?;
+        }
         Ok(())
     }
 }
@@ -411,12 +473,12 @@ impl Agent {
     /// no committed checkpoint covers; outside `retention` and below the newest savepoint
     /// while there is room; oldest processed first, whatever their age, when there is not.
     fn retention(&mut self) -> Result<(), AgentError> {
-        // Durable progress only, never the engine's applied offset: after a crash the
-        // replay starts at the committed checkpoint, so everything from there must stay.
-        // And never what a backfill still needs (see `backfill`).
-        let stored = self.proc.store().progress()?;
-        let durable = backfill::retention_floor(&stored, &self.cfg);
-        self.note_backfill_holds_log(durable, stored.next_offset);
+        // Durable progress only, never the engine's applied offset nor a checkpoint whose
+        // fsync has not finished: after a crash the replay starts at the durable checkpoint,
+        // so everything from there must stay; and never what a backfill still needs (see
+        // `backfill`).
+        let durable = self.fsync.floor();
+        self.note_backfill_holds_log(durable, self.fsync.durable());
         // Segment ages are times of receipt: measure them with the receipt clock, which never
         // goes back (by a wall clock stepped back, segments would be kept for as long as it
         // stays behind).
@@ -465,6 +527,7 @@ impl Agent {
     /// The timers, in the order of the diagram: log commit, checkpoint, held input, publish;
     /// then the figures and the heap.
     fn tick(&mut self, force: bool) -> Result<(), AgentError> {
+        self.settle_fsync(force)?;
         let now = self.now();
         if self
             .ingest
@@ -523,7 +586,9 @@ impl Agent {
         Ok(())
     }
 
-    /// Send durable outbox entries, in order, within the inflight window.
+    /// Send, in order and within the inflight window, the durable outbox entries from the
+    /// cursor, then the outputs still waiting for their checkpoint (their inputs are durable
+    /// in the log: see `publisher`).
     fn publish(&mut self) -> Result<(), AgentError> {
         let room = self
             .publisher
@@ -531,13 +596,26 @@ impl Agent {
         if room == 0 {
             return Ok(());
         }
-        let batch: Vec<_> = self
+        let cursor = self.publisher.cursor();
+        let mut batch: Vec<_> = self
             .proc
             .store()
-            .outbox_from(self.publisher.cursor())
+            .outbox_from(cursor)
             .take(room)
+            .map(|e| e.map(|(seq, out)| (seq, out, false)))
             .collect::<Result<_, _>>()?;
-        for (seq, out) in batch {
+        // Then outputs still waiting for their checkpoint, from the cursor on: all newer
+        // than any outbox entry.
+        let pending = self.proc.pending_outputs();
+        let from = pending.partition_point(|(seq, _)| *seq < cursor);
+        let left = room - batch.len();
+        batch.extend(
+            pending[from..]
+                .iter()
+                .take(left)
+                .map(|(s, o)| (*s, o.clone(), true)),
+        );
+        for (seq, out, fresh) in batch {
             failpoint("outbox.before_publish")?;
             let topic = self.result_topic(&out.topic);
             match self
@@ -547,6 +625,13 @@ impl Agent {
                 Ok(()) => {
                     self.publisher.sent(out.id, seq);
                     self.stats.published += 1;
+                    if fresh && self.stats.published_early == 0 {
+                        log::info!(
+                            "publish: results now leave before their checkpoint (first: {})",
+                            self.stats.published
+                        );
+                    }
+                    self.stats.published_early += u64::from(fresh);
                     failpoint("outbox.after_publish")?;
                 }
                 Err(MqttError::InflightFull { .. }) => break,
@@ -582,8 +667,14 @@ impl Agent {
             beat.beat(self.now(), || "stopping: publishing the outbox".into());
         }
         let left = self.proc.store().outbox_len();
+        self.settle_fsync(true)?;
         self.proc.store().sync()?;
-        log::info!("shutdown: done; {left} outbox entries left for the next start");
+        log::info!(
+            "shutdown: done; {left} outbox entries left for the next start; {} results \
+             published before their checkpoint, {} of them acknowledged before it",
+            self.stats.published_early,
+            self.stats.settled_early
+        );
         self.metrics.stop_server();
         if let Some(u) = self.uplink.take() {
             u.mqtt.shutdown();

@@ -1,18 +1,49 @@
-//! Publisher: the outbox window. Durable outbox entries go out in sequence order, at most
-//! `outbox.inflight` on the wire; an entry is deleted only on its PUBACK (invariant 6: the
-//! outbox holds only what a durable checkpoint wrote, so nothing undurable is ever sent).
+//! Publisher: what goes out, in which order, and what a PUBACK settles.
 //!
-//! No IO: the loop reads the outbox, publishes and deletes; this part keeps the cursor (the
-//! next sequence to send), what is on the wire under which output ID, and whether the
-//! broker is there at all.
+//! Results leave at log-commit latency (issue 14): every output the processor emits derives
+//! from log records that are already fsynced (records are applied only after their group
+//! commit), so replay after any crash recomputes it with the same ID and the same payload.
+//! The publisher therefore sends, in sequence order and at most `outbox.inflight` on the
+//! wire, first the durable outbox entries at or after its cursor, then the outputs still
+//! waiting for their checkpoint (*fresh* ones, read from the processor's memory).
+//!
+//! **Settled.** A PUBACK settles its output, and with it every later output already
+//! acknowledged: an output is settled once it and everything sent before it were
+//! acknowledged, so the settled outputs are exactly the sequences below [`settled_below`]
+//! (a contiguous prefix). A checkpoint leaves settled outputs out of the outbox; a settled
+//! durable entry is deleted from it. Out-of-order PUBACKs (possible only across a reconnect)
+//! wait for the gap before them.
+//!
+//! Why a prefix and not every acknowledged output: after a crash the outbox is re-sent in
+//! order, then replay's outputs follow. If an output could be dropped from the outbox while
+//! an older one of its key stayed there, the restart would re-send the older version *after*
+//! the newer one went out, and a retained topic would go back a version. With a prefix,
+//! everything re-sent is newer, per key, than everything settled, so the last message per
+//! key after a restart is the newest one there is (`tests/it/crash.rs` checks it).
+//!
+//! **After a restart.** Recovery replays the log tail before the agent connects, so nothing
+//! is published until replay has committed its results into the outbox. There, a newer
+//! upsert of a key supersedes an older one still waiting (`store/outbox.rs`): replay's
+//! results and the entries left from before the crash are coalesced per key, and only the
+//! newest version of each key goes out. `changelog` results are all re-sent, in order,
+//! with their IDs: a consumer drops the IDs it has seen, and the last message per key is
+//! still the newest.
+//!
+//! No IO: the loop reads the outbox and the processor's fresh outputs, publishes, and
+//! deletes; this part keeps the cursor (the next sequence to send), what is on the wire
+//! under which output ID, and whether the broker is there at all.
+//!
+//! [`settled_below`]: Publisher::settled_below
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 pub(crate) struct Publisher {
-    /// The next outbox sequence to publish.
+    /// The next sequence to publish.
     cursor: u64,
-    /// Output ID → outbox sequence, for each publish awaiting its PUBACK.
-    inflight: HashMap<String, u64>,
+    /// Sequence → (output ID, acknowledged), for each publish not yet settled.
+    inflight: BTreeMap<u64, (String, bool)>,
+    /// Output ID → sequence, to find a PUBACK's entry.
+    by_id: HashMap<String, u64>,
     connected: bool,
 }
 
@@ -22,7 +53,8 @@ impl Publisher {
     pub(crate) fn new(first_seq: u64) -> Publisher {
         Publisher {
             cursor: first_seq,
-            inflight: HashMap::new(),
+            inflight: BTreeMap::new(),
+            by_id: HashMap::new(),
             connected: false,
         }
     }
@@ -41,16 +73,41 @@ impl Publisher {
         self.cursor
     }
 
-    /// Entry `seq` went out as `output_id`.
+    /// Output `seq` went out as `output_id`.
     pub(crate) fn sent(&mut self, output_id: String, seq: u64) {
-        self.inflight.insert(output_id, seq);
+        debug_assert!(seq >= self.cursor, "sent in sequence order");
+        self.by_id.insert(output_id.clone(), seq);
+        self.inflight.insert(seq, (output_id, false));
         self.cursor = seq + 1;
     }
 
-    /// The broker acknowledged `output_id`: the outbox sequence to delete, if it was ours
-    /// (a PUBACK for an ID already acknowledged, e.g. after a resend, deletes nothing).
-    pub(crate) fn acked(&mut self, output_id: &str) -> Option<u64> {
-        self.inflight.remove(output_id)
+    /// The broker acknowledged `output_id`: the outputs this settles, in order, as
+    /// (sequence, ID), to delete from the outbox where they are in it. Empty for an ID not
+    /// ours or already acknowledged, and while an earlier publish still awaits its PUBACK.
+    pub(crate) fn acked(&mut self, output_id: &str) -> Vec<(u64, String)> {
+        let Some(seq) = self.by_id.remove(output_id) else {
+            return Vec::new();
+        };
+        if let Some(e) = self.inflight.get_mut(&seq) {
+            e.1 = true;
+        }
+        let mut settled = Vec::new();
+        while let Some(e) = self.inflight.first_entry() {
+            if !e.get().1 {
+                break;
+            }
+            let (seq, (id, _)) = e.remove_entry();
+            settled.push((seq, id));
+        }
+        settled
+    }
+
+    /// Every output with a lower sequence is settled: sent, and acknowledged together with
+    /// everything sent before it. A checkpoint leaves these out of the outbox.
+    pub(crate) fn settled_below(&self) -> u64 {
+        self.inflight
+            .first_key_value()
+            .map_or(self.cursor, |(&seq, _)| seq)
     }
 
     /// Nothing awaits a PUBACK.
@@ -76,6 +133,10 @@ impl Publisher {
 mod tests {
     use super::*;
 
+    fn ids(v: Vec<(u64, String)>) -> Vec<u64> {
+        v.into_iter().map(|(s, _)| s).collect()
+    }
+
     #[test]
     fn nothing_is_sent_while_disconnected_whatever_the_window() {
         let mut p = Publisher::new(0);
@@ -99,10 +160,10 @@ mod tests {
         p.sent("b".into(), 41);
         assert_eq!(p.cursor(), 42);
         assert!(!p.idle());
-        assert_eq!(p.acked("b"), Some(41));
-        assert_eq!(p.acked("b"), None, "a second PUBACK deletes nothing");
-        assert_eq!(p.acked("x"), None, "not ours");
-        assert_eq!(p.acked("a"), Some(40));
+        assert_eq!(p.acked("a"), vec![(40, "a".to_string())]);
+        assert_eq!(p.acked("a"), vec![], "a second PUBACK deletes nothing");
+        assert_eq!(p.acked("x"), vec![], "not ours");
+        assert_eq!(p.acked("b"), vec![(41, "b".to_string())]);
         assert!(p.idle());
         assert_eq!(p.cursor(), 42, "acks do not move the cursor");
     }
@@ -111,7 +172,48 @@ mod tests {
     fn a_restart_begins_at_the_oldest_entry_and_sends_it_again() {
         let p = Publisher::new(7);
         assert_eq!(p.cursor(), 7);
+        assert_eq!(p.settled_below(), 7, "nothing below the outbox is waiting");
         assert!(p.idle());
         assert!(!p.is_connected());
+    }
+
+    #[test]
+    fn only_a_prefix_of_acknowledged_outputs_is_settled_whatever_the_ack_order() {
+        let mut p = Publisher::new(0);
+        for (i, id) in ["a", "b", "c", "d"].iter().enumerate() {
+            p.sent(id.to_string(), i as u64);
+        }
+        assert_eq!(p.settled_below(), 0);
+        // Out of order (a reconnect): c and b wait for a.
+        assert_eq!(ids(p.acked("c")), Vec::<u64>::new());
+        assert_eq!(ids(p.acked("b")), Vec::<u64>::new());
+        assert_eq!(p.settled_below(), 0, "b and c are acked but a is not");
+        assert_eq!(
+            ids(p.acked("a")),
+            vec![0, 1, 2],
+            "a settles b and c with it"
+        );
+        assert_eq!(p.settled_below(), 3);
+        assert_eq!(ids(p.acked("d")), vec![3]);
+        assert_eq!(p.settled_below(), 4, "nothing in flight: up to the cursor");
+        assert!(p.idle());
+    }
+
+    #[test]
+    fn a_checkpoint_keeps_every_output_at_or_above_the_settled_prefix() {
+        // The checkpoint's outputs are seqs 5..10; 5..7 were sent and acknowledged, 7 and 8
+        // are on the wire, 9 was not sent. The outbox gets exactly 7, 8 and 9.
+        let mut p = Publisher::new(5);
+        for s in 5..9 {
+            p.sent(format!("o{s}"), s);
+        }
+        p.acked("o5");
+        p.acked("o6");
+        p.acked("o8");
+        let kept: Vec<u64> = (5..10).filter(|s| *s >= p.settled_below()).collect();
+        assert_eq!(kept, vec![7, 8, 9]);
+        // After the checkpoint, 7's PUBACK settles 7 and 8: both are outbox entries now.
+        assert_eq!(ids(p.acked("o7")), vec![7, 8]);
+        assert_eq!(p.cursor(), 9, "9 is read from the outbox next");
     }
 }

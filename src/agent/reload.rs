@@ -2,6 +2,11 @@
 //! level, limits, intervals). Anything else (broker connection, storage, pipelines, log
 //! framing) is reported and left for a restart. A config with problems changes nothing.
 //!
+//! Pipelines never change here: results leave before their checkpoint, so a pipeline change
+//! must take effect at a checkpoint boundary, which the restart gives (a clean stop
+//! checkpoints everything; after a crash, `boundary` replays the tail under the old
+//! pipelines first).
+//!
 //! [`diff`] decides from the two configs alone; [`Agent::reload`] reads the file and
 //! carries the plan out.
 

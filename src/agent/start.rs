@@ -15,6 +15,7 @@ use crate::processor::{ProcessError, Processor, ReplayStats};
 use crate::quarantine::Quarantine;
 use crate::store::Store;
 
+use super::boundary;
 use super::checkpointer::Checkpointer;
 use super::figures::{Refresh, note_savepoint_files};
 use super::ingest::Ingest;
@@ -67,7 +68,7 @@ impl Agent {
             }
         })?;
         let log = open_log(&cfg, &sync)?;
-        let mut proc = open_processor(&cfg, &sync, reset)?;
+        let mut proc = open_processor(&cfg, &sync, reset, &log, started, clock.as_ref())?;
         if log.next_offset() < proc.next_offset() {
             return Err(AgentError::Process(ProcessError::LogBehind {
                 checkpoint: proc.next_offset(),
@@ -87,6 +88,18 @@ impl Agent {
             clock.wall_ms(),
             clock.monotonic(),
         );
+        // From here on the checkpoint's fsync runs beside the loop (`fsync`).
+        proc.defer_sync();
+        let opened = proc.store().progress()?;
+        let fsync = super::fsync::Fsync::start(
+            proc.store().syncer(),
+            opened.next_offset,
+            super::backfill::retention_floor(&opened, &cfg),
+        )
+        .map_err(|source| crate::store::StoreError::Io {
+            path: cfg.store_dir(),
+            source,
+        })?;
         let (mqtt, uplink, events) = subscribe(&cfg)?;
         let first_seq = proc
             .store()
@@ -110,6 +123,7 @@ impl Agent {
             ingest: Ingest::new(receipt),
             publisher: Publisher::new(first_seq),
             checkpointer,
+            fsync,
             space,
             stats: Stats::default(),
             dead_letter_log: crate::logging::RateLimit::new(10, Duration::from_secs(60)),
@@ -146,20 +160,61 @@ fn open_log(cfg: &Config, sync: &Durability) -> Result<Log, AgentError> {
     Ok(log)
 }
 
-/// Open the store, the pipelines' definitions and generations, and the quarantine.
+/// Open the store, settle the log tail under the pipelines of the last run if they changed
+/// (see `boundary`), record the pipelines this run uses, and open the processor.
 fn open_processor(
     cfg: &Config,
     sync: &Durability,
     reset: &[String],
+    log: &Log,
+    started: Instant,
+    clock: &dyn Clock,
 ) -> Result<Processor, AgentError> {
-    let store = Store::open_with(
+    let mut store = Store::open_with(
         &cfg.store_dir(),
         cfg.storage.cache_size,
         sync.clone(),
         cfg.store_bounds(),
     )?;
+    if let Some(old) = boundary::last_run(cfg) {
+        if boundary::must_settle(&store, &old, &cfg.pipelines)? {
+            log::info!(
+                "pipelines changed since the last run ({}): replaying the log tail under the \
+                 old definitions and checkpointing first, so that no result that may have gone \
+                 out is computed again differently",
+                boundary::changed_names(&old, &cfg.pipelines)
+            );
+            let old_cfg = Config {
+                pipelines: old,
+                ..cfg.clone()
+            };
+            let mut proc = with_quarantine(
+                &old_cfg,
+                sync,
+                Processor::open(store, old_cfg.pipelines.clone())?,
+            )?;
+            if log.next_offset() > proc.next_offset() {
+                replay(&old_cfg, log, &mut proc, started, clock)?;
+            }
+            store = proc.into_store();
+        }
+    }
     let generations = cfg.storage.data_dir.join(crate::generations::FILE_NAME);
-    let mut proc = Processor::open_with(store, cfg.pipelines.clone(), reset, Some(&generations))?;
+    let proc = Processor::open_with(store, cfg.pipelines.clone(), reset, Some(&generations))?;
+    boundary::record(cfg, sync).map_err(|source| crate::log::LogError::Io {
+        op: "record the running pipelines",
+        path: cfg.storage.data_dir.join(boundary::FILE_NAME),
+        source,
+    })?;
+    with_quarantine(cfg, sync, proc)
+}
+
+/// Attach the quarantine file to `proc`.
+fn with_quarantine(
+    cfg: &Config,
+    sync: &Durability,
+    mut proc: Processor,
+) -> Result<Processor, AgentError> {
     let data_dir = &cfg.storage.data_dir;
     let quarantine =
         Quarantine::open(data_dir, sync.clone()).map_err(|source| ProcessError::Quarantine {

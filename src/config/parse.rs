@@ -121,11 +121,16 @@ const DEFAULT_MAX_PAYLOAD: u64 = 256 * KIB;
 /// Room for a record's framing and metadata (topic, offsets, times) beside its payload.
 const RECORD_OVERHEAD: u64 = 64 * KIB;
 
-/// Bounds replay after a crash and the latency until outputs are published.
-const DEFAULT_CHECKPOINT_INTERVAL_MS: u64 = 200;
+/// Bounds replay after a crash (results leave before their checkpoint, so it no longer sets
+/// their latency). 5 s, from the interval curve of `benches/compare.rs` (issue 14, README
+/// "Performance"): bytes written per event fall from ~2,500 at 50 ms to ~340 at 5 s, while
+/// recovery after a kill stays under half a second at the rates this box sustains.
+const DEFAULT_CHECKPOINT_INTERVAL_MS: u64 = 5_000;
 const MAX_CHECKPOINT_INTERVAL_MS: u64 = 3_600_000;
-/// One sled transaction holds a whole checkpoint in memory (~13k 4-tree txn/s, DESIGN §4).
-const DEFAULT_CHECKPOINT_MAX_RECORDS: i64 = 5_000;
+/// One sled transaction holds a whole checkpoint in memory (~13k 4-tree txn/s, DESIGN §4),
+/// and so does the engine's overlay until then (ledger entries, outputs: a few MiB at this
+/// bound). High enough that the interval decides below ~4,000 events/s.
+const DEFAULT_CHECKPOINT_MAX_RECORDS: i64 = 20_000;
 const MAX_CHECKPOINT_MAX_RECORDS: i64 = 1_000_000;
 
 /// Hours of output while the broker is away, at a few kB each: well under the disk.

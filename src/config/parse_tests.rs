@@ -146,8 +146,8 @@ fn a_minimal_config_gets_safe_default_limits() {
     assert_eq!(
         cfg.checkpoint,
         CheckpointConfig {
-            interval: Duration::from_millis(200),
-            max_records: 5000
+            interval: Duration::from_secs(5),
+            max_records: 20_000
         }
     );
     assert_eq!(

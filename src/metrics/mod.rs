@@ -112,6 +112,8 @@ pub struct Figures {
     pub oversize_refused: u64,
     pub published: u64,
     pub pubacked: u64,
+    /// Results published before the checkpoint that commits them (issue 14).
+    pub published_early: u64,
     pub reconnects: u64,
     pub connected: bool,
     pub backpressure: bool,

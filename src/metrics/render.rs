@@ -220,6 +220,12 @@ fn ingest(o: &mut Out, f: &Figures) {
         f.published as f64,
     );
     o.one(
+        "cairn_published_before_checkpoint_total",
+        COUNTER,
+        "Results published before the checkpoint that commits them (their inputs were durable in the log).",
+        f.published_early as f64,
+    );
+    o.one(
         "cairn_pubacked_total",
         COUNTER,
         "Results acknowledged by the broker and deleted from the outbox.",

@@ -1,6 +1,8 @@
 //! The processor core: `apply(record)` over a read-only view of the last checkpoint plus
 //! an in-memory overlay of everything applied since. Pure and deterministic: the same
-//! checkpoint and the same log records give the same write set, byte for byte.
+//! checkpoint and the same log records give the same write set, byte for byte (with the
+//! upserts flushed at the same points: a flush changes which versions are emitted, never an
+//! ID's payload).
 //!
 //! Why one file of ~780 lines: the apply path (dedup, slots, next state, emit, eviction,
 //! and the backfill target that routes a record to one pipeline) is one state machine over
@@ -694,10 +696,7 @@ impl Engine {
     /// checkpoint's; if the commit then fails, the engine is stale and the process must
     /// restart from the store.
     pub fn take_checkpoint(&mut self) -> Checkpoint {
-        let touched = std::mem::take(&mut self.touched);
-        for ((p, skey), (st, topic)) in touched {
-            self.emit(p, &skey, &st, topic);
-        }
+        self.flush_upserts();
         for (p, spec) in self.specs.iter().enumerate() {
             // Expired: `now - seen >= window`, and the pipeline's clock never goes back (a
             // backfill's clock stays below the log clock, which it then joins).
@@ -716,6 +715,25 @@ impl Engine {
             progress: self.progress.clone(),
             batch: std::mem::take(&mut self.batch),
         }
+    }
+
+    /// Emit the upserts of the keys touched since the last flush: one output per key (and
+    /// window), its newest version. The agent flushes after each processed log commit, so
+    /// upserts leave at log-commit latency; replay flushes only at its checkpoints. Either
+    /// way an ID's payload is the state at that version, so where the flushes fall changes
+    /// which versions are emitted, never what one ID carries.
+    pub fn flush_upserts(&mut self) {
+        let touched = std::mem::take(&mut self.touched);
+        for ((p, skey), (st, topic)) in touched {
+            self.emit(p, &skey, &st, topic);
+        }
+    }
+
+    /// Outputs emitted since the last checkpoint, in sequence order. Their inputs are
+    /// durable in the log (records are applied only after their fsync); they are not yet in
+    /// the store.
+    pub fn pending_outputs(&self) -> &[(u64, Output)] {
+        &self.batch.outputs
     }
 
     /// Ledger sizes as the store counts them after a commit (they depend on when the store

@@ -42,6 +42,22 @@ impl Store {
         cp: &Checkpoint,
         committed_at_ms: u64,
     ) -> Result<CheckpointInfo, StoreError> {
+        let info = self.commit_unsynced(cp, committed_at_ms)?;
+        let fp = |name| crate::failpoint::hit(name).map_err(io_err(&self.dir));
+        fp("checkpoint.before_fsync")?;
+        self.sync()?;
+        fp("checkpoint.after_fsync")?;
+        Ok(info)
+    }
+
+    /// [`Store::commit`] without the fsync: the checkpoint is visible and atomic, and
+    /// durable once a [`super::Syncer`] (or [`Store::sync`]) has run after it. Until then a
+    /// crash leaves the previous checkpoint, as if this one had not begun.
+    pub fn commit_unsynced(
+        &self,
+        cp: &Checkpoint,
+        committed_at_ms: u64,
+    ) -> Result<CheckpointInfo, StoreError> {
         let prev = self.progress()?;
         assert!(
             cp.progress.next_offset >= prev.next_offset,
@@ -86,10 +102,6 @@ impl Store {
         self.transaction(&writes)?;
         mem.dead = dead_stats;
         self.update_memory(mem, added, dropped, out_chunks, out_bytes)?;
-        let fp = |name| crate::failpoint::hit(name).map_err(io_err(&self.dir));
-        fp("checkpoint.before_fsync")?;
-        self.sync()?;
-        fp("checkpoint.after_fsync")?;
         Ok(info)
     }
 

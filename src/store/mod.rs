@@ -6,7 +6,8 @@
 //!   the progress record (`next_offset`, checkpoint id, counters) for the log range
 //!   `[prev.next_offset, next_offset)` are written in **one** sled transaction over all the
 //!   trees, then `Db::flush()`, then a real `fsync` of sled's `db` file. [`Store::commit`]
-//!   returns only after that fsync. A checkpoint that did not complete does not exist:
+//!   returns only after that fsync; [`Store::commit_unsynced`] leaves it to a [`Syncer`]
+//!   (the agent's fsync thread), and the checkpoint is durable only once that has run. A checkpoint that did not complete does not exist:
 //!   recovery sees the previous one and replays from its `next_offset` (invariant 2;
 //!   `tests/it/checkpoint.rs::a_crash_before_commit_leaves_the_previous_checkpoint`).
 //! - `next_offset` never decreases and `checkpoint_id` rises by one per commit
@@ -454,6 +455,31 @@ impl Store {
 
     /// `flush()` and then the real fsync that `flush()` alone does not give.
     pub fn sync(&self) -> Result<(), StoreError> {
+        self.syncer().sync()
+    }
+
+    /// A handle that makes durable, from another thread, everything committed so far (see
+    /// [`Store::commit_unsynced`]).
+    pub fn syncer(&self) -> Syncer {
+        Syncer {
+            db: self.db.clone(),
+            dir: self.dir.clone(),
+            sync: self.sync.clone(),
+        }
+    }
+}
+
+/// [`Store::sync`], for another thread: the agent's checkpoint fsync runs beside its loop.
+#[derive(Clone)]
+pub struct Syncer {
+    db: sled::Db,
+    dir: PathBuf,
+    sync: Durability,
+}
+
+impl Syncer {
+    /// `flush()` and then the real fsync that `flush()` alone does not give.
+    pub fn sync(&self) -> Result<(), StoreError> {
         self.db.flush()?;
         if crate::failpoint::enabled("unsafe.skip_store_fsync") {
             return Ok(()); // deliberately unsafe build for the crash harness's own test
@@ -465,6 +491,12 @@ impl Store {
             .map_err(io_err(&path))
     }
 
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Store {
     /// Forget the state and dedup ledgers of `pipelines` (reset, or dropped because no
     /// longer configured) and record `progress`, all in one transaction followed by the
     /// fsync, like a checkpoint: after a crash either all of it happened or none. With no

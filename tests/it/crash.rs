@@ -278,6 +278,10 @@ struct Figures {
     events: u64,
     failpoints_fired: u64,
     recovery_ms: Vec<u64>,
+    /// Runs that published results before their checkpoint.
+    published_early: u64,
+    /// Results the verifying run published before their checkpoint.
+    published_early_last: u64,
 }
 
 const FAILPOINTS: &[&str] = &[
@@ -295,6 +299,7 @@ const FAILPOINTS: &[&str] = &[
     "outbox.after_publish",
     "outbox.before_delete",
     "outbox.after_delete",
+    "publish.acked_before_checkpoint",
 ];
 
 struct Harness {
@@ -453,6 +458,21 @@ impl Harness {
             ));
         }
         self.figures.recovery_ms = self.agent.recovery_ms();
+        // Results leave before their checkpoint (issue 14): some run must have done so, or
+        // the checks below would only cover the checkpoint-first publisher. (The last run
+        // may send everything from the outbox: a backlog can outlast a checkpoint interval.)
+        let journal = self.agent.stderr();
+        let early_runs = journal
+            .matches("publish: results now leave before their checkpoint")
+            .count() as u64;
+        if early_runs == 0 {
+            return Err(format!(
+                "no run published a result before its checkpoint:\n{}",
+                self.agent.stderr_tail(20)
+            ));
+        }
+        self.figures.published_early = early_runs;
+        self.figures.published_early_last = published_early(&self.agent.run_stderr()).unwrap_or(0);
         // sled puts log items over 128 KiB in blob files it never fsyncs; the store keeps its
         // values small so that it never does (src/store/ledger.rs). A blob seen here is a
         // torn write waiting to happen.
@@ -539,6 +559,7 @@ fn compare(agent: &CairnProcess, outputs: &Collector, o: &Oracle, port: u16) -> 
             "{conflicting} output IDs arrived with two different payloads"
         ));
     }
+    problems.extend(version_regressions(&outputs.messages()));
 
     // 3. Retained outputs: the latest value of every key and window.
     let retained = Collector::start(port, "#");
@@ -621,6 +642,56 @@ fn compare(agent: &CairnProcess, outputs: &Collector, o: &Oracle, port: u16) -> 
     }
 }
 
+/// No version regression per key (issue 14): taking, in arrival order, only the IDs seen for
+/// the first time (a re-send after a crash repeats an ID, and the consumer drops it), the
+/// versions of each result topic (a key, or a key's window) strictly ascend. Together with
+/// the retained values equal to the oracle (section 3 of [`compare`]), this says a consumer
+/// never sees a key go back to an older value, across any crash.
+fn version_regressions(messages: &[crate::support::Seen]) -> Vec<String> {
+    let mut seen_ids = HashSet::new();
+    let mut newest: HashMap<&str, u64> = HashMap::new();
+    let mut problems = Vec::new();
+    for m in messages {
+        if !(m.topic.starts_with("sums/") || m.topic.starts_with("win/")) {
+            continue;
+        }
+        let Ok(v) = serde_json::from_slice::<serde_json::Value>(&m.payload) else {
+            problems.push(format!("a result on {} is not JSON", m.topic));
+            continue;
+        };
+        let (Some(id), Some(version)) = (v["id"].as_str(), v["version"].as_u64()) else {
+            problems.push(format!("a result on {} has no id or version", m.topic));
+            continue;
+        };
+        if !seen_ids.insert(id.to_string()) {
+            continue;
+        }
+        if let Some(&before) = newest.get(m.topic.as_str()) {
+            if version <= before && problems.len() < 10 {
+                problems.push(format!(
+                    "version regression on {}: first-seen {id} (version {version}) after version {before}",
+                    m.topic
+                ));
+            }
+        }
+        let e = newest.entry(m.topic.as_str()).or_insert(version);
+        *e = (*e).max(version);
+    }
+    problems
+}
+
+/// How many results the last run published before their checkpoint, from its shutdown line.
+fn published_early(journal: &str) -> Option<u64> {
+    let line = journal
+        .lines()
+        .rev()
+        .find(|l| l.contains("results published before their checkpoint"))?;
+    let before = line
+        .split(" results published before their checkpoint")
+        .next()?;
+    before.rsplit(' ').next()?.parse().ok()
+}
+
 fn env_count(name: &str, default: u64) -> u64 {
     std::env::var(name)
         .ok()
@@ -640,12 +711,14 @@ fn report(what: &str, h: &Harness) {
         r.iter().sum::<u64>() as f64 / r.len() as f64
     };
     println!(
-        "{what}: cycles {}, events {}, failpoints fired {}, starts {}, mean recovery {mean:.1} ms, max {} ms, lost 0, double-counted 0",
+        "{what}: cycles {}, events {}, failpoints fired {}, starts {}, mean recovery {mean:.1} ms, max {} ms, lost 0, double-counted 0, runs that published before their checkpoint {} (results in the last run {})",
         h.figures.cycles,
         h.figures.events,
         h.figures.failpoints_fired,
         r.len(),
-        r.iter().max().copied().unwrap_or(0)
+        r.iter().max().copied().unwrap_or(0),
+        h.figures.published_early,
+        h.figures.published_early_last
     );
 }
 
@@ -727,4 +800,140 @@ fn the_harness_detects_loss_in_an_unsafe_build_that_acks_before_fsync() {
         "an agent that acks before fsync lost nothing in 48 power cuts: the harness has no teeth",
     );
     println!("detected, as it must be:\n{e}");
+}
+
+/// Issue 14, focused: the agent is killed after the broker acknowledged a result and before
+/// the checkpoint that commits it (the checkpoint interval is an hour, so none runs). The
+/// consumer already has the result while the store holds nothing; after a restart replay
+/// computes it again, it goes out again with the same ID and the same payload, and the
+/// final state and retained values are the oracle's.
+#[test]
+fn a_kill_after_publish_and_before_the_checkpoint_resends_the_same_id_with_the_same_payload() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = AgentConfig::new(broker.port(), PIPELINES);
+    cfg.client_id = unique_id("early").replace('-', "_");
+    cfg.data_dir = Some(dir.path().join("data"));
+    cfg.checkpoint = "interval = \"1h\"\nmax_records = 100000\n".into();
+    let mut agent = CairnProcess::new(&cfg);
+    agent.set_log_filter(Some("info"));
+    let outputs = Collector::start(broker.port(), "#");
+    // A first clean run sets up the persistent session, so the broker queues for the agent.
+    agent.start_connected();
+    assert_eq!(
+        agent.terminate().code(),
+        Some(0),
+        "{}",
+        agent.stderr_tail(30)
+    );
+    start_with_failpoints(&mut agent, "publish.acked_before_checkpoint=abort");
+    agent.wait_connected(Duration::from_secs(20));
+    let inputs: Vec<Input> = (0..6u64)
+        .map(|i| {
+            Input::Event(Event {
+                id: format!("X{i}"),
+                key: format!("K{}", i % 2),
+                value: 10 + i as i64,
+                ts: BASE_TS + 100 * i,
+            })
+        })
+        .collect();
+    let msgs: Vec<(String, Vec<u8>, bool)> = inputs
+        .iter()
+        .map(|i| ("in/dev".to_string(), i.payload(), false))
+        .collect();
+    publish_all(broker.port(), &msgs);
+    assert!(
+        agent.wait_exit(Duration::from_secs(20)).is_some(),
+        "the failpoint never fired: no result was acknowledged before its checkpoint:\n{}",
+        agent.stderr_tail(30)
+    );
+    let results = |c: &Collector| -> Vec<(String, Vec<u8>)> {
+        c.messages()
+            .into_iter()
+            .filter(|m| m.topic.starts_with("sums/"))
+            .filter_map(|m| {
+                let v: serde_json::Value = serde_json::from_slice(&m.payload).ok()?;
+                Some((v["id"].as_str()?.to_string(), m.payload))
+            })
+            .collect()
+    };
+    // The broker delivers what it acknowledged; give the collector a moment.
+    assert!(
+        wait_until(Duration::from_secs(5), || !results(&outputs).is_empty()),
+        "the consumer has no result although the broker acknowledged one"
+    );
+    let before = results(&outputs);
+    let (code, out, err) = cli(&agent, &["inspect", "checkpoints", "--json"]);
+    assert_eq!(code, 0, "inspect checkpoints: {err}");
+    assert!(
+        out.trim().is_empty(),
+        "a checkpoint was committed before the kill, so the result was not early:\n{out}"
+    );
+    // Restart without the failpoint: replay computes the results again and sends them.
+    start_with_failpoints(&mut agent, "");
+    let o = oracle(&inputs);
+    assert!(
+        wait_until(Duration::from_secs(30), || {
+            let ids: HashSet<String> = results(&outputs).into_iter().map(|r| r.0).collect();
+            ids.len() as u64 >= o.applied[0]
+                && before
+                    .iter()
+                    .all(|(id, _)| results(&outputs).iter().filter(|(i, _)| i == id).count() >= 2)
+        }),
+        "after the restart the results did not all arrive, each early one again:\n{}",
+        agent.stderr_tail(30)
+    );
+    assert_eq!(
+        agent.terminate().code(),
+        Some(0),
+        "{}",
+        agent.stderr_tail(30)
+    );
+    let all = results(&outputs);
+    for (id, payload) in &before {
+        let again: Vec<&Vec<u8>> = all
+            .iter()
+            .filter(|(i, _)| i == id)
+            .map(|(_, p)| p)
+            .collect();
+        assert!(
+            again.len() >= 2,
+            "{id} was not sent again after the restart"
+        );
+        assert!(
+            again.iter().all(|p| *p == payload),
+            "{id} carried two payloads across the crash"
+        );
+    }
+    if let Err(e) = compare(&agent, &outputs, &o, broker.port()) {
+        panic!("after a kill between publish and checkpoint the agent deviates:\n{e}");
+    }
+}
+
+/// The checker itself: an older version first seen after a newer one is a regression; a
+/// re-sent ID (any version) is not, and neither are other keys' versions.
+#[test]
+fn the_version_check_flags_an_older_first_seen_version_after_a_newer_one() {
+    let seen = |topic: &str, id: &str, version: u64| crate::support::Seen {
+        topic: topic.into(),
+        payload: format!(r#"{{"id":"{id}","version":{version}}}"#).into_bytes(),
+        retain: false,
+    };
+    let fine = [
+        seen("sums/A", "sums/A/1", 1),
+        seen("sums/B", "sums/B/1", 1),
+        seen("sums/A", "sums/A/2", 2),
+        seen("sums/A", "sums/A/1", 1), // a re-send after a restart
+        seen("sums/A", "sums/A/3", 3),
+    ];
+    assert!(version_regressions(&fine).is_empty());
+    let regressed = [
+        seen("win/A/0", "windows/A/0/1", 1),
+        seen("win/A/0", "windows/A/0/3", 3),
+        seen("win/A/0", "windows/A/0/2", 2),
+    ];
+    let problems = version_regressions(&regressed);
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(problems[0].contains("windows/A/0/2"), "{problems:?}");
 }

@@ -16,6 +16,7 @@ mod config_errors;
 mod crash;
 mod definitions;
 mod e2e;
+mod early;
 mod faults;
 mod field;
 mod hostile;

@@ -60,7 +60,7 @@ fn sighup_applies_safe_changes_reports_the_rest_and_keeps_running() {
     let text = config(
         broker.port(),
         &id,
-        "[logging]\nlevel = \"debug\"\n\n[outbox]\nmax_entries = 9000\n",
+        "[logging]\nlevel = \"debug\"\n\n[outbox]\nmax_entries = 90000\n",
         "sum",
     );
     run.rewrite_config(&text);

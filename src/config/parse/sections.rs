@@ -407,8 +407,8 @@ impl Validator {
                     (1..=MAX_CHECKPOINT_INTERVAL_MS).contains(&ms),
                     || {
                         format!(
-                            "must be between 1ms and 1h, found {}: outputs are published only \
-                             after the checkpoint that made them",
+                            "must be between 1ms and 1h, found {}: replay after a crash \
+                             starts at the last checkpoint",
                             format_duration_ms(ms)
                         )
                     },
