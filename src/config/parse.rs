@@ -459,7 +459,16 @@ impl Validator {
             outbox.as_ref().map(|o| o.inflight),
         );
         let storage = self.storage(raw.storage.unwrap_or_default());
-        let checkpoint = self.checkpoint(raw.checkpoint.unwrap_or_default());
+        let max_records_given = raw
+            .checkpoint
+            .as_ref()
+            .is_some_and(|c| c.max_records.is_some());
+        let mut checkpoint = self.checkpoint(raw.checkpoint.unwrap_or_default());
+        if let (Some(o), Some(c), false) = (&outbox, &mut checkpoint, max_records_given) {
+            // The default follows a smaller outbox bound written for an older default, so
+            // such a config keeps loading (a box must not need a person after an upgrade).
+            c.max_records = c.max_records.min(o.max_entries);
+        }
         if let (Some(o), Some(c)) = (&outbox, &checkpoint) {
             self.require("outbox.max_entries", o.max_entries >= c.max_records, || {
                 format!(

@@ -1064,3 +1064,22 @@ fn start_is_latest_by_default_or_earliest_and_nothing_else() {
         "expected \"latest\" or \"earliest\"",
     );
 }
+
+#[test]
+fn the_checkpoint_record_default_follows_a_smaller_outbox_bound_but_a_written_one_is_checked() {
+    // A config written for the older 5,000-record default still loads.
+    let cfg = parse(&with("outbox", "max_entries = 9000")).unwrap();
+    assert_eq!(cfg.checkpoint.max_records, 9000);
+    assert_eq!(
+        parse(MINIMAL).unwrap().checkpoint.max_records,
+        20_000,
+        "the default otherwise"
+    );
+    let text = with("outbox", "max_entries = 9000");
+    let text = format!("{text}\n[checkpoint]\nmax_records = 10000\n");
+    let e = parse(&text).unwrap_err().to_string();
+    assert!(
+        e.contains("outbox.max_entries") && e.contains("at least checkpoint.max_records"),
+        "{e}"
+    );
+}
