@@ -440,21 +440,27 @@ fn a_kill_in_the_middle_of_a_backfill_resumes_it_without_loss_or_double_counting
     let broker = Broker::start();
     let (mut agent, _cfg) = logged(&broker, (1500, 100, 0), "1h");
 
-    // Killed after the 4th slice was applied, before its checkpoint: 3 committed.
+    // Killed after the 4th slice was applied, before its checkpoint: 3 committed, and the
+    // 2nd or the 3rd durable (the checkpoint's fsync runs beside the loop, issue 14).
     crash_with(&mut agent, "backfill.after_slice=abort@4");
     let v = status(&agent);
     let left = pipeline_status(&v, "back")["backfill_left"]
         .as_u64()
         .unwrap();
-    assert_eq!(left, 1600 - 300, "{v}");
+    assert!([1600 - 200, 1600 - 300].contains(&left), "{v}");
     let (_, text, _) = agent.command(&["status", "--offline"]);
-    assert!(text.contains("backfilling: 1300 records left"), "{text}");
-    // Killed right after a backfill checkpoint committed.
-    crash_with(&mut agent, "checkpoint.after_commit=abort@3");
     assert!(
-        agent
-            .run_stderr()
-            .contains("resuming its backfill at log offset 300")
+        text.contains(&format!("backfilling: {left} records left")),
+        "{text}"
+    );
+    // Killed right after a backfill checkpoint committed; it resumes where the last run's
+    // durable checkpoint left it.
+    crash_with(&mut agent, "checkpoint.after_commit=abort@3");
+    let resumed = format!("resuming its backfill at log offset {}", 1600 - left);
+    assert!(
+        agent.run_stderr().contains(&resumed),
+        "{resumed}:\n{}",
+        agent.stderr_tail(20)
     );
     // And a SIGKILL wherever it lands.
     agent.start();

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use crate::support::agent::{AgentConfig, CairnProcess};
-use crate::support::{Broker, publish_all, unique_id, wait_until};
+use crate::support::{Broker, Collector, publish_all, unique_id, wait_until};
 
 /// The reload tests' agent: fast reconnects, a small log, checkpoints every 20 ms, the
 /// `balances` pipeline with `aggregate`, and `extra` tables (`[logging]`, `[outbox]`, ...)
@@ -104,6 +104,7 @@ fn a_changed_pipeline_is_refused_until_it_is_named_for_reset() {
     let broker = Broker::start();
     let id = unique_id("reset").replace('-', "_");
     let mut run = agent(&config(broker.port(), &id, "", "sum"));
+    let results = Collector::start(broker.port(), "balances/#");
     run.start();
     wait_log(&run, "mqtt: connected");
     publish_all(
@@ -113,7 +114,19 @@ fn a_changed_pipeline_is_refused_until_it_is_named_for_reset() {
             ("pay/x".into(), b"E2/A/7".to_vec(), false),
         ],
     );
-    std::thread::sleep(Duration::from_millis(500));
+    // Not a fixed sleep: under a loaded CI box the two inputs took longer than 500 ms.
+    // Results leave once processed, before their checkpoint; TERM then checkpoints.
+    assert!(
+        wait_until(Duration::from_secs(30), || results
+            .latest()
+            .get("balances/A")
+            .is_some_and(
+                |p| String::from_utf8_lossy(p).contains("\"value\":12")
+            )),
+        "{:?}\n{}",
+        results.latest(),
+        run.stderr_tail(20)
+    );
     run.signal("TERM");
     assert_eq!(wait(&mut run), 0);
     assert_eq!(run.inspect("state")[0]["value"], 12);
