@@ -29,6 +29,9 @@ const DISCONNECT_GRACE: Duration = Duration::from_secs(1);
 const LINGER_GRACE: Duration = Duration::from_millis(500);
 /// Step while the caller's event channel is full.
 const EVENT_FULL_WAIT: Duration = Duration::from_millis(1);
+/// At most this many events are handed to the caller per wake-up (rumqttc reads at most 10
+/// packets per burst, each of which can add an event or two).
+const MAX_BATCH: usize = 64;
 
 pub(crate) struct Worker {
     eventloop: EventLoop,
@@ -50,6 +53,8 @@ pub(crate) struct Worker {
     last_reason: Option<String>,
     /// Failed connect attempts since the connection was last up.
     attempts: u32,
+    /// Events for the caller, handed over together by [`Self::flush`].
+    batch: Vec<Event>,
 }
 
 impl Worker {
@@ -79,6 +84,7 @@ impl Worker {
             down_announced: false,
             last_reason: None,
             attempts: 0,
+            batch: Vec::with_capacity(MAX_BATCH),
         }
     }
 
@@ -91,7 +97,18 @@ impl Worker {
                 polled = self.eventloop.poll() => polled,
             };
             match polled {
-                Ok(event) => self.on_event(event, false).await,
+                Ok(event) => {
+                    self.on_event(event, false);
+                    // One read burst, one handoff: rumqttc buffers every packet of the read
+                    // that produced this event; take them all, then hand them over back to
+                    // back, so the caller wakes once for the lot, not once per event.
+                    while self.batch.len() < MAX_BATCH
+                        && let Some(event) = self.eventloop.state.events.pop_front()
+                    {
+                        self.on_event(event, false);
+                    }
+                    self.flush().await;
+                }
                 Err(e) => self.on_error(e).await,
             }
             pump_once(&self.client, &self.inner);
@@ -108,11 +125,10 @@ impl Worker {
     }
 
     /// `stale`: the event was buffered by rumqttc on a connection that has since failed.
-    async fn on_event(&mut self, event: rumqttc::Event, stale: bool) {
+    /// Emitted events wait in `batch` for [`Self::flush`].
+    fn on_event(&mut self, event: rumqttc::Event, stale: bool) {
         match event {
-            rumqttc::Event::Incoming(Packet::ConnAck(ack)) => {
-                self.on_connack(ack.session_present).await
-            }
+            rumqttc::Event::Incoming(Packet::ConnAck(ack)) => self.on_connack(ack.session_present),
             rumqttc::Event::Incoming(Packet::Publish(p)) => {
                 let qos = match p.qos {
                     QoS::AtMostOnce => 0,
@@ -134,12 +150,12 @@ impl Worker {
                     dup: p.dup,
                     token,
                 };
-                self.emit(Event::Message(msg)).await;
+                self.emit(Event::Message(msg));
             }
             rumqttc::Event::Incoming(Packet::PubAck(ack)) => {
                 let resolved = self.inner.lock().pubs.on_puback(ack.pkid);
                 match resolved {
-                    Some(output_id) => self.emit(Event::PubAcked { output_id }).await,
+                    Some(output_id) => self.emit(Event::PubAcked { output_id }),
                     None => error!("PUBACK for packet id {} that names no publish", ack.pkid),
                 }
             }
@@ -171,7 +187,7 @@ impl Worker {
         }
     }
 
-    async fn on_connack(&mut self, session_present: bool) {
+    fn on_connack(&mut self, session_present: bool) {
         self.epoch += 1;
         self.connected = true;
         let requeued = {
@@ -224,7 +240,7 @@ impl Worker {
         self.last_reason = None;
         self.attempts = 0;
         self.backoff = self.backoff_min;
-        self.emit(Event::Connected { session_present }).await;
+        self.emit(Event::Connected { session_present });
     }
 
     async fn on_error(&mut self, e: ConnectionError) {
@@ -238,7 +254,7 @@ impl Worker {
             // that must bind before a lost session re-queues everything). Take them now.
             let buffered: Vec<_> = self.eventloop.state.events.drain(..).collect();
             for event in buffered {
-                self.on_event(event, true).await;
+                self.on_event(event, true);
             }
             self.check_unbound();
             warn!(
@@ -264,8 +280,9 @@ impl Worker {
         self.last_reason = Some(reason.clone());
         if !self.down_announced {
             self.down_announced = true;
-            self.emit(Event::Disconnected { reason }).await;
+            self.emit(Event::Disconnected { reason });
         }
+        self.flush().await;
         let delay = self.next_delay();
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}
@@ -301,26 +318,35 @@ impl Worker {
         base.mul_f64(0.5 + 0.5 * frac)
     }
 
-    /// Hands an event to the caller, waiting while its channel is full (that is the
-    /// backpressure: we stop reading from the broker). Gives up at shutdown.
-    async fn emit(&mut self, mut event: Event) {
-        loop {
-            match self.events.try_send(event) {
-                Ok(()) => return,
-                Err(TrySendError::Full(back)) => {
-                    if self.stopping() {
-                        return;
+    /// Queues an event for the caller; [`Self::flush`] hands it over.
+    fn emit(&mut self, event: Event) {
+        self.batch.push(event);
+    }
+
+    /// Hands the queued events to the caller in order, waiting while its channel is full
+    /// (that is the backpressure: we stop reading from the broker). Gives up at shutdown.
+    async fn flush(&mut self) {
+        let mut batch = std::mem::take(&mut self.batch);
+        'events: for mut event in batch.drain(..) {
+            loop {
+                match self.events.try_send(event) {
+                    Ok(()) => break,
+                    Err(TrySendError::Full(back)) => {
+                        if self.stopping() {
+                            break 'events; // the rest is dropped with the caller's channel
+                        }
+                        event = back;
+                        tokio::time::sleep(EVENT_FULL_WAIT).await;
                     }
-                    event = back;
-                    tokio::time::sleep(EVENT_FULL_WAIT).await;
-                }
-                Err(TrySendError::Disconnected(_)) => {
-                    debug!("event receiver dropped: stopping the MQTT thread");
-                    self.inner.stop.store(true, Ordering::SeqCst);
-                    return;
+                    Err(TrySendError::Disconnected(_)) => {
+                        debug!("event receiver dropped: stopping the MQTT thread");
+                        self.inner.stop.store(true, Ordering::SeqCst);
+                        break 'events;
+                    }
                 }
             }
         }
+        self.batch = batch; // keep the allocation
     }
 
     /// After DISCONNECT is written, wait (briefly) for the broker to close the connection.
