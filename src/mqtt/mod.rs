@@ -36,7 +36,10 @@
 //! acks and publishes wake the pump only when its queue was empty, and rumqttc's own
 //! outgoing window is one larger than `publish_inflight` (`options::rumqttc_inflight`): at
 //! rumqttc's limit it stops taking *any* request, so our PUBACKs, stuck behind a full window
-//! of our own publishes, piled up while the broker kept sending.
+//! of our own publishes, piled up while the broker kept sending. Acks do not queue behind
+//! rumqttc's one-request-per-turn either: the event-loop task writes them to the socket
+//! itself between two turns, all queued ones with one flush; the pump puts at most one ack in
+//! the request channel, as a doorbell that ends an idle turn (`worker::pump_once`).
 //!
 //! Deadlock freedom: the caller only does non-blocking queue operations; the pump only uses
 //! `try_*` and retries after the next event-loop event (every request rumqttc takes produces
@@ -194,6 +197,9 @@ struct Queues {
     acks: VecDeque<AckToken>,
     /// Epoch of the live connection, `None` while down.
     live: Option<u64>,
+    /// Acks in rumqttc's request channel, not yet written (at most one: see
+    /// `worker::pump_once`).
+    channel_acks: usize,
     /// The thread has ended.
     stopped: bool,
 }
@@ -278,6 +284,7 @@ impl Mqtt {
                 pubs: Publishes::default(),
                 acks: VecDeque::new(),
                 live: None,
+                channel_acks: 0,
                 stopped: false,
             }),
             wake: tokio::sync::Notify::new(),

@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use log::{debug, error, info, warn};
 use rumqttc::{
-    AsyncClient, ConnectReturnCode, ConnectionError, EventLoop, Outgoing, Packet, QoS, Request,
-    SubscribeFilter, SubscribeReasonCode,
+    AsyncClient, ConnectReturnCode, ConnectionError, EventLoop, Outgoing, Packet, PubAck, PubRec,
+    QoS, Request, SubscribeFilter, SubscribeReasonCode,
 };
 
 use super::binding::Sent;
@@ -55,6 +55,8 @@ pub(crate) struct Worker {
     attempts: u32,
     /// Events for the caller, handed over together by [`Self::flush`].
     batch: Vec<Event>,
+    /// Acks being written by [`Self::write_acks`] (kept for its allocation).
+    ack_buf: Vec<AckToken>,
 }
 
 impl Worker {
@@ -85,6 +87,7 @@ impl Worker {
             last_reason: None,
             attempts: 0,
             batch: Vec::with_capacity(MAX_BATCH),
+            ack_buf: Vec::new(),
         }
     }
 
@@ -111,7 +114,8 @@ impl Worker {
                 }
                 Err(e) => self.on_error(e).await,
             }
-            pump_once(&self.client, &self.inner);
+            self.write_acks().await;
+            pump_once(&self.client, &self.inner, Some(1));
         }
         self.disconnect().await;
         pump.abort();
@@ -179,6 +183,10 @@ impl Worker {
                     }
                 }
             }
+            rumqttc::Event::Outgoing(Outgoing::PubAck(_) | Outgoing::PubRec(_)) => {
+                let mut q = self.inner.lock();
+                q.channel_acks = q.channel_acks.saturating_sub(1);
+            }
             rumqttc::Event::Outgoing(Outgoing::AwaitAck(pkid)) => {
                 warn!("broker acked out of order: publish waits for packet id {pkid}");
                 self.inner.lock().pubs.on_await_ack(pkid);
@@ -193,6 +201,8 @@ impl Worker {
         let requeued = {
             let mut q = self.inner.lock();
             q.live = Some(self.epoch);
+            // rumqttc dropped the acks in its channel when the last connection failed.
+            q.channel_acks = 0;
             if session_present {
                 0
             } else {
@@ -318,6 +328,64 @@ impl Worker {
         base.mul_f64(0.5 + 0.5 * frac)
     }
 
+    /// Writes every queued ack of the live connection straight to the socket, one flush for
+    /// all, between two turns of the event loop (nothing else uses the socket then; rumqttc
+    /// does the same for a request it takes). Not while an ack is in rumqttc's channel: these
+    /// would overtake it. A failed write is a connection error, handled as `poll` does.
+    async fn write_acks(&mut self) {
+        let mut tokens = std::mem::take(&mut self.ack_buf);
+        let live = {
+            let mut q = self.inner.lock();
+            match q.live {
+                Some(live) if q.channel_acks == 0 && !q.acks.is_empty() => {
+                    tokens.extend(q.acks.drain(..));
+                    live
+                }
+                _ => {
+                    self.ack_buf = tokens;
+                    return;
+                }
+            }
+        };
+        let written = self.write_tokens(live, &tokens).await;
+        tokens.clear();
+        self.ack_buf = tokens;
+        if let Err(e) = written {
+            self.eventloop.clean();
+            self.on_error(e).await;
+        }
+    }
+
+    async fn write_tokens(
+        &mut self,
+        live: u64,
+        tokens: &[AckToken],
+    ) -> Result<(), ConnectionError> {
+        let Some(network) = self.eventloop.network.as_mut() else {
+            return Ok(()); // down: the broker redelivers
+        };
+        for t in tokens {
+            if t.epoch != live {
+                debug!(
+                    "dropped an ack for packet id {} from an earlier connection",
+                    t.pkid
+                );
+                continue;
+            }
+            let packet = if t.qos >= 2 {
+                Packet::PubRec(PubRec::new(t.pkid))
+            } else {
+                Packet::PubAck(PubAck::new(t.pkid))
+            };
+            network.write(packet).await?;
+        }
+        let timeout = Duration::from_secs(self.eventloop.network_options.connection_timeout());
+        match tokio::time::timeout(timeout, network.flush()).await {
+            Ok(flushed) => Ok(flushed?),
+            Err(_) => Err(ConnectionError::FlushTimeout),
+        }
+    }
+
     /// Queues an event for the caller; [`Self::flush`] hands it over.
     fn emit(&mut self, event: Event) {
         self.batch.push(event);
@@ -369,7 +437,7 @@ impl Worker {
         if !self.connected {
             return;
         }
-        pump_once(&self.client, &self.inner);
+        pump_once(&self.client, &self.inner, None);
         if self.client.try_disconnect().is_err() {
             return;
         }
@@ -408,7 +476,7 @@ impl Worker {
 async fn pump_task(client: AsyncClient, inner: Arc<Inner>) {
     loop {
         inner.wake.notified().await;
-        pump_once(&client, &inner);
+        pump_once(&client, &inner, Some(1));
     }
 }
 
@@ -416,7 +484,15 @@ async fn pump_task(client: AsyncClient, inner: Arc<Inner>) {
 /// Never awaits (so it cannot interleave with the event loop's error handling) and never
 /// blocks; what does not fit waits for the next event-loop event, which every request rumqttc
 /// takes produces.
-fn pump_once(client: &AsyncClient, inner: &Inner) {
+///
+/// Acks: rumqttc takes one request per turn of its event loop and flushes each on its own,
+/// while a turn may read ten packets, so acks sent this way fell ever further behind a broker
+/// sending a backlog (940k of 1M were once waiting). The worker writes them itself after each
+/// turn ([`Worker::write_acks`]), all at once. Here at most `ack_limit` acks (the worker's
+/// loop passes 1) go through the channel: one is the doorbell that ends an idle event-loop
+/// turn so the worker writes the rest, and while it is in the channel no ack is written past
+/// it. `None` (at shutdown) sends them all this way.
+fn pump_once(client: &AsyncClient, inner: &Inner, ack_limit: Option<usize>) {
     let mut q = inner.lock();
     let Some(live) = q.live else {
         let dropped = q.acks.len();
@@ -427,6 +503,9 @@ fn pump_once(client: &AsyncClient, inner: &Inner) {
         return;
     };
     while let Some(token) = q.acks.front() {
+        if ack_limit.is_some_and(|limit| q.channel_acks >= limit) {
+            break;
+        }
         if token.epoch == live {
             let qos = if token.qos >= 2 {
                 QoS::ExactlyOnce
@@ -438,6 +517,7 @@ fn pump_once(client: &AsyncClient, inner: &Inner) {
             if client.try_ack(&publish).is_err() {
                 break;
             }
+            q.channel_acks += 1;
         } else {
             debug!(
                 "dropped an ack for packet id {} from an earlier connection",
