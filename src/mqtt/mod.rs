@@ -31,6 +31,16 @@
 //! retransmission queue) and the moment we mark the connection down; this is what makes the
 //! packet-id binding exact across reconnects.
 //!
+//! Cost per event (issue 16): the event loop hands the caller all the events of one read
+//! burst back to back (so a waiting caller wakes once per burst, not per event), the caller's
+//! acks and publishes wake the pump only when its queue was empty, and rumqttc's own
+//! outgoing window is one larger than `publish_inflight` (`options::rumqttc_inflight`): at
+//! rumqttc's limit it stops taking *any* request, so our PUBACKs, stuck behind a full window
+//! of our own publishes, piled up while the broker kept sending. Acks do not queue behind
+//! rumqttc's one-request-per-turn either: the event-loop task writes them to the socket
+//! itself between two turns, all queued ones with one flush; the pump puts at most one ack in
+//! the request channel, as a doorbell that ends an idle turn (`worker::pump_once`).
+//!
 //! Deadlock freedom: the caller only does non-blocking queue operations; the pump only uses
 //! `try_*` and retries after the next event-loop event (every request rumqttc takes produces
 //! one); the event loop waits on the caller only when the event channel is full, and then
@@ -187,6 +197,9 @@ struct Queues {
     acks: VecDeque<AckToken>,
     /// Epoch of the live connection, `None` while down.
     live: Option<u64>,
+    /// Acks in rumqttc's request channel, not yet written (at most one: see
+    /// `worker::pump_once`).
+    channel_acks: usize,
     /// The thread has ended.
     stopped: bool,
 }
@@ -271,6 +284,7 @@ impl Mqtt {
                 pubs: Publishes::default(),
                 acks: VecDeque::new(),
                 live: None,
+                channel_acks: 0,
                 stopped: false,
             }),
             wake: tokio::sync::Notify::new(),
@@ -313,9 +327,14 @@ impl Mqtt {
                 limit: self.ack_limit,
             });
         }
+        // One wake per burst: a non-empty queue means the pump has a wake-up pending, or it
+        // left these for lack of room and retries after the next event-loop event anyway.
+        let wake = q.acks.is_empty();
         q.acks.push_back(token);
         drop(q);
-        self.inner.wake.notify_one();
+        if wake {
+            self.inner.wake.notify_one();
+        }
         Ok(())
     }
 
@@ -346,9 +365,12 @@ impl Mqtt {
                 limit: self.publish_limit,
             });
         }
+        let wake = q.pubs.next_to_hand().is_none(); // as in `ack`
         q.pubs.accept(output_id, topic.to_owned(), payload, retain);
         drop(q);
-        self.inner.wake.notify_one();
+        if wake {
+            self.inner.wake.notify_one();
+        }
         Ok(())
     }
 

@@ -37,7 +37,7 @@ pub(crate) fn build(cfg: &MqttConfig, publish_inflight: u16) -> Result<MqttOptio
     opts.set_keep_alive(keep_alive)
         .set_clean_session(false)
         .set_manual_acks(true)
-        .set_inflight(publish_inflight)
+        .set_inflight(rumqttc_inflight(publish_inflight))
         .set_max_packet_size(MQTT_MAX_PACKET, MQTT_MAX_PACKET);
 
     match (&cfg.username, &cfg.password_file) {
@@ -60,6 +60,19 @@ pub(crate) fn build(cfg: &MqttConfig, publish_inflight: u16) -> Result<MqttOptio
         opts.set_transport(Transport::tls_with_config(tls_config(tls)?));
     }
     Ok(opts)
+}
+
+/// rumqttc's own outgoing window: one more than ours, so that it is never full.
+///
+/// rumqttc 0.25.1 (`EventLoop::select`) stops reading its request channel altogether, acks
+/// included, while `inflight >= max_inflight`. With a window equal to ours, a full window of
+/// our publishes stopped our PUBACKs too: a broker sending a backlog without waiting for them
+/// then piled them up here and in the agent, and pings could go unsent. [`super::Mqtt::publish`]
+/// refuses at `publish_inflight` unacknowledged publishes (queued ones included), so rumqttc
+/// holds at most that many and never reaches this one. With the broker acking in order (MQTT
+/// 3.1.1 §4.6), a packet id is also never reused while still in flight: no collisions.
+pub(crate) fn rumqttc_inflight(publish_inflight: u16) -> u16 {
+    publish_inflight.saturating_add(1)
 }
 
 /// The whole file, minus one trailing newline (`\n` or `\r\n`) as editors and `echo` add.

@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use log::{debug, error, info, warn};
 use rumqttc::{
-    AsyncClient, ConnectReturnCode, ConnectionError, EventLoop, Outgoing, Packet, QoS, Request,
-    SubscribeFilter, SubscribeReasonCode,
+    AsyncClient, ConnectReturnCode, ConnectionError, EventLoop, Outgoing, Packet, PubAck, PubRec,
+    QoS, Request, SubscribeFilter, SubscribeReasonCode,
 };
 
 use super::binding::Sent;
@@ -29,6 +29,9 @@ const DISCONNECT_GRACE: Duration = Duration::from_secs(1);
 const LINGER_GRACE: Duration = Duration::from_millis(500);
 /// Step while the caller's event channel is full.
 const EVENT_FULL_WAIT: Duration = Duration::from_millis(1);
+/// At most this many events are handed to the caller per wake-up (rumqttc reads at most 10
+/// packets per burst, each of which can add an event or two).
+const MAX_BATCH: usize = 64;
 
 pub(crate) struct Worker {
     eventloop: EventLoop,
@@ -50,6 +53,10 @@ pub(crate) struct Worker {
     last_reason: Option<String>,
     /// Failed connect attempts since the connection was last up.
     attempts: u32,
+    /// Events for the caller, handed over together by [`Self::flush`].
+    batch: Vec<Event>,
+    /// Acks being written by [`Self::write_acks`] (kept for its allocation).
+    ack_buf: Vec<AckToken>,
 }
 
 impl Worker {
@@ -79,6 +86,8 @@ impl Worker {
             down_announced: false,
             last_reason: None,
             attempts: 0,
+            batch: Vec::with_capacity(MAX_BATCH),
+            ack_buf: Vec::new(),
         }
     }
 
@@ -91,10 +100,22 @@ impl Worker {
                 polled = self.eventloop.poll() => polled,
             };
             match polled {
-                Ok(event) => self.on_event(event, false).await,
+                Ok(event) => {
+                    self.on_event(event, false);
+                    // One read burst, one handoff: rumqttc buffers every packet of the read
+                    // that produced this event; take them all, then hand them over back to
+                    // back, so the caller wakes once for the lot, not once per event.
+                    while self.batch.len() < MAX_BATCH
+                        && let Some(event) = self.eventloop.state.events.pop_front()
+                    {
+                        self.on_event(event, false);
+                    }
+                    self.flush().await;
+                }
                 Err(e) => self.on_error(e).await,
             }
-            pump_once(&self.client, &self.inner);
+            self.write_acks().await;
+            pump_once(&self.client, &self.inner, Some(1));
         }
         self.disconnect().await;
         pump.abort();
@@ -108,11 +129,10 @@ impl Worker {
     }
 
     /// `stale`: the event was buffered by rumqttc on a connection that has since failed.
-    async fn on_event(&mut self, event: rumqttc::Event, stale: bool) {
+    /// Emitted events wait in `batch` for [`Self::flush`].
+    fn on_event(&mut self, event: rumqttc::Event, stale: bool) {
         match event {
-            rumqttc::Event::Incoming(Packet::ConnAck(ack)) => {
-                self.on_connack(ack.session_present).await
-            }
+            rumqttc::Event::Incoming(Packet::ConnAck(ack)) => self.on_connack(ack.session_present),
             rumqttc::Event::Incoming(Packet::Publish(p)) => {
                 let qos = match p.qos {
                     QoS::AtMostOnce => 0,
@@ -134,12 +154,12 @@ impl Worker {
                     dup: p.dup,
                     token,
                 };
-                self.emit(Event::Message(msg)).await;
+                self.emit(Event::Message(msg));
             }
             rumqttc::Event::Incoming(Packet::PubAck(ack)) => {
                 let resolved = self.inner.lock().pubs.on_puback(ack.pkid);
                 match resolved {
-                    Some(output_id) => self.emit(Event::PubAcked { output_id }).await,
+                    Some(output_id) => self.emit(Event::PubAcked { output_id }),
                     None => error!("PUBACK for packet id {} that names no publish", ack.pkid),
                 }
             }
@@ -163,6 +183,10 @@ impl Worker {
                     }
                 }
             }
+            rumqttc::Event::Outgoing(Outgoing::PubAck(_) | Outgoing::PubRec(_)) => {
+                let mut q = self.inner.lock();
+                q.channel_acks = q.channel_acks.saturating_sub(1);
+            }
             rumqttc::Event::Outgoing(Outgoing::AwaitAck(pkid)) => {
                 warn!("broker acked out of order: publish waits for packet id {pkid}");
                 self.inner.lock().pubs.on_await_ack(pkid);
@@ -171,12 +195,14 @@ impl Worker {
         }
     }
 
-    async fn on_connack(&mut self, session_present: bool) {
+    fn on_connack(&mut self, session_present: bool) {
         self.epoch += 1;
         self.connected = true;
         let requeued = {
             let mut q = self.inner.lock();
             q.live = Some(self.epoch);
+            // rumqttc dropped the acks in its channel when the last connection failed.
+            q.channel_acks = 0;
             if session_present {
                 0
             } else {
@@ -224,7 +250,7 @@ impl Worker {
         self.last_reason = None;
         self.attempts = 0;
         self.backoff = self.backoff_min;
-        self.emit(Event::Connected { session_present }).await;
+        self.emit(Event::Connected { session_present });
     }
 
     async fn on_error(&mut self, e: ConnectionError) {
@@ -238,7 +264,7 @@ impl Worker {
             // that must bind before a lost session re-queues everything). Take them now.
             let buffered: Vec<_> = self.eventloop.state.events.drain(..).collect();
             for event in buffered {
-                self.on_event(event, true).await;
+                self.on_event(event, true);
             }
             self.check_unbound();
             warn!(
@@ -264,8 +290,9 @@ impl Worker {
         self.last_reason = Some(reason.clone());
         if !self.down_announced {
             self.down_announced = true;
-            self.emit(Event::Disconnected { reason }).await;
+            self.emit(Event::Disconnected { reason });
         }
+        self.flush().await;
         let delay = self.next_delay();
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}
@@ -301,26 +328,93 @@ impl Worker {
         base.mul_f64(0.5 + 0.5 * frac)
     }
 
-    /// Hands an event to the caller, waiting while its channel is full (that is the
-    /// backpressure: we stop reading from the broker). Gives up at shutdown.
-    async fn emit(&mut self, mut event: Event) {
-        loop {
-            match self.events.try_send(event) {
-                Ok(()) => return,
-                Err(TrySendError::Full(back)) => {
-                    if self.stopping() {
-                        return;
-                    }
-                    event = back;
-                    tokio::time::sleep(EVENT_FULL_WAIT).await;
+    /// Writes every queued ack of the live connection straight to the socket, one flush for
+    /// all, between two turns of the event loop (nothing else uses the socket then; rumqttc
+    /// does the same for a request it takes). Not while an ack is in rumqttc's channel: these
+    /// would overtake it. A failed write is a connection error, handled as `poll` does.
+    async fn write_acks(&mut self) {
+        let mut tokens = std::mem::take(&mut self.ack_buf);
+        let live = {
+            let mut q = self.inner.lock();
+            match q.live {
+                Some(live) if q.channel_acks == 0 && !q.acks.is_empty() => {
+                    tokens.extend(q.acks.drain(..));
+                    live
                 }
-                Err(TrySendError::Disconnected(_)) => {
-                    debug!("event receiver dropped: stopping the MQTT thread");
-                    self.inner.stop.store(true, Ordering::SeqCst);
+                _ => {
+                    self.ack_buf = tokens;
                     return;
                 }
             }
+        };
+        let written = self.write_tokens(live, &tokens).await;
+        tokens.clear();
+        self.ack_buf = tokens;
+        if let Err(e) = written {
+            self.eventloop.clean();
+            self.on_error(e).await;
         }
+    }
+
+    async fn write_tokens(
+        &mut self,
+        live: u64,
+        tokens: &[AckToken],
+    ) -> Result<(), ConnectionError> {
+        let Some(network) = self.eventloop.network.as_mut() else {
+            return Ok(()); // down: the broker redelivers
+        };
+        for t in tokens {
+            if t.epoch != live {
+                debug!(
+                    "dropped an ack for packet id {} from an earlier connection",
+                    t.pkid
+                );
+                continue;
+            }
+            let packet = if t.qos >= 2 {
+                Packet::PubRec(PubRec::new(t.pkid))
+            } else {
+                Packet::PubAck(PubAck::new(t.pkid))
+            };
+            network.write(packet).await?;
+        }
+        let timeout = Duration::from_secs(self.eventloop.network_options.connection_timeout());
+        match tokio::time::timeout(timeout, network.flush()).await {
+            Ok(flushed) => Ok(flushed?),
+            Err(_) => Err(ConnectionError::FlushTimeout),
+        }
+    }
+
+    /// Queues an event for the caller; [`Self::flush`] hands it over.
+    fn emit(&mut self, event: Event) {
+        self.batch.push(event);
+    }
+
+    /// Hands the queued events to the caller in order, waiting while its channel is full
+    /// (that is the backpressure: we stop reading from the broker). Gives up at shutdown.
+    async fn flush(&mut self) {
+        let mut batch = std::mem::take(&mut self.batch);
+        'events: for mut event in batch.drain(..) {
+            loop {
+                match self.events.try_send(event) {
+                    Ok(()) => break,
+                    Err(TrySendError::Full(back)) => {
+                        if self.stopping() {
+                            break 'events; // the rest is dropped with the caller's channel
+                        }
+                        event = back;
+                        tokio::time::sleep(EVENT_FULL_WAIT).await;
+                    }
+                    Err(TrySendError::Disconnected(_)) => {
+                        debug!("event receiver dropped: stopping the MQTT thread");
+                        self.inner.stop.store(true, Ordering::SeqCst);
+                        break 'events;
+                    }
+                }
+            }
+        }
+        self.batch = batch; // keep the allocation
     }
 
     /// After DISCONNECT is written, wait (briefly) for the broker to close the connection.
@@ -343,7 +437,7 @@ impl Worker {
         if !self.connected {
             return;
         }
-        pump_once(&self.client, &self.inner);
+        pump_once(&self.client, &self.inner, None);
         if self.client.try_disconnect().is_err() {
             return;
         }
@@ -382,7 +476,7 @@ impl Worker {
 async fn pump_task(client: AsyncClient, inner: Arc<Inner>) {
     loop {
         inner.wake.notified().await;
-        pump_once(&client, &inner);
+        pump_once(&client, &inner, Some(1));
     }
 }
 
@@ -390,7 +484,15 @@ async fn pump_task(client: AsyncClient, inner: Arc<Inner>) {
 /// Never awaits (so it cannot interleave with the event loop's error handling) and never
 /// blocks; what does not fit waits for the next event-loop event, which every request rumqttc
 /// takes produces.
-fn pump_once(client: &AsyncClient, inner: &Inner) {
+///
+/// Acks: rumqttc takes one request per turn of its event loop and flushes each on its own,
+/// while a turn may read ten packets, so acks sent this way fell ever further behind a broker
+/// sending a backlog (940k of 1M were once waiting). The worker writes them itself after each
+/// turn ([`Worker::write_acks`]), all at once. Here at most `ack_limit` acks (the worker's
+/// loop passes 1) go through the channel: one is the doorbell that ends an idle event-loop
+/// turn so the worker writes the rest, and while it is in the channel no ack is written past
+/// it. `None` (at shutdown) sends them all this way.
+fn pump_once(client: &AsyncClient, inner: &Inner, ack_limit: Option<usize>) {
     let mut q = inner.lock();
     let Some(live) = q.live else {
         let dropped = q.acks.len();
@@ -401,6 +503,9 @@ fn pump_once(client: &AsyncClient, inner: &Inner) {
         return;
     };
     while let Some(token) = q.acks.front() {
+        if ack_limit.is_some_and(|limit| q.channel_acks >= limit) {
+            break;
+        }
         if token.epoch == live {
             let qos = if token.qos >= 2 {
                 QoS::ExactlyOnce
@@ -412,6 +517,7 @@ fn pump_once(client: &AsyncClient, inner: &Inner) {
             if client.try_ack(&publish).is_err() {
                 break;
             }
+            q.channel_acks += 1;
         } else {
             debug!(
                 "dropped an ack for packet id {} from an earlier connection",
