@@ -53,7 +53,8 @@
 //!   work; the log they need kept from retention), `agent/boundary.rs` (pipeline changes
 //!   apply at a checkpoint boundary), `agent/fsync.rs` (the checkpoint's fsync on its own
 //!   thread; what waits for it). Recovery and wiring in
-//!   `agent/start.rs`; savepoints carried out in `agent/savepoints.rs`; `/metrics` copying
+//!   `agent/start.rs`; retention carried out in `agent/retention.rs`; shutdown in
+//!   `agent/drain.rs`; savepoints carried out in `agent/savepoints.rs`; `/metrics` copying
 //!   and the status line in `agent/figures.rs`; heap trimming in `agent/memory.rs`.
 //! - [`config`]: TOML → validated [`config::Config`], every problem with file and line.
 //! - [`cli`]: the `cairn` command, one file per command in `cli/` (`run`, `validate`,

@@ -5,8 +5,9 @@
 //! [`Processor::replay`] re-applies every durable log record from its `next_offset`. Nothing
 //! else is read and nothing else is trusted.
 //!
-//! Why ~630 lines: most of it is [`ProcessError`], whose messages tell an operator what to
-//! do, and the start-time reconcile of stored definitions; backfill slices live in
+//! Why ~750 lines: most of it is [`ProcessError`], whose messages tell an operator what to
+//! do, the start-time reconcile of stored definitions, and the determinism audit below
+//! (issue 14), kept beside the code it is about; backfill slices live in
 //! `processor/backfill.rs`.
 //!
 //! ## Replay gives every ID the payload it had (audit for issue 14)

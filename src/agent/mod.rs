@@ -34,12 +34,14 @@
 //!   on the same channel); the link's state and the backlog's drain rate.
 //! - `backfill`: slices of the retained log for `start = "earliest"` pipelines, and the
 //!   log they need kept from retention.
-//! - `start`: recovery and wiring; `savepoints`: savepoints carried out; `figures`: metrics
-//!   and the `STATUS=` line; `memory`: heap trimming; `error`: [`AgentError`].
+//! - `start`: recovery and wiring; `retention`: log segments deleted; `drain`: shutdown;
+//!   `savepoints`: savepoints carried out; `figures`: metrics and the `STATUS=` line;
+//!   `memory`: heap trimming; `error`: [`AgentError`].
 
 mod backfill;
 mod boundary;
 mod checkpointer;
+mod drain;
 mod error;
 mod figures;
 mod fsync;
@@ -47,6 +49,7 @@ mod ingest;
 mod memory;
 mod publisher;
 mod reload;
+mod retention;
 mod savepoints;
 mod start;
 mod uplink;
@@ -469,61 +472,6 @@ impl Agent {
 }
 
 impl Agent {
-    /// Delete log segments by the rule in the `log` module docs ("Retention"): never what
-    /// no committed checkpoint covers; outside `retention` and below the newest savepoint
-    /// while there is room; oldest processed first, whatever their age, when there is not.
-    fn retention(&mut self) -> Result<(), AgentError> {
-        // Durable progress only, never the engine's applied offset nor a checkpoint whose
-        // fsync has not finished: after a crash the replay starts at the durable checkpoint,
-        // so everything from there must stay; and never what a backfill still needs (see
-        // `backfill`).
-        let durable = self.fsync.floor();
-        self.note_backfill_holds_log(durable, self.fsync.durable());
-        // Segment ages are times of receipt: measure them with the receipt clock, which never
-        // goes back (by a wall clock stepped back, segments would be kept for as long as it
-        // stays behind).
-        let now_ms = self
-            .ingest
-            .receipt_now(self.clock.wall_ms(), self.clock.monotonic());
-        let cutoff = Checkpointer::retention_cutoff(now_ms, self.cfg.log.retention);
-        let floor = self.checkpointer.savepoint_floor();
-        let mut plan = self.log.plan_retention(durable, floor, cutoff);
-        if plan.floor_blocks {
-            self.savepoint_for_room();
-            let floor = self.checkpointer.savepoint_floor();
-            plan = self.log.plan_retention(durable, floor, cutoff);
-        }
-        if plan.below <= self.log.first_offset() {
-            return Ok(());
-        }
-        self.log.truncate_before(plan.below)?;
-        // Segments are gone, the next checkpoint has not run: a crash here must replay
-        // from the committed checkpoint without a gap (tests/it/retention.rs).
-        failpoint("retention.after_delete")?;
-        if plan.evicted > 0 {
-            self.metrics
-                .update(|f| f.log_segments_evicted += plan.evicted as u64);
-            let verdict = self.eviction_log.check(self.now());
-            if verdict.suppressed > 0 {
-                log::warn!(
-                    "retention: {} more evictions in the last minute",
-                    verdict.suppressed
-                );
-            }
-            if verdict.allowed {
-                log::warn!(
-                    "retention: the log is short of room (log.max_size {} bytes): deleted {} \
-                     processed segment(s) still inside log.retention, up to offset {}. Nothing \
-                     is lost (all of it is checkpointed); raise log.max_size to keep more history",
-                    self.cfg.log.max_size,
-                    plan.evicted,
-                    plan.below
-                );
-            }
-        }
-        Ok(())
-    }
-
     /// The timers, in the order of the diagram: log commit, checkpoint, held input, publish;
     /// then the figures and the heap.
     fn tick(&mut self, force: bool) -> Result<(), AgentError> {
@@ -639,58 +587,5 @@ impl Agent {
             }
         }
         Ok(())
-    }
-
-    /// First signal: stop taking input, make everything durable, give the outbox a bounded
-    /// time, exit. A second signal ends the wait at once; nothing is lost either way.
-    fn drain(mut self, shutdown: &Shutdown) -> Result<(), AgentError> {
-        crate::notify::stopping();
-        crate::notify::status("stopping: draining");
-        let mut beat = crate::notify::Heartbeat::from_env();
-        log::info!(
-            "shutdown: draining (log commit, checkpoint, outbox for up to {:?})",
-            self.cfg.outbox.drain_timeout
-        );
-        self.tick(true)?;
-        let deadline = self.now() + self.cfg.outbox.drain_timeout;
-        while !self.publisher.idle() || self.publish_cursor_behind()? {
-            if shutdown.requested() >= 2 || self.now() >= deadline {
-                break;
-            }
-            match self.events.recv_timeout(Duration::from_millis(20)) {
-                Ok(Event::Message(_)) => {} // not acked: the broker redelivers after restart
-                Ok(ev) => self.on_event(ev)?,
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => break,
-            }
-            self.publish()?;
-            beat.beat(self.now(), || "stopping: publishing the outbox".into());
-        }
-        let left = self.proc.store().outbox_len();
-        self.settle_fsync(true)?;
-        self.proc.store().sync()?;
-        log::info!(
-            "shutdown: done; {left} outbox entries left for the next start; {} results \
-             published before their checkpoint, {} of them acknowledged before it",
-            self.stats.published_early,
-            self.stats.settled_early
-        );
-        self.metrics.stop_server();
-        if let Some(u) = self.uplink.take() {
-            u.mqtt.shutdown();
-        }
-        self.mqtt.shutdown();
-        Ok(())
-    }
-
-    /// Outbox entries at or after the cursor: not yet sent.
-    fn publish_cursor_behind(&self) -> Result<bool, AgentError> {
-        Ok(self
-            .proc
-            .store()
-            .outbox_from(self.publisher.cursor())
-            .next()
-            .transpose()?
-            .is_some())
     }
 }

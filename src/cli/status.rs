@@ -208,13 +208,39 @@ pub(crate) fn unconfigured_line(u: &Value) -> String {
     )
 }
 
-fn human(v: &Value) -> String {
-    let mut lines = Vec::new();
-    let s = |x: &Value| match x {
+/// A value as `status` prints it: `-` for none, strings without quotes.
+fn cell(x: &Value) -> String {
+    match x {
         Value::Null => "-".to_string(),
         Value::String(s) => s.clone(),
         x => x.to_string(),
-    };
+    }
+}
+
+fn pipeline_line(p: &Value) -> String {
+    let s = cell;
+    format!(
+        "pipeline    {}: keys {}, applied {}, duplicates {}, dead letters {}, outputs {}{}",
+        s(&p["name"]),
+        s(&p["keys"]),
+        s(&p["applied"]),
+        s(&p["duplicates"]),
+        s(&p["dead_letters"]),
+        s(&p["outputs"]),
+        // Only pipelines with a `where` skip anything; the others keep their line.
+        match p["filtered"].as_u64() {
+            Some(n) if n > 0 => format!(", filtered {n}"),
+            _ => String::new(),
+        } + &match p["backfill_left"].as_u64() {
+            Some(n) if n > 0 => format!(", backfilling: {n} records left"),
+            _ => String::new(),
+        }
+    )
+}
+
+fn human(v: &Value) -> String {
+    let mut lines = Vec::new();
+    let s = cell;
     match v["source"].as_str() {
         Some("agent") => lines.push(format!(
             "agent       running (metrics at {}), connected {}, backpressure {}",
@@ -250,23 +276,7 @@ fn human(v: &Value) -> String {
         ));
     }
     for p in v["pipelines"].as_array().into_iter().flatten() {
-        lines.push(format!(
-            "pipeline    {}: keys {}, applied {}, duplicates {}, dead letters {}, outputs {}{}",
-            s(&p["name"]),
-            s(&p["keys"]),
-            s(&p["applied"]),
-            s(&p["duplicates"]),
-            s(&p["dead_letters"]),
-            s(&p["outputs"]),
-            // Only pipelines with a `where` skip anything; the others keep their line.
-            match p["filtered"].as_u64() {
-                Some(n) if n > 0 => format!(", filtered {n}"),
-                _ => String::new(),
-            } + &match p["backfill_left"].as_u64() {
-                Some(n) if n > 0 => format!(", backfilling: {n} records left"),
-                _ => String::new(),
-            }
-        ));
+        lines.push(pipeline_line(p));
     }
     for u in v["unconfigured_pipelines"].as_array().into_iter().flatten() {
         lines.push(unconfigured_line(u));
