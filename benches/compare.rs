@@ -31,6 +31,9 @@
 //! input of the same paced stream; their final per-key sums are compared with the oracle.
 //!
 //! Figures are printed, never asserted. Every child process is killed on drop.
+//!
+//! Why ~1,700 lines: every system and every figure of the comparison in one run, sharing
+//! one broker and one seeded stream; the interval curve is in `compare/intervals.rs`.
 
 #[path = "../tests/it/support/mod.rs"]
 mod support;

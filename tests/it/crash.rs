@@ -14,6 +14,9 @@
 //!
 //! Needs the `failpoints` feature (`cargo test --workspace --all-features`), `mosquitto`,
 //! and `/dev/fuse` for the power-cut runs (as root).
+//!
+//! Why ~940 lines: the harness (stream, oracle, checks, kill and power-cut cycles) and its
+//! scenarios together; the richer pipeline's stream and oracle are in `crash/rich.rs`.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::Path;

@@ -8,6 +8,9 @@
 //!
 //! Crashes here are SIGKILLs: they keep the page cache, so they prove the protocol (acks,
 //! dedup, outbox, replay), not the fsyncs; the power-cut harness proves those.
+//!
+//! Why ~900 lines: each test is a whole scenario against a real broker (restart, cut,
+//! redelivery) with its own oracle.
 
 use crate::support;
 

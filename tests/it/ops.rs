@@ -7,6 +7,9 @@
 //!
 //! The .deb test builds a release binary (about a minute with warm dependencies, a few on a
 //! cold cache).
+//!
+//! Why ~700 lines: every operator-facing artefact (unit, package, journal, signals) with
+//! the fixtures it needs; split by artefact, the fixtures would repeat.
 
 use std::fs::File;
 use std::os::linux::net::SocketAddrExt;

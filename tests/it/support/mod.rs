@@ -6,6 +6,10 @@
 //!
 //! Everything listens on 127.0.0.1 only. Missing tools (`mosquitto`, `openssl`) make the test
 //! panic with the install command: a test that silently skips proves nothing.
+//!
+//! Why ~690 lines: the one harness every test and bench shares (broker, proxy, collector,
+//! certificates, publishing); the agent wrapper is in `agent.rs`, the power cut in
+//! `powercut.rs`, the central broker in `central.rs`.
 #![allow(dead_code)]
 
 pub mod agent;

@@ -9,6 +9,9 @@
 //!   `durable_size`; durable entries = backing entries with the directory's log undone;
 //! - while `frozen` (between `cut` and `thaw`) every request fails with EIO, and nothing in
 //!   the backing directory changes.
+//!
+//! Why ~1,100 lines: the whole FUSE filesystem in one place, because its durability model
+//! is one state machine over every operation.
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::{CString, OsStr, OsString};

@@ -1,6 +1,9 @@
 //! Mounts the real binary and checks the power-cut model with plain `std::fs`.
 //!
 //! Needs root and /dev/fuse; without them every test fails loudly (never skips).
+//!
+//! Why ~600 lines: one test per rule of the power-cut model, plus the sled child-process
+//! checks that show the model is faithful to what sled needs.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
