@@ -16,6 +16,9 @@
 //! Every limit has a default chosen to be safe on a small edge box (DESIGN invariant 7);
 //! the `DEFAULT_*` constants below say why each value was picked.
 
+// MQTT strings (topics, filters) are at most 65535 bytes; result topics leave room for an
+// uplink's prefix.
+use crate::pipeline::topic::{MAX_RESULT_TOPIC_LEN, MAX_TOPIC_LEN, TOPIC_PREFIX_ROOM};
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::marker::PhantomData;
@@ -161,8 +164,6 @@ const DEFAULT_MAX_KEY_LEN: i64 = 128;
 const MAX_MAX_KEY_LEN: i64 = 1_024;
 /// State per key is small; a million keys is tens of MB in sled.
 const DEFAULT_MAX_KEYS: i64 = 1_000_000;
-/// MQTT strings (topics, filters) are at most 65535 bytes.
-const MAX_TOPIC_LEN: usize = 65_535;
 /// Event IDs live in the dedup ledger; a bound keeps its values far below sled's blob
 /// threshold (a 200 KB ID once produced an unfsynced blob file).
 const DEFAULT_MAX_ID_LEN: i64 = 256;

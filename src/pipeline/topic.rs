@@ -6,6 +6,15 @@ use super::parse::Refusal;
 /// broker drop the connection, and the outbox would send it again after every reconnect.
 pub(crate) const MAX_TOPIC_LEN: usize = 65_535;
 
+/// Room every result topic leaves for `[uplink] topic_prefix` (its longest value), so that
+/// the prefixed topic still fits MQTT's limit whatever a sender put in the key: otherwise
+/// the publish would be refused, the agent would stop, and replay would make the same
+/// result again after every restart.
+pub(crate) const TOPIC_PREFIX_ROOM: usize = 1024;
+
+/// The longest topic a pipeline may publish a result to, before any uplink prefix.
+pub(crate) const MAX_RESULT_TOPIC_LEN: usize = MAX_TOPIC_LEN - TOPIC_PREFIX_ROOM;
+
 /// Does `topic` match the MQTT topic filter `filter` (`+` one level, `#` the rest)?
 /// Topics starting with `$` are matched only by filters that start with `$` too
 /// (MQTT 3.1.1 §4.7.2), so `#` never sees `$SYS/...`.
@@ -84,11 +93,12 @@ pub(crate) fn check_publish_topic(topic: &str) -> Result<(), Refusal> {
             detail: "the output topic starts with `$`, which the broker reserves".into(),
         });
     }
-    if topic.len() > MAX_TOPIC_LEN {
+    if topic.len() > MAX_RESULT_TOPIC_LEN {
         return Err(Refusal {
             reason: "topic_too_long",
             detail: format!(
-                "the output topic is {} bytes, MQTT allows {MAX_TOPIC_LEN}",
+                "the output topic is {} bytes; at most {MAX_RESULT_TOPIC_LEN} (MQTT allows \
+                 {MAX_TOPIC_LEN}, less room for an uplink's topic_prefix)",
                 topic.len()
             ),
         });
@@ -143,11 +153,13 @@ mod tests {
             check_publish_topic("$SYS/x").unwrap_err().reason,
             "bad_topic"
         );
-        let long = "t".repeat(MAX_TOPIC_LEN + 1);
+        let long = "t".repeat(MAX_RESULT_TOPIC_LEN + 1);
         assert_eq!(
             check_publish_topic(&long).unwrap_err().reason,
             "topic_too_long"
         );
         assert!(check_publish_topic(&long[1..]).is_ok());
+        // The longest prefix before the longest result topic still fits MQTT.
+        assert_eq!(TOPIC_PREFIX_ROOM + MAX_RESULT_TOPIC_LEN, MAX_TOPIC_LEN);
     }
 }

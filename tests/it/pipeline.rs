@@ -541,7 +541,7 @@ output_topic = "$x/{key}""#;
 fn a_topic_over_the_mqtt_limit_is_a_dead_letter_not_a_disconnect() {
     let mut spec = json_spec(Aggregate::Sum);
     spec.max_key_len = 1_024;
-    spec.output_topic = format!("{}/{{key}}", "t".repeat(65_000));
+    spec.output_topic = format!("{}/{{key}}", "t".repeat(64_000));
     let mut h = Harness::new(vec![spec]);
     assert_eq!(
         h.feed(r#"{"id":"E1","account":"short","amount":1}"#),
@@ -554,7 +554,7 @@ fn a_topic_over_the_mqtt_limit_is_a_dead_letter_not_a_disconnect() {
     assert_eq!(h.feed(&long), dead("topic_too_long"));
     h.checkpoint();
     assert_eq!(h.mem.outbox.len(), 1);
-    assert!(h.mem.outbox.values().all(|o| o.topic.len() <= 65_535));
+    assert!(h.mem.outbox.values().all(|o| o.topic.len() <= 65_535 - 1_024));
 }
 
 /// Issue 15.1: a list of aggregates gives one result with `values`, one entry per name.

@@ -48,8 +48,11 @@ pub(super) fn check_output_topic(t: &str, windowed: bool) -> Result<(), String> 
     if t.contains('\0') {
         return Err("it contains a NUL character".to_string());
     }
-    if t.len() > MAX_TOPIC_LEN {
-        return Err(format!("it is longer than {MAX_TOPIC_LEN} bytes"));
+    if t.len() > MAX_RESULT_TOPIC_LEN {
+        return Err(format!(
+            "it is longer than {MAX_RESULT_TOPIC_LEN} bytes (MQTT's {MAX_TOPIC_LEN} less room \
+             for an uplink's topic_prefix)"
+        ));
     }
     if t.contains(['+', '#']) {
         return Err(

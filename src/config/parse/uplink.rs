@@ -5,8 +5,9 @@
 use super::*;
 use crate::config::UplinkConfig;
 
-/// Longest `topic_prefix`: room is left for the result topic itself under MQTT's 65,535.
-pub(super) const MAX_TOPIC_PREFIX_LEN: usize = 1024;
+/// Longest `topic_prefix`: the room every result topic leaves for it under MQTT's 65,535
+/// (see `pipeline::topic::TOPIC_PREFIX_ROOM`).
+pub(super) const MAX_TOPIC_PREFIX_LEN: usize = TOPIC_PREFIX_ROOM;
 
 impl Validator {
     /// `None` after a problem; `Some(None)` when there is no `[uplink]`.
