@@ -553,15 +553,7 @@ impl Processor {
     /// Where the quarantine may prune once the checkpoint up to `next_offset` is durable:
     /// below what that checkpoint settled, live and backfill alike.
     fn prune_point(&mut self, next_offset: Offset) -> Offset {
-        let mut below = next_offset;
-        while let Some(&(next, prune)) = self.unsynced_prunes.front() {
-            if next > next_offset {
-                break;
-            }
-            below = prune.min(next_offset);
-            self.unsynced_prunes.pop_front();
-        }
-        below
+        take_prune_point(&mut self.unsynced_prunes, next_offset)
     }
 
     /// The checkpoint up to `next_offset` is durable: the quarantine forgets what it settled.
@@ -636,6 +628,24 @@ impl Processor {
 }
 
 /// The lowest of `live` and the backfill cursors of the configured pipelines.
+/// Pop the checkpoints made durable by the one up to `next_offset` (each committed one is
+/// queued with what it settled) and return where the quarantine may prune: what the newest
+/// of them settled. None queued (not expected): prune nothing.
+fn take_prune_point(
+    queue: &mut std::collections::VecDeque<(Offset, Offset)>,
+    next_offset: Offset,
+) -> Offset {
+    let mut below = 0;
+    while let Some(&(next, prune)) = queue.front() {
+        if next > next_offset {
+            break;
+        }
+        below = prune.min(next_offset);
+        queue.pop_front();
+    }
+    below
+}
+
 fn settled_below(engine: &Engine, live: Offset) -> Offset {
     engine
         .backfills()
@@ -742,5 +752,33 @@ fn warn_unconfigured(
             "the store holds state of pipeline `{name}`, which is not configured and whose \
              definition is unknown: drop it with `cairn run --reset-pipeline {name}`"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::take_prune_point;
+    use std::collections::VecDeque;
+
+    #[test]
+    fn the_quarantine_prunes_only_what_a_durable_checkpoint_settled() {
+        // Two checkpoints committed before the fsync ends: up to 100 (a backfill cursor
+        // holding 40) and up to 200 (the cursor at 150).
+        let mut q = VecDeque::from([(100, 40), (200, 150)]);
+        assert_eq!(
+            take_prune_point(&mut q, 100),
+            40,
+            "the backfill cursor, not 100"
+        );
+        assert_eq!(q.len(), 1, "the later checkpoint is not durable yet");
+        assert_eq!(take_prune_point(&mut q, 200), 150);
+        assert!(q.is_empty());
+        assert_eq!(
+            take_prune_point(&mut q, 300),
+            0,
+            "nothing queued: nothing pruned"
+        );
+        let mut q = VecDeque::from([(100, 100), (200, 200)]);
+        assert_eq!(take_prune_point(&mut q, 250), 200, "one fsync covers both");
     }
 }

@@ -554,7 +554,12 @@ fn a_topic_over_the_mqtt_limit_is_a_dead_letter_not_a_disconnect() {
     assert_eq!(h.feed(&long), dead("topic_too_long"));
     h.checkpoint();
     assert_eq!(h.mem.outbox.len(), 1);
-    assert!(h.mem.outbox.values().all(|o| o.topic.len() <= 65_535 - 1_024));
+    assert!(
+        h.mem
+            .outbox
+            .values()
+            .all(|o| o.topic.len() <= 65_535 - 1_024)
+    );
 }
 
 /// Issue 15.1: a list of aggregates gives one result with `values`, one entry per name.
