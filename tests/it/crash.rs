@@ -821,14 +821,7 @@ fn a_kill_after_publish_and_before_the_checkpoint_resends_the_same_id_with_the_s
     let mut agent = CairnProcess::new(&cfg);
     agent.set_log_filter(Some("info"));
     let outputs = Collector::start(broker.port(), "#");
-    // A first clean run sets up the persistent session, so the broker queues for the agent.
-    agent.start_connected();
-    assert_eq!(
-        agent.terminate().code(),
-        Some(0),
-        "{}",
-        agent.stderr_tail(30)
-    );
+    agent.set_up_session();
     start_with_failpoints(&mut agent, "publish.acked_before_checkpoint=abort");
     agent.wait_connected(Duration::from_secs(20));
     let inputs: Vec<Input> = (0..6u64)

@@ -57,13 +57,7 @@ fn a_pipeline_change_after_a_crash_applies_only_after_the_old_tail_is_checkpoint
     let mut agent = CairnProcess::new(&cfg);
     agent.set_log_filter(Some("info"));
     let outputs = Collector::start(broker.port(), "#");
-    agent.start_connected();
-    assert_eq!(
-        agent.terminate().code(),
-        Some(0),
-        "{}",
-        agent.stderr_tail(20)
-    );
+    agent.set_up_session();
 
     agent.start_connected();
     publish_all(broker.port(), &(1..=4).map(event).collect::<Vec<_>>());

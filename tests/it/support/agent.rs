@@ -359,6 +359,14 @@ impl CairnProcess {
         self.wait_connected(Duration::from_secs(20));
     }
 
+    /// One clean run (start, connect, SIGTERM, exit 0): the broker keeps the persistent
+    /// session it subscribed, so it queues what is published while the agent is down.
+    pub fn set_up_session(&mut self) {
+        self.start_connected();
+        let code = self.terminate().code();
+        assert_eq!(code, Some(0), "first clean stop:\n{}", self.stderr_tail(30));
+    }
+
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
     }
