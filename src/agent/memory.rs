@@ -12,6 +12,11 @@ pub(crate) const TRIM_INTERVAL: Duration = Duration::from_secs(10);
 /// backlog should not wait out the rest of an interval at its peak (issue 16).
 pub(crate) const TRIM_SETTLE: Duration = Duration::from_secs(1);
 
+/// Rounds of sled's deferred drops run before a trim ([`crate::store::release_deferred`]):
+/// each runs up to eight bags of 64, so this clears thousands of waiting frees in well under
+/// a millisecond.
+pub(crate) const RELEASE_ROUNDS: usize = 64;
+
 /// When freed heap was last handed back, and the work done by then (checkpoints +
 /// acknowledged results): an idle agent has nothing to give back.
 pub(crate) struct Trim {
