@@ -1,7 +1,9 @@
-//! Handing freed heap back to the system. glibc keeps what a burst freed (a replay, a
-//! drained outbox) mapped for reuse; on an edge box the peak then looks like the steady
-//! state. Measured (issue 7): steady RSS after replaying 1M events fell from 86.8 MiB to the
-//! figure in the README.
+//! Handing freed memory back to the system. A burst (a replay, a drained backlog) frees
+//! much at once; on an edge box the peak must not become the steady state. Two things hold
+//! freed memory back: sled frees its write buffers and old page versions only when an
+//! epoch collection runs, which needs later activity; and an allocator keeps freed pages for
+//! reuse. The second is jemalloc's to do, on a timer (`src/main.rs`); the first is done here,
+//! while work goes on and once it stops (issues 7 and 16).
 
 use std::time::{Duration, Instant};
 
@@ -15,7 +17,7 @@ pub(crate) const TRIM_SETTLE: Duration = Duration::from_secs(1);
 /// Rounds of sled's deferred drops run before a trim ([`crate::store::release_deferred`]):
 /// each runs up to eight bags of 64, so this clears thousands of waiting frees in well under
 /// a millisecond.
-pub(crate) const RELEASE_ROUNDS: usize = 64;
+const RELEASE_ROUNDS: usize = 64;
 
 /// When freed heap was last handed back, and the work done by then (checkpoints +
 /// acknowledged results): an idle agent has nothing to give back.
@@ -52,46 +54,11 @@ impl Trim {
     }
 }
 
-/// Buffers at least this large get pages of their own from the system (glibc's
-/// `M_MMAP_THRESHOLD`), returned whole when freed.
-const MMAP_THRESHOLD: i32 = 256 * 1024;
-
-/// Most glibc arenas (`M_ARENA_MAX`).
-const ARENA_MAX: i32 = 2;
-
-/// glibc's allocator, set for a small box (issue 16). Measured with `cargo bench --bench
-/// compare` on a loaded 2-core box, two runs with these settings against five without:
-/// 1,000 keys, RSS after 10 s idle 14.1 / 14.5 MiB against 16.0-16.7, peak during the live
-/// runs 21-22 MiB against 26-29. On the 1M-input backlog the difference is within what
-/// varies from run to run (peak 86-103 MiB with them, 98-117 without; at rest 52-55 both).
-///
-/// - A fixed mmap threshold: by default glibc raises it (up to 32 MiB) each time a large
-///   mmapped block is freed, so the next large buffers (ledger index shards, a burst's ack
-///   queue) come from the heap, and freeing them leaves holes that only a trim returns.
-/// - At most two arenas: glibc gives each thread that allocates an arena of its own (sled's
-///   flusher and I/O threads, the MQTT thread), and each keeps its own freed memory.
-///
-/// Another allocator was tried and not taken: mimalloc 0.1.52 (default settings) cut CPU per
-/// event by a quarter but kept far more memory (peak 177 MiB, 124 MiB at rest, 67 MiB at
-/// rest with 1,000 keys). A no-op elsewhere than glibc.
-pub(crate) fn tune_allocator() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: mallopt only sets the allocator's parameters; it takes no pointers. Both
-    // settings apply to allocations made afterwards, from any thread.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD);
-        libc::mallopt(libc::M_ARENA_MAX, ARENA_MAX);
-    }
-}
-
-/// Hand freed heap back to the system; a no-op elsewhere than glibc.
+/// Free what sled handed to deferred reclamation (see [`crate::store::release_deferred`]).
+/// The allocator (jemalloc, set up in `src/main.rs`) then returns the freed pages to the
+/// system by itself, a moment later.
 pub(crate) fn return_free_memory() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: malloc_trim only walks the allocator's own free lists; it takes no pointers
-    // and is safe to call at any time from any thread.
-    unsafe {
-        libc::malloc_trim(0);
-    }
+    crate::store::release_deferred(RELEASE_ROUNDS);
 }
 
 #[cfg(test)]

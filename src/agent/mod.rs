@@ -495,7 +495,6 @@ impl Agent {
         self.refresh_uplink();
         let work = self.stats.checkpoints + self.stats.pubacked;
         if self.trim.take(now, work) {
-            crate::store::release_deferred(memory::RELEASE_ROUNDS);
             memory::return_free_memory();
         }
         Ok(())

@@ -47,7 +47,6 @@ impl Agent {
         reset: &[String],
         clock: Box<dyn Clock>,
     ) -> Result<Agent, AgentError> {
-        super::memory::tune_allocator();
         let dir = cfg.storage.data_dir.clone();
         Agent::recover(cfg, sync, reset, clock).map_err(|e| e.explain_disk_full(&dir))
     }
