@@ -640,27 +640,28 @@ impl Engine {
             Some((start, _)) => format!("{prefix}/{ek}/{start}/{}", st.version),
             None => format!("{prefix}/{ek}/{}", st.version),
         };
-        let mut body = serde_json::json!({
-            "id": id, "pipeline": spec.name, "key": key, "version": st.version,
-            "count": st.count,
-        });
-        // Maps are sorted, so the field order is the same whenever a field is added.
-        body[if st.is_multi() { "values" } else { "value" }] = st.value_json();
-        if generation > 1 {
-            body["generation"] = generation.into();
-        }
-        if let Some((start, size)) = window {
-            body["window_start"] = start.into();
-            // Never saturates: `slot` refused every window whose end does not fit.
-            body["window_end"] = start.saturating_add(size).into();
-        }
+        let value = st.value_json();
+        let multi = st.is_multi();
+        let body = ResultBody {
+            count: st.count,
+            generation: (generation > 1).then_some(generation),
+            id: &id,
+            key: &key,
+            pipeline: &spec.name,
+            value: (!multi).then_some(&value),
+            values: multi.then_some(&value),
+            version: st.version,
+            window_end: window.map(|(start, size)| start.saturating_add(size)),
+            window_start: window.map(|(start, _)| start),
+        };
+        let payload = serde_json::to_vec(&body).expect("a result body always serializes");
         let seq = self.progress.outbox_seq;
         self.progress.outbox_seq += 1;
         self.progress.pipelines[p].counters.outputs += 1;
         let out = Output {
             id,
             topic,
-            payload: body.to_string().into_bytes(),
+            payload,
             retain: spec.retain,
             latest_only: spec.emit == Emit::Upsert,
         };
@@ -789,6 +790,87 @@ pub(crate) fn dead_letter_id(topic: &str, payload: &[u8]) -> String {
     format!("\u{1}dead:{h:016x}:{}", payload.len())
 }
 
+/// A result's JSON body. Fields in this order, absent ones left out: the order of the sorted
+/// map the body was first built as (`serde_json::json!`), so the bytes of a result are the
+/// same across versions, and a result re-created after an upgrade matches the one sent
+/// before it. Built with borrowed fields in one pass: the map took about 15 allocations per
+/// result, the largest share of the agent's (issue 16).
+#[derive(serde::Serialize)]
+struct ResultBody<'a> {
+    count: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    generation: Option<u32>,
+    id: &'a str,
+    key: &'a str,
+    pipeline: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    value: Option<&'a serde_json::Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    values: Option<&'a serde_json::Value>,
+    version: u64,
+    // Never saturates: `slot` refused every window whose end does not fit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    window_end: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    window_start: Option<u64>,
+}
+
 fn start_of(skey: &[u8]) -> u64 {
     u64::from_be_bytes(skey[..8].try_into().expect("windowed key has 8-byte start"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The body as it was first built: a sorted `serde_json` map.
+    fn as_map(b: &ResultBody) -> Vec<u8> {
+        let mut m = serde_json::json!({
+            "id": b.id, "pipeline": b.pipeline, "key": b.key, "version": b.version,
+            "count": b.count,
+        });
+        if let Some(v) = b.value {
+            m["value"] = v.clone();
+        }
+        if let Some(v) = b.values {
+            m["values"] = v.clone();
+        }
+        if let Some(g) = b.generation {
+            m["generation"] = g.into();
+        }
+        if let (Some(s), Some(e)) = (b.window_start, b.window_end) {
+            m["window_start"] = s.into();
+            m["window_end"] = e.into();
+        }
+        m.to_string().into_bytes()
+    }
+
+    #[test]
+    fn a_result_body_has_the_bytes_of_the_sorted_map_it_replaced() {
+        let one = serde_json::json!(-12.5);
+        let multi = serde_json::json!({"avg": 2.5, "max": null, "sum": 10});
+        let key = "k \"q\" / é \u{1}";
+        for value in [Some(&one), None] {
+            for generation in [None, Some(2), Some(u32::MAX)] {
+                for window in [None, Some((0, 60_000)), Some((u64::MAX - 5, u64::MAX))] {
+                    let b = ResultBody {
+                        count: u64::MAX,
+                        generation,
+                        id: "p@2/k%20/7",
+                        key,
+                        pipeline: "p",
+                        value,
+                        values: value.is_none().then_some(&multi),
+                        version: 7,
+                        window_end: window.map(|(_, e)| e),
+                        window_start: window.map(|(s, _)| s),
+                    };
+                    assert_eq!(
+                        String::from_utf8(serde_json::to_vec(&b).unwrap()).unwrap(),
+                        String::from_utf8(as_map(&b)).unwrap()
+                    );
+                }
+            }
+        }
+    }
 }
