@@ -8,7 +8,8 @@
 /// below, against glibc with `M_ARENA_MAX=2`, a 256 KiB mmap threshold and trims): peak RSS
 /// 82 -> 68-74 MiB, at rest 55 -> 34 MiB, CPU per drained input 24 -> 20 µs. It costs a C
 /// build of jemalloc (a C compiler and make, as `ring` already needs the former) and about
-/// 0.5 MiB of binary. mimalloc was tried earlier and kept more (see the README).
+/// 0.5 MiB of binary. mimalloc 0.1.52 was tried first (default settings): a quarter less CPU,
+/// far more memory (peak 177 MiB, 124 at rest, 67 at rest with 1,000 keys).
 #[global_allocator]
 static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
