@@ -19,7 +19,8 @@ static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 /// 17.8 µs):
 ///
 /// - `tcache:false`: per-thread caches held 10-16 MiB of freed objects at rest on threads
-///   that had gone quiet (tcache on, decay 0: 72-77 / 45-50 MiB);
+///   that had gone quiet (tcache on, decay 0: 72-77 / 45-50 MiB), and even small ones
+///   (`tcache_max:1024`, 8-16 slots a bin) kept slabs from emptying (87 / 41 MiB);
 /// - `narenas:1`: the agent has one busy thread; more arenas only keep more free pages;
 /// - `background_thread:true,dirty_decay_ms:200,muzzy_decay_ms:0`: a jemalloc thread hands
 ///   freed pages back 200 ms after they are freed, so an idle agent shrinks without
