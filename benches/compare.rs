@@ -562,6 +562,10 @@ impl Cairn {
         let metrics_port = free_port();
         // The shipped config's cache; CAIRN_COMPARE_CACHE to try another.
         let cache = std::env::var("CAIRN_COMPARE_CACHE").unwrap_or_else(|_| "16MiB".into());
+        // Results allowed to wait before ingest holds back; CAIRN_COMPARE_OUTBOX_MAX to bound
+        // the memory they take (issue 16).
+        let outbox_max =
+            std::env::var("CAIRN_COMPARE_OUTBOX_MAX").unwrap_or_else(|_| "2000000".into());
         let inflight = broker_inflight();
         let conf = format!(
             "[mqtt]\nhost = \"127.0.0.1\"\nport = {broker_port}\nclient_id = \"{client_id}\"\n\
@@ -570,7 +574,7 @@ impl Cairn {
              [log]\nsegment_size = \"64MiB\"\nmax_size = \"4GiB\"\nretention = \"1h\"\n\
              commit_interval = \"5ms\"\nmax_payload = \"64KiB\"\n\n\
              [checkpoint]\ninterval = \"50ms\"\nmax_records = {max_records}\n\n\
-             [outbox]\nmax_entries = 2000000\ninflight = 100\ndrain_timeout = \"2s\"\n\n\
+             [outbox]\nmax_entries = {outbox_max}\ninflight = 100\ndrain_timeout = \"2s\"\n\n\
              [metrics]\nlisten = \"127.0.0.1:{metrics_port}\"\n\n\
              [[pipeline]]\nname = \"sums\"\ntopics = [\"cairn/in/#\"]\nformat = \"json\"\n\
              event_id = \"/id\"\nkey = \"/k\"\nvalue = \"/v\"\naggregate = \"sum\"\n\

@@ -64,6 +64,7 @@ impl Agent {
             f.received = stats.received;
             f.acked = stats.acked;
             f.oversize_refused = stats.oversize;
+            f.held_let_go = stats.held_let_go;
             f.published = stats.published;
             f.pubacked = stats.pubacked;
             f.published_early = stats.published_early;

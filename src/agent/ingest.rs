@@ -37,18 +37,31 @@ pub(crate) struct Ingest<A, M> {
     /// Messages received while the log, the disk or the outbox is full; not appended, not
     /// acked.
     held: VecDeque<M>,
+    /// Their bytes, by `size_of`, and the most they may take.
+    held_bytes: usize,
+    held_limit: usize,
+    size_of: fn(&M) -> usize,
+    /// Messages let go since the last [`Ingest::take_let_go`] because the held ones had
+    /// reached `held_limit`.
+    let_go: u64,
     backpressure: bool,
     /// Times of receipt: never backwards, across clock steps and restarts.
     receipt: ReceiptClock,
 }
 
 impl<A, M> Ingest<A, M> {
-    pub(crate) fn new(receipt: ReceiptClock) -> Self {
+    /// `held_limit`: the bytes (by `size_of`) that messages held under backpressure may take;
+    /// one message is always held, whatever its size.
+    pub(crate) fn new(receipt: ReceiptClock, held_limit: usize, size_of: fn(&M) -> usize) -> Self {
         Ingest {
             unsynced_acks: VecDeque::new(),
             unsynced_recs: Vec::new(),
             first_unsynced: None,
             held: VecDeque::new(),
+            held_bytes: 0,
+            held_limit,
+            size_of,
+            let_go: 0,
             backpressure: false,
             receipt,
         }
@@ -56,25 +69,46 @@ impl<A, M> Ingest<A, M> {
 
     /// A message arrived. Under backpressure it is held (behind those held before it, so
     /// receipt order is kept) and `None` comes back; otherwise it is the loop's to append.
+    ///
+    /// Once the held messages take `held_limit` bytes, a newer one is let go: neither
+    /// appended nor acknowledged, so the broker still has it and sends it again on the next
+    /// connection (see [`Ingest::take_let_go`]). A broker is meant to stop at its inflight
+    /// window, but mosquitto 2.0.11 sends a queued backlog without waiting for acks: with
+    /// the outbox full, the agent held 485k messages, 680 MiB (issue 16).
     pub(crate) fn arrive(&mut self, m: M) -> Option<M> {
-        if self.backpressure {
-            self.held.push_back(m);
-            None
-        } else {
-            Some(m)
+        if !self.backpressure {
+            return Some(m);
         }
+        let size = (self.size_of)(&m);
+        if !self.held.is_empty() && self.held_bytes.saturating_add(size) > self.held_limit {
+            self.let_go += 1;
+            return None;
+        }
+        self.held_bytes = self.held_bytes.saturating_add(size);
+        self.held.push_back(m);
+        None
     }
 
     /// The log or the disk had no room for `m`: it goes back to the front of the queue.
     pub(crate) fn hold_again(&mut self, m: M) {
+        self.held_bytes = self.held_bytes.saturating_add((self.size_of)(&m));
         self.held.push_front(m);
     }
 
     /// The oldest held message, to try appending again.
     pub(crate) fn next_held(&mut self) -> Option<M> {
         let m = self.held.pop_front();
+        if let Some(m) = &m {
+            self.held_bytes = self.held_bytes.saturating_sub((self.size_of)(m));
+        }
         shrink_if_empty(&mut self.held);
         m
+    }
+
+    /// How many messages were let go since the last call (see [`Ingest::arrive`]): the
+    /// broker re-sends them only on a new connection.
+    pub(crate) fn take_let_go(&mut self) -> u64 {
+        std::mem::take(&mut self.let_go)
     }
 
     pub(crate) fn has_held(&self) -> bool {
@@ -137,6 +171,11 @@ impl<A, M> Ingest<A, M> {
         self.unsynced_acks.drain(..n)
     }
 
+    /// Whether acks wait here: appended and not yet committed, or left over for lack of room.
+    pub(crate) fn acks_waiting(&self) -> bool {
+        !self.unsynced_acks.is_empty()
+    }
+
     /// The log commit is done and the acks that had room are out: the records go to the
     /// processor. Acks left over (a full MQTT queue) are retried one commit interval from
     /// `now`.
@@ -161,7 +200,11 @@ mod tests {
     use super::*;
 
     fn ingest() -> Ingest<u32, &'static str> {
-        Ingest::new(ReceiptClock::start(0, 1_000, Instant::now()).0)
+        Ingest::new(
+            ReceiptClock::start(0, 1_000, Instant::now()).0,
+            usize::MAX,
+            |m| m.len(),
+        )
     }
 
     fn rec(offset: u64) -> Record {
@@ -262,6 +305,30 @@ mod tests {
         assert_eq!(order, ["a", "b", "c"]);
         assert!(i.set_backpressure(false));
         assert_eq!(i.arrive("d"), Some("d"));
+    }
+
+    #[test]
+    fn held_messages_past_the_limit_are_let_go_and_counted_and_one_is_always_held() {
+        let mut i: Ingest<u32, &'static str> =
+            Ingest::new(ReceiptClock::start(0, 1_000, Instant::now()).0, 5, |m| {
+                m.len()
+            });
+        i.set_backpressure(true);
+        assert_eq!(i.arrive("toolong"), None, "held: nothing else is");
+        assert_eq!(i.arrive("a"), None, "let go: over the limit");
+        assert_eq!(i.take_let_go(), 1);
+        assert_eq!(i.take_let_go(), 0, "taken");
+        assert_eq!(i.next_held(), Some("toolong"));
+        for m in ["ab", "cd", "e", "f", "g"] {
+            i.arrive(m);
+        }
+        assert_eq!(i.take_let_go(), 2, "ab cd e fill 5 bytes");
+        i.hold_again("xyz");
+        let order: Vec<_> = std::iter::from_fn(|| i.next_held()).collect();
+        assert_eq!(order, ["xyz", "ab", "cd", "e"]);
+        assert_eq!(i.held_bytes, 0, "every byte given back");
+        assert_eq!(i.arrive("abcde"), None, "the whole limit again");
+        assert_eq!(i.take_let_go(), 0);
     }
 
     #[test]

@@ -77,6 +77,18 @@ use ingest::Ingest;
 use memory::Trim;
 use publisher::Publisher;
 
+/// The most that inputs held under backpressure may take, in bytes (topic, payload and
+/// bookkeeping). Past it an input is let go, unacknowledged: the broker keeps it, and once
+/// backpressure ends the agent reconnects so that the broker sends it again (issue 16: with
+/// no bound, mosquitto 2.0.11 pushed 485k queued messages, 680 MiB, at an agent whose outbox
+/// was full).
+pub(crate) const HELD_LIMIT: usize = 4 << 20;
+
+/// How long backpressure must stay off before the agent reconnects for inputs it let go:
+/// every reconnect makes the broker re-send all it has not had acknowledged, and a
+/// backpressure that comes and goes would otherwise ask for that again and again.
+const REDELIVER_SETTLE: Duration = Duration::from_secs(2);
+
 /// Shutdown requests: 0 none, 1 drain and exit, 2 or more exit now.
 #[derive(Debug, Clone, Default)]
 pub struct Shutdown(Arc<AtomicU8>);
@@ -116,6 +128,8 @@ pub(crate) struct Stats {
     pub reconnects: u64,
     /// Inputs over `log.max_payload`, logged as `too_large` stand-ins.
     pub oversize: u64,
+    /// Inputs let go under backpressure (see [`HELD_LIMIT`]).
+    pub held_let_go: u64,
 }
 
 pub struct Agent {
@@ -125,6 +139,11 @@ pub struct Agent {
     mqtt: Mqtt,
     events: Receiver<Event>,
     ingest: Ingest<AckToken, Incoming>,
+    /// Inputs were let go under backpressure: reconnect once it has stayed off for
+    /// [`REDELIVER_SETTLE`] and the acks before them are out.
+    redeliver: bool,
+    /// When backpressure last went off (`None` while on).
+    backpressure_off_at: Option<Instant>,
     publisher: Publisher,
     checkpointer: Checkpointer,
     /// The checkpoint's fsync, beside the loop.
@@ -330,6 +349,7 @@ impl Agent {
 
     fn set_backpressure(&mut self, on: bool, why: &str) {
         if self.ingest.set_backpressure(on) {
+            self.backpressure_off_at = (!on).then(|| self.now());
             if on {
                 log::warn!("backpressure on: {why}; not acknowledging, the broker queues");
             } else {
@@ -361,6 +381,7 @@ impl Agent {
         failpoint("ingest.before_puback")?;
         self.send_acks()?;
         failpoint("ingest.after_puback")?;
+        self.redeliver_let_go();
         // The records go on to processing; acks the MQTT module had no room for wait for
         // the next commit interval.
         let now = self.now();
@@ -385,6 +406,18 @@ impl Agent {
             self.checkpoint()?;
         }
         Ok(())
+    }
+
+    /// Inputs were let go under backpressure and it has ended: once every ack before them is
+    /// with the MQTT module, reconnect, so that the broker sends them again.
+    fn redeliver_let_go(&mut self) {
+        let settled = self
+            .backpressure_off_at
+            .is_some_and(|t| self.now() >= t + REDELIVER_SETTLE);
+        if self.redeliver && settled && !self.ingest.acks_waiting() {
+            self.redeliver = false;
+            self.mqtt.reconnect();
+        }
     }
 
     /// Acks go to the MQTT module in receipt order, as many as its queue takes. The rest wait
@@ -490,6 +523,7 @@ impl Agent {
             self.checkpoint()?;
         }
         self.relieve_backpressure()?;
+        self.redeliver_let_go();
         self.publish()?;
         self.refresh_metrics(force)?;
         self.refresh_uplink();
@@ -531,6 +565,18 @@ impl Agent {
             }
         }
         self.set_backpressure(false, "");
+        let let_go = self.ingest.take_let_go();
+        if let_go > 0 {
+            // The broker re-sends unacknowledged messages only on a new connection. The
+            // MQTT thread writes the acks queued before this request first.
+            self.stats.held_let_go += let_go;
+            log::info!(
+                "backpressure ended with {let_go} input(s) let go past the {HELD_LIMIT}-byte bound \
+                 of held ones; once it has stayed off for {REDELIVER_SETTLE:?} the agent \
+                 reconnects, so that the broker sends them again"
+            );
+            self.redeliver = true;
+        }
         Ok(())
     }
 

@@ -20,6 +20,10 @@ use super::checkpointer::Checkpointer;
 use super::figures::{Refresh, note_savepoint_files};
 use super::ingest::Ingest;
 use super::memory::{TRIM_INTERVAL, Trim, return_free_memory};
+
+/// What a held message takes besides its topic and payload: the message, its ack token
+/// and its queue slot, rounded up.
+const HELD_OVERHEAD: usize = 96;
 use super::publisher::Publisher;
 use super::uplink::Uplink;
 use super::{Agent, AgentError, Stats};
@@ -119,7 +123,11 @@ impl Agent {
             proc,
             mqtt,
             events,
-            ingest: Ingest::new(receipt),
+            ingest: Ingest::new(receipt, super::HELD_LIMIT, |m| {
+                m.topic.len() + m.payload.len() + HELD_OVERHEAD
+            }),
+            redeliver: false,
+            backpressure_off_at: None,
             publisher: Publisher::new(first_seq),
             checkpointer,
             fsync,

@@ -110,6 +110,9 @@ pub struct Figures {
     pub received: u64,
     pub acked: u64,
     pub oversize_refused: u64,
+    /// Inputs let go (not appended, not acknowledged) while held ones filled their bound;
+    /// the broker re-sends them on the next connection.
+    pub held_let_go: u64,
     pub published: u64,
     pub pubacked: u64,
     /// Results published before the checkpoint that commits them (issue 14).

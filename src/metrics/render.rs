@@ -214,6 +214,13 @@ fn ingest(o: &mut Out, f: &Figures) {
         f.oversize_refused as f64,
     );
     o.one(
+        "cairn_held_let_go_total",
+        COUNTER,
+        "Inputs received under backpressure past the bound of held ones: not appended, not \
+         acknowledged; the agent reconnects once backpressure ends and the broker re-sends them.",
+        f.held_let_go as f64,
+    );
+    o.one(
         "cairn_published_total",
         COUNTER,
         "Results published.",

@@ -190,6 +190,11 @@ struct Inner {
     /// Wakes the event-loop task to look at `stop`.
     stop_wake: tokio::sync::Notify,
     stop: AtomicBool,
+    /// Drop the connection and connect again (keeping the session), once the queued acks
+    /// are written: see [`Mqtt::reconnect`].
+    reconnect: AtomicBool,
+    /// Wakes the event-loop task to look at `reconnect`.
+    reconnect_wake: tokio::sync::Notify,
 }
 
 struct Queues {
@@ -290,6 +295,8 @@ impl Mqtt {
             wake: tokio::sync::Notify::new(),
             stop_wake: tokio::sync::Notify::new(),
             stop: AtomicBool::new(false),
+            reconnect: AtomicBool::new(false),
+            reconnect_wake: tokio::sync::Notify::new(),
         });
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_io()
@@ -372,6 +379,15 @@ impl Mqtt {
             self.inner.wake.notify_one();
         }
         Ok(())
+    }
+
+    /// Once the acks queued so far are written, drop the connection and connect again at
+    /// once, keeping the session: the broker then re-sends every message we have not
+    /// acknowledged (MQTT 3.1.1 re-sends only on a new connection). For inputs the agent let
+    /// go under backpressure. A no-op while disconnected: the next connection does it anyway.
+    pub(crate) fn reconnect(&self) {
+        self.inner.reconnect.store(true, Ordering::SeqCst);
+        self.inner.reconnect_wake.notify_one();
     }
 
     /// Our publishes not yet acknowledged (queued, on the wire, or being re-sent after a lost

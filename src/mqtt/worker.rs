@@ -95,12 +95,16 @@ impl Worker {
         let pump = tokio::spawn(pump_task(self.client.clone(), self.inner.clone()));
         while !self.stopping() {
             let polled = tokio::select! {
-                // Only at shutdown do we abandon a poll half way; its state no longer matters.
+                // Only at shutdown, and to drop the connection for a reconnect, do we abandon
+                // a poll half way: the connection's state no longer matters, and rumqttc
+                // changes its session state (what awaits a PUBACK) only between awaits.
                 _ = self.inner.stop_wake.notified() => continue,
-                polled = self.eventloop.poll() => polled,
+                _ = self.inner.reconnect_wake.notified() => None,
+                polled = self.eventloop.poll() => Some(polled),
             };
             match polled {
-                Ok(event) => {
+                None => {}
+                Some(Ok(event)) => {
                     self.on_event(event, false);
                     // One read burst, one handoff: rumqttc buffers every packet of the read
                     // that produced this event; take them all, then hand them over back to
@@ -112,9 +116,10 @@ impl Worker {
                     }
                     self.flush().await;
                 }
-                Err(e) => self.on_error(e).await,
+                Some(Err(e)) => self.on_error(e).await,
             }
             self.write_acks().await;
+            self.reconnect_if_asked().await;
             pump_once(&self.client, &self.inner, Some(1));
         }
         self.disconnect().await;
@@ -197,6 +202,8 @@ impl Worker {
 
     fn on_connack(&mut self, session_present: bool) {
         self.epoch += 1;
+        // A new connection re-sends what a reconnect was asked for.
+        self.inner.reconnect.store(false, Ordering::SeqCst);
         self.connected = true;
         let requeued = {
             let mut q = self.inner.lock();
@@ -256,17 +263,7 @@ impl Worker {
     async fn on_error(&mut self, e: ConnectionError) {
         let reason = describe(&e);
         if self.connected {
-            self.connected = false;
-            // Synchronously after rumqttc's cleanup: see the module comment.
-            self.inner.lock().live = None;
-            // rumqttc would hand us these after the next CONNACK, mixed up with the new
-            // connection (a PUBLISH whose ack must not go out on it, an `Outgoing::Publish`
-            // that must bind before a lost session re-queues everything). Take them now.
-            let buffered: Vec<_> = self.eventloop.state.events.drain(..).collect();
-            for event in buffered {
-                self.on_event(event, true);
-            }
-            self.check_unbound();
+            self.connection_gone();
             warn!(
                 "lost connection to {}: {reason}; reconnecting with backoff {:?}..{:?}",
                 self.endpoint, self.backoff_min, self.backoff_max
@@ -298,6 +295,50 @@ impl Worker {
             _ = tokio::time::sleep(delay) => {}
             _ = self.inner.stop_wake.notified() => {}
         }
+    }
+
+    /// The live connection is gone (rumqttc has cleaned up): no ack goes out on it any more,
+    /// and what rumqttc buffered from it is taken now.
+    fn connection_gone(&mut self) {
+        self.connected = false;
+        // Synchronously after rumqttc's cleanup: see the module comment.
+        self.inner.lock().live = None;
+        // rumqttc would hand us these after the next CONNACK, mixed up with the new
+        // connection (a PUBLISH whose ack must not go out on it, an `Outgoing::Publish` that
+        // must bind before a lost session re-queues everything). Take them now.
+        let buffered: Vec<_> = self.eventloop.state.events.drain(..).collect();
+        for event in buffered {
+            self.on_event(event, true);
+        }
+        self.check_unbound();
+    }
+
+    /// [`super::Mqtt::reconnect`] was asked for: once the queued acks are written, drop the
+    /// connection (the session stays with the broker) and let the next poll connect again,
+    /// with no backoff.
+    async fn reconnect_if_asked(&mut self) {
+        if !self.connected || !self.inner.reconnect.load(Ordering::SeqCst) {
+            return;
+        }
+        {
+            let q = self.inner.lock();
+            if !q.acks.is_empty() || q.channel_acks > 0 {
+                return; // after the acks: they belong to this connection
+            }
+        }
+        self.inner.reconnect.store(false, Ordering::SeqCst);
+        self.eventloop.clean();
+        self.connection_gone();
+        info!(
+            "dropped the connection to {} so that the broker re-sends what we have not \
+             acknowledged; connecting again",
+            self.endpoint
+        );
+        self.down_announced = true;
+        self.emit(Event::Disconnected {
+            reason: "reconnecting for redelivery".into(),
+        });
+        self.flush().await;
     }
 
     /// After rumqttc's cleanup, every publish it took without a packet id sits in its
