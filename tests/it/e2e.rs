@@ -132,7 +132,10 @@ impl Ev {
     }
 }
 
-fn messages(evs: &[Ev]) -> Vec<(String, Vec<u8>, bool)> {
+/// Messages to publish: topic, payload, retain.
+type Messages = Vec<(String, Vec<u8>, bool)>;
+
+fn messages(evs: &[Ev]) -> Messages {
     evs.iter().map(Ev::message).collect()
 }
 
@@ -863,14 +866,15 @@ fn full_log_applies_backpressure_and_resumes_without_loss() {
     backpressure_case("0s");
 }
 
-fn backpressure_case(retention: &str) {
-    let broker = broker_with(&[]);
+/// `n` events (and 10% duplicates) of ~48 KiB each into two pipelines, and an agent config
+/// whose log holds at most 2 MiB of them: the log fills after about 40.
+fn padded_inputs(broker_port: u16, n: usize, retention: &str) -> (Messages, Expected, AgentConfig) {
     let pipes = vec![
         Pipe::new("sum", &["in/a"], Agg::Sum),
         Pipe::new("n", &["in/a"], Agg::Count),
     ];
     let pad = "x".repeat(48 * 1024);
-    let evs = events(0, 160, &["in/a"], 4);
+    let evs = events(0, n, &["in/a"], 4);
     let (stream, _) = with_duplicates(&evs, 10, 15);
     let msgs: Vec<(String, Vec<u8>, bool)> = stream
         .iter()
@@ -880,11 +884,17 @@ fn backpressure_case(retention: &str) {
         })
         .collect();
     let exp = oracle(&pipes, &stream);
-    let mut cfg = AgentConfig::new(broker.port(), &pipelines_toml(&pipes));
+    let mut cfg = AgentConfig::new(broker_port, &pipelines_toml(&pipes));
     cfg.log = format!(
         "segment_size = \"1MiB\"\nmax_size = \"2MiB\"\nretention = \"{retention}\"\n\
          commit_interval = \"2ms\"\nmax_payload = \"64KiB\"\n"
     );
+    (msgs, exp, cfg)
+}
+
+fn backpressure_case(retention: &str) {
+    let broker = broker_with(&[]);
+    let (msgs, exp, cfg) = padded_inputs(broker.port(), 160, retention);
     let mut agent = CairnProcess::new(&cfg);
     agent.start_connected();
     let live = Collector::start(broker.port(), "out/#");
@@ -913,7 +923,7 @@ fn backpressure_case(retention: &str) {
     );
     eprintln!(
         "{} messages of ~48 KiB through a 2 MiB log: backpressure on {on} times",
-        stream.len()
+        msgs.len()
     );
     check_state(&exp, &agent.inspect("state"), &agent);
     check_retained(&exp, &retained(broker.port(), exp.len()), &agent);
@@ -927,27 +937,8 @@ fn backpressure_case(retention: &str) {
 #[test]
 fn inputs_past_the_held_bound_are_let_go_and_come_again_after_a_reconnect() {
     let broker = broker_with(&[]);
-    let pipes = vec![
-        Pipe::new("sum", &["in/a"], Agg::Sum),
-        Pipe::new("n", &["in/a"], Agg::Count),
-    ];
-    // 400 inputs of ~48 KiB: 19 MiB queued, well past the 4 MiB bound; a 2 MiB log fills
-    // after about 40 of them.
-    let pad = "x".repeat(48 * 1024);
-    let evs = events(0, 400, &["in/a"], 4);
-    let (stream, _) = with_duplicates(&evs, 10, 15);
-    let msgs: Vec<(String, Vec<u8>, bool)> = stream
-        .iter()
-        .map(|e| {
-            let body = json!({"id": e.id, "k": e.key, "v": e.v, "ts": e.ts, "pad": pad});
-            (e.topic.clone(), body.to_string().into_bytes(), false)
-        })
-        .collect();
-    let exp = oracle(&pipes, &stream);
-    let mut cfg = AgentConfig::new(broker.port(), &pipelines_toml(&pipes));
-    cfg.log = "segment_size = \"1MiB\"\nmax_size = \"2MiB\"\nretention = \"0s\"\n\
-               commit_interval = \"2ms\"\nmax_payload = \"64KiB\"\n"
-        .into();
+    // 400 inputs (440 with duplicates) of ~48 KiB: 20 MiB queued, well past the 4 MiB bound.
+    let (msgs, exp, cfg) = padded_inputs(broker.port(), 400, "0s");
     let mut agent = CairnProcess::new(&cfg);
     agent.set_up_session();
     publish_all(broker.port(), &msgs);
@@ -980,7 +971,7 @@ fn inputs_past_the_held_bound_are_let_go_and_come_again_after_a_reconnect() {
     );
     eprintln!(
         "{} inputs of ~48 KiB queued, a 2 MiB log: {let_go} let go and sent again",
-        stream.len()
+        msgs.len()
     );
     check_state(&exp, &agent.inspect("state"), &agent);
     check_retained(&exp, &retained(broker.port(), exp.len()), &agent);
