@@ -479,6 +479,10 @@ impl Store {
 /// idle nothing pins at all: a heap profile after a 1M-input drain found 36 write buffers
 /// (18 MiB) waiting. One round after each checkpoint fsync keeps up; an idle agent runs
 /// many before it hands freed heap back to the system.
+///
+/// `sled::crossbeam_pin` is sled's own (hidden) re-export of the crossbeam-epoch it
+/// collects with, so this reaches the same collector whatever else links crossbeam; the
+/// exact sled version is pinned in Cargo.toml.
 pub(crate) fn release_deferred(rounds: usize) {
     for _ in 0..rounds {
         sled::crossbeam_pin().flush();
