@@ -153,8 +153,7 @@ pub(crate) fn parse_journal_stream(value: &str) -> Option<(u64, u64)> {
 }
 
 /// At most `max_lines` lines per `interval`; the rest are counted, and the count is reported
-/// once, in a "suppressed K similar messages" line, when the next interval lets a line through
-/// (or at [`RateLimit::flush`], for a loop that wants the count even if no line comes).
+/// once, in a "K more" line, when the next interval lets a line through.
 ///
 /// Intervals are fixed windows that start at the first line after the previous one ended.
 /// The clock is a parameter, so tests need no sleeping.
@@ -206,11 +205,54 @@ impl RateLimit {
             suppressed: report,
         }
     }
+
+    /// [`RateLimit::check`], then the warnings it allows: `"{what}: K more {kind} in the last
+    /// interval"` when a count is due, and `line()` when this one may go out. Returns the
+    /// verdict.
+    pub fn warn(
+        &mut self,
+        now: Instant,
+        what: &str,
+        kind: &str,
+        line: impl FnOnce() -> String,
+    ) -> Verdict {
+        let v = self.check(now);
+        if v.suppressed > 0 {
+            log::warn!(
+                "{what}: {} more {kind} in the last {:?}",
+                v.suppressed,
+                self.interval
+            );
+        }
+        if v.allowed {
+            log::warn!("{}", line());
+        }
+        v
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn warn_rate_limits_as_check_does() {
+        // Its lines go to `log` (off in tests, which also skips building them); what it
+        // decided is the verdict.
+        let t0 = Instant::now();
+        let mut r = RateLimit::new(1, Duration::from_secs(60));
+        let line = || String::from("l");
+        let first = r.warn(t0, "x", "more", line);
+        let rest: Vec<_> = (0..2).map(|_| r.warn(t0, "x", "more", line)).collect();
+        let later = r.warn(t0 + Duration::from_secs(60), "x", "more", line);
+        assert_eq!((first.allowed, first.suppressed), (true, 0));
+        assert!(rest.iter().all(|v| !v.allowed), "one line per interval");
+        assert_eq!(
+            (later.allowed, later.suppressed),
+            (true, 2),
+            "the count comes once"
+        );
+    }
 
     #[test]
     fn a_burst_is_cut_to_the_limit_and_the_rest_is_reported_once() {

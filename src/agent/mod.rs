@@ -435,20 +435,14 @@ impl Agent {
     /// One journal line per dead letter, at most 10 per minute; the rest are counted and
     /// reported as suppressed (they are all in the store: `cairn inspect dead-letters`).
     fn log_dead_letter(&mut self, rec: &Record, reason: &str) {
-        let verdict = self.dead_letter_log.check(self.now());
-        if verdict.suppressed > 0 {
-            log::warn!(
-                "dead letter: {} more suppressed in the last minute",
-                verdict.suppressed
-            );
-        }
-        if verdict.allowed {
-            log::warn!(
-                "dead letter: offset {} topic `{}` reason {reason} (see `cairn inspect dead-letters`)",
-                rec.offset,
-                rec.topic
-            );
-        }
+        self.dead_letter_log
+            .warn(self.clock.monotonic(), "dead letter", "suppressed", || {
+                format!(
+                    "dead letter: offset {} topic `{}` reason {reason} (see `cairn inspect \
+                     dead-letters`)",
+                    rec.offset, rec.topic
+                )
+            });
     }
 
     fn checkpoint(&mut self) -> Result<(), AgentError> {

@@ -39,23 +39,17 @@ impl Agent {
         if plan.evicted > 0 {
             self.metrics
                 .update(|f| f.log_segments_evicted += plan.evicted as u64);
-            let verdict = self.eviction_log.check(self.now());
-            if verdict.suppressed > 0 {
-                log::warn!(
-                    "retention: {} more evictions in the last minute",
-                    verdict.suppressed
-                );
-            }
-            if verdict.allowed {
-                log::warn!(
-                    "retention: the log is short of room (log.max_size {} bytes): deleted {} \
-                     processed segment(s) still inside log.retention, up to offset {}. Nothing \
-                     is lost (all of it is checkpointed); raise log.max_size to keep more history",
-                    self.cfg.log.max_size,
-                    plan.evicted,
-                    plan.below
-                );
-            }
+            let max_size = self.cfg.log.max_size;
+            self.eviction_log
+                .warn(self.clock.monotonic(), "retention", "evictions", || {
+                    format!(
+                        "retention: the log is short of room (log.max_size {max_size} bytes): \
+                         deleted {} processed segment(s) still inside log.retention, up to \
+                         offset {}. Nothing is lost (all of it is checkpointed); raise \
+                         log.max_size to keep more history",
+                        plan.evicted, plan.below
+                    )
+                });
         }
         Ok(())
     }
