@@ -81,7 +81,8 @@ use publisher::Publisher;
 /// bookkeeping). Past it an input is let go, unacknowledged: the broker keeps it, and once
 /// backpressure ends the agent reconnects so that the broker sends it again (issue 16: with
 /// no bound, mosquitto 2.0.11 pushed 485k queued messages, 680 MiB, at an agent whose outbox
-/// was full).
+/// was full). A QoS 0 input let go is gone, as QoS 0 allows: the broker keeps nothing for
+/// it, and holding QoS 0 without bound is what the bound is against.
 pub(crate) const HELD_LIMIT: usize = 4 << 20;
 
 /// How long backpressure must stay off before the agent reconnects for inputs it let go:
