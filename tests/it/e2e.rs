@@ -935,7 +935,7 @@ fn backpressure_case(retention: &str) {
 /// rest go unacknowledged; once backpressure has ended it reconnects, the broker sends them
 /// again, and every result is exact.
 #[test]
-fn inputs_past_the_held_bound_are_let_go_and_come_again_after_a_reconnect() {
+fn held_input_is_bounded_and_what_is_let_go_comes_again_after_a_reconnect() {
     let broker = broker_with(&[]);
     // 400 inputs (440 with duplicates) of ~48 KiB: 20 MiB queued, well past the 4 MiB bound.
     let (msgs, exp, cfg) = padded_inputs(broker.port(), 400, "0s");
