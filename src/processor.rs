@@ -56,7 +56,9 @@ use crate::quarantine::{MAX_ATTEMPTS, Quarantine};
 use crate::store::{CheckpointInfo, Store, StoreError};
 
 mod backfill;
+mod behind;
 pub use backfill::BackfillSlice;
+pub use behind::CatchUp;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProcessError {
@@ -260,6 +262,9 @@ pub struct Processor {
     /// The log reader of the backfill in progress, kept between slices (see
     /// [`Processor::backfill_slice`]), with the pipeline it reads for.
     backfill_reader: Option<(usize, crate::log::LogReader)>,
+    /// The log reader of live records processed behind the log, kept between slices (see
+    /// [`Processor::catch_up`]).
+    behind_reader: Option<crate::log::LogReader>,
     /// Checkpoints leave their fsync to the caller (see [`Processor::defer_sync`]).
     defer_sync: bool,
     /// For each committed checkpoint whose fsync is still to come: its `next_offset` and
@@ -362,6 +367,7 @@ impl Processor {
             quarantine: None,
             poisoned: false,
             backfill_reader: None,
+            behind_reader: None,
             defer_sync: false,
             unsynced_prunes: std::collections::VecDeque::new(),
         })
