@@ -50,7 +50,9 @@
 //!   and floor, the store watch), `agent/reload.rs` (SIGHUP as a diff of two configs),
 //!   `agent/uplink.rs` (results to a central broker over a second connection, the outbox
 //!   as its queue, the drain's figures), `agent/backfill.rs` (backfill slices beside live
-//!   work; the log they need kept from retention), `agent/boundary.rs` (pipeline changes
+//!   work; the log they need kept from retention), `agent/behind.rs` (at the outbox's bound
+//!   processing waits and takes records back from the log later; input never does),
+//!   `agent/boundary.rs` (pipeline changes
 //!   apply at a checkpoint boundary), `agent/fsync.rs` (the checkpoint's fsync on its own
 //!   thread; what waits for it). Recovery and wiring in
 //!   `agent/start.rs`; retention carried out in `agent/retention.rs`; shutdown in

@@ -60,6 +60,7 @@ impl Agent {
         let (log, stats) = (&self.log, &self.stats);
         let sp = self.checkpointer.newest_savepoint();
         let (connected, backpressure) = (self.input_connected(), self.ingest.backpressure());
+        let behind = self.records_behind();
         self.metrics.update(|f| {
             f.received = stats.received;
             f.acked = stats.acked;
@@ -71,6 +72,7 @@ impl Agent {
             f.reconnects = stats.reconnects;
             f.connected = connected;
             f.backpressure = backpressure;
+            f.records_behind = behind;
             f.log_size_bytes = log.size_bytes();
             f.log_first_offset = log.first_offset();
             f.log_next_offset = log.next_offset();
@@ -107,12 +109,16 @@ impl Agent {
     /// The `STATUS=` line `systemctl status` shows.
     pub(super) fn status_line(&self) -> String {
         format!(
-            "running: received {}, acked {}, processed up to offset {}, checkpoint {}, outbox {}{}{}",
+            "running: received {}, acked {}, processed up to offset {}, checkpoint {}, outbox {}{}{}{}",
             self.stats.received,
             self.stats.acked,
             self.proc.next_offset(),
             self.proc.engine().progress().checkpoint_id,
             self.proc.store().outbox_len(),
+            match self.records_behind() {
+                0 => String::new(),
+                n => format!(", {n} records behind (outbox full)"),
+            },
             self.backfill_status(),
             match (self.publisher.is_connected(), self.uplink.is_some()) {
                 (true, _) => "",

@@ -39,6 +39,7 @@
 //!   `memory`: heap trimming; `error`: [`AgentError`].
 
 mod backfill;
+mod behind;
 mod boundary;
 mod checkpointer;
 mod drain;
@@ -69,6 +70,8 @@ use crate::mqtt::{AckToken, Event, Incoming, Mqtt, MqttError};
 use crate::pipeline::engine::Outcome;
 use crate::processor::Processor;
 
+use behind::Behind;
+use behind::outbox_full;
 use checkpointer::{Checkpointer, Relief};
 pub use error::AgentError;
 use error::failpoint;
@@ -166,6 +169,8 @@ pub struct Agent {
     uplink: Option<uplink::Uplink>,
     /// Backfills (`start = "earliest"`) in progress, if any.
     backfill: backfill::Backfilling,
+    /// Processing behind the log while the outbox is at its bound (`behind`).
+    behind: Behind,
 }
 
 impl Agent {
@@ -214,6 +219,7 @@ impl Agent {
             }
             self.tick(false)?;
             self.backfill_step()?;
+            self.behind_step()?;
             if crate::signals::take_reload() {
                 self.reload();
             }
@@ -226,6 +232,9 @@ impl Agent {
     fn next_deadline(&self) -> Instant {
         if self.backfill.active() {
             return self.now(); // a backfill slice is waiting: do not wait for input
+        }
+        if self.behind.active() && outbox_full(&self.cfg.outbox, self.proc.store()).is_none() {
+            return self.now(); // records wait in the log and the outbox has room
         }
         let far = self.now() + Duration::from_millis(100);
         let a = self
@@ -388,6 +397,9 @@ impl Agent {
         let now = self.now();
         let mut applied = false;
         for rec in self.ingest.committed(now) {
+            if !self.apply_live(rec.offset) {
+                continue; // in the log: processed behind it (`behind`)
+            }
             for outcome in self.proc.apply(&rec)? {
                 if let Outcome::DeadLetter { reason } = outcome {
                     self.log_dead_letter(&rec, reason);
@@ -530,22 +542,7 @@ impl Agent {
     }
 
     /// Which outbox bound is reached, if one is.
-    fn outbox_full(&self) -> Option<&'static str> {
-        let store = self.proc.store();
-        if store.outbox_len() as u64 >= self.cfg.outbox.max_entries {
-            Some("the outbox is full (outbox.max_entries)")
-        } else if store.outbox_bytes() >= self.cfg.outbox.max_size {
-            Some("the outbox is full (outbox.max_size)")
-        } else {
-            None
-        }
-    }
-
     fn relieve_backpressure(&mut self) -> Result<(), AgentError> {
-        if let Some(why) = self.outbox_full() {
-            self.set_backpressure(true, why);
-            return Ok(());
-        }
         let relief = Checkpointer::relief(self.ingest.has_held(), || {
             (self.log.short_of_room(), self.proc.pending_records())
         });

@@ -15,6 +15,7 @@ use crate::processor::{ProcessError, Processor, ReplayStats};
 use crate::quarantine::Quarantine;
 use crate::store::Store;
 
+use super::behind::Behind;
 use super::boundary;
 use super::checkpointer::Checkpointer;
 use super::figures::{Refresh, note_savepoint_files};
@@ -103,6 +104,7 @@ impl Agent {
             path: cfg.store_dir(),
             source,
         })?;
+        let behind = Behind::new(proc.next_offset() < log.durable_next());
         let (mqtt, uplink, events) = subscribe(&cfg)?;
         let first_seq = proc
             .store()
@@ -142,6 +144,7 @@ impl Agent {
             eviction_log: crate::logging::RateLimit::new(3, Duration::from_secs(60)),
             uplink,
             backfill: super::backfill::Backfilling::new(),
+            behind,
         })
     }
 }

@@ -243,10 +243,12 @@ fn human(v: &Value) -> String {
     let s = cell;
     match v["source"].as_str() {
         Some("agent") => lines.push(format!(
-            "agent       running (metrics at {}), connected {}, backpressure {}",
+            "agent       running (metrics at {}), connected {}, backpressure {}, records \
+             behind {}",
             s(&v["metrics_address"]),
             s(&v["connected"]),
-            s(&v["backpressure"])
+            s(&v["backpressure"]),
+            s(&v["processing_behind"])
         )),
         _ => lines.push(format!(
             "agent       {}",

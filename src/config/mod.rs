@@ -115,9 +115,10 @@ pub struct CheckpointConfig {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct OutboxConfig {
-    /// Above this many entries, ingest stops acking until the publisher catches up.
+    /// At this many entries processing waits (input is still logged and acknowledged) until
+    /// results leave: see `agent/behind.rs`.
     pub max_entries: u64,
-    /// Above this many bytes of outbox chunks on disk, ingest stops acking likewise.
+    /// At this many bytes of outbox chunks on disk, processing waits likewise.
     pub max_size: u64,
     /// Unacknowledged outgoing publishes at once.
     pub inflight: u16,

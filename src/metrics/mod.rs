@@ -120,6 +120,8 @@ pub struct Figures {
     pub reconnects: u64,
     pub connected: bool,
     pub backpressure: bool,
+    /// Records logged and not processed yet: processing waits while the outbox is full.
+    pub records_behind: u64,
     // Log.
     pub log_commits: u64,
     pub log_commit: Histogram,

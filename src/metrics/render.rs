@@ -253,8 +253,15 @@ fn ingest(o: &mut Out, f: &Figures) {
     o.one(
         "cairn_backpressure",
         GAUGE,
-        "1 while inputs are not acknowledged because the log or the outbox is full.",
+        "1 while inputs are not acknowledged because the log or the disk is full.",
         b(f.backpressure),
+    );
+    o.one(
+        "cairn_processing_behind_records",
+        GAUGE,
+        "Records logged and acknowledged but not processed yet: while the outbox is full, \
+         processing waits and takes them from the log once results leave.",
+        f.records_behind as f64,
     );
 }
 

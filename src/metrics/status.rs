@@ -98,6 +98,7 @@ pub fn status_json(families: &[Family]) -> Value {
         "savepoint": savepoint,
         "source_replayable": one("cairn_source_replayable"),
         "backpressure": one("cairn_backpressure"),
+        "processing_behind": one("cairn_processing_behind_records"),
         "connected": one("cairn_mqtt_connected"),
         "metrics": flat(&samples),
     })

@@ -976,3 +976,93 @@ fn held_input_is_bounded_and_what_is_let_go_comes_again_after_a_reconnect() {
     check_state(&exp, &agent.inspect("state"), &agent);
     check_retained(&exp, &retained(broker.port(), exp.len()), &agent);
 }
+
+/// Issue 16: a queued backlog meets a small outbox bound (results leave one at a time).
+/// Processing waits, input does not: everything is logged and acknowledged at once, nothing
+/// is held or let go, and processing takes the records from the log as results leave. A
+/// SIGKILL as soon as a second backlog is logged loses and doubles nothing: every result
+/// is exact.
+#[test]
+fn a_small_outbox_bound_holds_processing_back_not_input_and_survives_a_kill() {
+    let broker = broker_with(&[]);
+    let pipes = vec![
+        Pipe::new("sum", &["in/a"], Agg::Sum),
+        Pipe::new("n", &["in/a"], Agg::Count),
+    ];
+    let evs = events(0, 6_000, &["in/a"], 200);
+    let (msgs, exp) = plain(&pipes, &evs);
+    let (first, second) = msgs.split_at(3_000);
+    let mut cfg = AgentConfig::new(broker.port(), &pipelines_toml(&pipes));
+    cfg.outbox = "max_entries = 100\ninflight = 1\ndrain_timeout = \"5s\"\n".into();
+    cfg.checkpoint = "interval = \"50ms\"\nmax_records = 50\n".into();
+    cfg.extra = format!(
+        "[metrics]\nlisten = \"127.0.0.1:{}\"\n",
+        support::free_port()
+    );
+    let mut agent = CairnProcess::new(&cfg);
+    agent.set_log_filter(Some("info"));
+    agent.set_up_session();
+    let logged = |agent: &CairnProcess, n: usize| {
+        let done = wait_until(Duration::from_secs(30), || {
+            metric(agent, "cairn_log_next_offset") == Some(n as f64)
+        });
+        assert!(done, "not all {n} logged: {}", agent.stderr_tail(30));
+    };
+    // A queued backlog: all of it logged and acknowledged while processing waits.
+    publish_all(broker.port(), first);
+    agent.start_connected();
+    logged(&agent, first.len());
+    let behind = metric(&agent, "cairn_processing_behind_records").unwrap_or(0.0);
+    assert!(
+        behind > 1_000.0,
+        "processing kept up ({behind} behind): the bound was not reached"
+    );
+    let outbox = metric(&agent, "cairn_outbox_entries").unwrap();
+    assert!(
+        outbox <= 100.0 + 50.0,
+        "outbox {outbox} past its bound + a checkpoint"
+    );
+    agent.wait_for_stderr("processing caught up with the log", Duration::from_secs(60));
+    // Live input falls behind again; killed there, the restart replays and nothing is lost
+    // or doubled.
+    publish_all(broker.port(), second);
+    logged(&agent, msgs.len());
+    agent.kill();
+    agent.start_connected();
+    let live = Collector::start(broker.port(), "out/#");
+    wait_for_results(&live, &exp, &agent);
+    stop_cleanly(&mut agent);
+    let err = agent.stderr();
+    assert!(
+        err.contains("processing waits (outbox.max_entries)"),
+        "{}",
+        agent.stderr_tail(30)
+    );
+    assert!(
+        !err.contains("backpressure on") && !err.contains("let go"),
+        "{}",
+        agent.stderr_tail(30)
+    );
+    check_state(&exp, &agent.inspect("state"), &agent);
+    check_retained(&exp, &retained(broker.port(), exp.len()), &agent);
+}
+
+/// One figure of the running agent, through `cairn status --json`.
+fn metric(agent: &CairnProcess, name: &str) -> Option<f64> {
+    let (st, out, err) = agent.command(&["status", "--json"]);
+    assert!(st.success(), "status failed: {err}");
+    let v: Value = serde_json::from_str(&out).expect("status JSON");
+    v["metrics"][name].as_f64()
+}
+
+/// The messages of `evs` as JSON, and what `pipes` make of them.
+fn plain(pipes: &[Pipe], evs: &[Ev]) -> (Messages, Expected) {
+    let msgs = evs
+        .iter()
+        .map(|e| {
+            let body = json!({"id": e.id, "k": e.key, "v": e.v, "ts": e.ts});
+            (e.topic.clone(), body.to_string().into_bytes(), false)
+        })
+        .collect();
+    (msgs, oracle(pipes, evs))
+}
