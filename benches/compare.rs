@@ -26,7 +26,8 @@
 //! (pre-filled with `cairn::log::Log` while the agent is stopped), READY timed on a fake
 //! `NOTIFY_SOCKET`; footprint (issue 16): a backlog of 1M inputs over 100k keys (2%
 //! duplicates) waiting in a broker, drained by a freshly started agent (peak RSS, RSS after
-//! 10 s idle, disk bytes and CPU per input, drain rate), RSS after 10 s idle with the live
+//! 10 s idle, disk bytes and CPU per input, drain rate; then again with `outbox.max_entries`
+//! at 20,000, a user's memory bound), RSS after 10 s idle with the live
 //! runs' 1,000 keys, stripped binary. The targets are printed with pass/FAIL. And both Cairn and Node-RED get the same SIGKILL at the same
 //! input of the same paced stream; their final per-key sums are compared with the oracle.
 //!
@@ -70,6 +71,8 @@ const KILL_AT: u64 = 5_000;
 const RECOVERY_RECORDS: u64 = 100_000;
 /// Footprint: keys and dedup ledger entries.
 const FOOT_KEYS: u64 = 100_000;
+/// The outbox bound of the second backlog run: a user's memory bound (issue 16).
+const FOOT_BOUND: u64 = 20_000;
 const FOOT_EVENTS: u64 = 1_000_000;
 const IDLE: Duration = Duration::from_secs(10);
 /// Any single wait in this bench; a system that cannot keep up is reported, not waited for.
@@ -593,6 +596,25 @@ impl Cairn {
 
     fn stderr_path(&self) -> PathBuf {
         self.dir.join("cairn.stderr")
+    }
+
+    /// Set `outbox.max_entries` (before the agent starts).
+    fn set_outbox_max(&self, max: u64) {
+        let path = self.dir.join("cairn.toml");
+        let conf = std::fs::read_to_string(&path).expect("read cairn.toml");
+        let at = conf
+            .find("[outbox]\nmax_entries = ")
+            .expect("an [outbox] table");
+        let end = at
+            + conf[at..]
+                .find("\ninflight")
+                .expect("inflight after max_entries");
+        let conf = format!(
+            "{}[outbox]\nmax_entries = {max}{}",
+            &conf[..at],
+            &conf[end..]
+        );
+        std::fs::write(&path, conf).expect("write cairn.toml");
     }
 
     /// Set `[checkpoint]` (before the agent starts).
@@ -1202,11 +1224,14 @@ fn publish_backlog(port: u16) {
 /// A broker of its own (rare autosaves: a million queued messages would be written every few
 /// seconds otherwise), the agent subscribed once and stopped, the backlog published, then a
 /// fresh agent drains it: peak RSS, CPU and bytes written per input, then RSS at rest.
-fn footprint(root: &Path, t0: Instant) -> Foot {
+fn footprint(root: &Path, t0: Instant, outbox_max: Option<u64>) -> Foot {
     let _ = t0;
     let broker = start_broker(3600);
     let port = broker.port();
     let mut c = Cairn::new(root, "cairn-footprint", port, "upsert", 5_000);
+    if let Some(max) = outbox_max {
+        c.set_outbox_max(max);
+    }
     // A broker busy with a million queued messages can leave a ping unanswered for 10 s;
     // a reconnect then made mosquitto 2.0.11 send much of the backlog again (1.2M
     // duplicates seen), which measures the broker, not the agent's footprint.
@@ -1522,7 +1547,15 @@ fn main() {
          waiting in the broker, drained by a freshly started agent, upsert"
     );
     let foot = if want("footprint") {
-        footprint(&root, t0)
+        footprint(&root, t0, None)
+    } else {
+        Foot::default()
+    };
+    // The bound a user sets for a smaller box (issue 16): at the outbox's bound processing
+    // waits and input is still logged and acknowledged.
+    println!("footprint again, with outbox.max_entries = {FOOT_BOUND}");
+    let bounded = if want("footprint") {
+        footprint(&root, t0, Some(FOOT_BOUND))
     } else {
         Foot::default()
     };
@@ -1708,6 +1741,32 @@ fn main() {
         None,
         0,
     );
+    let bounded_rows: [(String, f64, usize); 5] = [
+        (
+            format!("  outbox.max_entries {FOOT_BOUND}: peak RSS, MiB"),
+            bounded.peak_rss,
+            1,
+        ),
+        ("    RSS after idle, MiB".into(), bounded.idle_rss, 1),
+        (
+            "    disk bytes written per event".into(),
+            bounded.bytes_per_event,
+            0,
+        ),
+        (
+            "    CPU (user+system) per event, µs".into(),
+            bounded.cpu_us_per_event,
+            1,
+        ),
+        (
+            "    drain events/s (start to all out)".into(),
+            bounded.events_per_s,
+            0,
+        ),
+    ];
+    for (label, v, digits) in bounded_rows {
+        row(&label, None, Some(v), None, digits);
+    }
     row("stripped binary, MiB", None, stripped, None, 2);
     println!("{}", "-".repeat(102));
     let thr = cairn_live.rate / relay_live.rate;
