@@ -88,7 +88,10 @@
 //!    key, the last retained value is the oracle's, and a kill after a result's PUBACK and
 //!    before its checkpoint re-sends it unchanged).
 //! 7. No queue, log, ledger or batch grows without a configured bound; reaching one stops
-//!    acknowledging instead of dropping (`tests/it/faults.rs`, `tests/it/e2e.rs`). A full log
+//!    acknowledging instead of dropping (`tests/it/faults.rs`, `tests/it/e2e.rs`), except the
+//!    outbox's: at it processing waits and the log holds the input, which is still
+//!    acknowledged (`e2e::a_small_outbox_bound_holds_processing_back_not_input_and_survives_a_kill`,
+//!    `uplink::a_full_outbox_pauses_processing_not_input_...`). A full log
 //!    first deletes segments every durable checkpoint covers, so it never stays full
 //!    (`tests/it/retention.rs`; the rule is in `log`'s docs), except those an unfinished
 //!    backfill still needs (`tests/it/backfill.rs`).

@@ -193,6 +193,16 @@ fn results(proc: &Processor) -> Results {
     (outputs, state, counters)
 }
 
+/// Checkpoint, then the outputs, state and counters must be `want`'s.
+fn same_results(proc: &mut Processor, want: &Results) -> Result<(), TestCaseError> {
+    proc.checkpoint(0).unwrap();
+    let got = results(proc);
+    prop_assert_eq!(&got.0, &want.0, "outputs differ");
+    prop_assert_eq!(&got.1, &want.1, "state differs");
+    prop_assert_eq!(&got.2, &want.2, "counters differ");
+    Ok(())
+}
+
 fn check(inputs: &[Input], before: usize, steps: &[Step]) -> Result<(), TestCaseError> {
     let dir = tempfile::tempdir().unwrap();
     let log = write_log(dir.path(), inputs);
@@ -230,12 +240,7 @@ fn check(inputs: &[Input], before: usize, steps: &[Step]) -> Result<(), TestCase
     }
     while proc.backfill_slice(&log, 13).unwrap().is_some() {}
     live(&mut proc, &log, usize::MAX);
-    proc.checkpoint(0).unwrap();
-    let got = results(&proc);
-    prop_assert_eq!(&got.0, &want.0, "outputs differ");
-    prop_assert_eq!(&got.1, &want.1, "state differs");
-    prop_assert_eq!(&got.2, &want.2, "counters differ");
-    Ok(())
+    same_results(&mut proc, &want)
 }
 
 proptest! {
@@ -306,12 +311,7 @@ fn check_behind(inputs: &[Input], steps: &[Step]) -> Result<(), TestCaseError> {
         );
     }
     prop_assert_eq!(proc.next_offset(), log.durable_next());
-    proc.checkpoint(0).unwrap();
-    let got = results(&proc);
-    prop_assert_eq!(&got.0, &want.0, "outputs differ");
-    prop_assert_eq!(&got.1, &want.1, "state differs");
-    prop_assert_eq!(&got.2, &want.2, "counters differ");
-    Ok(())
+    same_results(&mut proc, &want)
 }
 
 // ---------------------------------------------------------------------------------------
