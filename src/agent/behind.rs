@@ -46,10 +46,12 @@ pub(super) struct Behind {
 }
 
 impl Behind {
-    /// Behind from the start when recovery left records unprocessed.
-    pub(super) fn new(active: bool) -> Behind {
+    /// Not behind: recovery replays the whole log tail before the loop starts, and a record
+    /// past the live position later (none is expected) makes processing fall behind and
+    /// take it from the log ([`Agent::apply_live`]).
+    pub(super) fn new() -> Behind {
         Behind {
-            active,
+            active: false,
             since: None,
             journal: crate::logging::RateLimit::new(1, Duration::from_secs(60)),
         }

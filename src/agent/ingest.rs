@@ -34,7 +34,7 @@ pub(crate) struct Ingest<A, M> {
     unsynced_recs: Vec<Record>,
     /// When the oldest of them (or an ack with no room in the MQTT queue) began to wait.
     first_unsynced: Option<Instant>,
-    /// Messages received while the log, the disk or the outbox is full; not appended, not
+    /// Messages received while the log or the disk is full; not appended, not
     /// acked.
     held: VecDeque<M>,
     /// Their bytes, by `size_of`, and the most they may take.

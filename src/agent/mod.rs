@@ -541,7 +541,6 @@ impl Agent {
         Ok(())
     }
 
-    /// Which outbox bound is reached, if one is.
     fn relieve_backpressure(&mut self) -> Result<(), AgentError> {
         let relief = Checkpointer::relief(self.ingest.has_held(), || {
             (self.log.short_of_room(), self.proc.pending_records())

@@ -104,7 +104,6 @@ impl Agent {
             path: cfg.store_dir(),
             source,
         })?;
-        let behind = Behind::new(proc.next_offset() < log.durable_next());
         let (mqtt, uplink, events) = subscribe(&cfg)?;
         let first_seq = proc
             .store()
@@ -144,7 +143,7 @@ impl Agent {
             eviction_log: crate::logging::RateLimit::new(3, Duration::from_secs(60)),
             uplink,
             backfill: super::backfill::Backfilling::new(),
-            behind,
+            behind: Behind::new(),
         })
     }
 }
