@@ -18,8 +18,11 @@ use super::{
 };
 use crate::pipeline::engine::{Batch, Checkpoint, DeadLetter, Output, Progress};
 
-/// Ledger chunks a commit adds or drops: (pipeline, key suffix, chunk).
+/// Ledger chunks a commit drops: (pipeline, key suffix, chunk).
 type ChunkChanges = Vec<(String, Vec<u8>, Chunk)>;
+
+/// Ledger chunks a commit adds: (pipeline, key suffix, chunk, bytes of its key and value).
+type ChunksAdded = Vec<(String, Vec<u8>, Chunk, u64)>;
 
 /// Every tree's writes for one checkpoint, built before the transaction.
 struct Writes {
@@ -111,7 +114,7 @@ impl Store {
         mem: &mut Mem,
         b: &Batch,
         checkpoint_id: u64,
-    ) -> Result<(sled::Batch, ChunkChanges, ChunkChanges), StoreError> {
+    ) -> Result<(sled::Batch, ChunksAdded, ChunkChanges), StoreError> {
         let mut by_pipeline: HashMap<&str, Vec<(String, u64)>> = HashMap::new();
         for ((p, id), seen) in &b.dedup {
             by_pipeline
@@ -120,13 +123,14 @@ impl Store {
                 .push((id.clone(), *seen));
         }
         let mut dedup = sled::Batch::default();
-        let mut added: ChunkChanges = Vec::new();
+        let mut added: ChunksAdded = Vec::new();
         for (p, entries) in by_pipeline {
             for (suffix, chunk) in ledger::make_chunks(entries, checkpoint_id) {
                 let key = pkey(p, &suffix);
                 let value = bounded("dedup", &key, encode(&chunk))?;
+                let bytes = (key.len() + value.len()) as u64;
                 dedup.insert(key, value);
-                added.push((p.to_string(), suffix, chunk));
+                added.push((p.to_string(), suffix, chunk, bytes));
             }
         }
         let mut dropped: ChunkChanges = Vec::new();
@@ -180,7 +184,7 @@ impl Store {
     fn update_memory(
         &self,
         mem: &mut Mem,
-        added: ChunkChanges,
+        added: ChunksAdded,
         dropped: ChunkChanges,
         out_chunks: Vec<(u64, Vec<(u64, Output)>)>,
         out_bytes: Vec<u64>,
@@ -200,11 +204,11 @@ impl Store {
         for p in freed {
             self.promote(mem, &p)?;
         }
-        for (p, suffix, chunk) in added {
+        for (p, suffix, chunk, bytes) in added {
             let room = index_room(&mem.ledgers, &p, bound);
             let l = mem.ledgers.entry(p.clone()).or_default();
             let was_full = l.unindexed_len() > 0;
-            if !l.add_chunk(&self.hasher, suffix.clone(), &chunk, room) && !was_full {
+            if !l.add_chunk(&self.hasher, suffix.clone(), &chunk, bytes, room) && !was_full {
                 log::warn!(
                     "store: the dedup ledger index reached storage.ledger_index_max ({bound} \
                      bytes): new chunks of pipeline {p} are not indexed, and every lookup reads \
@@ -385,13 +389,13 @@ fn checkpoints_batch(info: &CheckpointInfo) -> Result<sled::Batch, StoreError> {
 fn progress_with_ledger_sizes(
     mem: &Mem,
     progress: &Progress,
-    added: &ChunkChanges,
+    added: &ChunksAdded,
     dropped: &ChunkChanges,
 ) -> Progress {
     let mut progress = progress.clone();
     for pp in &mut progress.pipelines {
         let mut n = mem.ledgers.get(&pp.name).map_or(0, |l| l.entries());
-        for (p, _, c) in added {
+        for (p, _, c, _) in added {
             if *p == pp.name {
                 n += c.entries.len() as u64;
             }

@@ -133,28 +133,35 @@ fn hashes(hasher: &impl BuildHasher, chunk: &Chunk) -> Vec<u64> {
 #[derive(Default)]
 pub(crate) struct Ledger {
     pub index: ShardedIndex,
-    /// Key suffix → (greatest record time in that chunk, its number; `None`: not indexed).
-    chunks: BTreeMap<Vec<u8>, (u64, Option<u32>)>,
+    /// Key suffix → (greatest record time in that chunk, its number (`None`: not indexed),
+    /// its key and value's bytes in the tree).
+    chunks: BTreeMap<Vec<u8>, (u64, Option<u32>, u64)>,
     /// Number → key suffix.
     by_number: HashMap<u32, Vec<u8>>,
     /// Chunks left out of the index by the memory bound: every lookup reads them.
     unindexed: BTreeSet<Vec<u8>>,
     /// Entries in all chunks, indexed or not.
     entries: u64,
+    /// Bytes of the chunks' keys and values in the tree: what the agent's estimate of the
+    /// store's live data counts for this ledger without walking it (issue 16).
+    bytes: u64,
     next_number: u32,
 }
 
 impl Ledger {
-    /// Add a chunk, in the index if that keeps the index within `max_index_bytes`, else as
-    /// unindexed (see the module docs). Returns whether it was indexed.
+    /// Add a chunk whose key and value take `bytes` in the tree, in the index if that keeps
+    /// the index within `max_index_bytes`, else as unindexed (see the module docs). Returns
+    /// whether it was indexed.
     pub(crate) fn add_chunk(
         &mut self,
         hasher: &impl BuildHasher,
         suffix: Vec<u8>,
         chunk: &Chunk,
+        bytes: u64,
         max_index_bytes: usize,
     ) -> bool {
         self.entries += chunk.entries.len() as u64;
+        self.bytes = self.bytes.saturating_add(bytes);
         let hashes = hashes(hasher, chunk);
         let fits = self
             .index
@@ -162,15 +169,15 @@ impl Ledger {
             .is_some_and(|b| b <= max_index_bytes);
         if !fits {
             self.chunks
-                .insert(suffix.clone(), (chunk.max_seen_ms, None));
+                .insert(suffix.clone(), (chunk.max_seen_ms, None, bytes));
             self.unindexed.insert(suffix);
             return false;
         }
-        self.index_entries(&hashes, suffix, chunk);
+        self.index_entries(&hashes, suffix, chunk, bytes);
         true
     }
 
-    fn index_entries(&mut self, hashes: &[u64], suffix: Vec<u8>, chunk: &Chunk) {
+    fn index_entries(&mut self, hashes: &[u64], suffix: Vec<u8>, chunk: &Chunk, bytes: u64) {
         // A number no live chunk has (they wrap after 2^32 chunks, long after the first
         // ones expired).
         let number = loop {
@@ -184,7 +191,7 @@ impl Ledger {
             self.index.insert_tag(h, number);
         }
         self.chunks
-            .insert(suffix.clone(), (chunk.max_seen_ms, Some(number)));
+            .insert(suffix.clone(), (chunk.max_seen_ms, Some(number), bytes));
         self.by_number.insert(number, suffix);
     }
 
@@ -205,15 +212,17 @@ impl Ledger {
         if !fits || !self.unindexed.remove(suffix) {
             return false;
         }
-        self.index_entries(&hashes, suffix.to_vec(), chunk);
+        let bytes = self.chunks.get(suffix).map_or(0, |c| c.2);
+        self.index_entries(&hashes, suffix.to_vec(), chunk, bytes);
         true
     }
 
     pub(crate) fn remove_chunk(&mut self, hasher: &impl BuildHasher, suffix: &[u8], chunk: &Chunk) {
-        let Some((_, number)) = self.chunks.remove(suffix) else {
+        let Some((_, number, bytes)) = self.chunks.remove(suffix) else {
             return;
         };
         self.entries = self.entries.saturating_sub(chunk.entries.len() as u64);
+        self.bytes = self.bytes.saturating_sub(bytes);
         let Some(number) = number else {
             self.unindexed.remove(suffix);
             return;
@@ -245,6 +254,11 @@ impl Ledger {
         self.entries
     }
 
+    /// Bytes of all chunks' keys and values in the tree.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
     /// Key suffixes of up to `limit` unindexed chunks, oldest first.
     pub(crate) fn unindexed(&self, limit: usize) -> Vec<Vec<u8>> {
         self.unindexed.iter().take(limit).cloned().collect()
@@ -259,7 +273,7 @@ impl Ledger {
     pub fn expired(&self, cutoff: u64, limit: usize) -> Vec<Vec<u8>> {
         self.chunks
             .iter()
-            .take_while(|(_, (max, _))| *max <= cutoff)
+            .take_while(|(_, (max, _, _))| *max <= cutoff)
             .take(limit)
             .map(|(k, _)| k.clone())
             .collect()
@@ -321,7 +335,7 @@ mod tests {
                 .map(|i| (format!("E{cp}-{i}"), 1000 * cp + i))
                 .collect();
             for (suffix, c) in make_chunks(entries, cp) {
-                l.add_chunk(&h, suffix.clone(), &c, usize::MAX);
+                l.add_chunk(&h, suffix.clone(), &c, 100, usize::MAX);
                 chunks.push((suffix, c));
             }
         }
@@ -346,7 +360,9 @@ mod tests {
         );
         assert_eq!(starts(l.expired(1000 + CHUNK_ENTRIES as u64, 1)), [0]);
         let (suffix, c) = &chunks[0];
+        assert_eq!(l.bytes(), 100 * chunks.len() as u64);
         l.remove_chunk(&h, suffix, c);
+        assert_eq!(l.bytes(), 100 * (chunks.len() as u64 - 1));
         assert_eq!(l.index.len(), 3 * CHUNK_ENTRIES);
         assert!(l.chunks_for(h.hash_one(b"E0-1"), &mut tags).is_empty());
         assert_eq!(starts(l.expired(u64::MAX, 10)), [1000, 2000, 3000]);

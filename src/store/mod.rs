@@ -489,6 +489,19 @@ pub(crate) fn release_deferred(rounds: usize) {
     }
 }
 
+/// A walk of a whole tree (open, savepoints, the live-data estimate) pulls every page it
+/// passes through sled's cache, which evicts others; an evicted page is freed only when
+/// deferred drops run. Every this many items the walk runs a round of them, or a walk of a
+/// million-entry ledger held the pages of all of it at once.
+const WALK_RELEASE_EVERY: usize = 256;
+
+/// For walks: run a round of deferred drops at every [`WALK_RELEASE_EVERY`]th item.
+pub(crate) fn release_while_walking(item: usize) {
+    if item % WALK_RELEASE_EVERY == WALK_RELEASE_EVERY - 1 {
+        release_deferred(1);
+    }
+}
+
 /// [`Store::sync`], for another thread: the agent's checkpoint fsync runs beside its loop.
 #[derive(Clone)]
 pub struct Syncer {

@@ -81,7 +81,8 @@ impl Store {
     fn load(&self) -> Result<(), StoreError> {
         let mut mem = self.lock();
         let bound = self.bounds.ledger_index_max_bytes;
-        for kv in self.dedup.iter() {
+        for (n, kv) in self.dedup.iter().enumerate() {
+            release_while_walking(n);
             let (k, v) = kv?;
             let (p, suffix) = split_pkey(&k)?;
             let chunk: Chunk = decode("ledger chunk", &v)?;
@@ -90,6 +91,7 @@ impl Store {
                 &self.hasher,
                 suffix.to_vec(),
                 &chunk,
+                (k.len() + v.len()) as u64,
                 room,
             );
         }

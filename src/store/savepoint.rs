@@ -54,7 +54,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-use super::{Store, StoreError, io_err};
+use super::{Store, StoreError, io_err, release_while_walking};
 use crate::fsio::{Durability, SyncKind};
 
 const MAGIC: &[u8; 8] = b"CAIRNSP\0";
@@ -213,7 +213,7 @@ impl<W: Write> Write for CrcWriter<W> {
 }
 
 impl Store {
-    fn trees(&self) -> [&sled::Tree; 6] {
+    pub(super) fn trees(&self) -> [&sled::Tree; 6] {
         [
             &self.meta,
             &self.state,
@@ -226,13 +226,26 @@ impl Store {
 
     /// Bytes of keys and values in the checkpoint trees: what a savepoint holds, and about
     /// what a store rebuilt from one needs. The agent compares sled's files with it to tell
-    /// when sled keeps far more than the live data. Walks every tree: call it rarely.
+    /// when sled keeps far more than the live data.
+    ///
+    /// The ledger and the outbox, the large trees, are counted as their chunks are written
+    /// and deleted (rebuilt at open); the other trees are walked: call it rarely. Walking the
+    /// ledger too pulled every chunk of a million-entry ledger through sled's cache at once,
+    /// the largest single item of the agent's peak RSS (issue 16), and evicted the state the
+    /// agent was working on. The walk hands sled's evicted pages back as it goes
+    /// ([`release_while_walking`]).
     pub fn live_bytes(&self) -> Result<u64, StoreError> {
-        let mut total = 0u64;
-        for tree in self.trees() {
-            for kv in tree.iter() {
+        let counted = {
+            let mem = self.lock();
+            let ledgers = mem.ledgers.values().map(super::ledger::Ledger::bytes);
+            ledgers.fold(mem.outbox.bytes(), u64::saturating_add)
+        };
+        let mut total = counted;
+        for tree in [&self.meta, &self.state, &self.dead, &self.checkpoints] {
+            for (i, kv) in tree.iter().enumerate() {
                 let (k, v) = kv?;
                 total = total.saturating_add((k.len() + v.len()) as u64);
+                release_while_walking(i);
             }
         }
         Ok(total)
@@ -278,7 +291,8 @@ impl Store {
             crc: crc32fast::Hasher::new(),
         };
         for (i, tree) in self.trees().into_iter().enumerate() {
-            for kv in tree.iter() {
+            for (n, kv) in tree.iter().enumerate() {
+                release_while_walking(n);
                 let (k, v) = kv?;
                 let (klen, vlen) = (field_len(&k)?, field_len(&v)?);
                 body.write_all(&[i as u8]).map_err(io_err(&tmp))?;

@@ -332,6 +332,60 @@ fn expired_ledger_chunks_are_dropped_so_the_ledger_stays_bounded() {
     );
 }
 
+/// Keys and values of every checkpoint tree, walked.
+fn walked_bytes(store: &Store) -> u64 {
+    store
+        .trees()
+        .iter()
+        .flat_map(|t| t.iter())
+        .map(|kv| kv.map(|(k, v)| (k.len() + v.len()) as u64).unwrap())
+        .sum()
+}
+
+#[test]
+fn the_live_data_estimate_counts_ledger_and_outbox_as_they_change_and_matches_a_walk() {
+    // The agent's estimate no longer walks the ledger and the outbox (issue 16): their byte
+    // counts must follow chunks added, expired, acknowledged and superseded, and a reopen.
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    let mut s = spec();
+    s.dedup_window_ms = 2_500;
+    let mut engine = Engine::new(vec![s], store.progress().unwrap());
+    let mut offset = 0;
+    for cp in 0..12u64 {
+        for i in 0..40u64 {
+            let payload = format!("E{cp}-{i}/K{}/1", (cp * 7 + i) % 30);
+            let r = rec(offset, &payload);
+            let r = Record {
+                received_at_ms: 1_000_000 + cp * 1_000 + i,
+                ..r
+            };
+            engine.apply(&store, &r).unwrap();
+            offset += 1;
+        }
+        store.commit(&engine.take_checkpoint(), 0).unwrap();
+        // Acknowledge a few results now and then, as the publisher does.
+        let waiting: Vec<_> = store.outbox_from(0).take(7).map(Result::unwrap).collect();
+        for (seq, out) in waiting.iter().filter(|_| cp % 3 == 1) {
+            store.outbox_delete(*seq, &out.id).unwrap();
+        }
+        assert_eq!(
+            store.live_bytes().unwrap(),
+            walked_bytes(&store),
+            "after checkpoint {cp}"
+        );
+    }
+    assert!(
+        store.dedup_len("balances") < 12 * 40,
+        "chunks expired on the way"
+    );
+    let before = store.live_bytes().unwrap();
+    drop(store);
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    assert_eq!(store.live_bytes().unwrap(), before, "rebuilt at open");
+    assert_eq!(walked_bytes(&store), before);
+}
+
 /// Format 2's progress record, written here as a cairn of that layout wrote it.
 #[derive(serde::Serialize)]
 struct ProgressV2 {
