@@ -1273,6 +1273,9 @@ fn footprint(root: &Path, t0: Instant, outbox_max: Option<u64>) -> Foot {
         p.status_kib("RssAnon:") as f64 / 1024.0,
         p.status_kib("RssFile:") as f64 / 1024.0,
     );
+    if let Some(out) = std::env::var_os("CAIRN_COMPARE_SMAPS") {
+        let _ = std::fs::copy(format!("/proc/{}/smaps", p.pid), out);
+    }
     let keys = c.metric("cairn_state_keys");
     let dedup = c.metric("cairn_dedup_entries");
     let dups = c.metric("cairn_duplicates_total");
@@ -1325,7 +1328,8 @@ fn main() {
     let t0 = Instant::now();
     let publisher = Publisher::start(port);
     // For profiling one part: CAIRN_COMPARE_ONLY=relay,cairn,intervals,node-red,kill,recovery,footprint
-    // (any subset). Skipped parts print n/a.
+    // (any subset). Skipped parts print n/a. For the backlog: CAIRN_COMPARE_ONCE skips its
+    // bounded second run, CAIRN_COMPARE_SMAPS=FILE copies the agent's /proc smaps at rest.
     let only = std::env::var("CAIRN_COMPARE_ONLY").ok();
     let want = |part: &str| {
         only.as_deref()
@@ -1554,7 +1558,7 @@ fn main() {
     // The bound a user sets for a smaller box (issue 16): at the outbox's bound processing
     // waits and input is still logged and acknowledged.
     println!("footprint again, with outbox.max_entries = {FOOT_BOUND}");
-    let bounded = if want("footprint") {
+    let bounded = if want("footprint") && std::env::var_os("CAIRN_COMPARE_ONCE").is_none() {
         footprint(&root, t0, Some(FOOT_BOUND))
     } else {
         Foot::default()
