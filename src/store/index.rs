@@ -4,10 +4,10 @@
 //!
 //! Deciding whether an event ID was already recorded should not cost a sled read per event.
 //! The index holds one small entry per ledger entry: a fingerprint of the caller's 64-bit hash
-//! of the ID, and a 32-bit tag the caller chooses. It is a filter:
+//! of the ID, and a 16-bit tag the caller chooses. It is a filter:
 //!
 //! - a **miss** (no entry) proves that the ID was never recorded: no ledger read at all;
-//! - a **hit** only says *where* to look: the ledger tags each entry with the number of the
+//! - a **hit** only says *where* to look: the ledger tags each entry with the tag of the
 //!   chunk it is in, and confirms against that chunk.
 //!
 //! A first version tagged entries with their coarse record time (1.024 s units), and a hit
@@ -25,20 +25,20 @@
 //!
 //! # Layout
 //!
-//! An open-addressing table of `u64` slots (0 = empty), linear probing, deletion by backward
-//! shift (no tombstones), growing when the load would exceed 7/8: doubling while the table is
-//! small, by a quarter from [`GROW_BY_QUARTER_FROM`] slots on (see *Memory*). Each used slot
-//! packs:
+//! An open-addressing table of 6-byte slots (all zeros = empty), linear probing, deletion by
+//! backward shift (no tombstones), growing when the load would exceed 7/8: doubling while the
+//! table is small, by a quarter from [`GROW_BY_QUARTER_FROM`] slots on (see *Memory*). Each
+//! used slot holds three `u16`:
 //!
 //! ```text
-//!  63                              32 31                               0
-//! ┌──────────────────────────────────┬──────────────────────────────────┐
-//! │ fp: top 32 bits of the hash,     │ tag (the ledger: chunk number)   │
-//! │     lowest bit forced to 1       │                                  │
-//! └──────────────────────────────────┴──────────────────────────────────┘
+//! ┌─────────────────┬─────────────────┬─────────────────────────────┐
+//! │ fp, high half   │ fp, low half    │ tag (the ledger: its chunk) │
+//! └─────────────────┴─────────────────┴─────────────────────────────┘
+//!   fp: top 32 bits of the hash, lowest bit forced to 1
 //! ```
 //!
-//! Forcing the lowest bit of `fp` to 1 makes a used slot never 0, so 0 can mean "empty".
+//! Forcing the lowest bit of `fp` to 1 makes a used slot never all zeros, so zeros can mean
+//! "empty".
 //!
 //! # Why buckets come from `fp` alone
 //!
@@ -49,16 +49,19 @@
 //!
 //! # Memory
 //!
-//! 8 bytes per slot; removals never shrink the table. Doubling kept the load between 7/16
-//! and 7/8 (18 down to 9 bytes per entry) and held the old and the new table together while
-//! it grew: a million entries took 16 MiB, and 24 MiB while it doubled, the largest single
-//! item of the agent's peak RSS (issue 16). From [`GROW_BY_QUARTER_FROM`] slots (32 KiB) on
-//! a table grows by a quarter instead, so the load stays between 7/10 and 7/8 (11.4 down to
-//! 9.1 bytes per entry). Past 512 KiB the ledger splits its index into [`SHARDS`] tables
-//! ([`ShardedIndex`]), so only a sixteenth is held twice while it grows: 980k entries take
-//! 9.1 MiB, 9.6 MiB for a moment. The cost is more re-placing (each entry moves about five
-//! times over a table's life instead of twice) and a higher average load for lookups
-//! (unrecorded IDs probe a few more slots, within one or two cache lines).
+//! 6 bytes per slot; removals never shrink the table. Slots were 8 bytes with a 32-bit tag
+//! until the index was the largest single item of the agent's RSS at rest (issue 16): 16
+//! bits of tag name one chunk among 65,536, more than a million-entry window needs, and the
+//! ledger shares tags past that (slower hits, never a wrong answer). Doubling kept the load
+//! between 7/16 and 7/8 and held the old and the new table together while it grew: a
+//! million entries took 16 MiB of 8-byte slots, and 24 MiB while it doubled. From
+//! [`GROW_BY_QUARTER_FROM`] slots on a table grows by a quarter instead, so the load stays
+//! between 7/10 and 7/8 (8.6 down to 6.9 bytes per entry). Past [`SPLIT_AT_SLOTS`] slots
+//! the ledger splits its index into [`SHARDS`] tables ([`ShardedIndex`]), so only a
+//! sixteenth is held twice while it grows: 980k entries take 6.8 MiB (9.1 with 8-byte
+//! slots). The cost is more re-placing (each entry moves about five times over a table's
+//! life instead of twice) and a higher average load for lookups (unrecorded IDs probe a few
+//! more slots, within one or two cache lines).
 
 use std::fmt;
 
@@ -67,8 +70,13 @@ use std::fmt;
 #[cfg(test)]
 pub(crate) const COARSE_SHIFT: u32 = 10;
 
-/// The value of an empty slot. A used slot is never 0: its `fp` has its lowest bit set.
-const EMPTY: u64 = 0;
+/// One slot: `fp` in two halves, then the tag; six bytes, no padding (see *Memory*).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct Slot([u16; 3]);
+
+/// The value of an empty slot. A used slot is never all zeros: its `fp` has its lowest bit
+/// set.
+const EMPTY: Slot = Slot([0; 3]);
 
 /// The smallest table, in slots (a power of two).
 const MIN_SLOTS: usize = 16;
@@ -83,7 +91,7 @@ const GROW_BY_QUARTER_FROM: usize = 1 << 12;
 pub(crate) struct FingerprintIndex {
     /// A multiple of 8, at least [`MIN_SLOTS`], at most [`MAX_SLOTS`]; [`EMPTY`] or a packed
     /// `(fp, tag)`.
-    slots: Vec<u64>,
+    slots: Vec<Slot>,
     /// Used slots.
     len: usize,
 }
@@ -95,30 +103,30 @@ fn fingerprint(hash: u64) -> u32 {
 
 /// `seen_ms` in coarse units, saturated to `u32::MAX`.
 #[cfg(test)]
-fn coarse(seen_ms: u64) -> u32 {
-    u32::try_from(seen_ms >> COARSE_SHIFT).unwrap_or(u32::MAX)
+fn coarse(seen_ms: u64) -> u16 {
+    u16::try_from(seen_ms >> COARSE_SHIFT).unwrap_or(u16::MAX)
 }
 
 /// A used slot.
-fn pack(fp: u32, coarse: u32) -> u64 {
-    (u64::from(fp) << 32) | u64::from(coarse)
+fn pack(fp: u32, tag: u16) -> Slot {
+    Slot([(fp >> 16) as u16, fp as u16, tag])
 }
 
 /// The `fp` half of a slot.
-fn slot_fp(slot: u64) -> u32 {
-    (slot >> 32) as u32
+fn slot_fp(slot: Slot) -> u32 {
+    (u32::from(slot.0[0]) << 16) | u32::from(slot.0[1])
 }
 
 /// The `coarse` half of a slot.
-fn slot_coarse(slot: u64) -> u32 {
-    slot as u32
+fn slot_coarse(slot: Slot) -> u16 {
+    slot.0[2]
 }
 
 /// The record times `[lo_ms, hi_ms]` that map to `coarse`.
 #[cfg(test)]
-fn time_range(coarse: u32) -> (u64, u64) {
+fn time_range(coarse: u16) -> (u64, u64) {
     let lo = u64::from(coarse) << COARSE_SHIFT;
-    if coarse == u32::MAX {
+    if coarse == u16::MAX {
         (lo, u64::MAX)
     } else {
         (lo, lo + ((1 << COARSE_SHIFT) - 1))
@@ -149,7 +157,7 @@ fn distance(from: usize, to: usize, n: usize) -> usize {
 
 /// Puts `slot` in the first empty slot at or after its home bucket, wrapping at the end.
 /// The table must have an empty slot.
-fn place(slots: &mut [u64], slot: u64) {
+fn place(slots: &mut [Slot], slot: Slot) {
     let n = slots.len();
     let mut i = home(slot_fp(slot), n);
     while slots[i] != EMPTY {
@@ -247,7 +255,7 @@ impl FingerprintIndex {
     /// # Panics
     ///
     /// If the table is at 2^31 slots and full.
-    pub(crate) fn insert_tag(&mut self, hash: u64, tag: u32) {
+    pub(crate) fn insert_tag(&mut self, hash: u64, tag: u16) {
         if self.len + 1 > max_len(self.slots.len()) {
             self.grow();
         }
@@ -257,7 +265,7 @@ impl FingerprintIndex {
 
     /// The tags of every entry whose fingerprint equals `hash`'s, pushed into `out` (cleared
     /// first). The order is unspecified.
-    pub(crate) fn tags(&self, hash: u64, out: &mut Vec<u32>) {
+    pub(crate) fn tags(&self, hash: u64, out: &mut Vec<u16>) {
         out.clear();
         let fp = fingerprint(hash);
         let n = self.slots.len();
@@ -298,7 +306,7 @@ impl FingerprintIndex {
     }
 
     /// Remove ONE entry equal to (hash's fp, tag). Returns whether one was found.
-    pub(crate) fn remove_tag(&mut self, hash: u64, tag: u32) -> bool {
+    pub(crate) fn remove_tag(&mut self, hash: u64, tag: u16) -> bool {
         let target = pack(fingerprint(hash), tag);
         let n = self.slots.len();
         let mut i = home(slot_fp(target), n);
@@ -335,7 +343,7 @@ impl FingerprintIndex {
 
     /// Bytes held by the table (slots * 8), for the footprint figures.
     pub(crate) fn memory_bytes(&self) -> usize {
-        self.slots.len() * size_of::<u64>()
+        self.slots.len() * size_of::<Slot>()
     }
 
     /// Bytes the table would hold after `extra` more inserts (it grows until 7/8 of it holds
@@ -348,7 +356,7 @@ impl FingerprintIndex {
         while max_len(slots) < want {
             slots = grown(slots)?;
         }
-        slots.checked_mul(size_of::<u64>())
+        slots.checked_mul(size_of::<Slot>())
     }
 
     /// Grows the table one step, re-placing every entry from its slot alone.
@@ -378,7 +386,7 @@ pub(crate) struct ShardedIndex {
 /// Tables of a split [`ShardedIndex`] (a power of two).
 pub(crate) const SHARDS: usize = 16;
 
-/// A [`ShardedIndex`] splits when its one table would grow beyond this many slots (512 KiB).
+/// A [`ShardedIndex`] splits when its one table would grow beyond this many slots (384 KiB).
 const SPLIT_AT_SLOTS: usize = 1 << 16;
 
 /// The shard of `fp` among `shards` (1 or [`SHARDS`]).
@@ -404,11 +412,11 @@ impl ShardedIndex {
     }
 
     /// See [`FingerprintIndex::insert_tag`].
-    pub(crate) fn insert_tag(&mut self, hash: u64, tag: u32) {
+    pub(crate) fn insert_tag(&mut self, hash: u64, tag: u16) {
         if self.shards.len() == 1
             && self.shards[0]
                 .bytes_to_hold(1)
-                .is_none_or(|b| b > SPLIT_AT_SLOTS * size_of::<u64>())
+                .is_none_or(|b| b > SPLIT_AT_SLOTS * size_of::<Slot>())
         {
             self.split();
         }
@@ -444,12 +452,12 @@ impl ShardedIndex {
     }
 
     /// See [`FingerprintIndex::tags`].
-    pub(crate) fn tags(&self, hash: u64, out: &mut Vec<u32>) {
+    pub(crate) fn tags(&self, hash: u64, out: &mut Vec<u16>) {
         self.shards[self.shard(hash)].tags(hash, out);
     }
 
     /// See [`FingerprintIndex::remove_tag`].
-    pub(crate) fn remove_tag(&mut self, hash: u64, tag: u32) -> bool {
+    pub(crate) fn remove_tag(&mut self, hash: u64, tag: u16) -> bool {
         let i = self.shard(hash);
         self.shards[i].remove_tag(hash, tag)
     }
@@ -465,7 +473,7 @@ impl ShardedIndex {
         let mut counts = if let [one] = self.shards.as_slice() {
             // Inserts split the table exactly when it would grow past the split size.
             let unsplit = one.bytes_to_hold(hashes.len())?;
-            if unsplit <= SPLIT_AT_SLOTS * size_of::<u64>() {
+            if unsplit <= SPLIT_AT_SLOTS * size_of::<Slot>() {
                 return Some(unsplit);
             }
             Self::counts(one)
@@ -481,7 +489,7 @@ impl ShardedIndex {
             counts[shard_of(fingerprint(h), SHARDS)] += 1;
         }
         counts.iter().try_fold(0usize, |sum, &c| {
-            sum.checked_add(slots_for(c)?.checked_mul(size_of::<u64>())?)
+            sum.checked_add(slots_for(c)?.checked_mul(size_of::<Slot>())?)
         })
     }
 }

@@ -51,10 +51,10 @@ fn new_index_is_empty_with_16_slots() {
     let ix = FingerprintIndex::new();
     assert_eq!(ix.len(), 0);
     assert!(ix.is_empty());
-    assert_eq!(ix.memory_bytes(), 16 * 8);
+    assert_eq!(ix.memory_bytes(), 16 * 6);
     assert_eq!(sorted(&ix, 0), vec![]);
     assert_eq!(sorted(&ix, u64::MAX), vec![]);
-    assert_eq!(FingerprintIndex::default().memory_bytes(), 16 * 8);
+    assert_eq!(FingerprintIndex::default().memory_bytes(), 16 * 6);
     check_invariants(&ix);
 }
 
@@ -147,7 +147,7 @@ fn duplicates_are_separate_entries() {
 fn saturated_coarse_reaches_u64_max() {
     let mut ix = FingerprintIndex::new();
     let a = h(0x7777_7777, 0);
-    let top = u64::from(u32::MAX) << COARSE_SHIFT;
+    let top = u64::from(u16::MAX) << COARSE_SHIFT;
     ix.insert(a, u64::MAX);
     assert_eq!(sorted(&ix, a), vec![(top, u64::MAX)]);
     // Exactly the first saturated unit and anything later share the entry.
@@ -167,9 +167,9 @@ fn grows_at_seven_eighths() {
     for i in 0..14 {
         ix.insert(mix(i), i);
     }
-    assert_eq!(ix.memory_bytes(), 16 * 8, "14 of 16 fit");
+    assert_eq!(ix.memory_bytes(), 16 * 6, "14 of 16 fit");
     ix.insert(mix(14), 14);
-    assert_eq!(ix.memory_bytes(), 32 * 8, "the 15th doubles");
+    assert_eq!(ix.memory_bytes(), 32 * 6, "the 15th doubles");
     check_invariants(&ix);
 }
 
@@ -186,19 +186,19 @@ fn with_capacity_is_the_smallest_table_that_fits() {
         (1_000_000, 1_354_016),
     ] {
         let mut ix = FingerprintIndex::with_capacity(entries);
-        assert_eq!(ix.memory_bytes(), slots * 8, "{entries} entries");
+        assert_eq!(ix.memory_bytes(), slots * 6, "{entries} entries");
         if entries <= 1000 {
             for i in 0..entries as u64 {
                 ix.insert(mix(i), i);
             }
-            assert_eq!(ix.memory_bytes(), slots * 8, "{entries} entries: no growth");
+            assert_eq!(ix.memory_bytes(), slots * 6, "{entries} entries: no growth");
             check_invariants(&ix);
         }
     }
     assert_eq!(
         FingerprintIndex::with_capacity(1_000_000).memory_bytes(),
-        1_354_016 * 8,
-        "10.3 MiB for a million entries (16 MiB when every step doubled)"
+        1_354_016 * 6,
+        "7.7 MiB for a million entries (16 MiB when every step doubled, with 8-byte slots)"
     );
 }
 
@@ -208,31 +208,31 @@ fn large_tables_grow_by_a_quarter_and_keep_every_entry_findable() {
     let mut ix = FingerprintIndex::new();
     let n = 10_000u64;
     for i in 0..n {
-        ix.insert_tag(mix(i), i as u32);
+        ix.insert_tag(mix(i), i as u16);
         if i == 3_583 {
-            assert_eq!(ix.memory_bytes(), 4_096 * 8);
+            assert_eq!(ix.memory_bytes(), 4_096 * 6);
         }
         if i == 3_584 {
-            assert_eq!(ix.memory_bytes(), 5_120 * 8, "a quarter more, not double");
+            assert_eq!(ix.memory_bytes(), 5_120 * 6, "a quarter more, not double");
         }
     }
-    assert_eq!(ix.memory_bytes(), 12_496 * 8);
-    assert_eq!(ix.bytes_to_hold(0), Some(12_496 * 8));
-    assert_eq!(ix.bytes_to_hold(1_000), Some(15_616 * 8));
+    assert_eq!(ix.memory_bytes(), 12_496 * 6);
+    assert_eq!(ix.bytes_to_hold(0), Some(12_496 * 6));
+    assert_eq!(ix.bytes_to_hold(1_000), Some(15_616 * 6));
     check_invariants(&ix);
     let mut tags = Vec::new();
     for i in 0..n {
         ix.tags(mix(i), &mut tags);
-        assert!(tags.contains(&(i as u32)), "entry {i} lost");
+        assert!(tags.contains(&(i as u16)), "entry {i} lost");
     }
     // Removal by backward shift on a table whose size is no power of two, wrapping included.
     for i in (0..n).filter(|i| i % 3 != 0) {
-        assert!(ix.remove_tag(mix(i), i as u32), "entry {i}");
+        assert!(ix.remove_tag(mix(i), i as u16), "entry {i}");
     }
     check_invariants(&ix);
     for i in 0..n {
         ix.tags(mix(i), &mut tags);
-        assert_eq!(tags.contains(&(i as u32)), i % 3 == 0, "entry {i}");
+        assert_eq!(tags.contains(&(i as u16)), i % 3 == 0, "entry {i}");
     }
 }
 
@@ -244,7 +244,7 @@ fn growth_keeps_every_entry_findable() {
         ix.insert(mix(i), i * 1000);
     }
     assert_eq!(ix.len(), n as usize);
-    assert_eq!(ix.memory_bytes(), 24_400 * 8);
+    assert_eq!(ix.memory_bytes(), 24_400 * 6);
     check_invariants(&ix);
     let mut out = Vec::new();
     for i in 0..n {
@@ -263,7 +263,7 @@ fn growth_keeps_every_entry_findable() {
     ix.insert(1, 1);
     ix.clear();
     assert!(ix.is_empty());
-    assert_eq!(ix.memory_bytes(), 16 * 8, "clear shrinks");
+    assert_eq!(ix.memory_bytes(), 16 * 6, "clear shrinks");
     assert_eq!(sorted(&ix, 1), vec![]);
 }
 
@@ -358,15 +358,15 @@ fn an_entry_never_shifts_back_before_its_home() {
 #[test]
 fn bytes_to_hold_predicts_the_table_size_after_inserts() {
     let mut ix = FingerprintIndex::new();
-    assert_eq!(ix.bytes_to_hold(0), Some(16 * 8));
-    assert_eq!(ix.bytes_to_hold(14), Some(16 * 8), "7/8 of 16 slots");
-    assert_eq!(ix.bytes_to_hold(15), Some(32 * 8));
+    assert_eq!(ix.bytes_to_hold(0), Some(16 * 6));
+    assert_eq!(ix.bytes_to_hold(14), Some(16 * 6), "7/8 of 16 slots");
+    assert_eq!(ix.bytes_to_hold(15), Some(32 * 6));
     for i in 0..15 {
         ix.insert_tag(mix(i), 0);
     }
-    assert_eq!(ix.memory_bytes(), 32 * 8);
-    assert_eq!(ix.bytes_to_hold(97), Some(128 * 8), "112 of 128 slots");
-    assert_eq!(ix.bytes_to_hold(98), Some(256 * 8));
+    assert_eq!(ix.memory_bytes(), 32 * 6);
+    assert_eq!(ix.bytes_to_hold(97), Some(128 * 6), "112 of 128 slots");
+    assert_eq!(ix.bytes_to_hold(98), Some(256 * 6));
     assert_eq!(ix.bytes_to_hold(usize::MAX), None);
     assert_eq!(ix.bytes_to_hold(1 << 31), None, "more than 2^31 slots");
 }
@@ -396,7 +396,7 @@ const HASHES: [u64; 10] = [
 ];
 
 fn seen_ms() -> impl Strategy<Value = u64> {
-    let top = u64::from(u32::MAX) << COARSE_SHIFT;
+    let top = u64::from(u16::MAX) << COARSE_SHIFT;
     prop_oneof![
         prop::sample::select(vec![
             0,
@@ -425,14 +425,14 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 /// The model's ranges for `hash`, sorted: computed from the spec, not from the index.
-fn model_ranges(model: &[(u32, u32)], hash: u64) -> Vec<(u64, u64)> {
+fn model_ranges(model: &[(u32, u16)], hash: u64) -> Vec<(u64, u64)> {
     let fp = ((hash >> 32) as u32) | 1;
     let mut v: Vec<(u64, u64)> = model
         .iter()
         .filter(|&&(f, _)| f == fp)
         .map(|&(_, c)| {
             let lo = u64::from(c) * 1024;
-            (lo, if c == u32::MAX { u64::MAX } else { lo + 1023 })
+            (lo, if c == u16::MAX { u64::MAX } else { lo + 1023 })
         })
         .collect();
     v.sort_unstable();
@@ -453,19 +453,19 @@ proptest! {
             Some(n) if n % 2 == 1 => FingerprintIndex::with_slots(8 * (n / 2 + 2)),
             Some(n) => FingerprintIndex::with_capacity(n),
         };
-        let mut model: Vec<(u32, u32)> = Vec::new();
+        let mut model: Vec<(u32, u16)> = Vec::new();
         let mut out = Vec::new();
         for op in ops {
             match op {
                 Op::Insert(i, seen) => {
                     ix.insert(HASHES[i], seen);
-                    let c = u32::try_from(seen >> 10).unwrap_or(u32::MAX);
+                    let c = u16::try_from(seen >> 10).unwrap_or(u16::MAX);
                     model.push((((HASHES[i] >> 32) as u32) | 1, c));
                     ix.candidates(HASHES[i], &mut out);
                     prop_assert!(out.iter().any(|&(lo, hi)| lo <= seen && seen <= hi));
                 }
                 Op::Remove(i, seen) => {
-                    let c = u32::try_from(seen >> 10).unwrap_or(u32::MAX);
+                    let c = u16::try_from(seen >> 10).unwrap_or(u16::MAX);
                     let key = (((HASHES[i] >> 32) as u32) | 1, c);
                     let expected = match model.iter().position(|&e| e == key) {
                         Some(p) => {
@@ -497,13 +497,13 @@ proptest! {
 #[test]
 fn the_sharded_index_splits_when_large_finds_every_entry_and_bounds_exactly() {
     let mut ix = ShardedIndex::default();
-    assert_eq!(ix.memory_bytes(), 16 * 8, "small: one table");
+    assert_eq!(ix.memory_bytes(), 16 * 6, "small: one table");
     let hashes: Vec<u64> = (0..200_000u64).map(mix).collect();
     // In steps, so that the bound is checked before the split, across it and after.
     for (k, part) in hashes.chunks(7_000).enumerate() {
         let need = ix.bytes_to_hold(part).unwrap();
         for (i, &h) in part.iter().enumerate() {
-            ix.insert_tag(h, (k * 7_000 + i) as u32);
+            ix.insert_tag(h, (k * 7_000 + i) as u16);
         }
         assert_eq!(
             ix.memory_bytes(),
@@ -514,22 +514,22 @@ fn the_sharded_index_splits_when_large_finds_every_entry_and_bounds_exactly() {
     assert!(ix.is_split());
     assert_eq!(ix.len(), 200_000);
     assert!(
-        ix.memory_bytes() < 200_000 * 12,
+        ix.memory_bytes() < 200_000 * 9,
         "{} bytes",
         ix.memory_bytes()
     );
     let mut tags = Vec::new();
     for (i, &h) in hashes.iter().enumerate() {
         ix.tags(h, &mut tags);
-        assert!(tags.contains(&(i as u32)), "entry {i}");
+        assert!(tags.contains(&(i as u16)), "entry {i}");
     }
     for (i, &h) in hashes.iter().enumerate().filter(|(i, _)| i % 2 == 0) {
-        assert!(ix.remove_tag(h, i as u32));
+        assert!(ix.remove_tag(h, i as u16));
     }
     assert_eq!(ix.len(), 100_000);
     for (i, &h) in hashes.iter().enumerate() {
         ix.tags(h, &mut tags);
-        assert_eq!(tags.contains(&(i as u32)), i % 2 == 1, "entry {i}");
+        assert_eq!(tags.contains(&(i as u16)), i % 2 == 1, "entry {i}");
     }
     for t in &ix.shards {
         check_invariants(t);

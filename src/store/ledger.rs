@@ -15,14 +15,15 @@
 //!   the next chunk's minimum. Expiry relies on it.
 //!
 //! In memory, per pipeline: a fingerprint index ([`ShardedIndex`]) over every entry, tagged
-//! with the number of its chunk (a miss proves an ID was never recorded, which is the common
-//! case and costs no read; a hit names the one chunk to confirm in, which gives the exact
-//! answer), and a directory of the chunks: key, greatest record time, number. Both are
-//! rebuilt from the tree at open; chunk numbers live only in memory.
+//! with a 16-bit tag of its chunk (a miss proves an ID was never recorded, which is the
+//! common case and costs no read; a hit names the chunk to confirm in, which gives the exact
+//! answer), and a directory of the chunks: key, greatest record time, tag, bytes. Both are
+//! rebuilt from the tree at open; tags live only in memory. A tag names one chunk while
+//! fewer than 2^16 are indexed, else a few (see [`Ledger::index_entries`]).
 //!
 //! # The memory bound (`[storage] ledger_index_max`)
 //!
-//! The index costs 9 to 18 bytes per entry, so a long window of many events could take all
+//! The index costs 7 to 14 bytes per entry, so a long window of many events could take all
 //! the box's memory. Its bytes (all pipelines together) are bounded: a chunk whose entries
 //! would make a table grow beyond the bound is not indexed. It is still in the tree and in
 //! the directory, marked *unindexed*, and every lookup reads it (through the chunk cache)
@@ -37,6 +38,7 @@
 //! that is not yet wholly expired stay a little longer. Decisions never depend on it: the
 //! engine compares each entry's own record time with the window.
 
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::hash::BuildHasher;
 use std::sync::Arc;
@@ -133,11 +135,14 @@ fn hashes(hasher: &impl BuildHasher, chunk: &Chunk) -> Vec<u64> {
 #[derive(Default)]
 pub(crate) struct Ledger {
     pub index: ShardedIndex,
-    /// Key suffix → (greatest record time in that chunk, its number (`None`: not indexed),
-    /// its key and value's bytes in the tree).
-    chunks: BTreeMap<Vec<u8>, (u64, Option<u32>, u64)>,
-    /// Number → key suffix.
-    by_number: HashMap<u32, Vec<u8>>,
+    /// Key suffix → (greatest record time in that chunk, its tag (`None`: not indexed), its
+    /// key and value's bytes in the tree).
+    chunks: BTreeMap<Vec<u8>, (u64, Option<u16>, u64)>,
+    /// Tag → the key suffix of the one indexed chunk that has it.
+    by_tag: HashMap<u16, Vec<u8>>,
+    /// Tags that more than one indexed chunk has: only when more than 2^16 chunks are
+    /// indexed at once (see [`Ledger::index_entries`]); the extra chunks' suffixes.
+    shared: HashMap<u16, Vec<Vec<u8>>>,
     /// Chunks left out of the index by the memory bound: every lookup reads them.
     unindexed: BTreeSet<Vec<u8>>,
     /// Entries in all chunks, indexed or not.
@@ -145,7 +150,7 @@ pub(crate) struct Ledger {
     /// Bytes of the chunks' keys and values in the tree: what the agent's estimate of the
     /// store's live data counts for this ledger without walking it (issue 16).
     bytes: u64,
-    next_number: u32,
+    next_tag: u16,
 }
 
 impl Ledger {
@@ -177,22 +182,30 @@ impl Ledger {
         true
     }
 
+    /// Tag the chunk's entries in the index with a 16-bit tag no other indexed chunk has,
+    /// while there is one. Tags are 16 bits to keep an index slot at 6 bytes (issue 16);
+    /// past 2^16 indexed chunks at once (small checkpoints over a long window) a tag is
+    /// shared, and a hit on it reads every chunk that has it: slower, never wrong.
     fn index_entries(&mut self, hashes: &[u64], suffix: Vec<u8>, chunk: &Chunk, bytes: u64) {
-        // A number no live chunk has (they wrap after 2^32 chunks, long after the first
-        // ones expired).
-        let number = loop {
-            let n = self.next_number;
-            self.next_number = n.wrapping_add(1);
-            if !self.by_number.contains_key(&n) {
-                break n;
+        let all_taken = self.by_tag.len() > usize::from(u16::MAX);
+        let tag = loop {
+            let t = self.next_tag;
+            self.next_tag = t.wrapping_add(1);
+            if all_taken || !self.by_tag.contains_key(&t) {
+                break t;
             }
         };
         for &h in hashes {
-            self.index.insert_tag(h, number);
+            self.index.insert_tag(h, tag);
         }
         self.chunks
-            .insert(suffix.clone(), (chunk.max_seen_ms, Some(number), bytes));
-        self.by_number.insert(number, suffix);
+            .insert(suffix.clone(), (chunk.max_seen_ms, Some(tag), bytes));
+        match self.by_tag.entry(tag) {
+            Entry::Occupied(_) => self.shared.entry(tag).or_default().push(suffix),
+            Entry::Vacant(v) => {
+                v.insert(suffix);
+            }
+        }
     }
 
     /// Index an unindexed chunk if it now fits within `max_index_bytes`. Returns whether
@@ -218,33 +231,48 @@ impl Ledger {
     }
 
     pub(crate) fn remove_chunk(&mut self, hasher: &impl BuildHasher, suffix: &[u8], chunk: &Chunk) {
-        let Some((_, number, bytes)) = self.chunks.remove(suffix) else {
+        let Some((_, tag, bytes)) = self.chunks.remove(suffix) else {
             return;
         };
         self.entries = self.entries.saturating_sub(chunk.entries.len() as u64);
         self.bytes = self.bytes.saturating_sub(bytes);
-        let Some(number) = number else {
+        let Some(tag) = tag else {
             self.unindexed.remove(suffix);
             return;
         };
+        // An entry of another chunk with the same fingerprint and tag is the same slot, so
+        // which one goes does not matter.
         for (id, _) in &chunk.entries {
-            let found = self
-                .index
-                .remove_tag(hasher.hash_one(id.as_bytes()), number);
+            let found = self.index.remove_tag(hasher.hash_one(id.as_bytes()), tag);
             debug_assert!(found, "every ledger entry is indexed");
         }
-        self.by_number.remove(&number);
+        if let Some(others) = self.shared.get_mut(&tag) {
+            if let Some(i) = others.iter().position(|s| s == suffix) {
+                others.swap_remove(i);
+            } else if self.by_tag.get(&tag).is_some_and(|s| s == suffix) {
+                let next = others.pop().expect("a shared tag has another chunk");
+                self.by_tag.insert(tag, next);
+            }
+            if others.is_empty() {
+                self.shared.remove(&tag);
+            }
+        } else {
+            self.by_tag.remove(&tag);
+        }
     }
 
     /// Key suffixes of the chunks that may hold the ID with this hash: the indexed ones
     /// whose entries share its fingerprint (usually none; one when it was recorded), and
     /// every unindexed one.
-    pub(crate) fn chunks_for(&self, hash: u64, tags: &mut Vec<u32>) -> Vec<Vec<u8>> {
+    pub(crate) fn chunks_for(&self, hash: u64, tags: &mut Vec<u16>) -> Vec<Vec<u8>> {
         self.index.tags(hash, tags);
         tags.sort_unstable();
         tags.dedup();
         tags.iter()
-            .filter_map(|n| self.by_number.get(n).cloned())
+            .flat_map(|t| {
+                let shared = self.shared.get(t).into_iter().flatten();
+                self.by_tag.get(t).into_iter().chain(shared).cloned()
+            })
             .chain(self.unindexed.iter().cloned())
             .collect()
     }
@@ -323,6 +351,46 @@ mod tests {
         for (_, c) in &chunks {
             assert!(postcard::to_stdvec(c).unwrap().len() <= CHUNK_BYTES);
         }
+    }
+
+    #[test]
+    fn past_two_to_the_sixteen_chunks_tags_are_shared_and_every_id_is_still_found() {
+        // Tags are 16 bits (issue 16): the 65,537th indexed chunk shares one, and a hit on
+        // it names both chunks; removing either, owner or sharer, leaves the other found.
+        let h = std::hash::RandomState::new();
+        let mut l = Ledger::default();
+        let n = (1u64 << 16) + 4_000;
+        let chunk = |i: u64| Chunk {
+            max_seen_ms: i,
+            entries: vec![(format!("E{i}"), i)],
+        };
+        let suffix = |i: u64| chunk_suffix(i, i, 0);
+        for i in 0..n {
+            assert!(l.add_chunk(&h, suffix(i), &chunk(i), 10, usize::MAX));
+        }
+        assert_eq!(l.by_tag.len(), 1 << 16, "every tag taken");
+        assert_eq!(l.shared.values().map(Vec::len).sum::<usize>(), 4_000);
+        let mut tags = Vec::new();
+        let found = |l: &Ledger, i: u64, tags: &mut Vec<u16>| {
+            l.chunks_for(h.hash_one(format!("E{i}").as_bytes()), tags)
+        };
+        for i in 0..n {
+            let chunks = found(&l, i, &mut tags);
+            assert!(chunks.contains(&suffix(i)), "E{i}");
+            assert!(chunks.len() <= 3, "E{i}: {} chunks", chunks.len());
+        }
+        // Chunk 0 owns the tag chunk 65,536 shares; remove the owner, then a sharer.
+        l.remove_chunk(&h, &suffix(0), &chunk(0));
+        l.remove_chunk(&h, &suffix((1 << 16) + 1), &chunk((1 << 16) + 1));
+        assert!(!found(&l, 0, &mut tags).contains(&suffix(0)));
+        assert!(found(&l, 1 << 16, &mut tags).contains(&suffix(1 << 16)));
+        assert!(!found(&l, (1 << 16) + 1, &mut tags).contains(&suffix((1 << 16) + 1)));
+        assert!(found(&l, 1, &mut tags).contains(&suffix(1)));
+        for i in 0..n {
+            l.remove_chunk(&h, &suffix(i), &chunk(i));
+        }
+        assert!(l.by_tag.is_empty() && l.shared.is_empty());
+        assert_eq!((l.index.len(), l.bytes(), l.entries()), (0, 0, 0));
     }
 
     #[test]

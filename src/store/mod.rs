@@ -272,7 +272,7 @@ struct Mem {
     chunks: ChunkCache,
     outbox: OutboxMem,
     /// Reused by lookups.
-    tags: Vec<u32>,
+    tags: Vec<u16>,
     /// As of the last commit (the `meta` record).
     dead: DeadLetterStats,
 }
