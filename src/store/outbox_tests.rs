@@ -47,11 +47,7 @@ fn outage(store: &Store, engine: &mut Engine, from: u64, events: u64, keys: u64)
 
 /// Keys and values of the outbox tree, as the byte count counts them.
 fn tree_bytes(store: &Store) -> u64 {
-    store
-        .outbox
-        .iter()
-        .map(|kv| kv.map(|(k, v)| (k.len() + v.len()) as u64).unwrap())
-        .sum()
+    super::tests::tree_bytes(&store.outbox)
 }
 
 #[test]
