@@ -101,7 +101,7 @@ fn fingerprint(hash: u64) -> u32 {
     ((hash >> 32) as u32) | 1
 }
 
-/// `seen_ms` in coarse units, saturated to `u32::MAX`.
+/// `seen_ms` in coarse units, saturated to `u16::MAX`.
 #[cfg(test)]
 fn coarse(seen_ms: u64) -> u16 {
     u16::try_from(seen_ms >> COARSE_SHIFT).unwrap_or(u16::MAX)
@@ -117,7 +117,7 @@ fn slot_fp(slot: Slot) -> u32 {
     (u32::from(slot.0[0]) << 16) | u32::from(slot.0[1])
 }
 
-/// The `coarse` half of a slot.
+/// The tag of a slot (the tests' coarse time).
 fn slot_coarse(slot: Slot) -> u16 {
     slot.0[2]
 }
@@ -341,7 +341,7 @@ impl FingerprintIndex {
         true
     }
 
-    /// Bytes held by the table (slots * 8), for the footprint figures.
+    /// Bytes held by the table (slots * 6), for the footprint figures.
     pub(crate) fn memory_bytes(&self) -> usize {
         self.slots.len() * size_of::<Slot>()
     }
