@@ -584,6 +584,11 @@ impl Processor {
         self.engine.pending_outputs()
     }
 
+    /// See [`Engine::pending_results`].
+    pub fn pending_results(&self) -> usize {
+        self.engine.pending_results()
+    }
+
     /// Give the store back (to open it again under other definitions).
     pub(crate) fn into_store(self) -> Store {
         self.store

@@ -15,7 +15,7 @@
 use std::time::{Duration, Instant};
 
 use crate::config::OutboxConfig;
-use crate::store::Store;
+use crate::processor::Processor;
 
 use super::{Agent, AgentError, Checkpointer};
 
@@ -23,9 +23,18 @@ use super::{Agent, AgentError, Checkpointer};
 /// their pace beside it.
 const SLICE_MAX: u64 = 512;
 
-/// Whether the outbox is at its bound, and which: past it, processing waits.
-pub(super) fn outbox_full(cfg: &OutboxConfig, store: &Store) -> Option<&'static str> {
-    if store.outbox_len() as u64 >= cfg.max_entries {
+/// Whether the outbox is at its bound, and which: past it, processing waits. Results that
+/// processing made since the last checkpoint count as entries already (outputs, and
+/// upserts touched but not yet emitted): they enter the outbox with the next commit. Not
+/// counting them let a whole group commit's records in at once, and slices go on while a
+/// checkpoint waited for the previous one's fsync: a bound of 100 held 400 entries under
+/// load. Now it holds the bound plus the results of one record (live) or one slice
+/// (behind). Their bytes are not known until they are encoded, so `max_size` counts the
+/// store's alone.
+pub(super) fn outbox_full(cfg: &OutboxConfig, proc: &Processor) -> Option<&'static str> {
+    let store = proc.store();
+    let entries = (store.outbox_len() as u64).saturating_add(proc.pending_results() as u64);
+    if entries >= cfg.max_entries {
         Some("outbox.max_entries")
     } else if store.outbox_bytes() >= cfg.max_size {
         Some("outbox.max_size")
@@ -75,7 +84,7 @@ impl Agent {
         if self.behind.active {
             return false;
         }
-        let full = outbox_full(&self.cfg.outbox, self.proc.store());
+        let full = outbox_full(&self.cfg.outbox, &self.proc);
         if offset == next && full.is_none() {
             return true;
         }
@@ -100,7 +109,7 @@ impl Agent {
     /// One slice from the log, if processing is behind and the outbox has room; then
     /// publish what it gave and checkpoint if enough records wait for one.
     pub(super) fn behind_step(&mut self) -> Result<(), AgentError> {
-        if !self.behind.active || outbox_full(&self.cfg.outbox, self.proc.store()).is_some() {
+        if !self.behind.active || outbox_full(&self.cfg.outbox, &self.proc).is_some() {
             return Ok(());
         }
         let max = SLICE_MAX.min(self.cfg.checkpoint.max_records.max(1));

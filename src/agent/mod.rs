@@ -233,7 +233,7 @@ impl Agent {
         if self.backfill.active() {
             return self.now(); // a backfill slice is waiting: do not wait for input
         }
-        if self.behind.active() && outbox_full(&self.cfg.outbox, self.proc.store()).is_none() {
+        if self.behind.active() && outbox_full(&self.cfg.outbox, &self.proc).is_none() {
             return self.now(); // records wait in the log and the outbox has room
         }
         let far = self.now() + Duration::from_millis(100);

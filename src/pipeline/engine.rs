@@ -737,6 +737,13 @@ impl Engine {
         &self.batch.outputs
     }
 
+    /// Results the outbox will receive with the next checkpoint, at most: the outputs
+    /// emitted since the last one, and one per (pipeline, key) an upsert touched since the
+    /// last flush (see [`Engine::flush_upserts`]). What a full outbox's bound counts.
+    pub fn pending_results(&self) -> usize {
+        self.batch.outputs.len().saturating_add(self.touched.len())
+    }
+
     /// Ledger sizes as the store counts them after a commit (they depend on when the store
     /// forgets expired entries, so the store, not the engine, knows them).
     pub fn set_dedup_entries(&mut self, count: impl Fn(&str) -> u64) {
