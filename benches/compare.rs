@@ -43,7 +43,7 @@ mod support;
 #[path = "compare/intervals.rs"]
 mod intervals;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::unix::net::UnixDatagram;
@@ -177,6 +177,40 @@ impl Proc {
         let f: Vec<&str> = rest.split_whitespace().collect();
         let at = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
         at(11) + at(12)
+    }
+
+    /// Per thread (by name): CPU ticks (utime + stime), voluntary and involuntary context
+    /// switches, for where a process's time goes.
+    fn threads(&self) -> BTreeMap<String, (u64, u64, u64)> {
+        let mut out = BTreeMap::new();
+        let Ok(dir) = std::fs::read_dir(format!("/proc/{}/task", self.pid)) else {
+            return out;
+        };
+        for t in dir.flatten() {
+            let p = t.path();
+            let stat = std::fs::read_to_string(p.join("stat")).unwrap_or_default();
+            let name = stat
+                .split_once('(')
+                .and_then(|(_, r)| r.rsplit_once(')'))
+                .map(|(n, _)| n.to_string())
+                .unwrap_or_default();
+            let rest = stat.rsplit(')').next().unwrap_or("");
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            let at = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            let status = std::fs::read_to_string(p.join("status")).unwrap_or_default();
+            let switches = |field: &str| {
+                status
+                    .lines()
+                    .find(|l| l.starts_with(field))
+                    .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                    .unwrap_or(0)
+            };
+            let e = out.entry(name).or_insert((0, 0, 0));
+            e.0 += at(11) + at(12);
+            e.1 += switches("voluntary_ctxt_switches:");
+            e.2 += switches("nonvoluntary_ctxt_switches:");
+        }
+        out
     }
 
     /// CPU used over `span` of idleness, as % of one core.
@@ -946,6 +980,7 @@ fn measure_live(sys: &dyn System, publisher: &Publisher, sink: &Sink, t0: Instan
     let mut events = 0;
     let w1 = sys.proc().map(|p| p.write_bytes());
     let cpu1 = sys.proc().map(|p| p.cpu_ticks());
+    let threads1 = sys.proc().map(|p| p.threads());
     for r in 0..RUNS {
         let (rate, _, all) = one_run(publisher, sink, prefix, "f", next, RUN_EVENTS, 0, t0);
         next += RUN_EVENTS;
@@ -964,6 +999,27 @@ fn measure_live(sys: &dyn System, publisher: &Publisher, sink: &Sink, t0: Instan
     if let (Some(a), Some(p)) = (cpu1, sys.proc()) {
         let us = (p.cpu_ticks() - a) as f64 / ticks_per_second() * 1e6;
         live.cpu_us_per_event = Some(us / events as f64);
+    }
+    // Where the time went, per thread (threads that live through the runs).
+    if let (Some(a), Some(p)) = (threads1, sys.proc()) {
+        let per = |v: u64| v as f64 / events as f64;
+        let line: Vec<String> = p
+            .threads()
+            .into_iter()
+            .filter_map(|(name, (cpu, vol, inv))| {
+                let (cpu0, vol0, inv0) = a.get(&name)?;
+                let us = per(cpu.saturating_sub(*cpu0)) / ticks_per_second() * 1e6;
+                // Threads idle through the runs say nothing.
+                (us >= 0.05).then(|| {
+                    format!(
+                        "{name} {us:.1} µs, {:.2}+{:.2} switches",
+                        per(vol.saturating_sub(*vol0)),
+                        per(inv.saturating_sub(*inv0))
+                    )
+                })
+            })
+            .collect();
+        println!("  {name:<8} per event by thread: {}", line.join(", "));
     }
     let _ = w0;
     live.rate = median(&live.rates);
