@@ -144,6 +144,11 @@ impl<A, M> Ingest<A, M> {
         self.first_unsynced.get_or_insert(now);
     }
 
+    /// Acks waiting for the next commit (appended, or left over for lack of room).
+    pub(crate) fn unsynced(&self) -> usize {
+        self.unsynced_acks.len()
+    }
+
     /// A full group: commit now rather than at the timer.
     pub(crate) fn batch_full(&self, ingest_batch: usize) -> bool {
         self.unsynced_acks.len() >= ingest_batch

@@ -57,7 +57,7 @@ mod uplink;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
 
 use crate::clock::Clock;
@@ -66,7 +66,7 @@ use crate::fsio::Durability;
 use crate::log::{Log, LogError};
 use crate::metrics::Metrics;
 use crate::model::Record;
-use crate::mqtt::{AckToken, Event, Incoming, Mqtt, MqttError};
+use crate::mqtt::{AckToken, Event, Events, Incoming, Mqtt, MqttError, Want};
 use crate::pipeline::engine::Outcome;
 use crate::processor::Processor;
 
@@ -141,7 +141,7 @@ pub struct Agent {
     log: Log,
     proc: Processor,
     mqtt: Mqtt,
-    events: Receiver<Event>,
+    events: Events,
     ingest: Ingest<AckToken, Incoming>,
     /// Inputs were let go under backpressure: reconnect once it has stayed off for
     /// [`REDELIVER_SETTLE`] and the acks before them are out.
@@ -193,18 +193,17 @@ impl Agent {
             let timeout = self.next_deadline().saturating_duration_since(self.now());
             match self
                 .events
-                .recv_timeout(timeout.min(Duration::from_millis(100)))
+                .wait(self.want(), timeout.min(Duration::from_millis(100)))
             {
-                Ok(ev) => {
-                    self.on_event(ev)?;
+                Ok(()) => {
                     // Group commit: everything already waiting joins this fsync, up to one
-                    // channel's worth per pass (so timed checkpoints and publishing still
+                    // queue's worth per pass (so timed checkpoints and publishing still
                     // run under steady input). The broker normally has at most its inflight
                     // window unacknowledged, but mosquitto 2.0.11 was seen sending far more
                     // (tests/it/e2e.rs): one fsync per `ingest_batch` then could not keep up,
                     // the MQTT thread stalled on a full channel, its pings went unsent and
                     // the broker dropped the connection and redelivered everything.
-                    for _ in 1..self.cfg.mqtt.channel_capacity {
+                    for _ in 0..self.cfg.mqtt.channel_capacity {
                         match self.events.try_recv() {
                             Ok(ev) => self.on_event(ev)?,
                             Err(_) => break,
@@ -228,7 +227,29 @@ impl Agent {
         self.drain(shutdown)
     }
 
-    /// The next timer: the group commit's or the checkpoint's, at most 100 ms away.
+    /// What is worth waking for before the next timer: the messages that fill the group
+    /// commit under way (without one, the first message, which starts its timer), or half a
+    /// publish window of acknowledgements (results may wait for that room). Fewer wait for
+    /// the timer and are then taken all at once; while publishes are in flight the timer is
+    /// at most a commit interval away (`next_deadline`), so an acknowledgement waits no
+    /// longer than a message does. Connection events always wake the loop.
+    fn want(&self) -> Want {
+        if self.ingest.backpressure() || self.ingest.has_held() {
+            return Want::ANY;
+        }
+        Want {
+            messages: self
+                .cfg
+                .mqtt
+                .ingest_batch
+                .saturating_sub(self.ingest.unsynced())
+                .max(1),
+            acks: usize::from(self.cfg.outbox.inflight / 2).max(1),
+        }
+    }
+
+    /// The next timer: the group commit's or the checkpoint's, at most 100 ms away (a commit
+    /// interval while publishes are in flight on a live connection).
     fn next_deadline(&self) -> Instant {
         if self.backfill.active() {
             return self.now(); // a backfill slice is waiting: do not wait for input
@@ -236,7 +257,13 @@ impl Agent {
         if self.behind.active() && outbox_full(&self.cfg.outbox, &self.proc).is_none() {
             return self.now(); // records wait in the log and the outbox has room
         }
-        let far = self.now() + Duration::from_millis(100);
+        let acks_may_wait = !self.publisher.idle() && self.publisher.is_connected();
+        let far = self.now()
+            + if acks_may_wait {
+                self.cfg.log.commit_interval // see `want`
+            } else {
+                Duration::from_millis(100)
+            };
         let a = self
             .ingest
             .deadline(self.cfg.log.commit_interval)

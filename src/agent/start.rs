@@ -2,7 +2,6 @@
 //! metrics and connect. Each step in the order the journal reports it.
 
 use std::sync::Arc;
-use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 use crate::clock::{Clock, Note, ReceiptClock};
@@ -10,7 +9,7 @@ use crate::config::Config;
 use crate::fsio::Durability;
 use crate::log::{Log, LogOptions};
 use crate::metrics::Metrics;
-use crate::mqtt::{Event, Mqtt};
+use crate::mqtt::{Events, Mqtt};
 use crate::processor::{ProcessError, Processor, ReplayStats};
 use crate::quarantine::Quarantine;
 use crate::store::Store;
@@ -336,7 +335,7 @@ fn start_metrics(
 
 /// Connect, subscribed to every pipeline's topic filters (each once); and to the uplink
 /// broker, publish-only, if there is one.
-fn subscribe(cfg: &Config) -> Result<(Mqtt, Option<Uplink>, Receiver<Event>), AgentError> {
+fn subscribe(cfg: &Config) -> Result<(Mqtt, Option<Uplink>, Events), AgentError> {
     let mut filters: Vec<String> = cfg
         .pipelines
         .iter()

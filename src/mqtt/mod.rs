@@ -1,6 +1,6 @@
 //! MQTT: the only module that imports rumqttc. A small, blocking-friendly facade for the
 //! single-threaded agent loop: received messages and publish acknowledgements come out of one
-//! bounded [`Receiver<Event>`]; [`Mqtt::ack`] and [`Mqtt::publish`] never block.
+//! bounded queue, [`Events`]; [`Mqtt::ack`] and [`Mqtt::publish`] never block.
 //!
 //! # Guarantees
 //!
@@ -32,7 +32,8 @@
 //! packet-id binding exact across reconnects.
 //!
 //! Cost per event (issue 16): the event loop hands the caller all the events of one read
-//! burst back to back (so a waiting caller wakes once per burst, not per event), the caller's
+//! burst under one lock, and a waiting caller wakes only for as many as it asked for
+//! ([`Want`], `events.rs`), not once per event; the caller's
 //! acks and publishes wake the pump only when its queue was empty, and rumqttc's own
 //! outgoing window is one larger than `publish_inflight` (`options::rumqttc_inflight`): at
 //! rumqttc's limit it stops taking *any* request, so our PUBACKs, stuck behind a full window
@@ -43,19 +44,20 @@
 //!
 //! Deadlock freedom: the caller only does non-blocking queue operations; the pump only uses
 //! `try_*` and retries after the next event-loop event (every request rumqttc takes produces
-//! one); the event loop waits on the caller only when the event channel is full, and then
+//! one); the event loop waits on the caller only when the event queue is full, and then
 //! sleeps in 1 ms steps, checking for shutdown. The request channel is sized to
 //! `max(channel_capacity, publish_inflight + ingest_batch + 16)`, so in steady state neither
 //! publishes nor acks wait for room.
 
 mod binding;
+mod events;
 mod options;
 mod worker;
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::mpsc::TrySendError;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
@@ -63,6 +65,7 @@ use rumqttc::AsyncClient;
 
 use crate::config::MqttConfig;
 use binding::Publishes;
+pub use events::{Events, Want};
 
 /// Room in rumqttc's request channel beyond one full publish window and one ingest batch of
 /// acks (subscribe, disconnect, a few retries).
@@ -159,26 +162,37 @@ pub enum Event {
 /// Where a connection's thread hands its events: the caller's channel, each event wrapped
 /// in [`Event::Uplink`] for the uplink connection.
 pub(crate) struct Sink {
-    tx: SyncSender<Event>,
+    tx: events::Sender,
     uplink: bool,
 }
 
 impl Sink {
-    /// As [`SyncSender::try_send`]; a refused event comes back unwrapped.
-    pub(crate) fn try_send(&self, event: Event) -> Result<(), TrySendError<Event>> {
-        if !self.uplink {
-            return self.tx.try_send(event);
+    fn wrap(&self, event: Event) -> Event {
+        if self.uplink {
+            Event::Uplink(Box::new(event))
+        } else {
+            event
         }
+    }
+
+    /// Queue one event; a refused one comes back unwrapped.
+    pub(crate) fn try_send(&self, event: Event) -> Result<(), TrySendError<Event>> {
         let unwrap = |e: Event| match e {
             Event::Uplink(inner) => *inner,
             other => other,
         };
-        self.tx
-            .try_send(Event::Uplink(Box::new(event)))
-            .map_err(|e| match e {
-                TrySendError::Full(e) => TrySendError::Full(unwrap(e)),
-                TrySendError::Disconnected(e) => TrySendError::Disconnected(unwrap(e)),
-            })
+        let uplink = self.uplink;
+        self.tx.try_send(self.wrap(event)).map_err(|e| match e {
+            TrySendError::Full(e) if uplink => TrySendError::Full(unwrap(e)),
+            TrySendError::Disconnected(e) if uplink => TrySendError::Disconnected(unwrap(e)),
+            e => e,
+        })
+    }
+
+    /// Queue as many of `batch` as fit, in order, under one lock; `Err` when the caller's
+    /// receiver is gone.
+    pub(crate) fn send_some(&self, batch: &mut VecDeque<Event>) -> Result<(), ()> {
+        self.tx.send_some(batch, |e| self.wrap(e))
     }
 }
 
@@ -232,8 +246,8 @@ impl Mqtt {
         cfg: &MqttConfig,
         subscriptions: Vec<String>,
         publish_inflight: u16,
-    ) -> Result<(Mqtt, Receiver<Event>), MqttError> {
-        let (events_tx, events_rx) = sync_channel(cfg.channel_capacity.max(1));
+    ) -> Result<(Mqtt, Events), MqttError> {
+        let (events_tx, events_rx) = events::queue(cfg.channel_capacity);
         let sink = Sink {
             tx: events_tx,
             uplink: false,
@@ -252,8 +266,8 @@ impl Mqtt {
         subscriptions: Vec<String>,
         uplink: &MqttConfig,
         publish_inflight: u16,
-    ) -> Result<(Mqtt, Mqtt, Receiver<Event>), MqttError> {
-        let (events_tx, events_rx) = sync_channel(cfg.channel_capacity.max(1));
+    ) -> Result<(Mqtt, Mqtt, Events), MqttError> {
+        let (events_tx, events_rx) = events::queue(cfg.channel_capacity);
         let up = Sink {
             tx: events_tx.clone(),
             uplink: true,

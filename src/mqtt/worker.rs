@@ -6,9 +6,9 @@
 //! marks the connection down before any other task can run. So the pump never adds a request
 //! that would survive into the next connection unaccounted for.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::TrySendError;
 use std::time::Duration;
 
 use log::{debug, error, info, warn};
@@ -54,7 +54,7 @@ pub(crate) struct Worker {
     /// Failed connect attempts since the connection was last up.
     attempts: u32,
     /// Events for the caller, handed over together by [`Self::flush`].
-    batch: Vec<Event>,
+    batch: VecDeque<Event>,
     /// Acks being written by [`Self::write_acks`] (kept for its allocation).
     ack_buf: Vec<AckToken>,
 }
@@ -86,7 +86,7 @@ impl Worker {
             down_announced: false,
             last_reason: None,
             attempts: 0,
-            batch: Vec::with_capacity(MAX_BATCH),
+            batch: VecDeque::with_capacity(MAX_BATCH),
             ack_buf: Vec::new(),
         }
     }
@@ -429,33 +429,25 @@ impl Worker {
 
     /// Queues an event for the caller; [`Self::flush`] hands it over.
     fn emit(&mut self, event: Event) {
-        self.batch.push(event);
+        self.batch.push_back(event);
     }
 
-    /// Hands the queued events to the caller in order, waiting while its channel is full
-    /// (that is the backpressure: we stop reading from the broker). Gives up at shutdown.
+    /// Hands the queued events to the caller in order, under one lock as far as there is
+    /// room, waiting while its queue is full (that is the backpressure: we stop reading from
+    /// the broker). Gives up at shutdown.
     async fn flush(&mut self) {
-        let mut batch = std::mem::take(&mut self.batch);
-        'events: for mut event in batch.drain(..) {
-            loop {
-                match self.events.try_send(event) {
-                    Ok(()) => break,
-                    Err(TrySendError::Full(back)) => {
-                        if self.stopping() {
-                            break 'events; // the rest is dropped with the caller's channel
-                        }
-                        event = back;
-                        tokio::time::sleep(EVENT_FULL_WAIT).await;
-                    }
-                    Err(TrySendError::Disconnected(_)) => {
-                        debug!("event receiver dropped: stopping the MQTT thread");
-                        self.inner.stop.store(true, Ordering::SeqCst);
-                        break 'events;
-                    }
-                }
+        while !self.batch.is_empty() {
+            if self.events.send_some(&mut self.batch).is_err() {
+                debug!("event receiver dropped: stopping the MQTT thread");
+                self.inner.stop.store(true, Ordering::SeqCst);
+                break;
             }
+            if self.batch.is_empty() || self.stopping() {
+                break; // at shutdown the rest is dropped with the caller's queue
+            }
+            tokio::time::sleep(EVENT_FULL_WAIT).await;
         }
-        self.batch = batch; // keep the allocation
+        self.batch.clear();
     }
 
     /// After DISCONNECT is written, wait (briefly) for the broker to close the connection.

@@ -5,12 +5,11 @@ use crate::support;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 use crate::support::{Broker, BrokerConfig, Certs, Proxy, publish_all, wait_until};
 use cairn::config::{MqttConfig, TlsConfig};
-use cairn::mqtt::{Event, Incoming, Mqtt, MqttError};
+use cairn::mqtt::{Event, Events, Incoming, Mqtt, MqttError};
 
 const STEP: Duration = Duration::from_secs(10);
 
@@ -32,11 +31,7 @@ fn config(port: u16, client_id: &str) -> MqttConfig {
 }
 
 /// The next event that `want` accepts; other events are skipped. Panics after `timeout`.
-fn expect<T>(
-    rx: &Receiver<Event>,
-    timeout: Duration,
-    mut want: impl FnMut(Event) -> Option<T>,
-) -> T {
+fn expect<T>(rx: &Events, timeout: Duration, mut want: impl FnMut(Event) -> Option<T>) -> T {
     let deadline = Instant::now() + timeout;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -51,14 +46,14 @@ fn expect<T>(
     }
 }
 
-fn connected(rx: &Receiver<Event>) -> bool {
+fn connected(rx: &Events) -> bool {
     expect(rx, STEP, |e| match e {
         Event::Connected { session_present } => Some(session_present),
         _ => None,
     })
 }
 
-fn message(rx: &Receiver<Event>) -> Incoming {
+fn message(rx: &Events) -> Incoming {
     expect(rx, STEP, |e| match e {
         Event::Message(m) => Some(m),
         _ => None,
@@ -66,7 +61,7 @@ fn message(rx: &Receiver<Event>) -> Incoming {
 }
 
 /// Messages arriving within `quiet`.
-fn drain_messages(rx: &Receiver<Event>, quiet: Duration) -> Vec<Incoming> {
+fn drain_messages(rx: &Events, quiet: Duration) -> Vec<Incoming> {
     let mut out = Vec::new();
     while let Ok(event) = rx.recv_timeout(quiet) {
         if let Event::Message(m) = event {
@@ -128,7 +123,7 @@ fn unacked_messages_are_redelivered_with_dup_after_a_restart_and_acked_ones_are_
 /// returns the PubAcked ids in arrival order. `during` runs once, after `n / 2` PubAcks.
 fn publish_and_collect(
     mqtt: &Mqtt,
-    rx: &Receiver<Event>,
+    rx: &Events,
     n: usize,
     mut during: impl FnMut(),
 ) -> (Vec<String>, Vec<Event>) {
