@@ -108,6 +108,7 @@
 //! no file, socket, thread or clock (`tests/it/layering.rs` fails on a forbidden import).
 
 pub mod agent;
+pub(crate) mod alloc;
 pub mod cli;
 pub(crate) mod clock;
 pub mod config;

@@ -21,6 +21,8 @@ static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 /// - `tcache:false`: per-thread caches held 10-16 MiB of freed objects at rest on threads
 ///   that had gone quiet (tcache on, decay 0: 72-77 / 45-50 MiB), and even small ones
 ///   (`tcache_max:1024`, 8-16 slots a bin) kept slabs from emptying (87 / 41 MiB);
+/// - `tcache_max:4096,tcache_nslots_small_max:32,tcache_nslots_large:4`: the cache the MQTT
+///   threads turn on for themselves (`src/alloc.rs`), small objects only and few of each;
 /// - `narenas:1`: the agent has one busy thread; more arenas only keep more free pages;
 /// - `background_thread:true,dirty_decay_ms:200,muzzy_decay_ms:0`: a jemalloc thread hands
 ///   freed pages back 200 ms after they are freed, so an idle agent shrinks without
@@ -28,7 +30,7 @@ static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 ///   memory for 25.5 µs per input instead of 20: every free paid for its `madvise`.
 #[unsafe(export_name = "_rjem_malloc_conf")]
 static MALLOC_CONF: ConfText = ConfText(
-    c"narenas:1,tcache:false,background_thread:true,dirty_decay_ms:200,muzzy_decay_ms:0".as_ptr(),
+    c"narenas:1,tcache:false,tcache_max:4096,tcache_nslots_small_max:32,tcache_nslots_large:4,background_thread:true,dirty_decay_ms:200,muzzy_decay_ms:0".as_ptr(),
 );
 
 /// A pointer to a C string, as jemalloc reads `malloc_conf`.

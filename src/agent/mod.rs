@@ -564,6 +564,11 @@ impl Agent {
         let work = self.stats.checkpoints + self.stats.pubacked;
         if self.trim.take(now, work) {
             memory::return_free_memory();
+            // And what the MQTT threads' allocation caches hold (`crate::alloc`).
+            self.mqtt.rest();
+            if let Some(u) = &self.uplink {
+                u.mqtt.rest();
+            }
         }
         Ok(())
     }

@@ -204,6 +204,8 @@ struct Inner {
     /// Wakes the event-loop task to look at `stop`.
     stop_wake: tokio::sync::Notify,
     stop: AtomicBool,
+    /// Give back the thread's allocation cache ([`Mqtt::rest`]).
+    rest: AtomicBool,
     /// Drop the connection and connect again (keeping the session), once the queued acks
     /// are written: see [`Mqtt::reconnect`].
     reconnect: AtomicBool,
@@ -309,6 +311,7 @@ impl Mqtt {
             wake: tokio::sync::Notify::new(),
             stop_wake: tokio::sync::Notify::new(),
             stop: AtomicBool::new(false),
+            rest: AtomicBool::new(false),
             reconnect: AtomicBool::new(false),
             reconnect_wake: tokio::sync::Notify::new(),
         });
@@ -322,7 +325,11 @@ impl Mqtt {
             worker::Worker::new(cfg, eventloop, client, inner.clone(), events, subscriptions);
         let thread = std::thread::Builder::new()
             .name(name.into())
-            .spawn(move || runtime.block_on(worker.run()))
+            .spawn(move || {
+                // Every event passes through this thread (`crate::alloc`).
+                crate::alloc::cache_this_thread(true);
+                runtime.block_on(worker.run())
+            })
             .map_err(MqttError::Start)?;
 
         Ok(Mqtt {
@@ -402,6 +409,13 @@ impl Mqtt {
     pub(crate) fn reconnect(&self) {
         self.inner.reconnect.store(true, Ordering::SeqCst);
         self.inner.reconnect_wake.notify_one();
+    }
+
+    /// The caller is idle: the MQTT thread gives back the memory its allocation cache holds
+    /// (`crate::alloc`), soon, between two events.
+    pub fn rest(&self) {
+        self.inner.rest.store(true, Ordering::SeqCst);
+        self.inner.wake.notify_one();
     }
 
     /// Our publishes not yet acknowledged (queued, on the wire, or being re-sent after a lost

@@ -505,10 +505,14 @@ impl Worker {
     }
 }
 
-/// Wakes on every new publish or ack from the caller.
+/// Wakes on every new publish or ack from the caller, and when it rests
+/// ([`super::Mqtt::rest`]).
 async fn pump_task(client: AsyncClient, inner: Arc<Inner>) {
     loop {
         inner.wake.notified().await;
+        if inner.rest.swap(false, Ordering::SeqCst) {
+            crate::alloc::flush_this_thread();
+        }
         pump_once(&client, &inner, Some(1));
     }
 }
