@@ -57,7 +57,6 @@ mod uplink;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
 
 use crate::clock::Clock;
@@ -213,8 +212,7 @@ impl Agent {
                         self.commit_log()?;
                     }
                 }
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => return Err(AgentError::MqttGone),
+                Err(_) => return Err(AgentError::MqttGone),
             }
             self.tick(false)?;
             self.backfill_step()?;

@@ -12,7 +12,7 @@
 //! message waits no longer than it did; it is only not looked at one by one.
 
 use std::collections::VecDeque;
-use std::sync::mpsc::{RecvTimeoutError, TryRecvError, TrySendError};
+use std::sync::mpsc::{RecvError, RecvTimeoutError, TryRecvError, TrySendError};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -216,14 +216,14 @@ impl Drop for Sender {
 impl Events {
     /// Sleep until the queue holds what `want` asks for, or a connection event, or is full,
     /// or `timeout` passes. `Err` when every sender is gone and nothing is left to take.
-    pub fn wait(&self, want: Want, timeout: Duration) -> Result<(), RecvTimeoutError> {
+    pub fn wait(&self, want: Want, timeout: Duration) -> Result<(), RecvError> {
         let deadline = Instant::now().checked_add(timeout);
         let mut s = self.shared.lock();
         loop {
             if s.enough(want, self.shared.capacity) {
                 s.waiting = None;
                 return if s.queue.is_empty() && s.senders == 0 {
-                    Err(RecvTimeoutError::Disconnected)
+                    Err(RecvError)
                 } else {
                     Ok(())
                 };
@@ -246,7 +246,8 @@ impl Events {
 
     /// The oldest event, waiting up to `timeout` for one.
     pub fn recv_timeout(&self, timeout: Duration) -> Result<Event, RecvTimeoutError> {
-        self.wait(Want::ANY, timeout)?;
+        self.wait(Want::ANY, timeout)
+            .map_err(|_| RecvTimeoutError::Disconnected)?;
         self.shared.lock().pop().ok_or(RecvTimeoutError::Timeout)
     }
 
@@ -257,17 +258,6 @@ impl Events {
             Some(e) => Ok(e),
             None if s.senders == 0 => Err(TryRecvError::Disconnected),
             None => Err(TryRecvError::Empty),
-        }
-    }
-
-    /// Every queued event, oldest first, up to `max`, under one lock (appended to `into`).
-    pub fn take(&self, max: usize, into: &mut VecDeque<Event>) {
-        let mut s = self.shared.lock();
-        for _ in 0..max {
-            match s.pop() {
-                Some(e) => into.push_back(e),
-                None => break,
-            }
         }
     }
 }
@@ -317,9 +307,8 @@ mod tests {
         // It woke for the fifth ack (~100 ms), not the first (~20 ms), nor the timeout.
         assert!(waited >= Duration::from_millis(90), "woke after {waited:?}");
         assert!(waited < Duration::from_secs(5), "woke after {waited:?}");
-        let mut got = VecDeque::new();
-        rx.take(100, &mut got);
-        assert_eq!(got.len(), 5);
+        let got = std::iter::from_fn(|| rx.try_recv().ok()).count();
+        assert_eq!(got, 5);
         assert!(matches!(rx.try_recv(), Err(TryRecvError::Empty)));
     }
 
