@@ -101,6 +101,11 @@ impl State {
             || self.senders == 0
     }
 
+    fn push(&mut self, e: Event) {
+        self.count(&e, true);
+        self.queue.push_back(e);
+    }
+
     fn pop(&mut self) -> Option<Event> {
         let e = self.queue.pop_front()?;
         self.count(&e, false);
@@ -134,19 +139,15 @@ impl Shared {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Whether the receiver sleeps and now has what it waits for; if so, the caller wakes
-    /// it with [`Shared::wake`] once the lock is released (woken under the lock, it would
-    /// only sleep again on the lock).
-    fn due(&self, s: &mut State) -> bool {
-        let ready = s.waiting.is_some_and(|w| s.enough(w, self.capacity));
-        if ready {
+    /// Release the lock after a change, waking the receiver if it sleeps and now has what it
+    /// waits for. Woken under the lock, it would only sleep again on the lock.
+    fn release(&self, mut s: MutexGuard<'_, State>) {
+        let due = s.waiting.is_some_and(|w| s.enough(w, self.capacity));
+        if due {
             s.waiting = None; // one wake-up per wait
         }
-        ready
-    }
-
-    fn wake(&self, ready: bool) {
-        if ready {
+        drop(s);
+        if due {
             self.ready.notify_one();
         }
     }
@@ -162,11 +163,8 @@ impl Sender {
         if s.queue.len() >= self.shared.capacity {
             return Err(TrySendError::Full(event));
         }
-        s.count(&event, true);
-        s.queue.push_back(event);
-        let ready = self.shared.due(&mut s);
-        drop(s);
-        self.shared.wake(ready);
+        s.push(event);
+        self.shared.release(s);
         Ok(())
     }
 
@@ -183,13 +181,9 @@ impl Sender {
         }
         while s.queue.len() < self.shared.capacity {
             let Some(e) = events.pop_front() else { break };
-            let e = wrap(e);
-            s.count(&e, true);
-            s.queue.push_back(e);
+            s.push(wrap(e));
         }
-        let ready = self.shared.due(&mut s);
-        drop(s);
-        self.shared.wake(ready);
+        self.shared.release(s);
         Ok(())
     }
 }
@@ -207,9 +201,7 @@ impl Drop for Sender {
     fn drop(&mut self) {
         let mut s = self.shared.lock();
         s.senders = s.senders.saturating_sub(1);
-        let ready = self.shared.due(&mut s);
-        drop(s);
-        self.shared.wake(ready);
+        self.shared.release(s);
     }
 }
 
