@@ -1284,7 +1284,17 @@ fn footprint(root: &Path, t0: Instant, outbox_max: Option<u64>) -> Foot {
     let _ = t0;
     let broker = start_broker(3600);
     let port = broker.port();
-    let mut c = Cairn::new(root, "cairn-footprint", port, "upsert", 5_000);
+    // `checkpoint.max_records` (CAIRN_COMPARE_FOOT_RECORDS to try another): each state key a
+    // checkpoint writes costs a copy of its sled leaf until the checkpoint's transaction
+    // ends, so this bounds the drain's peak (issue 16).
+    let records = std::env::var("CAIRN_COMPARE_FOOT_RECORDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5_000);
+    let mut c = Cairn::new(root, "cairn-footprint", port, "upsert", records);
+    if let Ok(interval) = std::env::var("CAIRN_COMPARE_FOOT_INTERVAL") {
+        c.set_checkpoint(&interval, records);
+    }
     if let Some(max) = outbox_max {
         c.set_outbox_max(max);
     }
@@ -1385,7 +1395,9 @@ fn main() {
     let publisher = Publisher::start(port);
     // For profiling one part: CAIRN_COMPARE_ONLY=relay,cairn,intervals,node-red,kill,recovery,footprint
     // (any subset). Skipped parts print n/a. For the backlog: CAIRN_COMPARE_ONCE skips its
-    // bounded second run, CAIRN_COMPARE_SMAPS=FILE copies the agent's /proc smaps at rest.
+    // bounded second run, CAIRN_COMPARE_SMAPS=FILE copies the agent's /proc smaps at rest,
+    // CAIRN_COMPARE_FOOT_RECORDS and _INTERVAL its `checkpoint.max_records` (5000) and
+    // `interval` (50ms).
     let only = std::env::var("CAIRN_COMPARE_ONLY").ok();
     let want = |part: &str| {
         only.as_deref()

@@ -411,6 +411,11 @@ impl Processor {
         self.engine.pending_records()
     }
 
+    /// State keys the next checkpoint writes (see [`Engine::pending_keys`]).
+    pub fn pending_keys(&self) -> u64 {
+        self.engine.pending_keys()
+    }
+
     /// Apply one record. A stand-in for an oversized input becomes a `too_large` dead
     /// letter; a record whose attempts are used up becomes an `internal` one; anything else
     /// goes through the engine, and a panic there is caught, its attempt recorded, and

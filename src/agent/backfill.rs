@@ -15,7 +15,6 @@ use crate::config::Config;
 use crate::model::{Offset, PipelineProgress};
 use crate::pipeline::engine::Progress;
 
-use super::checkpointer::Checkpointer;
 use super::error::failpoint;
 use super::{Agent, AgentError};
 
@@ -86,7 +85,7 @@ impl Agent {
         }
         // Applied, not checkpointed: a crash here resumes at the last committed cursor.
         failpoint("backfill.after_slice")?;
-        if Checkpointer::records_due(self.proc.pending_records(), self.cfg.checkpoint.max_records) {
+        if self.checkpoint_size_due() {
             self.checkpoint()?;
         }
         let due = self

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use crate::config::OutboxConfig;
 use crate::processor::Processor;
 
-use super::{Agent, AgentError, Checkpointer};
+use super::{Agent, AgentError};
 
 /// Records per slice at most, as for a backfill: acks, checkpoints and publishing keep
 /// their pace beside it.
@@ -144,7 +144,7 @@ impl Agent {
                 ))
             );
         }
-        if Checkpointer::records_due(self.proc.pending_records(), self.cfg.checkpoint.max_records) {
+        if self.checkpoint_size_due() {
             self.checkpoint()?;
         }
         Ok(())

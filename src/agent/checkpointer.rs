@@ -6,6 +6,7 @@
 
 use std::time::{Duration, Instant};
 
+use crate::config::CheckpointConfig;
 use crate::store::SavepointInfo;
 
 /// Below this the store's size is not worth a walk of its trees.
@@ -88,9 +89,11 @@ impl Checkpointer {
         self.first_unchecked = None;
     }
 
-    /// Too many records applied since the last commit: checkpoint now.
-    pub(crate) fn records_due(pending: u64, max_records: u64) -> bool {
-        pending >= max_records
+    /// Too many records applied, or state keys written, since the last commit: checkpoint
+    /// now. The keys bound the memory the checkpoint's transaction takes (a copy of a sled
+    /// leaf per key); the records, the overlay and what replay redoes.
+    pub(crate) fn size_due(records: u64, keys: u64, cfg: &CheckpointConfig) -> bool {
+        records >= cfg.max_records || keys >= cfg.max_keys
     }
 
     /// What to do for held input: see [`Relief`]. `room` tells whether the log is short of
@@ -235,9 +238,15 @@ mod tests {
     }
 
     #[test]
-    fn max_records_applied_make_a_checkpoint_due_at_once() {
-        assert!(!Checkpointer::records_due(99, 100));
-        assert!(Checkpointer::records_due(100, 100));
+    fn max_records_applied_or_max_keys_written_make_a_checkpoint_due_at_once() {
+        let cfg = CheckpointConfig {
+            interval: MIN,
+            max_records: 100,
+            max_keys: 10,
+        };
+        assert!(!Checkpointer::size_due(99, 9, &cfg));
+        assert!(Checkpointer::size_due(100, 9, &cfg), "records");
+        assert!(Checkpointer::size_due(99, 10, &cfg), "keys");
     }
 
     #[test]

@@ -246,6 +246,16 @@ impl Agent {
         }
     }
 
+    /// Enough applied since the last checkpoint to take one now (`checkpoint.max_records`,
+    /// `checkpoint.max_keys`).
+    fn checkpoint_size_due(&self) -> bool {
+        Checkpointer::size_due(
+            self.proc.pending_records(),
+            self.proc.pending_keys(),
+            &self.cfg.checkpoint,
+        )
+    }
+
     /// The next timer: the group commit's or the checkpoint's, at most 100 ms away (a commit
     /// interval while publishes are in flight on a live connection).
     fn next_deadline(&self) -> Instant {
@@ -440,7 +450,7 @@ impl Agent {
             // Before any checkpoint: its fsync must not delay results that need none.
             self.publish()?;
         }
-        if Checkpointer::records_due(self.proc.pending_records(), self.cfg.checkpoint.max_records) {
+        if self.checkpoint_size_due() {
             self.checkpoint()?;
         }
         Ok(())

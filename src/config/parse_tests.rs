@@ -147,7 +147,8 @@ fn a_minimal_config_gets_safe_default_limits() {
         cfg.checkpoint,
         CheckpointConfig {
             interval: Duration::from_secs(5),
-            max_records: 20_000
+            max_records: 20_000,
+            max_keys: 2_048
         }
     );
     assert_eq!(
@@ -1082,4 +1083,14 @@ fn the_checkpoint_record_default_follows_a_smaller_outbox_bound_but_a_written_on
         e.contains("outbox.max_entries") && e.contains("at least checkpoint.max_records"),
         "{e}"
     );
+}
+
+#[test]
+fn checkpoint_max_keys_defaults_to_2048_and_must_be_at_least_one() {
+    assert_eq!(parse(MINIMAL).unwrap().checkpoint.max_keys, 2048);
+    let ok = format!("{MINIMAL}\n[checkpoint]\nmax_keys = 500\n");
+    assert_eq!(parse(&ok).unwrap().checkpoint.max_keys, 500);
+    let text = format!("{MINIMAL}\n[checkpoint]\nmax_keys = 0\n");
+    let e = parse(&text).unwrap_err().to_string();
+    assert!(e.contains("checkpoint.max_keys"), "{e}");
 }

@@ -173,6 +173,11 @@ impl Engine {
         self.batch.records
     }
 
+    /// State keys the next checkpoint writes (or deletes), over all pipelines.
+    pub fn pending_keys(&self) -> u64 {
+        self.batch.state.len() as u64
+    }
+
     /// Apply one log record to every pipeline whose topic filter matches it. The record must
     /// be the next one in the log: `record.offset >= progress.next_offset` (gaps are allowed
     /// only where a repair removed records).

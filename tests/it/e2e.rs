@@ -1068,3 +1068,63 @@ fn plain(pipes: &[Pipe], evs: &[Ev]) -> (Messages, Expected) {
         .collect();
     (msgs, oracle(pipes, evs))
 }
+
+#[test]
+fn a_checkpoint_is_taken_at_max_keys_written_long_before_max_records_or_its_interval() {
+    // Each key a checkpoint writes holds a copy of a sled leaf until it commits (issue 16):
+    // `max_keys` bounds that, whatever the record count.
+    let broker = broker_with(&[]);
+    let pipes = vec![Pipe::new("sum", &["in/a"], Agg::Sum)];
+    let mut cfg = AgentConfig::new(broker.port(), &pipelines_toml(&pipes));
+    cfg.checkpoint = "interval = \"1h\"\nmax_records = 100000\nmax_keys = 10\n".into();
+    cfg.extra = format!(
+        "[metrics]\nlisten = \"127.0.0.1:{}\"\n",
+        support::free_port()
+    );
+    let mut agent = CairnProcess::new(&cfg);
+    agent.set_log_filter(Some("info"));
+    agent.set_up_session();
+    agent.start_connected();
+    let live = Collector::start(broker.port(), "out/#");
+    let checkpoints = |agent: &CairnProcess| metric(agent, "cairn_checkpoints_total").unwrap();
+    let unchecked = |agent: &CairnProcess| metric(agent, "cairn_records_unchecked").unwrap();
+    let before = checkpoints(&agent);
+
+    // 100 records on one key: one key to write, nothing due.
+    let one_key = events(0, 100, &["in/a"], 1);
+    publish_all(broker.port(), &plain(&pipes, &one_key).0);
+    wait_for_results(&live, &plain(&pipes, &one_key).1, &agent);
+    assert_eq!(checkpoints(&agent), before, "{}", agent.stderr_tail(20));
+    assert_eq!(unchecked(&agent), 100.0);
+
+    // 100 records on 100 keys, 10 at a time (the bound is checked after each group commit):
+    // a checkpoint for every 10 keys, the first one also holding the key above.
+    let all: Vec<Ev> = one_key
+        .into_iter()
+        .chain(events(100, 100, &["in/a"], 100))
+        .collect();
+    let (msgs, exp) = plain(&pipes, &all);
+    for (i, ten) in msgs[100..].chunks(10).enumerate() {
+        publish_all(broker.port(), ten);
+        let want = before + i as f64 + 1.0;
+        assert!(
+            wait_until(Duration::from_secs(20), || checkpoints(&agent) == want),
+            "{} checkpoints after {} keys at max_keys = 10, want {want}: {}",
+            checkpoints(&agent),
+            10 * (i + 1),
+            agent.stderr_tail(20)
+        );
+    }
+    wait_for_results(&live, &exp, &agent);
+    assert_eq!(
+        checkpoints(&agent),
+        before + 10.0,
+        "no more than one per 10 keys"
+    );
+    assert!(
+        unchecked(&agent) < 10.0,
+        "{} records wait",
+        unchecked(&agent)
+    );
+    stop_cleanly(&mut agent);
+}

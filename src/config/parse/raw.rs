@@ -94,6 +94,7 @@ pub(super) struct RawLog {
 pub(super) struct RawCheckpoint {
     pub(super) interval: Option<DurationText>,
     pub(super) max_records: Option<i64>,
+    pub(super) max_keys: Option<i64>,
 }
 
 #[derive(Debug, Default, Deserialize)]

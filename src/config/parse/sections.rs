@@ -421,9 +421,17 @@ impl Validator {
             1..=MAX_CHECKPOINT_MAX_RECORDS,
             ": one checkpoint is one sled transaction, held in memory",
         );
+        let max_keys = self.int(
+            "checkpoint.max_keys",
+            r.max_keys,
+            DEFAULT_CHECKPOINT_MAX_KEYS,
+            1..=MAX_CHECKPOINT_MAX_RECORDS,
+            ": each key a checkpoint writes holds a copy of a sled leaf until it commits",
+        );
         Some(CheckpointConfig {
             interval: Duration::from_millis(interval?),
             max_records: u64::try_from(max_records?).ok()?,
+            max_keys: u64::try_from(max_keys?).ok()?,
         })
     }
 

@@ -100,9 +100,10 @@ fn storage_summary(cfg: &Config) -> Vec<String> {
             format_size(l.max_payload)
         ),
         format!(
-            "checkpoint  every {} or {} records",
+            "checkpoint  every {} or {} records or {} keys",
             d(cfg.checkpoint.interval),
-            cfg.checkpoint.max_records
+            cfg.checkpoint.max_records,
+            cfg.checkpoint.max_keys
         ),
         format!(
             "outbox      <= {} entries, <= {}, {} inflight, drain {}",
