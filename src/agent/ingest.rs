@@ -144,9 +144,14 @@ impl<A, M> Ingest<A, M> {
         self.first_unsynced.get_or_insert(now);
     }
 
-    /// Acks waiting for the next commit (appended, or left over for lack of room).
-    pub(crate) fn unsynced(&self) -> usize {
-        self.unsynced_acks.len()
+    /// How many new messages are worth waking the loop for: those that fill the group
+    /// commit under way, or the first one when none is (it starts the commit's timer, and a
+    /// lone message must not wait for anything else), or any one while messages are held.
+    pub(crate) fn messages_wanted(&self, ingest_batch: usize) -> usize {
+        if self.first_unsynced.is_none() || self.backpressure || !self.held.is_empty() {
+            return 1;
+        }
+        ingest_batch.saturating_sub(self.unsynced_acks.len()).max(1)
     }
 
     /// A full group: commit now rather than at the timer.
@@ -248,6 +253,31 @@ mod tests {
         assert!(!i.commit_due(t0, every, false));
         assert!(i.commit_due(t0, every, true), "forced at shutdown");
         assert!(i.commit_due(t0 + every, every, false));
+    }
+
+    #[test]
+    fn the_loop_wakes_for_a_first_message_and_then_for_what_fills_the_group() {
+        let mut i = ingest();
+        let t0 = Instant::now();
+        assert_eq!(
+            i.messages_wanted(20),
+            1,
+            "nothing waits: the first one starts the timer"
+        );
+        i.appended(rec(0), 0, t0);
+        i.appended(rec(1), 1, t0);
+        assert_eq!(i.messages_wanted(20), 18, "what fills the group");
+        assert_eq!(i.messages_wanted(2), 1, "full: never zero");
+        i.set_backpressure(true);
+        assert_eq!(i.messages_wanted(20), 1, "under backpressure, each one");
+        i.set_backpressure(false);
+        let _ = i.acks_to_send(10).count();
+        let _ = i.committed(t0);
+        assert_eq!(
+            i.messages_wanted(20),
+            1,
+            "committed: the next one starts a new group"
+        );
     }
 
     #[test]

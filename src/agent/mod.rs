@@ -232,16 +232,8 @@ impl Agent {
     /// at most a commit interval away (`next_deadline`), so an acknowledgement waits no
     /// longer than a message does. Connection events always wake the loop.
     fn want(&self) -> Want {
-        if self.ingest.backpressure() || self.ingest.has_held() {
-            return Want::ANY;
-        }
         Want {
-            messages: self
-                .cfg
-                .mqtt
-                .ingest_batch
-                .saturating_sub(self.ingest.unsynced())
-                .max(1),
+            messages: self.ingest.messages_wanted(self.cfg.mqtt.ingest_batch),
             acks: usize::from(self.cfg.outbox.inflight / 2).max(1),
         }
     }
