@@ -995,13 +995,7 @@ fn a_small_outbox_bound_holds_processing_back_not_input_and_survives_a_kill() {
     let mut cfg = AgentConfig::new(broker.port(), &pipelines_toml(&pipes));
     cfg.outbox = "max_entries = 100\ninflight = 1\ndrain_timeout = \"5s\"\n".into();
     cfg.checkpoint = "interval = \"50ms\"\nmax_records = 50\n".into();
-    cfg.extra = format!(
-        "[metrics]\nlisten = \"127.0.0.1:{}\"\n",
-        support::free_port()
-    );
-    let mut agent = CairnProcess::new(&cfg);
-    agent.set_log_filter(Some("info"));
-    agent.set_up_session();
+    let mut agent = agent_with_metrics(&mut cfg);
     let logged = |agent: &CairnProcess, n: usize| {
         let done = wait_until(Duration::from_secs(30), || {
             metric(agent, "cairn_log_next_offset") == Some(n as f64)
@@ -1050,6 +1044,18 @@ fn a_small_outbox_bound_holds_processing_back_not_input_and_survives_a_kill() {
 }
 
 /// One figure of the running agent, through `cairn status --json`.
+/// The agent of `cfg` with a metrics endpoint (for [`metric`]), info logs and its session.
+fn agent_with_metrics(cfg: &mut AgentConfig) -> CairnProcess {
+    cfg.extra = format!(
+        "[metrics]\nlisten = \"127.0.0.1:{}\"\n",
+        support::free_port()
+    );
+    let mut agent = CairnProcess::new(cfg);
+    agent.set_log_filter(Some("info"));
+    agent.set_up_session();
+    agent
+}
+
 fn metric(agent: &CairnProcess, name: &str) -> Option<f64> {
     let (st, out, err) = agent.command(&["status", "--json"]);
     assert!(st.success(), "status failed: {err}");
@@ -1077,13 +1083,7 @@ fn a_checkpoint_is_taken_at_max_keys_written_long_before_max_records_or_its_inte
     let pipes = vec![Pipe::new("sum", &["in/a"], Agg::Sum)];
     let mut cfg = AgentConfig::new(broker.port(), &pipelines_toml(&pipes));
     cfg.checkpoint = "interval = \"1h\"\nmax_records = 100000\nmax_keys = 10\n".into();
-    cfg.extra = format!(
-        "[metrics]\nlisten = \"127.0.0.1:{}\"\n",
-        support::free_port()
-    );
-    let mut agent = CairnProcess::new(&cfg);
-    agent.set_log_filter(Some("info"));
-    agent.set_up_session();
+    let mut agent = agent_with_metrics(&mut cfg);
     agent.start_connected();
     let live = Collector::start(broker.port(), "out/#");
     let checkpoints = |agent: &CairnProcess| metric(agent, "cairn_checkpoints_total").unwrap();
