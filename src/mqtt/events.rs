@@ -4,12 +4,13 @@
 //! A channel wakes a waiting receiver on every event. Measured (`benches/compare.rs`, per
 //! thread, flat out at ~17k events/s): the agent loop woke about once per event (1.2
 //! voluntary switches per event), only to append one message to the log buffer and sleep
-//! again until the group commit, and spent 16-18 µs of CPU per event. With this queue: 0.12
-//! switches and 10.8 µs per event, for the same throughput and latency. Here the receiver states what is worth waking for
-//! ([`Want`]: so many messages, so many publish acknowledgements, or any event), and the
-//! sender wakes it only when the queue holds that much, holds a connection event, or is full.
-//! The receiver's own timeout (the group commit's deadline) bounds the wait as before, so a
-//! message waits no longer than it did; it is only not looked at one by one.
+//! again until the group commit, and spent 16-18 µs of CPU per event. Here the receiver
+//! states what is worth waking for ([`Want`]: so many messages, so many publish
+//! acknowledgements), and the sender wakes it only when the queue holds that much, holds a
+//! connection event, or is full. The receiver's own timeout (the group commit's deadline)
+//! bounds the wait as before, so a message waits no longer than it did; it is only not
+//! looked at one by one. With this queue: 0.12 switches and 10-11 µs per event, for the same
+//! throughput and latency.
 
 use std::collections::VecDeque;
 use std::sync::mpsc::{RecvError, RecvTimeoutError, TryRecvError, TrySendError};
