@@ -512,31 +512,26 @@ fn accept_loop(listener: TcpListener, target: u16, shared: Arc<ProxyShared>) {
 }
 
 /// Copies `from` → `to` until either side closes, then closes both. With `hold`, stops
-/// reading `from` while the proxy holds the upstream direction.
+/// reading `from` while the proxy holds the upstream direction, and keeps back what a read
+/// returned if the hold began during it (a read waits up to 20 ms): forwarded after the
+/// hold, dropped if the connection closes meanwhile.
 fn pipe(mut from: TcpStream, mut to: TcpStream, hold: Option<Arc<ProxyShared>>) {
     let mut buf = [0u8; 16 * 1024];
     loop {
         if let Some(h) = &hold {
-            while h.hold_upstream.load(Ordering::SeqCst) && !h.stop.load(Ordering::SeqCst) {
-                // Notice a cut while holding: a short peek fails once the socket is shut down.
-                let _ = from.set_read_timeout(Some(Duration::from_millis(1)));
-                let mut probe = [0u8; 1];
-                match from.peek(&mut probe) {
-                    Ok(0) => return close_both(&from, &to),
-                    Err(e)
-                        if e.kind() != ErrorKind::WouldBlock && e.kind() != ErrorKind::TimedOut =>
-                    {
-                        return close_both(&from, &to);
-                    }
-                    _ => {}
-                }
-                std::thread::sleep(Duration::from_millis(2));
+            if !wait_while_held(&from, h) {
+                return close_both(&from, &to);
             }
             let _ = from.set_read_timeout(Some(Duration::from_millis(20)));
         }
         match from.read(&mut buf) {
             Ok(0) => break,
             Ok(n) => {
+                if let Some(h) = &hold
+                    && !wait_while_held(&from, h)
+                {
+                    return close_both(&from, &to);
+                }
                 if to.write_all(&buf[..n]).is_err() {
                     break;
                 }
@@ -546,6 +541,24 @@ fn pipe(mut from: TcpStream, mut to: TcpStream, hold: Option<Arc<ProxyShared>>) 
         }
     }
     close_both(&from, &to);
+}
+
+/// Waits while the proxy holds the upstream direction; false once `from` is closed or cut
+/// meanwhile (a short peek fails once the socket is shut down, or reads its end).
+fn wait_while_held(from: &TcpStream, h: &ProxyShared) -> bool {
+    while h.hold_upstream.load(Ordering::SeqCst) && !h.stop.load(Ordering::SeqCst) {
+        let _ = from.set_read_timeout(Some(Duration::from_millis(1)));
+        let mut probe = [0u8; 1];
+        match from.peek(&mut probe) {
+            Ok(0) => return false,
+            Err(e) if e.kind() != ErrorKind::WouldBlock && e.kind() != ErrorKind::TimedOut => {
+                return false;
+            }
+            _ => {}
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    true
 }
 
 fn close_both(from: &TcpStream, to: &TcpStream) {
