@@ -53,7 +53,7 @@ pub fn flush_this_thread() {
     note(c"thread.tcache.flush", r);
 }
 
-/// A refusal costs only speed or memory, never correctness: say it once at debug level.
+/// A refusal costs only speed or memory, never correctness: say so at debug level.
 fn note(name: &CStr, r: std::ffi::c_int) {
     if r != 0 {
         log::debug!("jemalloc refused {name:?}: error {r}");
