@@ -136,6 +136,31 @@ fn usage_errors_exit_2_and_runtime_failures_exit_1() {
     assert_eq!(cairn(&dir.path().join("missing.toml"), &["validate"]).0, 2);
 }
 
+/// Every allocator option the binary sets (`src/main.rs`) is one jemalloc takes: one it
+/// cannot parse is named on stderr at start-up and left out, so a memory setting would go
+/// silently unapplied.
+#[test]
+fn the_allocator_takes_every_option_the_binary_sets() {
+    let stderr_of = |conf: Option<&str>| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_cairn"));
+        cmd.arg("--version").env_remove("_RJEM_MALLOC_CONF");
+        if let Some(conf) = conf {
+            cmd.env("_RJEM_MALLOC_CONF", conf);
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = stderr_of(None);
+    assert!(!err.contains("<jemalloc>"), "{err}");
+    // What a bad option looks like, so the check above can fail.
+    let err = stderr_of(Some("slab_sizes:1-1280:x"));
+    assert!(
+        err.contains("<jemalloc>: Invalid settings for slab_sizes"),
+        "{err}"
+    );
+}
+
 #[test]
 fn inspect_shows_every_view_as_json_lines_with_filters() {
     let dir = tempfile::tempdir().unwrap();
