@@ -18,6 +18,10 @@
 //! result − first send), median of [`RUNS`] runs after a warm-up. Latency is then taken at
 //! 50% and 90% of each system's own median peak.
 //!
+//! CPU per event is also taken in pairs of flat-out runs, relay and Cairn in turn with both
+//! up ([`cpu_pairs`]); the target uses the median of the pairs' ratios, since the box's
+//! speed drifts between the relay's runs and Cairn's a minute later.
+//!
 //! Then the checkpoint interval's curve (issue 14, `compare/intervals.rs`): Cairn's
 //! throughput, latency at 50% load, bytes written per event and recovery after a SIGKILL for
 //! intervals of 50 ms, 200 ms, 1 s and 5 s, beside the relay of the same run.
@@ -33,7 +37,7 @@
 //!
 //! Figures are printed, never asserted. Every child process is killed on drop.
 //!
-//! Why ~1,700 lines: every system and every figure of the comparison in one run, sharing
+//! Why ~1,800 lines: every system and every figure of the comparison in one run, sharing
 //! one broker and one seeded stream; the interval curve is in `compare/intervals.rs`.
 
 #[path = "../tests/it/support/mod.rs"]
@@ -1055,6 +1059,68 @@ fn measure_live(sys: &dyn System, publisher: &Publisher, sink: &Sink, t0: Instan
     live
 }
 
+/// Flat-out runs for the CPU pairs ([`cpu_pairs`]).
+const PAIRS: usize = 6;
+
+/// CPU per event of the relay and the agent, in [`PAIRS`] pairs of flat-out runs back to
+/// back (relay then agent, then agent then relay, and so on), both processes up throughout.
+/// The box's speed drifts over minutes: in one session the relay's figure from the
+/// sequential runs of [`measure_live`] ranged 21.8-37 µs while the agent's moved less,
+/// so a ratio of two runs a minute apart passed or failed with the drift. Returns each
+/// pair's (relay, agent) µs per event.
+fn cpu_pairs(root: &Path, port: u16, publisher: &Publisher, t0: Instant) -> Vec<(f64, f64)> {
+    let relay = Relay::start(port);
+    let relay_sink = Sink::start(port, "relay", KEYS, t0);
+    let mut cairn = Cairn::new(root, "cairn-pairs", port, "changelog", 5_000);
+    cairn.start(None);
+    assert!(
+        cairn.wait_connected(Duration::from_secs(20)),
+        "cairn did not connect: {}",
+        cairn.stderr()
+    );
+    let cairn_sink = Sink::start(port, "cairn", KEYS, t0);
+    let mut next = 0u64;
+    // One flat-out run of one system: its CPU µs per event.
+    let mut run = |sys: &dyn System, sink: &Sink, warm: bool| {
+        let n = if warm { WARMUP } else { RUN_EVENTS };
+        let before = sys.proc().map(|p| p.cpu_ticks());
+        let (_, _, all) = one_run(publisher, sink, sys.prefix(), "c", next, n, 0, t0);
+        next += n;
+        let after = sys.proc().map(|p| p.cpu_ticks());
+        let us = match (before, after) {
+            (Some(b), Some(a)) if all => (a - b) as f64 / ticks_per_second() * 1e6 / n as f64,
+            _ => f64::NAN,
+        };
+        if !all {
+            println!("  {} pair run INCOMPLETE", sys.name());
+        }
+        us
+    };
+    run(&relay, &relay_sink, true);
+    run(&cairn, &cairn_sink, true);
+    let mut pairs = Vec::with_capacity(PAIRS);
+    for i in 0..PAIRS {
+        let (r, c) = if i % 2 == 0 {
+            let r = run(&relay, &relay_sink, false);
+            (r, run(&cairn, &cairn_sink, false))
+        } else {
+            let c = run(&cairn, &cairn_sink, false);
+            (run(&relay, &relay_sink, false), c)
+        };
+        println!(
+            "  pair {}: relay {r:.1} µs, cairn {c:.1} µs per event: {:.2}x",
+            i + 1,
+            c / r
+        );
+        pairs.push((r, c));
+    }
+    drop((relay_sink, cairn_sink));
+    if let Some(p) = cairn.proc.as_mut() {
+        p.terminate(Duration::from_secs(10));
+    }
+    pairs
+}
+
 /// Final per-key sums against the oracle after a SIGKILL at input [`KILL_AT`].
 #[derive(Default, Clone, Copy)]
 struct KillResult {
@@ -1393,7 +1459,7 @@ fn main() {
     let port = broker.port();
     let t0 = Instant::now();
     let publisher = Publisher::start(port);
-    // For profiling one part: CAIRN_COMPARE_ONLY=relay,cairn,intervals,node-red,kill,recovery,footprint
+    // For profiling one part: CAIRN_COMPARE_ONLY=relay,cairn,pairs,intervals,node-red,kill,recovery,footprint
     // (any subset). Skipped parts print n/a. For the backlog: CAIRN_COMPARE_ONCE skips its
     // bounded second run, CAIRN_COMPARE_SMAPS=FILE copies the agent's /proc smaps at rest,
     // CAIRN_COMPARE_FOOT_RECORDS and _INTERVAL its `checkpoint.max_records` (5000) and
@@ -1452,6 +1518,22 @@ fn main() {
     } else {
         skipped()
     };
+
+    // ---- CPU per event in alternating pairs (issue 16) ----
+    let pairs = if want("pairs") {
+        println!(
+            "cpu pairs: {PAIRS} x 2 runs of {RUN_EVENTS} events flat out, relay and cairn in turn"
+        );
+        cpu_pairs(&root, port, &publisher, t0)
+    } else {
+        Vec::new()
+    };
+    let pair_median = |pick: fn(&(f64, f64)) -> f64| {
+        (!pairs.is_empty()).then(|| median(&pairs.iter().map(pick).collect::<Vec<_>>()))
+    };
+    let pair_relay = pair_median(|p| p.0);
+    let pair_cairn = pair_median(|p| p.1);
+    let pair_ratio = pair_median(|p| p.1 / p.0);
 
     // ---- the checkpoint interval's curve (issue 14) ----
     let curve = if want("intervals") {
@@ -1706,6 +1788,21 @@ fn main() {
         1,
     );
     row(
+        "  in alternating pairs, medians, µs",
+        pair_relay,
+        pair_cairn,
+        None,
+        1,
+    );
+    println!(
+        "{:<44} {:>11} {:>11} {:>11} {:>10}",
+        "  median of the pairs' ratios",
+        "",
+        "",
+        "",
+        pair_ratio.map_or("n/a".into(), |r| format!("{r:.2}x"))
+    );
+    row(
         "peak RSS during live runs, MiB",
         relay_live.peak_rss,
         cairn_live.peak_rss,
@@ -1842,10 +1939,13 @@ fn main() {
     row("stripped binary, MiB", None, stripped, None, 2);
     println!("{}", "-".repeat(102));
     let thr = cairn_live.rate / relay_live.rate;
-    let cpu = cairn_live
-        .cpu_us_per_event
-        .zip(relay_live.cpu_us_per_event)
-        .map(|(c, r)| c / r);
+    // The pairs' median ratio where they ran: the sequential runs' ratio moves with the box.
+    let cpu = pair_ratio.or_else(|| {
+        cairn_live
+            .cpu_us_per_event
+            .zip(relay_live.cpu_us_per_event)
+            .map(|(c, r)| c / r)
+    });
     let replay = replay_rate.map(|r| r / cairn_live.rate);
     println!("targets:");
     target_line("throughput, x relay", Some(thr), ">=", 0.8);
