@@ -1364,10 +1364,17 @@ fn footprint(root: &Path, t0: Instant, outbox_max: Option<u64>) -> Foot {
     if let Some(max) = outbox_max {
         c.set_outbox_max(max);
     }
+    // `checkpoint.max_keys` (CAIRN_COMPARE_FOOT_KEYS; else the default, 1536).
+    let conf = c.dir.join("cairn.toml");
+    if let Ok(keys) = std::env::var("CAIRN_COMPARE_FOOT_KEYS") {
+        let text = std::fs::read_to_string(&conf).expect("read cairn.toml");
+        let at = text.find("[checkpoint]\n").expect("a [checkpoint] table") + 13;
+        let text = format!("{}max_keys = {keys}\n{}", &text[..at], &text[at..]);
+        std::fs::write(&conf, text).expect("write cairn.toml");
+    }
     // A broker busy with a million queued messages can leave a ping unanswered for 10 s;
     // a reconnect then made mosquitto 2.0.11 send much of the backlog again (1.2M
     // duplicates seen), which measures the broker, not the agent's footprint.
-    let conf = c.dir.join("cairn.toml");
     let text = std::fs::read_to_string(&conf).expect("read cairn.toml");
     std::fs::write(
         &conf,
@@ -1462,8 +1469,8 @@ fn main() {
     // For profiling one part: CAIRN_COMPARE_ONLY=relay,cairn,pairs,intervals,node-red,kill,recovery,footprint
     // (any subset). Skipped parts print n/a. For the backlog: CAIRN_COMPARE_ONCE skips its
     // bounded second run, CAIRN_COMPARE_SMAPS=FILE copies the agent's /proc smaps at rest,
-    // CAIRN_COMPARE_FOOT_RECORDS and _INTERVAL its `checkpoint.max_records` (5000) and
-    // `interval` (50ms).
+    // CAIRN_COMPARE_FOOT_RECORDS, _INTERVAL and _KEYS its `checkpoint.max_records` (5000),
+    // `interval` (50ms) and `max_keys` (the default).
     let only = std::env::var("CAIRN_COMPARE_ONLY").ok();
     let want = |part: &str| {
         only.as_deref()
