@@ -139,8 +139,9 @@ const MAX_CHECKPOINT_MAX_RECORDS: i64 = 1_000_000;
 /// the checkpoint's transaction ends: sled copies a leaf on every write and frees the old
 /// copy only once the transaction unpins. Measured on the 1M backlog over 100k keys
 /// (`benches/compare.rs`): peak RSS 122 MiB at 20,000 records per checkpoint, 68-73 at 5,000,
-/// 60 at 2,500 (issue 16). With few keys the record bound or the interval decides.
-const DEFAULT_CHECKPOINT_MAX_KEYS: i64 = 2_048;
+/// 60 at 2,500 (issue 16); bounded by keys, 59.2-64.2 MiB at 2,048 and 55.7-57.5 at 1,536,
+/// at rest the same. With few keys the record bound or the interval decides.
+const DEFAULT_CHECKPOINT_MAX_KEYS: i64 = 1_536;
 
 /// Hours of output while the broker is away, at a few kB each: well under the disk.
 const DEFAULT_OUTBOX_MAX_ENTRIES: i64 = 100_000;
