@@ -275,6 +275,8 @@ struct Mem {
     tags: Vec<u16>,
     /// As of the last commit (the `meta` record).
     dead: DeadLetterStats,
+    /// Outbox chunks deleted, for [`release_while_deleting`].
+    chunks_deleted: usize,
 }
 
 impl Default for Mem {
@@ -285,6 +287,7 @@ impl Default for Mem {
             outbox: OutboxMem::default(),
             tags: Vec::new(),
             dead: DeadLetterStats::default(),
+            chunks_deleted: 0,
         }
     }
 }
@@ -498,6 +501,20 @@ const WALK_RELEASE_EVERY: usize = 256;
 /// For walks: run a round of deferred drops at every [`WALK_RELEASE_EVERY`]th item.
 pub(crate) fn release_while_walking(item: usize) {
     if item % WALK_RELEASE_EVERY == WALK_RELEASE_EVERY - 1 {
+        release_deferred(1);
+    }
+}
+
+/// Outbox chunks deleted between rounds of deferred drops ([`release_while_deleting`]).
+const DELETE_RELEASE_EVERY: usize = 16;
+
+/// For deletes outside a checkpoint: run a round of deferred drops at every
+/// [`DELETE_RELEASE_EVERY`]th. Each delete leaves the old copy of its sled leaf to them, and
+/// a burst of acknowledgements (a drained backlog's results, acknowledged together when
+/// mosquitto sends the PUBACKs it queued behind the backlog) deletes chunk after chunk with
+/// nothing else running them.
+pub(crate) fn release_while_deleting(deleted: usize) {
+    if deleted % DELETE_RELEASE_EVERY == 0 {
         release_deferred(1);
     }
 }

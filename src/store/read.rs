@@ -78,10 +78,15 @@ impl Store {
     /// An entry was published and acknowledged (on PUBACK). The chunk it is in is deleted
     /// when nothing in it waits any more; not fsynced: see the module docs.
     pub fn outbox_delete(&self, seq: u64, id: &str) -> Result<(), StoreError> {
-        let done = self.lock().outbox.ack(seq, id);
-        if let Some(first) = done {
-            self.outbox.remove(first.to_be_bytes())?;
-        }
+        let mut mem = self.lock();
+        let Some(first) = mem.outbox.ack(seq, id) else {
+            return Ok(());
+        };
+        mem.chunks_deleted = mem.chunks_deleted.wrapping_add(1);
+        let deleted = mem.chunks_deleted;
+        drop(mem);
+        self.outbox.remove(first.to_be_bytes())?;
+        super::release_while_deleting(deleted);
         Ok(())
     }
 
