@@ -6,6 +6,7 @@
 pub(crate) mod describe;
 pub mod engine;
 pub(crate) mod filter;
+pub(crate) mod json;
 pub mod memory;
 pub(crate) mod parse;
 pub(crate) mod sketch;
