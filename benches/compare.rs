@@ -1368,7 +1368,8 @@ fn footprint(root: &Path, t0: Instant, outbox_max: Option<u64>) -> Foot {
     let conf = c.dir.join("cairn.toml");
     if let Ok(keys) = std::env::var("CAIRN_COMPARE_FOOT_KEYS") {
         let text = std::fs::read_to_string(&conf).expect("read cairn.toml");
-        let at = text.find("[checkpoint]\n").expect("a [checkpoint] table") + 13;
+        let table = "[checkpoint]\n";
+        let at = text.find(table).expect("a [checkpoint] table") + table.len();
         let text = format!("{}max_keys = {keys}\n{}", &text[..at], &text[at..]);
         std::fs::write(&conf, text).expect("write cairn.toml");
     }

@@ -30,12 +30,14 @@ static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 ///   memory for 25.5 µs per input instead of 20: every free paid for its `madvise`.
 /// - `slab_sizes:1-1280:1`: objects up to 1,280 bytes come from one-page slabs instead of
 ///   jemalloc's 1-7 pages a slab. After the drain, 10.4 MB of small objects that live on
-///   (sled's pages and nodes, state, the ledger's chunks) were spread over 17.3 MB of slabs,
-///   a few in each, and a slab goes back to the system only once it is empty: the 640-byte
+///   were spread over 17.3 MB of slabs (jemalloc's statistics, in a build with them on), a
+///   few in each, and a slab goes back to the system only once it is empty: the 640-byte
 ///   class alone held 2,508 objects in 173 slabs of 5 pages. With one-page slabs the same
-///   objects took 14.2 MB: at rest 32.6-33.9 -> 30.1-31.2 MiB in three runs each (the peak
-///   and CPU per input within the runs' spread). A page does not divide evenly by every
-///   class (640 bytes: 6 a page, 256 bytes left over); above 1,280 the waste would pass 12%.
+///   objects took 14.2 MB: at rest 32.6-33.9 -> 30.1-31.2 MiB in three runs each, the peak
+///   within the runs' spread; jemalloc's share of the loop's CPU samples rose by about two
+///   points (fresh slabs are needed more often). A page does not divide evenly by every
+///   class (640 bytes: 6 a page, 256 bytes left over); above 1,280 one-page slabs would
+///   waste up to a quarter (1,536 bytes: 2 a page) or more.
 #[unsafe(export_name = "_rjem_malloc_conf")]
 static MALLOC_CONF: ConfText = ConfText(
     c"narenas:1,tcache:false,tcache_max:4096,tcache_nslots_small_max:32,tcache_nslots_large:4,background_thread:true,dirty_decay_ms:200,muzzy_decay_ms:0,slab_sizes:1-1280:1".as_ptr(),
