@@ -224,7 +224,7 @@ impl Store {
         // Chunks whose every entry a newer upsert superseded. Not fsynced, like deletions on
         // PUBACK: after a crash loading marks the same entries superseded again.
         for first in emptied {
-            self.outbox.remove(first.to_be_bytes())?;
+            self.remove_outbox_chunk(first)?;
         }
         Ok(())
     }

@@ -74,6 +74,7 @@ use std::collections::HashMap;
 use std::fs;
 use std::hash::{BuildHasher, RandomState};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde::{Deserialize, Serialize};
@@ -265,6 +266,8 @@ pub struct Store {
     /// where to look, never what is decided, and hostile IDs cannot aim at its buckets.
     hasher: RandomState,
     bounds: StoreBounds,
+    /// Outbox chunks deleted so far, for [`Store::remove_outbox_chunk`].
+    chunks_deleted: AtomicUsize,
 }
 
 struct Mem {
@@ -275,8 +278,6 @@ struct Mem {
     tags: Vec<u16>,
     /// As of the last commit (the `meta` record).
     dead: DeadLetterStats,
-    /// Outbox chunks deleted, for [`release_while_deleting`].
-    chunks_deleted: usize,
 }
 
 impl Default for Mem {
@@ -287,7 +288,6 @@ impl Default for Mem {
             outbox: OutboxMem::default(),
             tags: Vec::new(),
             dead: DeadLetterStats::default(),
-            chunks_deleted: 0,
         }
     }
 }
@@ -391,6 +391,21 @@ fn u64_of(bytes: &[u8]) -> Result<u64, StoreError> {
 }
 
 impl Store {
+    /// Delete an outbox chunk nothing in it waits for any more (every entry acknowledged or
+    /// superseded). Not fsynced: after a crash, loading marks the same entries again. Every
+    /// [`DELETE_RELEASE_EVERY`]th runs a round of sled's deferred drops: each delete leaves
+    /// the old copy of its leaf to them, outside any checkpoint, and a burst (a drained
+    /// backlog's results, acknowledged together when mosquitto sends the PUBACKs it queued
+    /// behind the backlog) deleted chunk after chunk with nothing running them.
+    fn remove_outbox_chunk(&self, first: u64) -> Result<(), StoreError> {
+        self.outbox.remove(first.to_be_bytes())?;
+        let deleted = self.chunks_deleted.fetch_add(1, Ordering::Relaxed) + 1;
+        if deleted % DELETE_RELEASE_EVERY == 0 {
+            release_deferred(1);
+        }
+        Ok(())
+    }
+
     fn lock(&self) -> MutexGuard<'_, Mem> {
         self.mem
             .lock()
@@ -505,19 +520,8 @@ pub(crate) fn release_while_walking(item: usize) {
     }
 }
 
-/// Outbox chunks deleted between rounds of deferred drops ([`release_while_deleting`]).
+/// Outbox chunks deleted between rounds of deferred drops ([`Store::remove_outbox_chunk`]).
 const DELETE_RELEASE_EVERY: usize = 16;
-
-/// For deletes outside a checkpoint: run a round of deferred drops at every
-/// [`DELETE_RELEASE_EVERY`]th. Each delete leaves the old copy of its sled leaf to them, and
-/// a burst of acknowledgements (a drained backlog's results, acknowledged together when
-/// mosquitto sends the PUBACKs it queued behind the backlog) deletes chunk after chunk with
-/// nothing else running them.
-pub(crate) fn release_while_deleting(deleted: usize) {
-    if deleted % DELETE_RELEASE_EVERY == 0 {
-        release_deferred(1);
-    }
-}
 
 /// [`Store::sync`], for another thread: the agent's checkpoint fsync runs beside its loop.
 #[derive(Clone)]

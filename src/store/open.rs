@@ -43,6 +43,7 @@ impl Store {
             mem: Mutex::default(),
             hasher: RandomState::new(),
             bounds,
+            chunks_deleted: Default::default(),
             db,
             dir: dir.to_path_buf(),
             sync,
@@ -122,7 +123,7 @@ impl Store {
         }
         // Superseded whole before a crash let their deletion be forgotten.
         for first in emptied {
-            self.outbox.remove(first.to_be_bytes())?;
+            self.remove_outbox_chunk(first)?;
         }
         Ok(())
     }

@@ -78,16 +78,11 @@ impl Store {
     /// An entry was published and acknowledged (on PUBACK). The chunk it is in is deleted
     /// when nothing in it waits any more; not fsynced: see the module docs.
     pub fn outbox_delete(&self, seq: u64, id: &str) -> Result<(), StoreError> {
-        let mut mem = self.lock();
-        let Some(first) = mem.outbox.ack(seq, id) else {
-            return Ok(());
-        };
-        mem.chunks_deleted = mem.chunks_deleted.wrapping_add(1);
-        let deleted = mem.chunks_deleted;
-        drop(mem);
-        self.outbox.remove(first.to_be_bytes())?;
-        super::release_while_deleting(deleted);
-        Ok(())
+        let done = self.lock().outbox.ack(seq, id);
+        match done {
+            Some(first) => self.remove_outbox_chunk(first),
+            None => Ok(()),
+        }
     }
 
     /// Entries waiting in the outbox (O(1)).
