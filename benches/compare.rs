@@ -673,6 +673,17 @@ impl Cairn {
         std::fs::read_to_string(self.stderr_path()).unwrap_or_default()
     }
 
+    /// Start `cairn run` and wait until it is connected; panics with its stderr if it is not
+    /// within 20 s.
+    fn start_connected(&mut self) {
+        self.start(None);
+        assert!(
+            self.wait_connected(Duration::from_secs(20)),
+            "cairn did not connect: {}",
+            self.stderr()
+        );
+    }
+
     /// Start `cairn run`; with `notify`, as systemd would (`NOTIFY_SOCKET`).
     fn start(&mut self, notify: Option<&Path>) {
         self.runs += 1;
@@ -1072,12 +1083,7 @@ fn cpu_pairs(root: &Path, port: u16, publisher: &Publisher, t0: Instant) -> Vec<
     let relay = Relay::start(port);
     let relay_sink = Sink::start(port, "relay", KEYS, t0);
     let mut cairn = Cairn::new(root, "cairn-pairs", port, "changelog", 5_000);
-    cairn.start(None);
-    assert!(
-        cairn.wait_connected(Duration::from_secs(20)),
-        "cairn did not connect: {}",
-        cairn.stderr()
-    );
+    cairn.start_connected();
     let cairn_sink = Sink::start(port, "cairn", KEYS, t0);
     let mut next = 0u64;
     // One flat-out run of one system: its CPU µs per event.
@@ -1382,8 +1388,7 @@ fn footprint(root: &Path, t0: Instant, outbox_max: Option<u64>) -> Foot {
         text.replace("keep_alive = \"10s\"", "keep_alive = \"60s\""),
     )
     .expect("write cairn.toml");
-    c.start(None);
-    assert!(c.wait_connected(Duration::from_secs(20)));
+    c.start_connected();
     if let Some(p) = c.proc.as_mut() {
         p.terminate(Duration::from_secs(10));
     }
@@ -1507,12 +1512,7 @@ fn main() {
     let cairn_live = if want("cairn") {
         println!("cairn: the same");
         let mut cairn = Cairn::new(&root, "cairn-live", port, "changelog", 5_000);
-        cairn.start(None);
-        assert!(
-            cairn.wait_connected(Duration::from_secs(20)),
-            "cairn did not connect: {}",
-            cairn.stderr()
-        );
+        cairn.start_connected();
         let sink = Sink::start(port, "cairn", KEYS, t0);
         let live = measure_live(&cairn, &publisher, &sink, t0);
         drop(sink);
@@ -1591,8 +1591,7 @@ fn main() {
         KillResult::default()
     } else {
         let mut c = Cairn::new(&root, "cairn-kill", port, "changelog", 5_000);
-        c.start(None);
-        assert!(c.wait_connected(Duration::from_secs(20)));
+        c.start_connected();
         let sink = Sink::start(port, "cairn", KEYS, t0);
         let c = std::cell::RefCell::new(c);
         let oracle = kill_oracle();
@@ -1660,8 +1659,7 @@ fn main() {
         (None, None, None)
     } else {
         let mut c = Cairn::new(&root, "cairn-recovery", port, "changelog", 5_000);
-        c.start(None);
-        assert!(c.wait_connected(Duration::from_secs(20)));
+        c.start_connected();
         c.kill();
         c.prefill_log("rec", RECOVERY_RECORDS, KEYS);
         let sink = Sink::start(port, "cairn", KEYS, t0);

@@ -90,12 +90,7 @@ pub(super) fn sweep(
         println!("cairn, checkpoint.interval = {label}:");
         let mut c = Cairn::new(root, &format!("cairn-iv-{label}"), port, "changelog", 5_000);
         c.set_checkpoint(label, MAX_RECORDS);
-        c.start(None);
-        assert!(
-            c.wait_connected(Duration::from_secs(20)),
-            "cairn did not connect: {}",
-            c.stderr()
-        );
+        c.start_connected();
         let sink = Sink::start(port, "cairn", KEYS, t0);
         let live = measure_live(&c, publisher, &sink, t0);
         // Bytes written at 50% load, over a run long enough for several checkpoints of
