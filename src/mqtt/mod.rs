@@ -37,10 +37,13 @@
 //! acks and publishes wake the pump only when its queue was empty, and rumqttc's own
 //! outgoing window is one larger than `publish_inflight` (`options::rumqttc_inflight`): at
 //! rumqttc's limit it stops taking *any* request, so our PUBACKs, stuck behind a full window
-//! of our own publishes, piled up while the broker kept sending. Acks do not queue behind
-//! rumqttc's one-request-per-turn either: the event-loop task writes them to the socket
-//! itself between two turns, all queued ones with one flush; the pump puts at most one ack in
-//! the request channel, as a doorbell that ends an idle turn (`worker::pump_once`).
+//! of our own publishes, piled up while the broker kept sending. Neither acks nor publishes
+//! queue behind rumqttc's one-request-per-turn (each flushed on its own: one write per result
+//! was the largest single cost per event): the event-loop task writes them to the socket
+//! itself between two turns, all queued ones with one flush, publishes through rumqttc's own
+//! state so that packet ids, retransmission and binding are what they would have been; the
+//! pump puts at most one ack and one publish in the request channel, as doorbells that end an
+//! idle turn (`worker::pump_once`, `Worker::write_publishes`).
 //!
 //! Deadlock freedom: the caller only does non-blocking queue operations; the pump only uses
 //! `try_*` and retries after the next event-loop event (every request rumqttc takes produces

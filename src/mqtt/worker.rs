@@ -18,7 +18,7 @@ use rumqttc::{
 };
 
 use super::binding::Sent;
-use super::{AckToken, Event, Incoming, Inner, Sink};
+use super::{AckToken, Event, Incoming, Inner, Queues, Sink};
 use crate::config::MqttConfig;
 
 /// Floor for the reconnect backoff, so that a zero in the config cannot make a tight loop.
@@ -57,6 +57,8 @@ pub(crate) struct Worker {
     batch: VecDeque<Event>,
     /// Acks being written by [`Self::write_acks`] (kept for its allocation).
     ack_buf: Vec<AckToken>,
+    /// Packets being written by [`Self::write_publishes`] (kept for its allocation).
+    pub_buf: Vec<Packet>,
 }
 
 impl Worker {
@@ -88,6 +90,7 @@ impl Worker {
             attempts: 0,
             batch: VecDeque::with_capacity(MAX_BATCH),
             ack_buf: Vec::new(),
+            pub_buf: Vec::new(),
         }
     }
 
@@ -119,6 +122,7 @@ impl Worker {
                 Some(Err(e)) => self.on_error(e).await,
             }
             self.write_acks().await;
+            self.write_publishes().await;
             self.reconnect_if_asked().await;
             pump_once(&self.client, &self.inner, Some(1));
         }
@@ -397,6 +401,64 @@ impl Worker {
         }
     }
 
+    /// Writes queued publishes straight to the socket, as many as rumqttc's window has room
+    /// for, one flush for all, between two turns of the event loop. rumqttc takes one request
+    /// per turn and flushes each on its own: a write (and, on loopback, the broker's receive
+    /// path run in this thread) per result, the largest single cost per event (issue 16).
+    ///
+    /// Each publish goes through rumqttc's own state (`handle_outgoing_packet`: packet id,
+    /// retransmission queue, the `Outgoing::Publish` event that binds it), all of them before
+    /// the first await, exactly as rumqttc does for a request it takes; only the writing is
+    /// ours. So a failed write leaves them where a failed turn would: in rumqttc's
+    /// retransmission queue, bound in order. Not while anything of ours waits for a packet id
+    /// inside rumqttc (the pump's doorbell publish in the request channel, publishes re-queued
+    /// from the last connection, or these ones' events not yet read) nor during a collision:
+    /// these would be overtaken.
+    async fn write_publishes(&mut self) {
+        if !self.connected
+            || !self.eventloop.pending.is_empty()
+            || self.eventloop.state.collision.is_some()
+            || self.eventloop.network.is_none()
+        {
+            return;
+        }
+        let window = self.eventloop.mqtt_options.inflight();
+        let mut packets = std::mem::take(&mut self.pub_buf);
+        let taken = {
+            let mut q = self.inner.lock();
+            if q.live.is_some() && q.pubs.unbound_len() == 0 {
+                take_publishes(&mut q, &mut self.eventloop.state, window, &mut packets)
+            } else {
+                Ok(())
+            }
+        };
+        let written = match taken {
+            Ok(()) if packets.is_empty() => Ok(()),
+            Ok(()) => self.write_packets(&mut packets).await,
+            Err(e) => Err(ConnectionError::MqttState(e)),
+        };
+        packets.clear();
+        self.pub_buf = packets;
+        if let Err(e) = written {
+            self.eventloop.clean();
+            self.on_error(e).await;
+        }
+    }
+
+    async fn write_packets(&mut self, packets: &mut Vec<Packet>) -> Result<(), ConnectionError> {
+        let Some(network) = self.eventloop.network.as_mut() else {
+            return Ok(());
+        };
+        for packet in packets.drain(..) {
+            network.write(packet).await?;
+        }
+        let timeout = Duration::from_secs(self.eventloop.network_options.connection_timeout());
+        match tokio::time::timeout(timeout, network.flush()).await {
+            Ok(flushed) => Ok(flushed?),
+            Err(_) => Err(ConnectionError::FlushTimeout),
+        }
+    }
+
     async fn write_tokens(
         &mut self,
         live: u64,
@@ -563,18 +625,46 @@ fn pump_once(client: &AsyncClient, inner: &Inner, ack_limit: Option<usize>) {
         }
         q.acks.pop_front();
     }
-    while let Some(p) = q.pubs.next_to_hand() {
+    // Publishes: one, as the doorbell that ends an idle turn so that the worker writes the
+    // rest itself ([`Worker::write_publishes`]); none while one of ours waits inside rumqttc
+    // for a packet id, since a publish in the channel stops the worker's writes until rumqttc
+    // has taken it.
+    if q.pubs.unbound_len() == 0
+        && let Some(p) = q.pubs.next_to_hand()
+    {
         let handed = client.try_publish(
             p.topic.clone(),
             QoS::AtLeastOnce,
             p.retain,
             p.payload.clone(),
         );
-        if handed.is_err() {
-            break;
+        if handed.is_ok() {
+            q.pubs.handed();
         }
-        q.pubs.handed();
     }
+}
+
+/// Takes queued publishes into rumqttc's state while its window has room (see
+/// [`Worker::write_publishes`]); their packets, to be written, go to `packets`. Stops at a
+/// collision (rumqttc parks that publish and reports `AwaitAck`, as for one it takes itself).
+fn take_publishes(
+    q: &mut Queues,
+    state: &mut rumqttc::MqttState,
+    window: u16,
+    packets: &mut Vec<Packet>,
+) -> Result<(), rumqttc::StateError> {
+    while state.inflight() < window
+        && state.collision.is_none()
+        && let Some(p) = q.pubs.next_to_hand()
+    {
+        let mut publish =
+            rumqttc::Publish::new(p.topic.clone(), QoS::AtLeastOnce, p.payload.clone());
+        publish.retain = p.retain;
+        let packet = state.handle_outgoing_packet(Request::Publish(publish))?;
+        q.pubs.handed();
+        packets.extend(packet);
+    }
+    Ok(())
 }
 
 fn describe(e: &ConnectionError) -> String {
@@ -605,4 +695,126 @@ fn seed() -> u64 {
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(0);
     (nanos ^ (u64::from(std::process::id()) << 32)) | 1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mqtt::binding::Publishes;
+
+    fn queues(n: usize) -> Queues {
+        let mut pubs = Publishes::default();
+        for i in 0..n {
+            pubs.accept(format!("o{i}"), format!("t/{i}"), vec![i as u8], false);
+        }
+        Queues {
+            pubs,
+            acks: VecDeque::new(),
+            live: Some(1),
+            channel_acks: 0,
+            stopped: false,
+        }
+    }
+
+    fn outgoing(state: &mut rumqttc::MqttState) -> Vec<rumqttc::Event> {
+        state.events.drain(..).collect()
+    }
+
+    #[test]
+    fn publishes_are_taken_in_order_as_far_as_the_window_has_room_and_bind_in_that_order() {
+        let mut q = queues(5);
+        let mut state = rumqttc::MqttState::new(4, true);
+        let mut packets = Vec::new();
+        take_publishes(&mut q, &mut state, 3, &mut packets).unwrap();
+        let topics: Vec<_> = packets
+            .iter()
+            .map(|p| match p {
+                Packet::Publish(p) => (p.topic.clone(), p.pkid),
+                other => panic!("not a publish: {other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            topics,
+            [("t/0".into(), 1), ("t/1".into(), 2), ("t/2".into(), 3)]
+        );
+        assert_eq!(state.inflight(), 3);
+        // Bound exactly as rumqttc's events say, as if it had taken them itself.
+        for event in outgoing(&mut state) {
+            let rumqttc::Event::Outgoing(Outgoing::Publish(pkid)) = event else {
+                panic!("unexpected event {event:?}");
+            };
+            assert_eq!(
+                q.pubs.on_outgoing(pkid),
+                Sent::Bound(format!("o{}", pkid - 1))
+            );
+        }
+        // The other two wait for room.
+        assert_eq!(q.pubs.len(), 5);
+        assert_eq!(q.pubs.next_to_hand().map(|p| p.topic.as_str()), Some("t/3"));
+        packets.clear();
+        take_publishes(&mut q, &mut state, 3, &mut packets).unwrap();
+        assert!(packets.is_empty(), "took a publish with the window full");
+    }
+
+    #[test]
+    fn a_collision_stops_taking_and_parks_that_publish_as_rumqttc_would() {
+        let mut q = queues(4);
+        let mut state = rumqttc::MqttState::new(2, true);
+        let mut packets = Vec::new();
+        // Packet id 1 still awaits its PUBACK from an earlier publish: the next one after 2
+        // wraps to it.
+        take_publishes(&mut q, &mut state, 2, &mut packets).unwrap();
+        assert_eq!(packets.len(), 2);
+        for event in outgoing(&mut state) {
+            if let rumqttc::Event::Outgoing(Outgoing::Publish(pkid)) = event {
+                q.pubs.on_outgoing(pkid);
+            }
+        }
+        // The broker acks 2 but not 1 (out of order): the window has room, pkid 1 is taken.
+        state
+            .handle_incoming_packet(Packet::PubAck(PubAck::new(2)))
+            .unwrap();
+        assert_eq!(q.pubs.on_puback(2).as_deref(), Some("o1"));
+        outgoing(&mut state);
+        packets.clear();
+        take_publishes(&mut q, &mut state, 2, &mut packets).unwrap();
+        assert!(
+            packets.is_empty(),
+            "wrote a publish over an unacked packet id"
+        );
+        assert!(state.collision.is_some());
+        assert_eq!(
+            outgoing(&mut state),
+            [rumqttc::Event::Outgoing(Outgoing::AwaitAck(1))]
+        );
+        // Handed, and parked by the binding when that event is read; the next one waits.
+        assert_eq!(q.pubs.next_to_hand().map(|p| p.topic.as_str()), Some("t/3"));
+        q.pubs.on_await_ack(1);
+        assert_eq!(q.pubs.unbound_len(), 1);
+    }
+
+    #[test]
+    fn the_pump_hands_one_publish_as_a_doorbell_and_none_while_one_awaits_a_packet_id() {
+        let opts = rumqttc::MqttOptions::new("t", "127.0.0.1", 1);
+        let (client, _eventloop) = AsyncClient::new(opts, 10);
+        let inner = Inner {
+            queues: std::sync::Mutex::new(queues(3)),
+            wake: tokio::sync::Notify::new(),
+            stop_wake: tokio::sync::Notify::new(),
+            stop: Default::default(),
+            rest: Default::default(),
+            reconnect: Default::default(),
+            reconnect_wake: tokio::sync::Notify::new(),
+        };
+        pump_once(&client, &inner, Some(1));
+        assert_eq!(inner.lock().pubs.unbound_len(), 1);
+        pump_once(&client, &inner, Some(1));
+        let q = inner.lock();
+        assert_eq!(
+            q.pubs.unbound_len(),
+            1,
+            "a second publish went to the channel"
+        );
+        assert_eq!(q.pubs.next_to_hand().map(|p| p.topic.as_str()), Some("t/1"));
+    }
 }
