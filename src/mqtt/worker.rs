@@ -63,10 +63,8 @@ pub(crate) struct Worker {
     attempts: u32,
     /// Events for the caller, handed over together by [`Self::flush`].
     batch: VecDeque<Event>,
-    /// Acks being written by [`Self::write_acks`] (kept for its allocation).
-    ack_buf: Vec<AckToken>,
-    /// Packets being written by [`Self::write_publishes`] (kept for its allocation).
-    pub_buf: Vec<Packet>,
+    /// Acks or publishes being written by [`Self::write_all`] (kept for its allocation).
+    packets: Vec<Packet>,
 }
 
 impl Worker {
@@ -97,8 +95,7 @@ impl Worker {
             last_reason: None,
             attempts: 0,
             batch: VecDeque::with_capacity(MAX_BATCH),
-            ack_buf: Vec::new(),
-            pub_buf: Vec::new(),
+            packets: Vec::new(),
         }
     }
 
@@ -392,31 +389,30 @@ impl Worker {
     }
 
     /// Writes every queued ack of the live connection straight to the socket, one flush for
-    /// all, between two turns of the event loop (nothing else uses the socket then; rumqttc
-    /// does the same for a request it takes). Not while an ack is in rumqttc's channel: these
-    /// would overtake it. A failed write is a connection error, handled as `poll` does.
+    /// all ([`Self::write_all`]). Not while an ack is in rumqttc's channel: these would
+    /// overtake it.
     async fn write_acks(&mut self) {
-        let mut tokens = std::mem::take(&mut self.ack_buf);
-        let live = {
+        let mut packets = std::mem::take(&mut self.packets);
+        {
             let mut q = self.inner.lock();
-            match q.live {
-                Some(live) if q.channel_acks == 0 && !q.acks.is_empty() => {
-                    tokens.extend(q.acks.drain(..));
-                    live
-                }
-                _ => {
-                    self.ack_buf = tokens;
-                    return;
+            if let Some(live) = q.live
+                && q.channel_acks == 0
+            {
+                for t in q.acks.drain(..) {
+                    if t.epoch != live {
+                        debug!(
+                            "dropped an ack for packet id {} from an earlier connection",
+                            t.pkid
+                        );
+                    } else if t.qos >= 2 {
+                        packets.push(Packet::PubRec(PubRec::new(t.pkid)));
+                    } else {
+                        packets.push(Packet::PubAck(PubAck::new(t.pkid)));
+                    }
                 }
             }
-        };
-        let written = self.write_tokens(live, &tokens).await;
-        tokens.clear();
-        self.ack_buf = tokens;
-        if let Err(e) = written {
-            self.eventloop.clean();
-            self.on_error(e).await;
         }
+        self.write_all(packets).await;
     }
 
     /// Writes queued publishes straight to the socket, as many as rumqttc's window has room
@@ -434,14 +430,14 @@ impl Worker {
     /// these would be overtaken.
     async fn write_publishes(&mut self) {
         if !self.connected
+            || self.eventloop.network.is_none()
             || !self.eventloop.pending.is_empty()
             || self.eventloop.state.collision.is_some()
-            || self.eventloop.network.is_none()
         {
             return;
         }
         let window = self.eventloop.mqtt_options.inflight();
-        let mut packets = std::mem::take(&mut self.pub_buf);
+        let mut packets = std::mem::take(&mut self.packets);
         let taken = {
             let mut q = self.inner.lock();
             if q.live.is_some() && q.pubs.unbound_len() == 0 {
@@ -450,60 +446,43 @@ impl Worker {
                 Ok(())
             }
         };
-        let written = match taken {
-            Ok(()) if packets.is_empty() => Ok(()),
-            Ok(()) => self.write_packets(&mut packets).await,
-            Err(e) => Err(ConnectionError::MqttState(e)),
+        if let Err(e) = taken {
+            // As rumqttc's own turn ends on a state error: the connection goes.
+            self.packets = packets;
+            self.eventloop.clean();
+            self.on_error(ConnectionError::MqttState(e)).await;
+            return;
+        }
+        self.write_all(packets).await;
+    }
+
+    /// Writes `packets` with one flush, between two turns of the event loop (nothing else
+    /// uses the socket then; rumqttc does the same for a request it takes). A failed write is
+    /// a connection error, handled as `poll` does. While down, nothing is written: the broker
+    /// redelivers what these acks were for, and publishes wait in rumqttc's retransmission
+    /// queue.
+    async fn write_all(&mut self, mut packets: Vec<Packet>) {
+        let timeout = Duration::from_secs(self.eventloop.network_options.connection_timeout());
+        let written = match self.eventloop.network.as_mut() {
+            Some(network) if !packets.is_empty() => {
+                async {
+                    for packet in packets.drain(..) {
+                        network.write(packet).await?;
+                    }
+                    match tokio::time::timeout(timeout, network.flush()).await {
+                        Ok(flushed) => Ok(flushed?),
+                        Err(_) => Err(ConnectionError::FlushTimeout),
+                    }
+                }
+                .await
+            }
+            _ => Ok(()),
         };
         packets.clear();
-        self.pub_buf = packets;
+        self.packets = packets;
         if let Err(e) = written {
             self.eventloop.clean();
             self.on_error(e).await;
-        }
-    }
-
-    async fn write_packets(&mut self, packets: &mut Vec<Packet>) -> Result<(), ConnectionError> {
-        let Some(network) = self.eventloop.network.as_mut() else {
-            return Ok(());
-        };
-        for packet in packets.drain(..) {
-            network.write(packet).await?;
-        }
-        let timeout = Duration::from_secs(self.eventloop.network_options.connection_timeout());
-        match tokio::time::timeout(timeout, network.flush()).await {
-            Ok(flushed) => Ok(flushed?),
-            Err(_) => Err(ConnectionError::FlushTimeout),
-        }
-    }
-
-    async fn write_tokens(
-        &mut self,
-        live: u64,
-        tokens: &[AckToken],
-    ) -> Result<(), ConnectionError> {
-        let Some(network) = self.eventloop.network.as_mut() else {
-            return Ok(()); // down: the broker redelivers
-        };
-        for t in tokens {
-            if t.epoch != live {
-                debug!(
-                    "dropped an ack for packet id {} from an earlier connection",
-                    t.pkid
-                );
-                continue;
-            }
-            let packet = if t.qos >= 2 {
-                Packet::PubRec(PubRec::new(t.pkid))
-            } else {
-                Packet::PubAck(PubAck::new(t.pkid))
-            };
-            network.write(packet).await?;
-        }
-        let timeout = Duration::from_secs(self.eventloop.network_options.connection_timeout());
-        match tokio::time::timeout(timeout, network.flush()).await {
-            Ok(flushed) => Ok(flushed?),
-            Err(_) => Err(ConnectionError::FlushTimeout),
         }
     }
 
