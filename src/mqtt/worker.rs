@@ -458,9 +458,8 @@ impl Worker {
 
     /// Writes `packets` with one flush, between two turns of the event loop (nothing else
     /// uses the socket then; rumqttc does the same for a request it takes). A failed write is
-    /// a connection error, handled as `poll` does. While down, nothing is written: the broker
-    /// redelivers what these acks were for, and publishes wait in rumqttc's retransmission
-    /// queue.
+    /// a connection error, handled as `poll` does. With no socket, nothing is written: the
+    /// broker redelivers what these acks were for (publishes are not taken then).
     async fn write_all(&mut self, mut packets: Vec<Packet>) {
         let timeout = Duration::from_secs(self.eventloop.network_options.connection_timeout());
         let written = match self.eventloop.network.as_mut() {
@@ -772,8 +771,7 @@ mod tests {
         let mut q = queues(4);
         let mut state = rumqttc::MqttState::new(2, true);
         let mut packets = Vec::new();
-        // Packet id 1 still awaits its PUBACK from an earlier publish: the next one after 2
-        // wraps to it.
+        // A window of 2: packet ids 1 and 2, then the next wraps round to 1.
         take_publishes(&mut q, &mut state, 2, &mut packets).unwrap();
         assert_eq!(packets.len(), 2);
         for event in outgoing(&mut state) {
