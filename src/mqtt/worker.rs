@@ -453,7 +453,10 @@ impl Worker {
             }
         };
         if let Err(e) = taken {
-            // As rumqttc's own turn ends on a state error: the connection goes.
+            // As rumqttc's own turn ends on a state error: the connection goes. What was
+            // taken before the error is in rumqttc's state, so `clean` queues it for
+            // retransmission; its packets here must not be written on the next connection.
+            packets.clear();
             self.packets = packets;
             self.eventloop.clean();
             self.on_error(ConnectionError::MqttState(e)).await;
