@@ -1043,16 +1043,13 @@ fn measure_live(sys: &dyn System, publisher: &Publisher, sink: &Sink, t0: Instan
     live.rate = median(&live.rates);
     // The two paced runs of the table, then one at a rate an edge box more often sees, for
     // its CPU per event (a wake-up per message costs more there than flat out).
+    let of_peak = |frac: f64| ((live.rate * frac) as u64).max(1);
     let runs = [
-        (0.5, Some(0), PACED_EVENTS),
-        (0.9, Some(1), PACED_EVENTS),
-        (0.0, None, LOW_EVENTS),
+        (of_peak(0.5), Some(0), PACED_EVENTS),
+        (of_peak(0.9), Some(1), PACED_EVENTS),
+        (LOW_RATE, None, LOW_EVENTS),
     ];
-    for (frac, slot, n) in runs {
-        let rate = match slot {
-            Some(_) => ((live.rate * frac) as u64).max(1),
-            None => LOW_RATE,
-        };
+    for (rate, slot, n) in runs {
         let cpu0 = sys.proc().map(|p| p.cpu_ticks());
         let (_, lat, all) = one_run(publisher, sink, prefix, "p", next, n, rate, t0);
         next += n;
