@@ -64,7 +64,8 @@
 //!   every command shares.
 //! - [`fsio`]: the durability seam every fsync goes through; [`failpoint`]: crash injection
 //!   (feature `failpoints`); [`disk`]: free-space guard; [`notify`], [`logging`]: systemd
-//!   notify, journal-aware logging.
+//!   notify, journal-aware logging; [`text`]: the code points an MQTT receiver may refuse,
+//!   and sender-controlled strings escaped for the journal.
 //! - [`metrics`]: the figures, as Prometheus text (`/metrics`) and as the JSON `cairn
 //!   status` reads (`/status.json`), both from one table built from one copy
 //!   (`metrics/render.rs`, `metrics/status.rs`); the bounded loopback server in
@@ -127,3 +128,4 @@ pub mod processor;
 pub(crate) mod quarantine;
 pub(crate) mod signals;
 pub mod store;
+pub mod text;
