@@ -151,21 +151,20 @@ fn the_packaged_config_differs_from_the_example_only_in_data_dir() {
 fn the_mosquitto_snippet_is_accepted_by_mosquitto() {
     let dir = tempfile::tempdir().unwrap();
     let port = support::free_port();
-    let snippet = std::fs::read_to_string(repo().join("config/mosquitto.conf")).unwrap();
-    assert!(snippet.contains("\nlistener 1883 127.0.0.1\n"));
-    let mut conf = snippet.replace(
-        "\nlistener 1883 127.0.0.1\n",
-        &format!("\nlistener {port} 127.0.0.1\n"),
-    );
-    conf.push_str(&format!(
-        "persistence_location {}/\nlog_dest file {}\n",
-        dir.path().display(),
-        dir.path().join("mosquitto.log").display()
-    ));
-    if std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0) {
-        // Otherwise mosquitto drops to user `mosquitto`, which cannot write our temp dir.
-        conf.push_str("user root\n");
-    }
+    // Only the port and the paths of the password and ACL files differ from the shipped
+    // snippet (tests/it/snippet.rs checks what it promises).
+    support::password_file(dir.path(), "cairn", "secret");
+    std::fs::rename(
+        dir.path().join("mosquitto.passwd"),
+        dir.path().join("passwd"),
+    )
+    .unwrap();
+    std::fs::copy(
+        repo().join("config/mosquitto.acl"),
+        dir.path().join("cairn.acl"),
+    )
+    .unwrap();
+    let conf = crate::snippet::SnippetBroker::config_text(dir.path(), port);
     let path = dir.path().join("mosquitto.conf");
     std::fs::write(&path, conf).unwrap();
     let mut child = Command::new(support::mosquitto_bin())
@@ -657,6 +656,10 @@ fn cargo_deb_packages_the_binary_the_unit_the_conffile_and_the_mosquitto_snippet
         has(" ./usr/share/doc/cairn/mosquitto.conf"),
         "no mosquitto snippet:\n{listing}"
     );
+    assert!(
+        has(" ./usr/share/doc/cairn/mosquitto.acl"),
+        "no mosquitto ACL:\n{listing}"
+    );
 
     let info = dpkg_deb(&["-I"], &deb);
     println!("{info}");
@@ -698,6 +701,7 @@ fn cargo_deb_packages_the_binary_the_unit_the_conffile_and_the_mosquitto_snippet
         "usr/share/doc/cairn/mosquitto.conf",
         "config/mosquitto.conf",
     );
+    same("usr/share/doc/cairn/mosquitto.acl", "config/mosquitto.acl");
     let unit = [
         "lib/systemd/system/cairn.service",
         "usr/lib/systemd/system/cairn.service",
