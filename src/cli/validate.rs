@@ -10,8 +10,15 @@ use crate::store::Store;
 pub(crate) fn run(path: &Path) -> Result<(), Failure> {
     match config::load(path) {
         Ok(cfg) => {
+            // As `run` would be: the data directory's owner (see `owner.rs`), so that the
+            // files it checks are read as the service reads them.
+            super::owner::become_data_dir_owner(&cfg)?;
             println!("{}", config::summary(&cfg));
-            for w in cfg.warnings() {
+            let warnings = cfg.warnings();
+            for w in warnings
+                .iter()
+                .chain(&super::checks::security_warnings(&cfg))
+            {
                 println!("{}: warning: {w}", cfg.source.display());
             }
             for line in data_dir_report(&cfg) {
@@ -36,6 +43,9 @@ pub(crate) fn run(path: &Path) -> Result<(), Failure> {
 /// config no longer names, and definitions a start would refuse. A report, not a problem:
 /// the config itself is valid, and `run --reset-pipeline` is the way on.
 fn data_dir_report(cfg: &Config) -> Vec<String> {
+    if let Some(problem) = super::owner::data_dir_problem(&cfg.storage.data_dir) {
+        return vec![format!("data_dir: `cairn run` will refuse: {problem}")];
+    }
     let dir = cfg.store_dir();
     if !dir.join("db").exists() {
         return Vec::new();
