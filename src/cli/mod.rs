@@ -150,7 +150,7 @@ fn dispatch(cli: Cli) -> Result<(), Failure> {
                 .iter()
                 .chain(&checks::security_warnings(&cfg))
             {
-                log::warn!("config: {w}");
+                log::warn!("config: {}", crate::text::Shown(w));
             }
             run::run(cfg, &reset_pipeline)
         }

@@ -59,6 +59,7 @@ use std::path::{Path, PathBuf};
 
 use super::{Store, StoreError, io_err, release_while_walking};
 use crate::fsio::{Durability, SyncKind};
+use crate::text::Shown;
 
 const MAGIC: &[u8; 8] = b"CAIRNSP\0";
 const END_MAGIC: &[u8; 8] = b"CAIRNEND";
@@ -364,7 +365,10 @@ fn remove_stale_temp_files(dir: &Path) -> Result<(), StoreError> {
         let name = entry.file_name();
         let name = name.to_string_lossy();
         if name.starts_with(TMP_PREFIX) && name.ends_with(".tmp") {
-            log::warn!("savepoint: removing an incomplete savepoint {name}");
+            log::warn!(
+                "savepoint: removing an incomplete savepoint {}",
+                Shown(&name)
+            );
             fs::remove_file(entry.path()).map_err(io_err(&entry.path()))?;
         }
     }
@@ -447,7 +451,11 @@ pub fn list_savepoints(dir: &Path) -> Result<Vec<SavepointInfo>, StoreError> {
         }
         match read_savepoint_header(&entry.path()) {
             Ok(info) => out.push(info),
-            Err(e) => log::warn!("savepoint: skipping {}: {e}", entry.path().display()),
+            Err(e) => log::warn!(
+                "savepoint: skipping {}: {}",
+                Shown(&entry.path().display().to_string()),
+                Shown(&e.to_string())
+            ),
         }
     }
     // Ties (only among older names, all seq 0) by when written, then by checkpoint.
