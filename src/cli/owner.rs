@@ -13,9 +13,10 @@
 //! **The data directory is checked before it is used.** It must belong to the user the
 //! command runs as, and be writable by nobody else: another user who can write it can
 //! replace the log, the store or a savepoint under the agent. Each entry directly inside it
-//! must belong to that user too: a root-owned `store/` left by an earlier command is
-//! reported with the `chown` that repairs it, instead of a permission error at the first
-//! write. A missing directory is fine: Cairn creates it with mode 0700.
+//! must belong to that user too (but `lost+found`, when the directory is a file system of its
+//! own): a root-owned `store/` left by an earlier command is reported with the `chown` that
+//! repairs it, instead of a permission error at the first write. A missing directory is
+//! fine: Cairn creates it with mode 0700.
 
 use std::ffi::{CStr, CString};
 use std::io;
@@ -169,6 +170,10 @@ pub(crate) fn data_dir_problem(dir: &Path) -> Option<String> {
         let Ok(m) = entry.metadata() else {
             continue;
         };
+        // A data directory that is a file system of its own has mkfs's root-owned one.
+        if entry.file_name() == "lost+found" {
+            continue;
+        }
         if m.uid() != me {
             // `NAME:` is the user and its login group.
             let owner = passwd_entry(me).map_or(me.to_string(), |(n, _)| format!("{}:", Shown(&n)));
