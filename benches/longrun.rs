@@ -75,7 +75,8 @@ fn scrape(port: u16) -> std::collections::HashMap<String, f64> {
     let mut text = String::new();
     if let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) {
         let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-        let _ = s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        let _ =
+            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
         let _ = s.read_to_string(&mut text);
     }
     let body = text.split("\r\n\r\n").nth(1).unwrap_or("");

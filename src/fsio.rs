@@ -145,9 +145,26 @@ pub(crate) fn create_dir_all_durable(path: &Path, sync: &Durability) -> io::Resu
     Ok(())
 }
 
+/// Create `path` as a new file of this user only (mode 0600), never through whatever is
+/// already there: `O_CREAT | O_EXCL` fails on any existing name, a symbolic link included,
+/// and `O_NOFOLLOW` says so twice. A temporary file opened with `File::create` follows a
+/// link planted under its name and truncates the link's target (issue 27).
+pub(crate) fn create_new_private(path: &Path) -> io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+}
+
 /// Replace `path` with `bytes` so that a crash at any instant leaves either the old file
 /// or the new one, whole: write a sibling `.tmp`, fsync it, rename it over `path`, fsync
 /// the directory (without the last sync the rename itself may not survive a power cut).
+/// A `.tmp` already there (a crash's, or a link planted under its name) is removed first,
+/// the name itself and never what it points to, and the new one made with
+/// [`create_new_private`].
 pub(crate) fn replace_file_durable(path: &Path, bytes: &[u8], sync: &Durability) -> io::Result<()> {
     use std::io::Write;
     let dir = match path.parent() {
@@ -157,7 +174,12 @@ pub(crate) fn replace_file_durable(path: &Path, bytes: &[u8], sync: &Durability)
     let mut tmp_name = path.file_name().unwrap_or_default().to_os_string();
     tmp_name.push(".tmp");
     let tmp = dir.join(tmp_name);
-    let mut file = File::create(&tmp)?;
+    match std::fs::remove_file(&tmp) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let mut file = create_new_private(&tmp)?;
     file.write_all(bytes)?;
     sync.sync_file(SyncKind::File, &file, &tmp, false)?;
     drop(file);
@@ -224,6 +246,28 @@ mod tests {
         std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o755)).unwrap();
         create_data_dir(&shared, &durable).unwrap();
         assert_eq!(mode(&shared), 0o755);
+    }
+
+    /// Issue 27: the temporary file followed a symbolic link planted under its name, so
+    /// whoever could plant one could have any file this user may write truncated.
+    #[test]
+    fn replace_file_durable_never_writes_through_a_link_planted_at_its_temporary_name() {
+        use std::os::unix::fs::PermissionsExt;
+        let root = tempfile::tempdir().unwrap();
+        let victim = root.path().join("victim");
+        std::fs::write(&victim, b"precious").unwrap();
+        let path = root.path().join("generations");
+        std::os::unix::fs::symlink(&victim, root.path().join("generations.tmp")).unwrap();
+        replace_file_durable(&path, b"new", &real()).unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+        assert_eq!(std::fs::read(&path).unwrap(), b"new");
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        // And the helper itself refuses any existing name, a link included.
+        std::os::unix::fs::symlink(&victim, root.path().join("link")).unwrap();
+        assert!(create_new_private(&root.path().join("link")).is_err());
+        assert!(create_new_private(&victim).is_err());
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
     }
 
     #[test]

@@ -327,8 +327,8 @@ fn start_metrics(
         let at = addr
             .parse()
             .map_err(|e| err(std::io::Error::new(std::io::ErrorKind::InvalidInput, e)))?;
+        // Never fails on a held port: the server retries the bind and logs it (issue 27).
         crate::metrics::serve(at, metrics.clone()).map_err(err)?;
-        log::info!("metrics: serving http://{addr}/metrics");
     }
     Ok(metrics)
 }

@@ -4,7 +4,11 @@
 //!   commands, each `run(..) -> Result<(), Failure>`;
 //! - `failure.rs`: [`Failure`] and the exit codes (0 ok, 1 runtime failure, 2 usage or
 //!   config error; DESIGN §3), which every command imports from there, never from here;
-//! - `output.rs`: line printing that ends quietly on a closed pipe, terminal-safe text.
+//! - `output.rs`: line printing that ends quietly on a closed pipe, terminal-safe text;
+//! - `owner.rs`: root runs as the data directory's owner, and the directory is checked
+//!   before any command uses it; `checks.rs`: the security warnings `validate` prints and
+//!   `run` logs (anonymous or clear-text broker logins, keys others can read, secrets the
+//!   service cannot read).
 
 use std::path::{Path, PathBuf};
 
@@ -12,9 +16,11 @@ use clap::{Parser, Subcommand};
 
 use crate::config::{self, Config, ConfigError};
 
+mod checks;
 mod failure;
 mod inspect;
 mod output;
+mod owner;
 mod run;
 mod savepoint;
 mod status;
@@ -126,11 +132,25 @@ fn dispatch(cli: Cli) -> Result<(), Failure> {
     }
     let cfg = load_config(&cli.config)?;
     crate::logging::set_level(cfg.logging.level);
+    // Before anything touches the data directory: root runs as its owner, and a directory
+    // others could write (or holding another user's files) is refused (issue 27). `status`
+    // only reads, and often as a monitoring user through the agent's endpoint: it switches
+    // like the others, but is not refused.
+    owner::become_data_dir_owner(&cfg)?;
+    if !matches!(cli.command, Command::Status { .. })
+        && let Some(problem) = owner::data_dir_problem(&cfg.storage.data_dir)
+    {
+        return Err(Failure::runtime(problem));
+    }
     match cli.command {
         Command::Validate => unreachable!(),
         Command::Run { reset_pipeline } => {
-            for w in cfg.warnings() {
-                log::warn!("config: {w}");
+            for w in cfg
+                .warnings()
+                .iter()
+                .chain(&checks::security_warnings(&cfg))
+            {
+                log::warn!("config: {}", crate::text::Shown(w));
             }
             run::run(cfg, &reset_pipeline)
         }

@@ -39,6 +39,24 @@ pub(crate) fn printable(s: &str) -> String {
     out
 }
 
+/// JSON text (as `serde_json` writes it) safe to print on a terminal: `serde_json` escapes
+/// C0 controls but writes DEL, the C1 controls (U+0080..U+009F; U+009B is a CSI to some
+/// terminals) and the direction overrides as they are. They can only be inside strings, where
+/// `\uXXXX` means the same character: a JSON reader gets the same document.
+pub(crate) fn terminal_safe_json(json: &str) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::with_capacity(json.len());
+    for c in json.chars() {
+        if matches!(c, '\u{7f}'..='\u{9f}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+        {
+            let _ = write!(out, "\\u{:04x}", c as u32);
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// Bytes as printable text (invalid UTF-8 shown as U+FFFD).
 pub(crate) fn printable_bytes(b: &[u8]) -> String {
     printable(&String::from_utf8_lossy(b))
@@ -53,7 +71,22 @@ pub(crate) fn payload_json(payload: &[u8]) -> serde_json::Value {
 
 #[cfg(test)]
 mod tests {
-    use super::printable;
+    use super::{printable, terminal_safe_json};
+
+    #[test]
+    fn terminal_safe_json_escapes_del_c1_and_overrides_and_reads_back_the_same() {
+        let v = serde_json::json!({"name": "a\u{1b}[2J\u{7f}\u{9b}31m\u{202e}z", "n": 1});
+        let text = terminal_safe_json(&v.to_string());
+        assert!(
+            !text.chars().any(|c| c.is_control() || c == '\u{202e}'),
+            "{text:?}"
+        );
+        assert!(
+            text.contains("\\u001b[2J\\u007f\\u009b31m\\u202ez"),
+            "{text}"
+        );
+        assert_eq!(serde_json::from_str::<serde_json::Value>(&text).unwrap(), v);
+    }
 
     #[test]
     fn printable_escapes_control_and_direction_characters_and_backslashes() {

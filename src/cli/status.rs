@@ -14,8 +14,10 @@ use std::time::Duration;
 use serde_json::{Value, json};
 
 use super::failure::Failure;
+use super::output::{printable, terminal_safe_json};
 use crate::config::Config;
 use crate::store::{self, Store, StoreError};
+use crate::text::Shown;
 
 /// The agent answers from memory; anything slower than this is treated as not answering.
 const METRICS_TIMEOUT: Duration = Duration::from_secs(2);
@@ -28,7 +30,9 @@ pub(crate) fn run(cfg: &Config, as_json: bool, offline: bool) -> Result<(), Fail
             Ok(v) => Some((addr.clone(), v)),
             Err(e) => {
                 log::info!(
-                    "status: the agent's metrics at {addr} do not answer ({e}); reading the data directory"
+                    "status: the agent's metrics at {addr} do not answer ({}); reading the data \
+                     directory",
+                    Shown(&e)
                 );
                 None
             }
@@ -44,10 +48,16 @@ pub(crate) fn run(cfg: &Config, as_json: bool, offline: bool) -> Result<(), Fail
         None => from_data_dir(cfg)?,
     };
     let mut out = std::io::stdout().lock();
+    // What the endpoint returns is read as data, not trusted as text: a name or a note with
+    // an escape sequence must not reach the terminal as one (issue 27).
     let text = if as_json {
-        status.to_string()
+        terminal_safe_json(&status.to_string())
     } else {
         human(&status)
+            .lines()
+            .map(printable)
+            .collect::<Vec<_>>()
+            .join("\n")
     };
     let _ = writeln!(out, "{text}");
     Ok(())
@@ -60,8 +70,9 @@ fn fetch(addr: &str) -> Result<Value, String> {
     s.set_read_timeout(Some(METRICS_TIMEOUT))
         .and_then(|()| s.set_write_timeout(Some(METRICS_TIMEOUT)))
         .map_err(|e| e.to_string())?;
-    s.write_all(b"GET /status.json HTTP/1.1\r\nHost: cairn\r\nConnection: close\r\n\r\n")
-        .map_err(|e| e.to_string())?;
+    // The listener answers only a loopback `Host` (DNS rebinding, issue 27): name the address.
+    let request = format!("GET /status.json HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    s.write_all(request.as_bytes()).map_err(|e| e.to_string())?;
     let mut buf = Vec::new();
     s.take(MAX_RESPONSE_BYTES)
         .read_to_end(&mut buf)

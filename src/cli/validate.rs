@@ -10,9 +10,19 @@ use crate::store::Store;
 pub(crate) fn run(path: &Path) -> Result<(), Failure> {
     match config::load(path) {
         Ok(cfg) => {
+            // As `run` would be: the data directory's owner (see `owner.rs`), so that the
+            // files it checks are read as the service reads them.
+            super::owner::become_data_dir_owner(&cfg)?;
             println!("{}", config::summary(&cfg));
-            for w in cfg.warnings() {
+            let warnings = cfg.warnings();
+            for w in warnings
+                .iter()
+                .chain(&super::checks::security_warnings(&cfg))
+            {
                 println!("{}: warning: {w}", cfg.source.display());
+            }
+            if let Some(note) = packet_size_note(cfg.log.max_payload) {
+                println!("{note}");
             }
             for line in data_dir_report(&cfg) {
                 println!("{line}");
@@ -36,6 +46,9 @@ pub(crate) fn run(path: &Path) -> Result<(), Failure> {
 /// config no longer names, and definitions a start would refuse. A report, not a problem:
 /// the config itself is valid, and `run --reset-pipeline` is the way on.
 fn data_dir_report(cfg: &Config) -> Vec<String> {
+    if let Some(problem) = super::owner::data_dir_problem(&cfg.storage.data_dir) {
+        return vec![format!("data_dir: `cairn run` will refuse: {problem}")];
+    }
     let dir = cfg.store_dir();
     if !dir.join("db").exists() {
         return Vec::new();
@@ -66,5 +79,52 @@ fn data_dir_report(cfg: &Config) -> Vec<String> {
             lines
         }
         Err(e) => vec![format!("data_dir: {e}")],
+    }
+}
+
+/// What the shipped `config/mosquitto.conf` adds to `log.max_payload` for `max_packet_size`:
+/// the longest topic MQTT allows (65,535 bytes and its 2-byte length) and 1,023 bytes for
+/// the fixed header, the packet id and an MQTT 5 sender's properties.
+const PACKET_OVERHEAD: u64 = 65_537 + 1_023;
+/// The `log.max_payload` the snippet's `max_packet_size 328704` is worked out for.
+const SNIPPET_MAX_PAYLOAD: u64 = 256 * 1024;
+
+/// With another `log.max_payload` than the snippet's, the broker's `max_packet_size` to use
+/// instead: it is what bounds the agent's memory for oversized inputs (issue 26).
+fn packet_size_note(max_payload: u64) -> Option<String> {
+    (max_payload != SNIPPET_MAX_PAYLOAD).then(|| {
+        format!(
+            "note: log.max_payload is {max_payload} bytes: set mosquitto's max_packet_size to \
+             {} (config/mosquitto.conf has {} for the default 256KiB); the broker then refuses \
+             larger inputs, which the agent would otherwise read whole before refusing them",
+            max_payload.saturating_add(PACKET_OVERHEAD),
+            SNIPPET_MAX_PAYLOAD + PACKET_OVERHEAD
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The figure in the shipped snippet is the one this file works out.
+    #[test]
+    fn the_snippets_max_packet_size_is_max_payload_plus_the_overhead() {
+        let snippet = include_str!("../../config/mosquitto.conf");
+        let line = format!(
+            "\nmax_packet_size {}\n",
+            SNIPPET_MAX_PAYLOAD + PACKET_OVERHEAD
+        );
+        assert!(
+            snippet.contains(&line),
+            "no `{}` in the snippet",
+            line.trim()
+        );
+        assert_eq!(packet_size_note(256 * 1024), None);
+        let note = packet_size_note(64 * 1024).unwrap();
+        assert!(
+            note.contains("set mosquitto's max_packet_size to 132096"),
+            "{note}"
+        );
     }
 }

@@ -11,13 +11,24 @@
 //! a copy. Nothing here feeds back into processing: the figures may use the wall clock.
 //!
 //! The server is bounded like everything else (invariant 7): one accepting thread that hands
-//! each connection to a handler thread of its own, at most [`MAX_HANDLERS`] at once (one more
-//! is answered `503` at once and closed), requests of at most [`MAX_REQUEST_BYTES`], and one
-//! deadline of [`REQUEST_DEADLINE`] per connection for reading the request head *and*
-//! writing the response. A per-read timeout alone is not enough: a client that sends one
-//! byte every 1.5 s never trips a 2 s read timeout, and it held the single-threaded listener
-//! for as long as it liked (issue 10). It binds loopback addresses only (the figures carry no
-//! authentication).
+//! each connection to a handler thread of its own, requests of at most
+//! [`MAX_REQUEST_BYTES`], and one deadline of [`REQUEST_DEADLINE`] per connection for reading
+//! the request head *and* writing the response. A per-read timeout alone is not enough: a
+//! client that sends one byte every 1.5 s never trips a 2 s read timeout, and it held the
+//! single-threaded listener for as long as it liked (issue 10). At most [`MAX_HANDLERS`]
+//! connections are served at once; when they are all taken, a new connection takes the place
+//! of the oldest one that has not sent its request yet, so idle connections cannot keep
+//! scrapes out (8 idle local connections got most scrapes refused, issue 27); only when every
+//! one is busy answering is the newcomer answered `503`. Handler threads are bounded by
+//! [`MAX_HANDLER_THREADS`] (a cut connection's thread ends at once).
+//!
+//! It binds loopback addresses only, and answers only requests whose `Host` is a loopback
+//! address or `localhost` (the figures carry no authentication; without the check a web page
+//! could read them through DNS rebinding: its own name, resolved to 127.0.0.1). A port that
+//! another process holds never stops the agent: the server retries the bind with a backoff
+//! on its own thread, warns (at most once a minute), and says so in
+//! `cairn_metrics_listener_up` and `cairn_metrics_bind_failures_total` once it is bound
+//! (issue 27: any local user could stop the agent from starting by holding the port).
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpStream};
@@ -43,8 +54,17 @@ pub(crate) const MAX_REQUEST_BYTES: usize = 8 * 1024;
 /// cut when it runs out, however it trickles its bytes.
 pub(crate) const REQUEST_DEADLINE: Duration = Duration::from_secs(2);
 /// Connections served at once (a thread each). Scrapers are few; the cap bounds the threads
-/// that slow or idle clients can pin, each for at most [`REQUEST_DEADLINE`].
-pub(crate) const MAX_HANDLERS: usize = 8;
+/// that slow or idle clients can pin, each for at most [`REQUEST_DEADLINE`], and an idle one
+/// gives its place up to a newcomer (see the module docs).
+pub(crate) const MAX_HANDLERS: usize = 16;
+/// Handler threads alive at once: the served connections plus cut ones whose thread has not
+/// ended yet (it ends as soon as it sees its socket shut).
+pub(crate) const MAX_HANDLER_THREADS: usize = 2 * MAX_HANDLERS;
+/// First wait before the bind is tried again, doubled up to [`BIND_RETRY_MAX`].
+pub(crate) const BIND_RETRY_MIN: Duration = Duration::from_millis(250);
+pub(crate) const BIND_RETRY_MAX: Duration = Duration::from_secs(5);
+/// While the bind keeps failing, one warning per this interval.
+pub(crate) const BIND_WARN_EVERY: Duration = Duration::from_secs(60);
 /// Outbox age marks kept (one per checkpoint that added outputs); beyond it the newest mark
 /// absorbs new entries, which only overstates their age.
 const MAX_OUTBOX_MARKS: usize = 4096;
@@ -179,9 +199,14 @@ pub struct Figures {
     // Recovery at start.
     pub replay_records: u64,
     pub replay_seconds: f64,
+    // The metrics listener itself (issue 27).
+    /// Whether the listener is bound (it retries while another process holds the port).
+    pub metrics_listener_up: bool,
+    /// Binds that failed since start.
+    pub metrics_bind_failures: u64,
 }
 
-/// The shared figures, plus the server's address and stop flag.
+/// The shared figures, plus the server's address, stop flag and connections.
 #[derive(Debug, Default)]
 pub struct Metrics {
     figures: Mutex<Figures>,
@@ -189,8 +214,10 @@ pub struct Metrics {
     outbox_marks: Mutex<std::collections::VecDeque<(u64, u64)>>,
     server: Mutex<Option<SocketAddr>>,
     stop: AtomicBool,
-    /// Handler threads running now (at most [`MAX_HANDLERS`]).
-    handlers: AtomicUsize,
+    /// The connections being served (at most [`MAX_HANDLERS`]).
+    conns: Mutex<server::Conns>,
+    /// Handler threads running now (at most [`MAX_HANDLER_THREADS`]).
+    threads: AtomicUsize,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

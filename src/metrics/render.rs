@@ -168,6 +168,7 @@ pub fn families(f: &Figures, now_ms: u64) -> Vec<Family> {
     bounds(&mut o, f);
     savepoints(&mut o, f, now_ms);
     uplink::families(&mut o, f, now_ms);
+    listener(&mut o, f);
     o.0
 }
 
@@ -565,5 +566,22 @@ fn savepoints(o: &mut Out, f: &Figures, now_ms: u64) {
         GAUGE,
         "Duration of recovery at start.",
         f.replay_seconds,
+    );
+}
+
+/// The metrics listener itself: a scrape that reads these found it bound, so `up` is 1 here;
+/// the failures say how long another process held the port.
+fn listener(o: &mut Out, f: &Figures) {
+    o.one(
+        "cairn_metrics_listener_up",
+        GAUGE,
+        "1 once the metrics listener is bound (it retries while another process holds the port).",
+        b(f.metrics_listener_up),
+    );
+    o.one(
+        "cairn_metrics_bind_failures_total",
+        COUNTER,
+        "Binds of the metrics listener that failed (another process held the port).",
+        f.metrics_bind_failures as f64,
     );
 }

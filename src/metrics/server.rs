@@ -1,16 +1,24 @@
-//! The loopback HTTP/1.1 server for `/metrics` and `/status.json` (bounds in the module
-//! docs of [`super`]).
+//! The loopback HTTP/1.1 server for `/metrics` and `/status.json` (its bounds, the bind
+//! retry and the `Host` check are in the module docs of [`super`]).
 
+use std::collections::VecDeque;
 use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::{MAX_HANDLERS, MAX_REQUEST_BYTES, Metrics, REQUEST_DEADLINE, lock};
+use super::{
+    BIND_RETRY_MAX, BIND_RETRY_MIN, BIND_WARN_EVERY, MAX_HANDLER_THREADS, MAX_HANDLERS,
+    MAX_REQUEST_BYTES, Metrics, REQUEST_DEADLINE, lock,
+};
 
 /// Serve `GET /metrics` and `GET /status.json` on `addr` (loopback only) from one thread.
+///
+/// Fails only for an address that is not loopback. A bind that fails (another process holds
+/// the port) is retried on the server's thread until it succeeds or the server is stopped:
+/// the figures are for operators, and no local user may stop the agent by taking its port.
 pub fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> io::Result<JoinHandle<()>> {
     if !addr.ip().is_loopback() {
         return Err(io::Error::new(
@@ -18,38 +26,184 @@ pub fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> io::Result<JoinHandle<(
             format!("metrics listen address {addr} is not loopback"),
         ));
     }
-    let listener = TcpListener::bind(addr)?;
-    *lock(&metrics.server) = Some(listener.local_addr()?);
+    let mut binder = Binder {
+        addr,
+        failures: 0,
+        warned_at: None,
+    };
+    // The first try here, so that a free port is bound (and `server_addr` known) on return.
+    let first = binder.try_bind(&metrics);
     std::thread::Builder::new()
         .name("cairn-metrics".into())
         .spawn(move || {
-            for conn in listener.incoming() {
-                if metrics.stop.load(Ordering::SeqCst) {
-                    break;
-                }
-                match conn {
-                    Ok(stream) => dispatch(stream, &metrics),
-                    Err(e) => {
-                        // e.g. EMFILE: back off instead of spinning.
-                        log::warn!("metrics: accept: {e}");
-                        std::thread::sleep(Duration::from_millis(100));
-                    }
-                }
-            }
+            let listener = match first {
+                Some(l) => l,
+                None => match binder.retry(&metrics) {
+                    Some(l) => l,
+                    None => return,
+                },
+            };
+            accept_loop(listener, &metrics);
         })
 }
 
-/// Give the connection a handler thread of its own, or answer 503 when [`MAX_HANDLERS`] are
-/// busy, so the accepting thread never waits on a client.
+/// The bind, its failures and their (rate-limited) warnings.
+struct Binder {
+    addr: SocketAddr,
+    failures: u64,
+    warned_at: Option<Instant>,
+}
+
+impl Binder {
+    fn try_bind(&mut self, metrics: &Metrics) -> Option<TcpListener> {
+        let addr = self.addr;
+        match TcpListener::bind(addr) {
+            Ok(listener) => {
+                let at = listener.local_addr().unwrap_or(addr);
+                *lock(&metrics.server) = Some(at);
+                metrics.update(|f| f.metrics_listener_up = true);
+                if self.failures == 0 {
+                    log::info!("metrics: serving http://{at}/metrics");
+                } else {
+                    log::warn!(
+                        "metrics: serving http://{at}/metrics, after {} failed attempts to bind",
+                        self.failures
+                    );
+                }
+                Some(listener)
+            }
+            Err(e) => {
+                self.failures += 1;
+                metrics.update(|f| f.metrics_bind_failures += 1);
+                let now = Instant::now();
+                if self
+                    .warned_at
+                    .is_none_or(|t| now.duration_since(t) >= BIND_WARN_EVERY)
+                {
+                    self.warned_at = Some(now);
+                    if self.failures == 1 {
+                        log::warn!(
+                            "metrics: cannot listen on {addr}: {e}; the agent goes on without \
+                             /metrics and tries again every {}s at most (does another process \
+                             hold the port? `ss -ltnp`)",
+                            BIND_RETRY_MAX.as_secs()
+                        );
+                    } else {
+                        log::warn!(
+                            "metrics: still cannot listen on {addr} after {} attempts: {e}",
+                            self.failures
+                        );
+                    }
+                }
+                None
+            }
+        }
+    }
+
+    /// Try again with a doubling wait until the bind succeeds; `None` once the server is
+    /// stopped.
+    fn retry(&mut self, metrics: &Metrics) -> Option<TcpListener> {
+        let mut wait = BIND_RETRY_MIN;
+        loop {
+            let until = Instant::now() + wait;
+            while Instant::now() < until {
+                if metrics.stop.load(Ordering::SeqCst) {
+                    return None;
+                }
+                std::thread::sleep(Duration::from_millis(50).min(wait));
+            }
+            if let Some(listener) = self.try_bind(metrics) {
+                return Some(listener);
+            }
+            wait = (wait * 2).min(BIND_RETRY_MAX);
+        }
+    }
+}
+
+fn accept_loop(listener: TcpListener, metrics: &Arc<Metrics>) {
+    for conn in listener.incoming() {
+        if metrics.stop.load(Ordering::SeqCst) {
+            break;
+        }
+        match conn {
+            Ok(stream) => dispatch(stream, metrics),
+            Err(e) => {
+                // e.g. EMFILE: back off instead of spinning.
+                log::warn!("metrics: accept: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+}
+
+/// The connections being served, oldest first.
+#[derive(Debug, Default)]
+pub(crate) struct Conns {
+    next_id: u64,
+    live: VecDeque<Conn>,
+}
+
+#[derive(Debug)]
+struct Conn {
+    id: u64,
+    /// Still waiting for its request head: an idle connection, which a newcomer may cut.
+    waiting: bool,
+    /// A handle on the same socket, to cut it from the accepting thread.
+    socket: TcpStream,
+}
+
+impl Conns {
+    /// A place for a connection whose socket `socket` is a handle on: its id, after cutting
+    /// the oldest connection that has not sent its request yet if every place is taken; `None`
+    /// when every place is answering a request.
+    fn admit(&mut self, socket: TcpStream) -> Option<u64> {
+        if self.live.len() >= MAX_HANDLERS {
+            let idle = self.live.iter().position(|c| c.waiting)?;
+            let cut = self.live.remove(idle).expect("found above");
+            let _ = cut.socket.shutdown(Shutdown::Both);
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.live.push_back(Conn {
+            id,
+            waiting: true,
+            socket,
+        });
+        Some(id)
+    }
+
+    /// The connection has sent its request and is answered now; false if it was cut.
+    fn answering(&mut self, id: u64) -> bool {
+        match self.live.iter_mut().find(|c| c.id == id) {
+            Some(c) => {
+                c.waiting = false;
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn finish(&mut self, id: u64) {
+        self.live.retain(|c| c.id != id);
+    }
+}
+
+/// Give the connection a handler thread of its own, or answer 503 when every place is busy
+/// answering (or too many cut handlers have not ended yet), so the accepting thread never
+/// waits on a client.
 fn dispatch(stream: TcpStream, metrics: &Arc<Metrics>) {
     let deadline = Instant::now() + REQUEST_DEADLINE;
-    let busy = metrics
-        .handlers
-        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
-            (n < MAX_HANDLERS).then_some(n + 1)
-        })
-        .is_err();
-    if busy {
+    let admitted = {
+        let mut conns = lock(&metrics.conns);
+        let threads = metrics.threads.load(Ordering::SeqCst);
+        match stream.try_clone() {
+            Ok(handle) if threads < MAX_HANDLER_THREADS => conns.admit(handle).inspect(|_| {
+                metrics.threads.fetch_add(1, Ordering::SeqCst);
+            }),
+            _ => None,
+        }
+    };
+    let Some(id) = admitted else {
         // The answer fits in the socket's send buffer: the write does not wait on the client,
         // and the short timeout bounds it if it ever did.
         let mut stream = stream;
@@ -62,20 +216,51 @@ fn dispatch(stream: TcpStream, metrics: &Arc<Metrics>) {
             Instant::now() + Duration::from_millis(100),
         );
         return;
-    }
+    };
     let m = metrics.clone();
+    let done = move |m: &Metrics| {
+        lock(&m.conns).finish(id);
+        m.threads.fetch_sub(1, Ordering::SeqCst);
+    };
     let spawned = std::thread::Builder::new()
         .name("cairn-metrics-conn".into())
         .spawn(move || {
-            if let Err(e) = handle(stream, &m, deadline) {
+            if let Err(e) = handle(stream, &m, deadline, id) {
                 log::debug!("metrics: connection: {e}");
             }
-            m.handlers.fetch_sub(1, Ordering::SeqCst);
+            done(&m);
         });
     if let Err(e) = spawned {
-        metrics.handlers.fetch_sub(1, Ordering::SeqCst);
+        lock(&metrics.conns).finish(id);
+        metrics.threads.fetch_sub(1, Ordering::SeqCst);
         log::warn!("metrics: cannot start a handler thread: {e}");
     }
+}
+
+/// Whether a `Host` header names this server as only a local client would: `localhost` or a
+/// loopback address, with or without a port. A web page that rebinds its own name to
+/// 127.0.0.1 sends that name, and is refused.
+pub(crate) fn host_allowed(host: &str) -> bool {
+    let host = host.trim();
+    // `[::1]` or `[::1]:9108`.
+    if let Some(rest) = host.strip_prefix('[') {
+        let Some((ip, port)) = rest.split_once(']') else {
+            return false;
+        };
+        let port_ok = port.is_empty()
+            || port
+                .strip_prefix(':')
+                .is_some_and(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
+        return port_ok && ip.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback());
+    }
+    let name = match host.rsplit_once(':') {
+        Some((name, port)) if !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) => name,
+        Some(_) => return false,
+        None => host,
+    };
+    name.eq_ignore_ascii_case("localhost")
+        || name.eq_ignore_ascii_case("localhost.")
+        || name.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
 /// Time left before `deadline`, or a `TimedOut` error once it has passed. Never zero: a zero
@@ -91,7 +276,7 @@ fn remaining(deadline: Instant) -> io::Result<Duration> {
     Ok(left)
 }
 
-fn handle(mut stream: TcpStream, metrics: &Metrics, deadline: Instant) -> io::Result<()> {
+fn handle(mut stream: TcpStream, metrics: &Metrics, deadline: Instant, id: u64) -> io::Result<()> {
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 1024];
     let head_end = loop {
@@ -118,7 +303,28 @@ fn handle(mut stream: TcpStream, metrics: &Metrics, deadline: Instant) -> io::Re
             deadline,
         );
     };
+    if !lock(&metrics.conns).answering(id) {
+        // Cut for a newcomer while its request was arriving.
+        return Ok(());
+    }
     let head = String::from_utf8_lossy(&buf[..head_end]);
+    let hosts: Vec<&str> = head
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split_once(':'))
+        .filter(|(name, _)| name.trim().eq_ignore_ascii_case("host"))
+        .map(|(_, value)| value)
+        .collect();
+    // No `Host` is an HTTP/1.0 tool (a browser always sends one); two are a malformed request.
+    if hosts.len() > 1 || hosts.first().is_some_and(|h| !host_allowed(h)) {
+        return respond(
+            &mut stream,
+            "421 Misdirected Request",
+            "text/plain",
+            "only requests for localhost or a loopback address are answered\n",
+            deadline,
+        );
+    }
     let mut parts = head.lines().next().unwrap_or("").split_whitespace();
     let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     let path = target.split('?').next().unwrap_or("");
@@ -201,7 +407,7 @@ mod tests {
             let mut s = TcpStream::connect(addr).unwrap();
             s.set_read_timeout(Some(Duration::from_millis(100)))
                 .unwrap();
-            let request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
+            let request = b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n";
             let mut last = Instant::now() - Duration::from_secs(2);
             let mut sent = 0;
             let mut probe = [0u8; 64];
@@ -239,7 +445,7 @@ mod tests {
         let asked = Instant::now();
         let mut s = TcpStream::connect(addr).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n")
             .unwrap();
         let mut out = String::new();
         s.read_to_string(&mut out).unwrap();
@@ -262,33 +468,193 @@ mod tests {
         t.join().unwrap();
     }
 
+    /// One scrape: the whole answer, or what came before the connection ended.
+    fn get(addr: SocketAddr, req: &[u8]) -> String {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let _ = s.write_all(req);
+        let mut out = String::new();
+        let _ = s.read_to_string(&mut out);
+        out
+    }
+
+    /// Issue 27: 8 idle local connections got most scrapes refused. Now idle ones give
+    /// their place up: with three times as many idle connections as places, every scrape is
+    /// answered at once, and the oldest idle connections were cut.
     #[test]
-    fn more_connections_than_handlers_get_503_while_a_slot_frees_within_the_deadline() {
+    fn scrapes_are_answered_while_more_idle_connections_than_places_are_open() {
         let m = Metrics::new();
         let t = serve("127.0.0.1:0".parse().unwrap(), m.clone()).unwrap();
         let addr = m.server_addr().unwrap();
-        // Idle clients fill every handler.
-        let idle: Vec<TcpStream> = (0..MAX_HANDLERS)
+        let mut idle: Vec<TcpStream> = (0..3 * MAX_HANDLERS)
             .map(|_| TcpStream::connect(addr).unwrap())
             .collect();
         std::thread::sleep(Duration::from_millis(200));
-        let get = || {
-            let mut s = TcpStream::connect(addr).unwrap();
-            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-            s.write_all(b"GET /metrics HTTP/1.1\r\n\r\n").unwrap();
-            let mut out = String::new();
-            let _ = s.read_to_string(&mut out);
-            out
-        };
-        let busy = get();
-        assert!(busy.starts_with("HTTP/1.1 503"), "{busy}");
-        // The idle ones are cut at the deadline, and scrapes are served again.
-        std::thread::sleep(REQUEST_DEADLINE + Duration::from_millis(300));
-        let ok = get();
-        assert!(ok.starts_with("HTTP/1.1 200 OK"), "{ok}");
+        for i in 0..20 {
+            let asked = Instant::now();
+            let out = get(addr, b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n");
+            assert!(out.starts_with("HTTP/1.1 200 OK"), "scrape {i}: {out:?}");
+            let took = asked.elapsed();
+            assert!(took < Duration::from_secs(1), "scrape {i} took {took:?}");
+        }
+        // The first idle connection was cut (not answered) long before the deadline.
+        idle[0]
+            .set_read_timeout(Some(Duration::from_millis(100)))
+            .unwrap();
+        let mut buf = [0u8; 16];
+        assert!(
+            matches!(idle[0].read(&mut buf), Ok(0)),
+            "the oldest idle connection still holds its place"
+        );
         drop(idle);
         m.stop_server();
         t.join().unwrap();
+    }
+
+    /// The 503 is left for a full house of connections being answered.
+    #[test]
+    fn a_newcomer_takes_the_place_of_the_oldest_idle_connection_never_of_one_being_answered() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut clients = Vec::new();
+        let mut sockets = || {
+            clients.push(TcpStream::connect(addr).unwrap());
+            listener.accept().unwrap().0
+        };
+        let mut conns = Conns::default();
+        let ids: Vec<u64> = (0..MAX_HANDLERS)
+            .map(|_| conns.admit(sockets()).unwrap())
+            .collect();
+        for &id in &ids[..MAX_HANDLERS - 2] {
+            assert!(conns.answering(id));
+        }
+        // Two idle ones: the older goes first, then the younger.
+        let new = conns.admit(sockets()).unwrap();
+        assert!(
+            !conns.answering(ids[MAX_HANDLERS - 2]),
+            "the older idle one was cut"
+        );
+        conns.admit(sockets()).unwrap();
+        assert!(!conns.answering(ids[MAX_HANDLERS - 1]));
+        assert!(conns.answering(new));
+        // Now every place answers: a newcomer is refused, and a place frees when one ends.
+        assert!(conns.answering(new + 1));
+        assert_eq!(conns.admit(sockets()), None);
+        conns.finish(ids[0]);
+        assert!(conns.admit(sockets()).is_some());
+    }
+
+    #[test]
+    fn requests_for_another_host_are_refused_and_loopback_hosts_answered() {
+        for ok in [
+            "localhost",
+            "LOCALHOST:9108",
+            "localhost.",
+            "127.0.0.1",
+            "127.0.0.1:9108",
+            " 127.1.2.3:1 ",
+            "[::1]",
+            "[::1]:9108",
+        ] {
+            assert!(host_allowed(ok), "{ok}");
+        }
+        for refused in [
+            "evil.example",
+            "evil.example:9108",
+            "localhost.evil.example",
+            "127.0.0.1.nip.io",
+            "10.0.0.1:9108",
+            "[::2]:9108",
+            "[::1]9108",
+            "localhost:",
+            "localhost:x",
+            "",
+        ] {
+            assert!(!host_allowed(refused), "{refused}");
+        }
+        let m = Metrics::new();
+        let t = serve("127.0.0.1:0".parse().unwrap(), m.clone()).unwrap();
+        let addr = m.server_addr().unwrap();
+        let port = addr.port();
+        for (req, status) in [
+            (
+                format!("GET /status.json HTTP/1.1\r\nHost: rebound.example:{port}\r\n\r\n"),
+                "421",
+            ),
+            (
+                "GET /metrics HTTP/1.1\r\nhost: a\r\nHost: localhost\r\n\r\n".into(),
+                "421",
+            ),
+            (
+                format!("GET /metrics HTTP/1.1\r\nHOST: 127.0.0.1:{port}\r\n\r\n"),
+                "200",
+            ),
+            ("GET /metrics HTTP/1.0\r\n\r\n".into(), "200"),
+        ] {
+            let out = get(addr, req.as_bytes());
+            assert!(
+                out.starts_with(&format!("HTTP/1.1 {status}")),
+                "{req:?}: {out}"
+            );
+        }
+        m.stop_server();
+        t.join().unwrap();
+    }
+
+    /// Issue 27: a local user holding the port stopped the agent from starting. Now the
+    /// server waits for the port: up 0 and failures counted meanwhile, served once it is free.
+    #[test]
+    fn a_port_held_by_another_socket_is_bound_once_it_is_freed() {
+        let holder = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = holder.local_addr().unwrap();
+        let m = Metrics::new();
+        let t = serve(addr, m.clone()).expect("a held port is not an error");
+        assert_eq!(m.server_addr(), None);
+        assert!(!m.snapshot().metrics_listener_up);
+        assert!(
+            wait(Duration::from_secs(5), || m
+                .snapshot()
+                .metrics_bind_failures
+                >= 2),
+            "the bind is retried"
+        );
+        drop(holder);
+        assert!(
+            wait(BIND_RETRY_MAX * 3, || m.server_addr() == Some(addr)),
+            "not bound once the port was free"
+        );
+        let out = get(addr, b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n");
+        assert!(out.contains("\ncairn_metrics_listener_up 1\n"), "{out}");
+        let failures = m.snapshot().metrics_bind_failures;
+        assert!(
+            out.contains(&format!("\ncairn_metrics_bind_failures_total {failures}\n")),
+            "{out}"
+        );
+        m.stop_server();
+        t.join().unwrap();
+    }
+
+    #[test]
+    fn stopping_a_server_that_waits_for_its_port_ends_its_thread() {
+        let holder = TcpListener::bind("127.0.0.1:0").unwrap();
+        let m = Metrics::new();
+        let t = serve(holder.local_addr().unwrap(), m.clone()).unwrap();
+        m.stop_server();
+        let stopped = Instant::now();
+        t.join().unwrap();
+        assert!(stopped.elapsed() < Duration::from_secs(2));
+        assert_eq!(m.server_addr(), None);
+    }
+
+    fn wait(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
+        let until = Instant::now() + timeout;
+        while Instant::now() < until {
+            if cond() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        cond()
     }
 
     #[test]
@@ -297,14 +663,8 @@ mod tests {
         m.update(|f| f.received = 42);
         let t = serve("127.0.0.1:0".parse().unwrap(), m.clone()).unwrap();
         let addr = m.server_addr().unwrap();
-        let get = |req: &[u8]| {
-            let mut s = TcpStream::connect(addr).unwrap();
-            let _ = s.write_all(req);
-            let mut out = String::new();
-            let _ = s.read_to_string(&mut out);
-            out
-        };
-        let ok = get(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+        let get = |req: &[u8]| get(addr, req);
+        let ok = get(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n");
         assert!(ok.starts_with("HTTP/1.1 200 OK"), "{ok}");
         assert!(ok.contains("text/plain; version=0.0.4"), "{ok}");
         assert!(ok.contains("\ncairn_received_total 42\n"), "{ok}");

@@ -100,6 +100,8 @@ pub fn status_json(families: &[Family]) -> Value {
         "backpressure": one("cairn_backpressure"),
         "processing_behind": one("cairn_processing_behind_records"),
         "connected": one("cairn_mqtt_connected"),
+        "metrics_listener": {"up": one("cairn_metrics_listener_up"),
+                             "bind_failures": one("cairn_metrics_bind_failures_total")},
         "metrics": flat(&samples),
     })
 }

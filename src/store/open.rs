@@ -196,7 +196,7 @@ fn create(dir: &Path, cache_bytes: u64, sync: &Durability) -> Result<(), StoreEr
 /// (the agent, while `cairn inspect` runs) keeps it, and then `open` fails with `Locked`.
 pub(super) const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
-fn open_sled(dir: &Path, cache_bytes: u64) -> Result<sled::Db, StoreError> {
+pub(super) fn open_sled(dir: &Path, cache_bytes: u64) -> Result<sled::Db, StoreError> {
     let deadline = std::time::Instant::now() + LOCK_WAIT;
     loop {
         match sled::Config::new()

@@ -21,9 +21,12 @@
 //!   Files named by older builds (`savepoint-<id, 20 digits>-<next_offset>.cairn`) count as
 //!   `seq` 0, older than any new one.
 //! - **The directory is bounded**: every write prunes to `[savepoint] keep`.
-//! - **Restore trusts nothing it has not checked.** [`restore_savepoint`] verifies the CRC of
-//!   the whole file before it builds anything, checks it again while building, and checks
-//!   that the built store's progress matches the header.
+//! - **Restore trusts nothing it has not checked.** [`restore_savepoint`] reads the whole
+//!   file before it builds or moves anything, and checks every entry as the store will read
+//!   it, not only the CRC (`savepoint_check.rs`; a crafted file with valid checksums moved the
+//!   good store aside and left one the agent refused, issue 27); it checks the CRC again
+//!   while building, and that the built store's progress matches the header. Its memory is
+//!   bounded by entry size and batch bytes, not by the file.
 //! - **Restore never deletes a store.** The new store is built in `<store>.restoring` and
 //!   made durable (the same fsyncs as [`Store::open`]); only then is an existing store
 //!   renamed to `<store>.old-<n>` and the new one renamed into place, and the parent
@@ -50,12 +53,13 @@
 //! held store format 1's trees (a key per ledger entry and per output); this build refuses
 //! it by its version number rather than misread it.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io::{self, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use super::{Store, StoreError, io_err, release_while_walking};
 use crate::fsio::{Durability, SyncKind};
+use crate::text::Shown;
 
 const MAGIC: &[u8; 8] = b"CAIRNSP\0";
 const END_MAGIC: &[u8; 8] = b"CAIRNEND";
@@ -67,9 +71,17 @@ const TRAILER_LEN: u64 = 12;
 const MAX_FIELD_LEN: u32 = 1 << 20;
 /// Entries per sled batch while restoring: bounds memory, keeps batches cheap.
 const RESTORE_BATCH: usize = 10_000;
+/// Bytes of keys and values per sled batch while restoring: with entries of up to the
+/// store's bound, [`RESTORE_BATCH`] alone would let a batch hold 70 MiB.
+const RESTORE_BATCH_BYTES: usize = 4 << 20;
+/// Bytes restored between two reopenings of the store being built (see `Building`).
+const RESTORE_REOPEN_BYTES: usize = 32 << 20;
 const FILE_PREFIX: &str = "savepoint-";
 const FILE_SUFFIX: &str = ".cairn";
 const TMP_PREFIX: &str = ".savepoint-";
+
+#[path = "savepoint_check.rs"]
+mod check;
 
 /// The checkpoint trees, in file order; an entry's tree byte is the index here.
 pub(crate) const TREES: [&str; 6] = ["meta", "state", "dedup", "outbox", "dead", "checkpoints"];
@@ -270,12 +282,9 @@ impl Store {
         let seq = next_seq(dir)?;
         let before = self.progress()?;
         let tmp = dir.join(format!("{TMP_PREFIX}{}.tmp", before.checkpoint_id));
-        let file = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&tmp)
-            .map_err(io_err(&tmp))?;
+        // New, private, never through a link planted under the name (issue 27); a temp file
+        // of an earlier crash was removed just above.
+        let file = crate::fsio::create_new_private(&tmp).map_err(io_err(&tmp))?;
         let mut header = Header {
             checkpoint_id: before.checkpoint_id,
             next_offset: before.next_offset,
@@ -356,7 +365,10 @@ fn remove_stale_temp_files(dir: &Path) -> Result<(), StoreError> {
         let name = entry.file_name();
         let name = name.to_string_lossy();
         if name.starts_with(TMP_PREFIX) && name.ends_with(".tmp") {
-            log::warn!("savepoint: removing an incomplete savepoint {name}");
+            log::warn!(
+                "savepoint: removing an incomplete savepoint {}",
+                Shown(&name)
+            );
             fs::remove_file(entry.path()).map_err(io_err(&entry.path()))?;
         }
     }
@@ -439,7 +451,11 @@ pub fn list_savepoints(dir: &Path) -> Result<Vec<SavepointInfo>, StoreError> {
         }
         match read_savepoint_header(&entry.path()) {
             Ok(info) => out.push(info),
-            Err(e) => log::warn!("savepoint: skipping {}: {e}", entry.path().display()),
+            Err(e) => log::warn!(
+                "savepoint: skipping {}: {}",
+                Shown(&entry.path().display().to_string()),
+                Shown(&e.to_string())
+            ),
         }
     }
     // Ties (only among older names, all seq 0) by when written, then by checkpoint.
@@ -477,7 +493,8 @@ pub(crate) fn restore_savepoint(
     cache_bytes: u64,
     sync: Durability,
 ) -> Result<SavepointInfo, StoreError> {
-    let info = verify_savepoint(file)?;
+    // Every entry, before anything is built or moved (see `savepoint_check.rs`).
+    let info = check::check_savepoint(file)?;
     if store_dir.exists() {
         // An agent holding the store would go on writing to the directory we move aside.
         // A store that does not open is what a restore is for: it is moved aside below.
@@ -522,7 +539,7 @@ pub(crate) fn restore_savepoint(
 }
 
 /// Stream the entries into a fresh store at `dir`, checking the CRC again as it goes (the
-/// file could have changed since it was verified), then make it durable.
+/// file could have changed since it was checked), then make it durable.
 fn build_store(
     file: &Path,
     info: &SavepointInfo,
@@ -530,7 +547,9 @@ fn build_store(
     cache_bytes: u64,
     sync: Durability,
 ) -> Result<(), StoreError> {
-    let store = Store::open(dir, cache_bytes, sync)?;
+    // Created whole (see `Store::open`), then filled as bare trees.
+    drop(Store::open(dir, cache_bytes, sync.clone())?);
+    let mut building = Building::open(dir, cache_bytes)?;
     let mut r = BufReader::with_capacity(1 << 16, File::open(file).map_err(io_err(file))?);
     let mut crc = crc32fast::Hasher::new();
     let mut read = |buf: &mut [u8], crc: &mut crc32fast::Hasher| -> Result<(), StoreError> {
@@ -540,9 +559,8 @@ fn build_store(
     };
     let mut header = [0u8; HEADER_LEN];
     read(&mut header, &mut crc)?;
-    let trees = store.trees();
     let mut batches: Vec<sled::Batch> = (0..TREES.len()).map(|_| sled::Batch::default()).collect();
-    let mut pending = 0usize;
+    let (mut pending, mut pending_bytes) = (0usize, 0usize);
     let mut entries = 0u64;
     let body_end = info.bytes - TRAILER_LEN;
     let mut pos = HEADER_LEN as u64;
@@ -563,15 +581,16 @@ fn build_store(
         let mut v = vec![0u8; vlen as usize];
         read(&mut k, &mut crc)?;
         read(&mut v, &mut crc)?;
+        pending_bytes += k.len() + v.len();
         batches[tree].insert(k, v);
         entries += 1;
         pending += 1;
-        if pending >= RESTORE_BATCH {
-            apply_batches(&trees, &mut batches)?;
-            pending = 0;
+        if pending >= RESTORE_BATCH || pending_bytes >= RESTORE_BATCH_BYTES {
+            building = building.apply(&mut batches, pending_bytes)?;
+            (pending, pending_bytes) = (0, 0);
         }
     }
-    apply_batches(&trees, &mut batches)?;
+    building.apply(&mut batches, pending_bytes)?.close()?;
     let mut end = [0u8; 8];
     read(&mut end, &mut crc)?;
     let mut stored = [0u8; 4];
@@ -585,6 +604,7 @@ fn build_store(
             format!("{entries} entries, the header says {}", info.entries),
         ));
     }
+    let store = Store::open(dir, cache_bytes, sync)?;
     store.sync()?;
     store.make_files_durable()?;
     let p = store.progress()?;
@@ -601,9 +621,59 @@ fn build_store(
     Ok(())
 }
 
-fn apply_batches(trees: &[&sled::Tree; 6], batches: &mut [sled::Batch]) -> Result<(), StoreError> {
-    for (tree, batch) in trees.iter().zip(batches.iter_mut()) {
-        tree.apply_batch(std::mem::take(batch))?;
+/// The store being built, as bare sled trees (nothing loaded into memory beside them), closed
+/// and opened again every [`RESTORE_REOPEN_BYTES`]: sled keeps what was inserted resident,
+/// whatever its cache capacity, and a 270 MB savepoint took the restore to 322 MB of RSS with
+/// its batches bounded (629 MB before); closing the database lets it go (73 MB).
+struct Building {
+    dir: PathBuf,
+    cache_bytes: u64,
+    db: sled::Db,
+    trees: Vec<sled::Tree>,
+    since_open: usize,
+}
+
+impl Building {
+    fn open(dir: &Path, cache_bytes: u64) -> Result<Building, StoreError> {
+        let db = super::open::open_sled(dir, cache_bytes)?;
+        let trees = TREES
+            .iter()
+            .map(|name| db.open_tree(name))
+            .collect::<Result<_, _>>()?;
+        Ok(Building {
+            dir: dir.to_path_buf(),
+            cache_bytes,
+            db,
+            trees,
+            since_open: 0,
+        })
     }
-    Ok(())
+
+    /// Apply one batch per tree (`bytes` of keys and values in all), and reopen when due.
+    fn apply(mut self, batches: &mut [sled::Batch], bytes: usize) -> Result<Building, StoreError> {
+        for (tree, batch) in self.trees.iter().zip(batches.iter_mut()) {
+            tree.apply_batch(std::mem::take(batch))?;
+        }
+        self.since_open += bytes;
+        if self.since_open < RESTORE_REOPEN_BYTES {
+            return Ok(self);
+        }
+        self.db.flush()?;
+        let Building {
+            dir,
+            cache_bytes,
+            db,
+            trees,
+            ..
+        } = self;
+        // Closed before it is opened again: sled's file lock goes with the last handle.
+        drop(trees);
+        drop(db);
+        Building::open(&dir, cache_bytes)
+    }
+
+    fn close(self) -> Result<(), StoreError> {
+        self.db.flush()?;
+        Ok(())
+    }
 }

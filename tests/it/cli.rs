@@ -494,3 +494,188 @@ fn run_warns_about_a_readable_password_file_and_creates_the_data_dir_0700() {
     assert_eq!(mode_of(&data), 0o700, "data dir mode");
     assert!(exited.success(), "{exited:?}\n{log}");
 }
+
+fn is_root() -> bool {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
+}
+
+/// Every file and directory below `dir` (itself included) with its owner.
+fn owners(dir: &Path) -> Vec<(std::path::PathBuf, u32)> {
+    use std::os::unix::fs::MetadataExt;
+    let mut out = vec![(
+        dir.to_path_buf(),
+        std::fs::symlink_metadata(dir).unwrap().uid(),
+    )];
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if std::fs::symlink_metadata(&path).unwrap().is_dir() {
+            out.extend(owners(&path));
+        } else {
+            out.push((
+                path.clone(),
+                std::fs::symlink_metadata(&path).unwrap().uid(),
+            ));
+        }
+    }
+    out
+}
+
+/// Issue 27: a command run as root left root-owned files in the data directory (sled writes
+/// on every open; a savepoint is a new file), after which the service, running as `cairn`,
+/// could not start. Now root runs as the directory's owner: everything it leaves is theirs,
+/// and a root-owned file an older command left is named, with the `chown` that repairs it.
+/// Not as root, the other side of the rule: a data directory of another user is refused.
+#[test]
+fn a_command_run_as_root_on_another_users_data_dir_runs_as_its_owner() {
+    let tmp = tempfile::tempdir().unwrap();
+    if !is_root() {
+        let mut cfg = AgentConfig::new(crate::support::free_port(), PIPELINES);
+        cfg.data_dir = Some("/".into());
+        let config = cfg.write(tmp.path());
+        let (code, _, err) = cairn(&config, &["inspect", "log"]);
+        assert_eq!(code, 1, "{err}");
+        assert!(
+            err.contains("data_dir / belongs to user root (uid 0), not to"),
+            "{err}"
+        );
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    // `nobody` must be able to reach the data directory.
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let config = write_config(tmp.path());
+    fill(tmp.path());
+    let data = tmp.path().join("data");
+    for (path, _) in owners(&data) {
+        std::os::unix::fs::lchown(&path, Some(65534), Some(65534)).unwrap();
+    }
+    let (code, out, err) = cairn(&config, &["savepoint", "create"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(err.contains("running as user nobody (uid 65534)"), "{err}");
+    let (code, out, err) = cairn(&config, &["inspect", "state", "--json"]);
+    assert_eq!((code, json_lines(&out).len()), (0, 3), "{out}{err}");
+    let (code, out, err) = cairn(&config, &["validate"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let not_theirs: Vec<_> = owners(&data)
+        .into_iter()
+        .filter(|(_, uid)| *uid != 65534)
+        .collect();
+    assert!(not_theirs.is_empty(), "left by root: {not_theirs:?}");
+    assert!(data.join("savepoints").is_dir());
+
+    // A file an older command left as root: named, with the repair.
+    std::fs::write(data.join("stray"), "").unwrap();
+    let (code, _, err) = cairn(&config, &["verify"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("stray belongs to user root (uid 0), not to user nobody")
+            && err.contains("chown -R nobody:"),
+        "{err}"
+    );
+}
+
+/// Issue 27: an existing data directory was used without a look at its mode: one its group
+/// or everyone can write lets another user replace the log or the store under the agent.
+#[test]
+fn a_data_dir_others_can_write_is_refused_and_validate_says_so() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let config = write_config(tmp.path());
+    fill(tmp.path());
+    let data = tmp.path().join("data");
+    std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o777)).unwrap();
+    for args in [&["inspect", "log"][..], &["savepoint", "create"], &["run"]] {
+        let (code, out, err) = cairn(&config, args);
+        assert_eq!(code, 1, "{args:?}: {out}{err}");
+        assert!(
+            err.contains("is writable by everyone (mode 0777)") && err.contains("chmod 700"),
+            "{args:?}: {err}"
+        );
+    }
+    let (code, out, _) = cairn(&config, &["validate"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("data_dir: `cairn run` will refuse: data_dir ")
+            && out.contains("writable by everyone"),
+        "{out}"
+    );
+    std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let (code, out, err) = cairn(&config, &["inspect", "log"]);
+    assert_eq!(code, 0, "{out}{err}");
+}
+
+/// Issue 27: `validate` warns when the agent connects anonymously (with the shipped broker
+/// snippet it could not connect at all; with an anonymous broker anyone local can take its
+/// queued inputs), when its password would cross the network in clear, when its TLS key is
+/// readable by others, and when a file the connection needs cannot be read.
+#[test]
+fn validate_warns_about_an_anonymous_or_clear_text_login_an_open_key_and_an_unreadable_secret() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let validate_at = |host: &str, mqtt_extra: &str| {
+        let mut cfg = AgentConfig::new(crate::support::free_port(), PIPELINES);
+        cfg.mqtt_extra = mqtt_extra.to_string();
+        cfg.data_dir = Some(dir.path().join("data"));
+        let text = cfg
+            .render(dir.path())
+            .replace("host = \"127.0.0.1\"", &format!("host = \"{host}\""));
+        let path = dir.path().join("cairn.toml");
+        std::fs::write(&path, text).unwrap();
+        let (code, out, err) = cairn(&path, &["validate"]);
+        assert_eq!(code, 0, "{out}{err}");
+        out.lines()
+            .filter(|l| l.contains(": warning: "))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    let validate = |mqtt_extra: &str| validate_at("127.0.0.1", mqtt_extra);
+    let w = validate("");
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert!(
+        w[0].contains("warning: mqtt: connects anonymously"),
+        "{w:?}"
+    );
+
+    let pw = dir.path().join("pw");
+    std::fs::write(&pw, "secret\n").unwrap();
+    std::fs::set_permissions(&pw, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let login = format!(
+        "username = \"cairn\"\npassword_file = \"{}\"\n",
+        pw.display()
+    );
+    assert_eq!(validate(&login), Vec::<String>::new());
+
+    let w = validate_at("192.0.2.7", &login);
+    assert!(
+        w.len() == 1 && w[0].contains("the password goes to 192.0.2.7 in clear"),
+        "{w:?}"
+    );
+
+    let key = dir.path().join("client.key");
+    std::fs::write(&key, "key").unwrap();
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let tls = format!(
+        "{login}tls = {{ ca_file = \"{}\", cert_file = \"{}\", key_file = \"{}\" }}\n",
+        pw.display(),
+        pw.display(),
+        key.display()
+    );
+    let w = validate(&tls);
+    assert!(
+        w.len() == 1
+            && w[0].contains("mqtt.tls.key_file:")
+            && w[0].contains("readable by everyone"),
+        "{w:?}"
+    );
+
+    let missing = format!(
+        "username = \"cairn\"\npassword_file = \"{}\"\n",
+        dir.path().join("nope").display()
+    );
+    let w = validate(&missing);
+    assert!(
+        w.len() == 1 && w[0].contains("mqtt.password_file:") && w[0].contains("cannot be read by"),
+        "{w:?}"
+    );
+}

@@ -165,8 +165,11 @@ struct Mount(PathBuf);
 impl Mount {
     fn tmpfs(dir: &Path, options: &str) -> Mount {
         std::fs::create_dir_all(dir).expect("create the mount point");
+        // A tmpfs root is 1777 by default, a data directory the agent refuses (others could
+        // write it): 0700, as Cairn makes one.
+        let options = format!("{options},mode=0700");
         let out = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", options, "tmpfs"])
+            .args(["-t", "tmpfs", "-o", &options, "tmpfs"])
             .arg(dir)
             .output()
             .expect("run mount");

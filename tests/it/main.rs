@@ -31,5 +31,6 @@ mod pipeline;
 mod reload;
 mod retention;
 mod savepoint;
+mod snippet;
 mod status;
 mod uplink;

@@ -151,21 +151,20 @@ fn the_packaged_config_differs_from_the_example_only_in_data_dir() {
 fn the_mosquitto_snippet_is_accepted_by_mosquitto() {
     let dir = tempfile::tempdir().unwrap();
     let port = support::free_port();
-    let snippet = std::fs::read_to_string(repo().join("config/mosquitto.conf")).unwrap();
-    assert!(snippet.contains("\nlistener 1883 127.0.0.1\n"));
-    let mut conf = snippet.replace(
-        "\nlistener 1883 127.0.0.1\n",
-        &format!("\nlistener {port} 127.0.0.1\n"),
-    );
-    conf.push_str(&format!(
-        "persistence_location {}/\nlog_dest file {}\n",
-        dir.path().display(),
-        dir.path().join("mosquitto.log").display()
-    ));
-    if std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0) {
-        // Otherwise mosquitto drops to user `mosquitto`, which cannot write our temp dir.
-        conf.push_str("user root\n");
-    }
+    // Only the port and the paths of the password and ACL files differ from the shipped
+    // snippet (tests/it/snippet.rs checks what it promises).
+    support::password_file(dir.path(), "cairn", "secret");
+    std::fs::rename(
+        dir.path().join("mosquitto.passwd"),
+        dir.path().join("passwd"),
+    )
+    .unwrap();
+    std::fs::copy(
+        repo().join("config/mosquitto.acl"),
+        dir.path().join("cairn.acl"),
+    )
+    .unwrap();
+    let conf = crate::snippet::SnippetBroker::config_text(dir.path(), port);
     let path = dir.path().join("mosquitto.conf");
     std::fs::write(&path, conf).unwrap();
     let mut child = Command::new(support::mosquitto_bin())
@@ -590,6 +589,83 @@ fn outside_the_journal_lines_are_human_with_a_timestamp() {
 // ---------------------------------------------------------------------------------------------
 // The Debian package
 
+/// Runs `systemd/debian/postinst configure` (as shipped, before cargo-deb adds its systemd
+/// fragments) with fake `getent`, `adduser`, `addgroup`, `useradd` and `groupadd` first on
+/// PATH: `getent passwd cairn` answers `passwd` (nothing: no such account). Returns the exit
+/// code, stderr, and the account commands it ran.
+fn run_postinst(passwd: Option<&str>) -> (Option<i32>, String, String) {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let bin = dir.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    let calls = dir.path().join("calls");
+    let stub = |name: &str, body: &str| {
+        let path = bin.join(name);
+        std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    };
+    stub(
+        "getent",
+        "case \"$1\" in passwd) [ -n \"$FAKE_PASSWD\" ] && echo \"$FAKE_PASSWD\" && exit 0; exit 2;; \
+         group) echo 'cairn:x:999:'; exit 0;; esac; exit 2",
+    );
+    for tool in ["adduser", "addgroup", "useradd", "groupadd"] {
+        stub(tool, &format!("echo \"{tool} $*\" >> {}", calls.display()));
+    }
+    let path = format!("{}:/usr/bin:/bin", bin.display());
+    let out = Command::new("sh")
+        .arg(repo().join("systemd/debian/postinst"))
+        .args(["configure", ""])
+        .env("PATH", path)
+        .env("FAKE_PASSWD", passwd.unwrap_or(""))
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        text(&out.stderr),
+        std::fs::read_to_string(&calls).unwrap_or_default(),
+    )
+}
+
+/// Issue 27: the package silently reused an existing `cairn` login account. The postinst now
+/// makes the account when there is none, reuses one that looks like its own (a system
+/// account without a login shell), and refuses anything else, saying what is wrong and how
+/// to go on.
+#[test]
+fn the_postinst_makes_the_account_reuses_a_system_one_and_refuses_a_login_account() {
+    let (code, err, calls) = run_postinst(None);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        calls.contains("adduser --system") && calls.contains("--shell /usr/sbin/nologin"),
+        "{calls}"
+    );
+    let (code, err, calls) = run_postinst(Some(
+        "cairn:x:998:998:Cairn:/var/lib/cairn:/usr/sbin/nologin",
+    ));
+    assert_eq!((code, calls.as_str()), (Some(0), ""), "{err}");
+    for (entry, says) in [
+        (
+            "cairn:x:1001:1001:Someone:/home/cairn:/bin/bash",
+            "uid 1001 is not a system account's (1-999); its shell '/bin/bash' lets someone log in",
+        ),
+        (
+            "cairn:x:997:997::/var/lib/cairn:/bin/sh",
+            "its shell '/bin/sh' lets someone log in",
+        ),
+        (
+            "cairn:x:0:0:root:/root:/usr/sbin/nologin",
+            "uid 0 is not a system account's",
+        ),
+        ("cairn:x:1500:1500::/home/c:/bin/false", "uid 1500 is not"),
+    ] {
+        let (code, err, calls) = run_postinst(Some(entry));
+        assert_eq!(code, Some(1), "{entry}: {err}");
+        assert!(err.contains(says), "{entry}: {err}");
+        assert!(err.contains("dpkg --configure cairn"), "{err}");
+        assert_eq!(calls, "", "{entry}: nothing is created");
+    }
+}
+
 fn dpkg_deb(args: &[&str], deb: &Path) -> String {
     let out = run_tool(
         Command::new("dpkg-deb").args(args).arg(deb),
@@ -657,6 +733,10 @@ fn cargo_deb_packages_the_binary_the_unit_the_conffile_and_the_mosquitto_snippet
         has(" ./usr/share/doc/cairn/mosquitto.conf"),
         "no mosquitto snippet:\n{listing}"
     );
+    assert!(
+        has(" ./usr/share/doc/cairn/mosquitto.acl"),
+        "no mosquitto ACL:\n{listing}"
+    );
 
     let info = dpkg_deb(&["-I"], &deb);
     println!("{info}");
@@ -698,6 +778,7 @@ fn cargo_deb_packages_the_binary_the_unit_the_conffile_and_the_mosquitto_snippet
         "usr/share/doc/cairn/mosquitto.conf",
         "config/mosquitto.conf",
     );
+    same("usr/share/doc/cairn/mosquitto.acl", "config/mosquitto.acl");
     let unit = [
         "lib/systemd/system/cairn.service",
         "usr/lib/systemd/system/cairn.service",

@@ -506,3 +506,157 @@ fn the_live_data_estimate_is_what_a_savepoint_holds() {
     // The file is the entries plus 9 bytes of framing each, a header and a trailer.
     assert_eq!(live + 9 * sp.entries + 52 + 12, sp.bytes);
 }
+
+/// A savepoint file's parts, to craft one (format in `store/savepoint.rs`).
+struct Parts {
+    checkpoint_id: u64,
+    next_offset: u64,
+    created_at_ms: u64,
+    entries: Vec<(u8, Vec<u8>, Vec<u8>)>,
+}
+
+fn u32_at(b: &[u8], i: usize) -> u32 {
+    u32::from_le_bytes(b[i..i + 4].try_into().unwrap())
+}
+
+fn u64_at(b: &[u8], i: usize) -> u64 {
+    u64::from_le_bytes(b[i..i + 8].try_into().unwrap())
+}
+
+impl Parts {
+    fn read(path: &Path) -> Parts {
+        let b = std::fs::read(path).unwrap();
+        let mut entries = Vec::new();
+        let mut pos = 52;
+        while pos < b.len() - 12 {
+            let (klen, vlen) = (u32_at(&b, pos + 1) as usize, u32_at(&b, pos + 5) as usize);
+            let k = b[pos + 9..pos + 9 + klen].to_vec();
+            let v = b[pos + 9 + klen..pos + 9 + klen + vlen].to_vec();
+            entries.push((b[pos], k, v));
+            pos += 9 + klen + vlen;
+        }
+        Parts {
+            checkpoint_id: u64_at(&b, 16),
+            next_offset: u64_at(&b, 24),
+            created_at_ms: u64_at(&b, 40),
+            entries,
+        }
+    }
+
+    /// Written with every checksum right: only the contents are wrong.
+    fn write(&self, path: &Path) {
+        let mut b = Vec::new();
+        b.extend_from_slice(b"CAIRNSP\0");
+        b.extend_from_slice(&store::SAVEPOINT_FORMAT_VERSION.to_le_bytes());
+        b.extend_from_slice(&0u32.to_le_bytes());
+        for n in [
+            self.checkpoint_id,
+            self.next_offset,
+            self.entries.len() as u64,
+            self.created_at_ms,
+        ] {
+            b.extend_from_slice(&n.to_le_bytes());
+        }
+        let crc = crc32fast::hash(&b);
+        b.extend_from_slice(&crc.to_le_bytes());
+        for (tree, k, v) in &self.entries {
+            b.push(*tree);
+            b.extend_from_slice(&(k.len() as u32).to_le_bytes());
+            b.extend_from_slice(&(v.len() as u32).to_le_bytes());
+            b.extend_from_slice(k);
+            b.extend_from_slice(v);
+        }
+        b.extend_from_slice(b"CAIRNEND");
+        let crc = crc32fast::hash(&b);
+        b.extend_from_slice(&crc.to_le_bytes());
+        std::fs::write(path, b).unwrap();
+    }
+}
+
+/// Issue 27: a crafted savepoint with valid checksums was restored, the good store moved
+/// aside, and the agent then refused to start; and restore held up to 10,000 entries of up to
+/// 2 MiB each in memory at once. Now the whole file is checked first: each crafted file is
+/// refused with what is wrong, nothing is built or moved, and the store is as it was.
+#[test]
+fn a_crafted_savepoint_with_valid_checksums_is_refused_before_anything_is_moved() {
+    let dir = tempfile::tempdir().unwrap();
+    let (config, cfg) = setup(dir.path(), 1, "");
+    let sp = {
+        let mut log = open_log(&cfg, 1 << 20);
+        let mut proc = open_proc(&cfg);
+        log_events(&mut log, &["E1/A/100", "E2/B/5"]);
+        process_and_checkpoint(&log, &mut proc);
+        proc.store()
+            .write_savepoint(&cfg.savepoint_dir(), &fsio::real())
+            .unwrap()
+    };
+    let before = inspect_all(&config);
+    let good = Parts::read(&sp.path);
+    let state = good
+        .entries
+        .iter()
+        .position(|e| e.0 == 1)
+        .expect("a state entry");
+    let crafted = dir.path().join("crafted.cairn");
+    type Craft = Box<dyn Fn(&mut Parts)>;
+    let variants: Vec<(&str, Craft)> = vec![
+        (
+            "state: undecodable state",
+            Box::new(move |p| p.entries[state].2 = vec![0xff; 16]),
+        ),
+        (
+            "a state entry of 1048600 bytes, over the 7168 bytes a store ever writes",
+            Box::new(move |p| {
+                p.entries[state].2 = vec![0; (1 << 20) + 24 - p.entries[state].1.len()]
+            }),
+        ),
+        (
+            "its progress record says checkpoint 1 at offset 2, the header checkpoint 1 at offset 1",
+            Box::new(|p| p.next_offset = 1),
+        ),
+        (
+            "state: key without pipeline",
+            Box::new(move |p| p.entries[state].1 = b"no pipeline here".to_vec()),
+        ),
+        (
+            "out of order",
+            Box::new(move |p| {
+                let e = p.entries[state].clone();
+                p.entries.insert(state, e);
+            }),
+        ),
+        (
+            "no tree number 9",
+            Box::new(move |p| p.entries[state].0 = 9),
+        ),
+    ];
+    for (says, craft) in &variants {
+        let mut p = Parts::read(&sp.path);
+        craft(&mut p);
+        p.write(&crafted);
+        store::verify_savepoint(&crafted).expect("the checksums are valid");
+        let out = cairn(
+            &config,
+            &["savepoint", "restore", crafted.to_str().unwrap()],
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{says}: {stderr}");
+        assert!(
+            stderr.contains("is damaged") && stderr.contains(says),
+            "{says}: {stderr}"
+        );
+        assert_eq!(
+            siblings(&cfg.store_dir()),
+            ["store"],
+            "{says}: nothing built, nothing moved"
+        );
+    }
+    assert_eq!(inspect_all(&config), before);
+    // The untouched parts, written the same way, restore: the crafting is faithful.
+    good.write(&crafted);
+    ok(&cairn(
+        &config,
+        &["savepoint", "restore", crafted.to_str().unwrap()],
+    ));
+    assert_eq!(inspect_all(&config), before);
+}

@@ -9,12 +9,12 @@ use std::process::{Command, Output};
 use std::time::Duration;
 
 use crate::support::agent::{AgentConfig, CairnProcess};
-use crate::support::{Broker, free_port, publish_all, unique_id, wait_until};
+use crate::support::{Broker, Collector, free_port, publish_all, unique_id, wait_until};
 
 fn get_metrics(port: u16) -> Option<String> {
     let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    s.write_all(format!("GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n").as_bytes())
         .ok()?;
     let mut out = String::new();
     s.read_to_string(&mut out).ok()?;
@@ -254,4 +254,170 @@ fn dead_letters_over_max_entries_are_dropped_and_counted_online_and_offline() {
         })
         .collect();
     assert_eq!(offsets, vec![3, 4], "the newest are kept");
+}
+
+/// Issue 27: any local user could stop the agent from starting by holding the metrics port
+/// first (the bind error was fatal). Now the agent starts and processes, says so in the
+/// journal, and serves `/metrics` once the port is free.
+#[test]
+fn an_agent_whose_metrics_port_is_held_starts_processes_and_serves_once_the_port_is_free() {
+    let broker = Broker::start();
+    let holder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mport = holder.local_addr().unwrap().port();
+    let mut agent = status_agent(
+        broker.port(),
+        "status-held",
+        &format!("[metrics]\nlisten = \"127.0.0.1:{mport}\"\n"),
+    );
+    let results = Collector::start(broker.port(), "balances/#");
+    agent.start();
+    agent.wait_connected(Duration::from_secs(20));
+    agent.wait_for_stderr(
+        &format!("metrics: cannot listen on 127.0.0.1:{mport}"),
+        Duration::from_secs(5),
+    );
+    std::thread::sleep(Duration::from_millis(300)); // the SUBACK follows the CONNACK
+    let msgs: Vec<_> = ["E1/A/100", "E2/B/50"]
+        .iter()
+        .map(|p| ("payments/in".to_string(), p.as_bytes().to_vec(), false))
+        .collect();
+    publish_all(broker.port(), &msgs);
+    assert!(
+        results.wait_for_count(2, Duration::from_secs(15)),
+        "no results while the port was held: {:?}\n{}",
+        results.messages(),
+        agent.stderr()
+    );
+
+    drop(holder);
+    let mut text = String::new();
+    let served = wait_until(Duration::from_secs(20), || {
+        text = get_metrics(mport).unwrap_or_default();
+        value(&text, "cairn_metrics_listener_up") == Some(1.0)
+    });
+    assert!(
+        served,
+        "not served once the port was free:\n{text}\n{}",
+        agent.stderr()
+    );
+    assert!(
+        value(&text, "cairn_metrics_bind_failures_total").unwrap() >= 1.0,
+        "{text}"
+    );
+    assert_eq!(
+        value(&text, "cairn_applied_total{pipeline=\"balances\"}"),
+        Some(2.0),
+        "{text}"
+    );
+    let online = status_json(&agent.config_path(), &[]);
+    assert_eq!(online["source"], "agent", "{online}");
+    assert_eq!(online["metrics_listener"]["up"], 1, "{online}");
+    agent.wait_for_stderr("metrics: serving http://", Duration::from_secs(5));
+    assert!(agent.terminate().success(), "{}", agent.stderr());
+}
+
+/// Issue 27: 8 idle local connections got most scrapes refused, and the listener answered
+/// any `Host` (a web page could read the figures by DNS rebinding). Now scrapes are answered
+/// beside three dozen idle connections, and a request naming another host is refused.
+#[test]
+fn scrapes_are_answered_beside_idle_connections_and_other_hosts_are_refused() {
+    let broker = Broker::start();
+    let mport = free_port();
+    let mut agent = status_agent(
+        broker.port(),
+        "status-idle",
+        &format!("[metrics]\nlisten = \"127.0.0.1:{mport}\"\n"),
+    );
+    agent.start();
+    assert!(
+        wait_until(Duration::from_secs(20), || get_metrics(mport)
+            .is_some_and(|m| m.starts_with("HTTP/1.1 200"))),
+        "no metrics from the agent; log:\n{}",
+        agent.stderr()
+    );
+    let mut s = TcpStream::connect(("127.0.0.1", mport)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(
+        format!("GET /status.json HTTP/1.1\r\nHost: rebound.example:{mport}\r\n\r\n").as_bytes(),
+    )
+    .unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    assert!(
+        !out.starts_with("HTTP/1.1 200"),
+        "answered another host: {out}"
+    );
+    assert!(!out.contains("cairn_"), "{out}");
+    let idle: Vec<TcpStream> = (0..36)
+        .map(|_| TcpStream::connect(("127.0.0.1", mport)).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    for i in 0..10 {
+        let text = get_metrics(mport).unwrap_or_default();
+        assert!(
+            text.starts_with("HTTP/1.1 200 OK"),
+            "scrape {i} beside idle connections: {text:?}"
+        );
+    }
+    let online = status_json(&agent.config_path(), &[]);
+    assert_eq!(online["source"], "agent", "{online}");
+    drop(idle);
+
+    assert!(agent.terminate().success(), "{}", agent.stderr());
+}
+
+/// Issue 27: `cairn status` printed what the metrics endpoint returned as it was, so whatever
+/// answers there (the agent's pipeline names, or another process on the port) could send a
+/// terminal escape sequence. Text and JSON output now carry them escaped.
+#[test]
+fn status_escapes_terminal_control_codes_from_the_metrics_endpoint() {
+    let fake = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = fake.local_addr().unwrap().port();
+    let hostile = "evil\u{1b}]0;owned\u{7}\u{1b}[2J\u{9b}31m\u{202e}";
+    let body = serde_json::json!({
+        "source": "agent", "agent_running": true, "connected": 1,
+        "pipelines": [{"name": hostile, "keys": 1}],
+        "note": hostile,
+        "savepoint": null,
+    })
+    .to_string();
+    let server = std::thread::spawn(move || {
+        for _ in 0..2 {
+            let (mut s, _) = fake.accept().unwrap();
+            let mut head = [0u8; 1024];
+            let _ = s.read(&mut head);
+            let answer = format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = s.write_all(answer.as_bytes());
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = AgentConfig::new(
+        free_port(),
+        "[[pipeline]]\nname = \"balances\"\ntopics = [\"p/#\"]\nevent_id = \"/id\"\nkey = \"/k\"\naggregate = \"count\"\noutput_topic = \"o/{key}\"\n",
+    );
+    cfg.extra = format!("[metrics]\nlisten = \"127.0.0.1:{port}\"\n");
+    let config = cfg.write(dir.path());
+    let text = cairn(&config, &["status"]);
+    let json = cairn(&config, &["status", "--json"]);
+    server.join().unwrap();
+    for (what, out) in [("text", &text), ("json", &json)] {
+        assert_eq!(out.status.code(), Some(0), "{what}: {out:?}");
+        let stdout = String::from_utf8(out.stdout.clone()).unwrap();
+        let bad: Vec<char> = stdout
+            .chars()
+            .filter(|&c| (c.is_control() && c != '\n') || c == '\u{202e}')
+            .collect();
+        assert!(bad.is_empty(), "{what} output carries {bad:?}: {stdout:?}");
+        assert!(stdout.contains("evil"), "{what}: {stdout}");
+    }
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("evil\\u{1b}]0;owned\\u{7}\\u{1b}[2J\\u{9b}31m\\u{202e}"),
+        "{text}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(v["note"], hostile, "JSON keeps the exact text");
 }
