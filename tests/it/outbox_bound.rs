@@ -7,9 +7,9 @@
 //! The uplink is a second broker that is stopped while the bound must hold, and started
 //! again (same port) to show that everything then goes out and nothing was lost.
 
-use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
+use crate::backfill::{fold, state};
 use crate::support::agent::{AgentConfig, CairnProcess};
 use crate::support::{Broker, publish_all, unique_id, wait_until};
 
@@ -35,36 +35,6 @@ fn event(id: u64) -> (String, Vec<u8>, bool) {
         format!("E{id}/{id}").into_bytes(),
         false,
     )
-}
-
-/// Per key: (sum, count) over the unique IDs.
-fn fold(ids: impl IntoIterator<Item = u64>) -> BTreeMap<String, (i64, u64)> {
-    let mut seen = HashSet::new();
-    let mut out: BTreeMap<String, (i64, u64)> = BTreeMap::new();
-    for id in ids {
-        if seen.insert(id) {
-            let e = out.entry(format!("M{}", id % 5)).or_default();
-            e.0 += id as i64;
-            e.1 += 1;
-        }
-    }
-    out
-}
-
-/// A stopped agent's state of `pipeline`: per key (sum, count).
-fn state(agent: &CairnProcess, pipeline: &str) -> BTreeMap<String, (i64, u64)> {
-    let (st, out, err) = agent.command(&["inspect", "state", "--pipeline", pipeline, "--json"]);
-    assert!(st.success(), "{err}");
-    out.lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            let key = v["key"].as_str().unwrap().to_string();
-            (
-                key,
-                (v["value"].as_i64().unwrap(), v["count"].as_u64().unwrap()),
-            )
-        })
-        .collect()
 }
 
 fn offline_status(agent: &CairnProcess) -> serde_json::Value {
