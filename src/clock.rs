@@ -55,11 +55,28 @@ impl Clock for SystemClock {
     }
 }
 
-fn system_wall_ms() -> u64 {
+/// The system's wall clock now: the one place the crate reads it (`tests/it/layering.rs`
+/// holds every other file to that). Processing never reads it (invariant 3); the agent reads
+/// it through a [`Clock`], so a test can step it; the rest (journal timestamps, savepoint
+/// and metrics times, names and seeds that only need to differ) read it here.
+pub(crate) fn system_now() -> SystemTime {
     SystemTime::now()
+}
+
+/// [`system_now`] in milliseconds since the Unix epoch (0 before it).
+pub(crate) fn system_wall_ms() -> u64 {
+    system_now()
         .duration_since(UNIX_EPOCH)
         .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
         .unwrap_or(0)
+}
+
+/// [`system_now`] in nanoseconds since the Unix epoch (0 before it): for names and seeds
+/// that only need to differ between processes, never for anything processing decides.
+pub(crate) fn system_wall_ns() -> u128 {
+    system_now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos())
 }
 
 /// The clock the agent uses: the system's. Built with the `failpoints` feature, a test can
@@ -195,12 +212,52 @@ pub(crate) fn human_ms(ms: u64) -> String {
 
 /// `ms` since the epoch as RFC 3339 UTC.
 pub(crate) fn utc_ms(ms: u64) -> String {
-    crate::logging::utc_timestamp(UNIX_EPOCH + Duration::from_millis(ms))
+    utc_timestamp(UNIX_EPOCH + Duration::from_millis(ms))
+}
+
+/// `2024-05-01T12:34:56.789Z`: RFC 3339 in UTC, millisecond precision, without a time zone
+/// database (an edge box may lack one, and UTC is what the journal and brokers use anyway).
+pub(crate) fn utc_timestamp(t: SystemTime) -> String {
+    let since = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let secs = since.as_secs();
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    let (y, m, d) = civil_from_days(days as i64);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60,
+        since.subsec_millis()
+    )
+}
+
+/// Days since 1970-01-01 to (year, month, day) in the proleptic Gregorian calendar
+/// (Howard Hinnant's `civil_from_days`).
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m, d)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn timestamps_are_rfc3339_utc() {
+        let t = UNIX_EPOCH + Duration::from_millis(1_709_210_096_789); // a leap day
+        assert_eq!(utc_timestamp(t), "2024-02-29T12:34:56.789Z");
+        assert_eq!(utc_timestamp(UNIX_EPOCH), "1970-01-01T00:00:00.000Z");
+        let t = UNIX_EPOCH + Duration::from_secs(951_868_800); // 2000-03-01, after a 400-year leap day
+        assert_eq!(utc_timestamp(t), "2000-03-01T00:00:00.000Z");
+    }
 
     const DAY: u64 = 86_400_000;
     const T0: u64 = 1_800_000_000_000;

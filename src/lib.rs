@@ -35,29 +35,31 @@
 //! - [`store`]: the sled checkpoint store (`store/commit.rs` the one transaction,
 //!   `store/open.rs`, `store/read.rs`, `store/v2.rs` for format-2 stores), savepoints,
 //!   inspection through a private copy (`store/copy.rs`).
-//! - [`processor`]: log records → engine → checkpoints; replay; at start, stored pipeline
-//!   definitions against the config (changed, dormant, reset, dropped); backfill slices for
-//!   `start = "earliest"` pipelines (`processor/backfill.rs`). [`quarantine`]: a
-//!   record whose processing panics is retried a bounded number of times, then set aside.
-//! - [`generations`]: the output-ID generation of each pipeline, in a file beside the store.
-//! - [`clock`]: the time of receipt stamped on new records, monotonic across clock steps.
+//! - [`processor`]: log records → engine → checkpoints. `processor/slice.rs`: the one
+//!   log-slice reader (the replay at start, catch-up behind the log, backfills for
+//!   `start = "earliest"`). Start-up as one plan: `processor/plan.rs` decides, with no IO,
+//!   from what the last run left (the store, `processor/generations.rs`, the last run's
+//!   pipelines `processor/last_run.rs`, a savepoint restore `processor/restored.rs`) and the
+//!   config, what settles, continues, starts empty or over, goes dormant, goes on in a new
+//!   generation, backfills, or is refused; `processor/open.rs` carries it out.
+//!   `processor/quarantine.rs`: a record whose processing panics is retried a bounded
+//!   number of times, then set aside.
+//! - [`clock`]: the time of receipt stamped on new records, monotonic across clock steps;
+//!   the only place the wall clock is read.
 //! - [`mqtt`]: the rumqttc facade: manual acks, packet-id binding, reconnect backoff, TLS.
-//! - [`agent`]: the event loop wiring them (`agent/mod.rs`), carrying out what its parts
-//!   decide without IO: `agent/ingest.rs` (group commit, ack order, held input and
-//!   backpressure, times of receipt, `too_large` stand-ins), `agent/publisher.rs` (results
-//!   before their checkpoint, the inflight window; what a PUBACK settles),
-//!   `agent/checkpointer.rs` (when to checkpoint, retention's cutoff, savepoint schedule
-//!   and floor, the store watch), `agent/reload.rs` (SIGHUP as a diff of two configs),
-//!   `agent/uplink.rs` (results to a central broker over a second connection, the outbox
-//!   as its queue, the drain's figures), `agent/backfill.rs` (backfill slices beside live
-//!   work; the log they need kept from retention), `agent/behind.rs` (at the outbox's bound
-//!   processing waits and takes records back from the log later; input never does),
-//!   `agent/boundary.rs` (pipeline changes
-//!   apply at a checkpoint boundary), `agent/fsync.rs` (the checkpoint's fsync on its own
-//!   thread; what waits for it). Recovery and wiring in
-//!   `agent/start.rs`; retention carried out in `agent/retention.rs`; shutdown in
-//!   `agent/drain.rs`; savepoints carried out in `agent/savepoints.rs`; `/metrics` copying
-//!   and the status line in `agent/figures.rs`; heap trimming in `agent/memory.rs`.
+//! - [`agent`]: one event loop (`agent/mod.rs`, the one `impl Agent`, at most 12 fields)
+//!   over parts it owns and hands the IO they need, carrying out what they return; no part
+//!   imports the loop. `agent/ingest.rs` (group commit, ack order, held input and
+//!   backpressure, the free-space guard, times of receipt, `too_large` stand-ins);
+//!   `agent/results/` (the outbox room: `cursor.rs` what goes out next and what a PUBACK
+//!   settles, `mqtt.rs` the MQTT sink and the uplink with its prefix and drain figures, the
+//!   outbox bound in `mod.rs`); `agent/work.rs` (when catch-up or backfill takes a slice:
+//!   never past the outbox bound); `agent/keeper/` (`schedule.rs` when to checkpoint,
+//!   retention's cutoff, savepoint schedule and floor, the store watch; `fsync.rs` the
+//!   checkpoint's fsync on its own thread; retention, savepoints and checkpoints waiting
+//!   for disk room in `mod.rs`); `agent/figures.rs` (`/metrics`, `STATUS=`, the watchdog);
+//!   `agent/start.rs` (recovery); `agent/reload.rs` (SIGHUP as a diff of two configs);
+//!   `agent/memory.rs` (heap trimming).
 //! - [`config`]: TOML → validated [`config::Config`], every problem with file and line.
 //! - [`cli`]: the `cairn` command, one file per command in `cli/` (`run`, `validate`,
 //!   `inspect`, `verify`, `status`, `savepoint`), and `cli/failure.rs` for the exit codes
@@ -87,12 +89,17 @@
 //!    their checkpoint; after a restart no key's result goes back to an older version
 //!    (`tests/it/crash.rs`: repeated IDs carry one payload, first-seen versions ascend per
 //!    key, the last retained value is the oracle's, and a kill after a result's PUBACK and
-//!    before its checkpoint re-sends it unchanged).
+//!    before its checkpoint re-sends it unchanged); nor across a config edit after a crash,
+//!    a backfill included, or a savepoint restore: the start plan settles the log tail
+//!    under the last run's pipelines or starts a new generation (`tests/it/early.rs`,
+//!    `tests/it/start_plan.rs`, and the plan's table of cases in `processor/plan/tests.rs`).
 //! 7. No queue, log, ledger or batch grows without a configured bound; reaching one stops
 //!    acknowledging instead of dropping (`tests/it/faults.rs`, `tests/it/e2e.rs`), except the
 //!    outbox's: at it processing waits and the log holds the input, which is still
 //!    acknowledged (`e2e::a_small_outbox_bound_holds_processing_back_not_input_and_survives_a_kill`,
-//!    `uplink::a_full_outbox_pauses_processing_not_input_...`). A full log
+//!    `uplink::a_full_outbox_pauses_processing_not_input_...`); backfills and the replay at
+//!    start wait at it too (`tests/it/outbox_bound.rs`), and a checkpoint on a disk below
+//!    the free-space reserve waits instead of failing (`agent/keeper`). A full log
 //!    first deletes segments every durable checkpoint covers, so it never stays full
 //!    (`tests/it/retention.rs`; the rule is in `log`'s docs), except those an unfinished
 //!    backfill still needs (`tests/it/backfill.rs`).
@@ -106,7 +113,11 @@
 //!    lineage is a new generation of IDs (`tests/it/definitions.rs`).
 //!
 //! Only [`store`] imports sled; only [`mqtt`] imports rumqttc or tokio; [`pipeline`] touches
-//! no file, socket, thread or clock (`tests/it/layering.rs` fails on a forbidden import).
+//! no file, socket, thread or clock; [`store`], [`log`] and [`pipeline`] never import
+//! [`agent`] or [`mqtt`]; nothing imports [`cli`]; no part of the agent imports
+//! `agent/mod.rs`; only [`clock`] reads the wall clock (`tests/it/layering.rs` fails on a
+//! forbidden import, an `impl Agent` outside `agent/mod.rs`, or an `Agent` of more than 12
+//! fields).
 
 pub mod agent;
 pub(crate) mod alloc;
@@ -116,7 +127,6 @@ pub mod config;
 pub mod disk;
 pub(crate) mod failpoint;
 pub mod fsio;
-pub mod generations;
 pub mod log;
 pub(crate) mod logging;
 pub mod metrics;
@@ -125,7 +135,6 @@ pub mod mqtt;
 pub mod notify;
 pub mod pipeline;
 pub mod processor;
-pub(crate) mod quarantine;
 pub(crate) mod signals;
 pub mod store;
 pub mod text;

@@ -15,7 +15,7 @@
 //! journal, which rate-limits per service and would then drop the lines that matter too.
 
 use std::io::Write;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 /// Install the logger. Calling it twice is harmless (the second call does nothing).
 pub(crate) fn init() {
@@ -45,7 +45,7 @@ pub(crate) fn init() {
             writeln!(
                 buf,
                 "[{} {:<5} {}] {}",
-                utc_timestamp(SystemTime::now()),
+                crate::clock::utc_timestamp(crate::clock::system_now()),
                 record.level(),
                 record.target(),
                 record.args()
@@ -83,37 +83,6 @@ pub fn fatal(message: &str) {
         let head = if i == 0 { "cairn: " } else { "" };
         let _ = writeln!(err, "{prefix}{head}{line}");
     }
-}
-
-/// `2024-05-01T12:34:56.789Z`: RFC 3339 in UTC, millisecond precision, without a time zone
-/// database (an edge box may lack one, and UTC is what the journal and brokers use anyway).
-pub(crate) fn utc_timestamp(t: SystemTime) -> String {
-    let since = t.duration_since(UNIX_EPOCH).unwrap_or_default();
-    let secs = since.as_secs();
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    let (y, m, d) = civil_from_days(days as i64);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z",
-        rem / 3600,
-        rem / 60 % 60,
-        rem % 60,
-        since.subsec_millis()
-    )
-}
-
-/// Days since 1970-01-01 to (year, month, day) in the proleptic Gregorian calendar
-/// (Howard Hinnant's `civil_from_days`).
-fn civil_from_days(z: i64) -> (i64, u32, u32) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    (y, m, d)
 }
 
 /// The syslog priority of a `log` level (`sd-daemon(3)`: `SD_ERR` .. `SD_DEBUG`).
@@ -281,15 +250,6 @@ mod tests {
         assert_eq!(parse_journal_stream("8:12345"), Some((8, 12345)));
         assert_eq!(parse_journal_stream("8-12345"), None);
         assert_eq!(parse_journal_stream("x:1"), None);
-    }
-
-    #[test]
-    fn timestamps_are_rfc3339_utc() {
-        let t = UNIX_EPOCH + Duration::from_millis(1_709_210_096_789); // a leap day
-        assert_eq!(utc_timestamp(t), "2024-02-29T12:34:56.789Z");
-        assert_eq!(utc_timestamp(UNIX_EPOCH), "1970-01-01T00:00:00.000Z");
-        let t = UNIX_EPOCH + Duration::from_secs(951_868_800); // 2000-03-01, after a 400-year leap day
-        assert_eq!(utc_timestamp(t), "2000-03-01T00:00:00.000Z");
     }
 
     #[test]

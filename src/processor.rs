@@ -5,10 +5,11 @@
 //! [`Processor::replay`] re-applies every durable log record from its `next_offset`. Nothing
 //! else is read and nothing else is trusted.
 //!
-//! Why ~750 lines: most of it is [`ProcessError`], whose messages tell an operator what to
-//! do, the start-time reconcile of stored definitions, and the determinism audit below
-//! (issue 14), kept beside the code it is about; backfill slices live in
-//! `processor/backfill.rs`.
+//! Why ~700 lines: most of it is [`ProcessError`], whose messages tell an operator what to
+//! do, and the determinism audit below (issue 14), kept beside the code it is about. What a
+//! start does with what the last run left is decided in `processor/plan.rs` and carried out
+//! in `processor/open.rs`; slices of the log (replay, catch-up, backfill) are read in
+//! `processor/slice.rs`.
 //!
 //! ## Replay gives every ID the payload it had (audit for issue 14)
 //!
@@ -35,7 +36,9 @@
 //!   after it is published; after the attempts it is set aside on every later run alike.
 //! - **Definitions**: the store refuses a changed definition; the rest of a pipeline
 //!   (`where`, `topics`, `dedup_window`, `emit`, limits) changes only at a checkpoint
-//!   boundary (`agent/boundary.rs`), and `--reset-pipeline` starts a new generation of IDs.
+//!   boundary: the start plan settles the tail under the last run's pipelines, or starts a
+//!   new generation (a pipeline changed while backfilling, a savepoint restored:
+//!   `processor/plan.rs`); `--reset-pipeline` starts a new generation of IDs.
 //! - **Backfills**: a backfilling pipeline reads the log in order from its own cursor with
 //!   its own dedup clock; where its slices fall between live work changes nothing it
 //!   computes (property test `tests/it/backfill.rs`).
@@ -44,21 +47,27 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
-use crate::generations::{Generations, GenerationsError};
-use crate::log::{Log, LogError};
-use crate::model::{Offset, Record};
+use crate::log::LogError;
+use crate::model::{Offset, Progress, Record};
 use crate::pipeline::describe::explain_changes;
-use crate::pipeline::engine::{Engine, Outcome, PipelineProgress, Progress, Target, definition};
+use crate::pipeline::engine::{Engine, Outcome, Target, definition};
 use crate::pipeline::spec::PipelineSpec;
-use crate::quarantine::{MAX_ATTEMPTS, Quarantine};
 use crate::store::{CheckpointInfo, Store, StoreError};
 
-mod backfill;
-mod behind;
-pub use backfill::BackfillSlice;
-pub use behind::CatchUp;
+pub mod generations;
+pub(crate) mod last_run;
+mod open;
+pub(crate) mod plan;
+pub(crate) mod quarantine;
+pub mod restored;
+mod slice;
+
+use generations::{Generations, GenerationsError};
+pub(crate) use open::StartFrom;
+use quarantine::{MAX_ATTEMPTS, Quarantine};
+pub(crate) use slice::Hold;
+pub use slice::{BackfillSlice, CatchUp};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProcessError {
@@ -148,6 +157,73 @@ pub enum ProcessError {
     /// A panic left the engine in an unknown state; nothing more may be applied.
     #[error("an earlier record panicked during processing; restart the agent")]
     Poisoned,
+    /// `pipelines.json` exists but does not read (issue 26): the start cannot tell what to
+    /// settle.
+    #[error(
+        "{}: {why}. This file records the pipelines the last run started with; the start \
+         needs it to settle, under those pipelines, results that may have gone out before a \
+         config change applies, and will not guess. Put back the file (or the config) of the \
+         last run and start again. If the last run stopped cleanly (`shutdown: done` in its \
+         journal), or if you accept that results not yet checkpointed may go out again with \
+         different payloads, remove the file and start again",
+        .file.display()
+    )]
+    LastRunUnreadable { file: PathBuf, why: String },
+    /// The pipelines the store would keep (configured and dormant) could outgrow the one
+    /// progress record every checkpoint writes.
+    #[error(
+        "the progress record of {configured} configured and {} dormant pipeline(s) could take \
+         {bytes} bytes once their counts grow, over the store's bound of {limit} bytes, so a \
+         later checkpoint would fail: the agent will not start. Drop dormant pipelines with \
+         `cairn run --reset-pipeline NAME` (dormant: {}), or configure fewer pipelines or \
+         shorter definitions",
+        .dormant.len(),
+        if .dormant.is_empty() { "none".to_string() } else { .dormant.join(", ") }
+    )]
+    ProgressTooLarge {
+        bytes: usize,
+        limit: usize,
+        configured: usize,
+        dormant: Vec<String>,
+    },
+    /// A file of the data directory that a start reads or writes.
+    #[error("{op} {}: {source}", .file.display())]
+    DataFile {
+        op: &'static str,
+        file: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+impl From<plan::Refusal> for ProcessError {
+    fn from(r: plan::Refusal) -> ProcessError {
+        use plan::Refusal as R;
+        match r {
+            R::UnknownReset { name } => ProcessError::UnknownReset { name },
+            R::IncompatiblePipeline {
+                name,
+                stored,
+                current,
+            } => ProcessError::IncompatiblePipeline {
+                name,
+                stored,
+                current,
+            },
+            R::UnknownDefinition { name } => ProcessError::UnknownDefinition { name },
+            R::LastRunUnreadable { file, why } => ProcessError::LastRunUnreadable { file, why },
+            R::ProgressTooLarge {
+                bytes,
+                limit,
+                configured,
+                dormant,
+            } => ProcessError::ProgressTooLarge {
+                bytes,
+                limit,
+                configured,
+                dormant,
+            },
+        }
+    }
 }
 
 fn what_next(attempts: u32) -> String {
@@ -249,22 +325,21 @@ pub struct ReplayStats {
     pub records: u64,
     pub checkpoints: u64,
     pub millis: u64,
+    /// Why the replay stopped before the log's end (see [`Processor::replay`]): the rest is
+    /// taken later, as catch-up.
+    pub held: Option<String>,
 }
 
 pub struct Processor {
     engine: Engine,
     store: Store,
-    /// Failed attempts per log offset (see [`crate::quarantine`]). Without one (library
+    /// Failed attempts per log offset (see [`quarantine`]). Without one (library
     /// use, tests) a panic propagates as it always did.
     quarantine: Option<Quarantine>,
     /// Set when a panic was caught: the engine may be half-way through a change.
     poisoned: bool,
-    /// The log reader of the backfill in progress, kept between slices (see
-    /// [`Processor::backfill_slice`]), with the pipeline it reads for.
-    backfill_reader: Option<(usize, crate::log::LogReader)>,
-    /// The log reader of live records processed behind the log, kept between slices (see
-    /// [`Processor::catch_up`]).
-    behind_reader: Option<crate::log::LogReader>,
+    /// The log readers kept between slices (`processor/slice.rs`).
+    readers: slice::Readers,
     /// Checkpoints leave their fsync to the caller (see [`Processor::defer_sync`]).
     defer_sync: bool,
     /// For each committed checkpoint whose fsync is still to come: its `next_offset` and
@@ -305,7 +380,7 @@ impl Processor {
     ///   journal), unless named in `reset`: then its state, ledger and progress are dropped.
     ///
     /// Everything this changes in the store commits in one transaction before anything else
-    /// happens, then `generations` (the file beside the store, see [`crate::generations`])
+    /// happens, then `generations` (the file beside the store, see [`generations`])
     /// records the new generations.
     pub fn open_with(
         store: Store,
@@ -313,64 +388,33 @@ impl Processor {
         reset: &[String],
         generations: Option<&Path>,
     ) -> Result<Processor, ProcessError> {
-        let mut gens = match generations {
+        let generations = match generations {
             Some(path) => Generations::load(path)?,
             None => Generations::in_memory(),
         };
-        let mut progress = store.progress()?;
-        let with_data = store.pipelines_with_data()?;
-        let configured = |n: &str| specs.iter().any(|s| s.name == n);
-        let mut reset: Vec<&String> = reset.iter().collect();
-        reset.sort();
-        reset.dedup();
-        for name in &reset {
-            if !configured(name) && position(&progress, name).is_none() && !with_data.contains(name)
-            {
-                return Err(ProcessError::UnknownReset {
-                    name: name.to_string(),
-                });
-            }
-        }
-        for pp in &progress.pipelines {
-            gens.observe(&pp.name, pp.generation);
-        }
-        let mut wiped: Vec<&str> = Vec::new();
-        let mut changed = false;
-        for name in reset.iter().filter(|n| !configured(n)) {
-            let old = position(&progress, name).map(|i| progress.pipelines.remove(i));
-            log::warn!(
-                "pipeline `{name}` dropped (not configured): its state and dedup ledger are deleted{}",
-                old.map(|o| format!(" ({} keys, {} dedup entries)", o.keys, o.dedup_entries))
-                    .unwrap_or_default()
-            );
-            wiped.push(name);
-            changed = true;
-        }
-        for spec in &specs {
-            let asked = reset.contains(&&spec.name);
-            let mut ctx = Reconcile {
-                progress: &mut progress,
-                gens: &mut gens,
-                with_data: &with_data,
-                wiped: &mut wiped,
-            };
-            changed |= ctx.spec(spec, asked)?;
-        }
-        if changed {
-            store.reset_pipelines(&wiped, &progress)?;
-        }
-        gens.save(store.durability())?;
-        warn_unconfigured(&progress, &with_data, &wiped, configured);
-        Ok(Processor {
+        let found = plan::Found {
+            progress: store.progress()?,
+            with_data: store.pipelines_with_data()?,
+            generations,
+            last_run: last_run::LastRun::Unknown,
+            restored: None,
+        };
+        let plan = plan::decide(&found, &specs, reset)?;
+        open::note(&plan.notes);
+        open::commit(store, specs, plan)
+    }
+
+    /// A processor over `store` as it is, under `specs` (no plan: the settle of a start).
+    fn over(store: Store, specs: Vec<PipelineSpec>, progress: Progress) -> Processor {
+        Processor {
             engine: Engine::new(specs, progress),
             store,
             quarantine: None,
             poisoned: false,
-            backfill_reader: None,
-            behind_reader: None,
+            readers: slice::Readers::default(),
             defer_sync: false,
             unsynced_prunes: std::collections::VecDeque::new(),
-        })
+        }
     }
 
     /// Consult `q` for every record applied from now on, and record a panic's attempt in
@@ -593,54 +637,6 @@ impl Processor {
     pub fn pending_results(&self) -> usize {
         self.engine.pending_results()
     }
-
-    /// Give the store back (to open it again under other definitions).
-    pub(crate) fn into_store(self) -> Store {
-        self.store
-    }
-
-    /// Re-apply every durable record from the checkpoint's `next_offset`, committing every
-    /// `max_records`. `progress` is called after each checkpoint (for STATUS lines).
-    pub fn replay(
-        &mut self,
-        log: &Log,
-        max_records: u64,
-        now_ms: &dyn Fn() -> u64,
-        progress: &mut dyn FnMut(&ReplayStats),
-    ) -> Result<ReplayStats, ProcessError> {
-        let started = Instant::now();
-        let from = self.next_offset();
-        if from < log.first_offset() && log.durable_next() > log.first_offset() {
-            return Err(ProcessError::LogGap {
-                needed: from,
-                first: log.first_offset(),
-            });
-        }
-        let mut stats = ReplayStats {
-            from,
-            to: from,
-            ..Default::default()
-        };
-        let deferred = std::mem::replace(&mut self.defer_sync, false);
-        for rec in log.read_from(from)? {
-            let rec = rec?;
-            self.apply(&rec)?;
-            stats.records += 1;
-            stats.to = rec.offset + 1;
-            if self.pending_records() >= max_records {
-                self.checkpoint(now_ms())?;
-                stats.checkpoints += 1;
-                stats.millis = started.elapsed().as_millis() as u64;
-                progress(&stats);
-            }
-        }
-        if self.checkpoint(now_ms())?.is_some() {
-            stats.checkpoints += 1;
-        }
-        self.defer_sync = deferred;
-        stats.millis = started.elapsed().as_millis() as u64;
-        Ok(stats)
-    }
 }
 
 /// The lowest of `live` and the backfill cursors of the configured pipelines.
@@ -667,108 +663,6 @@ fn settled_below(engine: &Engine, live: Offset) -> Offset {
         .backfills()
         .map(|(_, b)| b.next)
         .fold(live, Offset::min)
-}
-
-fn position(p: &Progress, name: &str) -> Option<usize> {
-    p.pipelines.iter().position(|x| x.name == name)
-}
-
-/// What [`Processor::open_with`] changes while it goes through the configured pipelines.
-struct Reconcile<'a, 's> {
-    progress: &'a mut Progress,
-    gens: &'a mut Generations,
-    with_data: &'a [String],
-    /// Pipelines whose stored state and ledger the store drops.
-    wiped: &'a mut Vec<&'s str>,
-}
-
-impl<'s> Reconcile<'_, 's> {
-    /// One configured pipeline against what the store holds for it (`asked`: named in
-    /// `reset`). True when the progress record changed.
-    fn spec(&mut self, spec: &'s PipelineSpec, asked: bool) -> Result<bool, ProcessError> {
-        let name = spec.name.as_str();
-        if let Some(i) = position(self.progress, name) {
-            let old = &self.progress.pipelines[i];
-            if asked {
-                let generation = self.gens.start_new(name, old.generation);
-                log::warn!(
-                    "pipeline `{name}` reset: {} keys and {} dedup entries dropped; versions \
-                     continue above {}, in generation {generation} (output IDs `{name}@{generation}/...`)",
-                    old.keys,
-                    old.dedup_entries,
-                    old.max_version
-                );
-                self.progress.pipelines[i] = PipelineProgress::reset(old, spec, generation);
-                backfill::begin(spec, &mut self.progress.pipelines[i]);
-                self.wiped.push(name);
-                return Ok(true);
-            } else if old.definition != definition(spec) {
-                return Err(ProcessError::IncompatiblePipeline {
-                    name: name.to_string(),
-                    stored: old.definition.clone(),
-                    current: definition(spec),
-                });
-            } else if old.generation > 1 {
-                log::info!("pipeline `{name}`: generation {}", old.generation);
-            }
-            backfill::note_stored(spec, old);
-            return Ok(false);
-        }
-        // Not in the progress record: new here, or its state was forgotten or moved.
-        let mut at_least = 0;
-        if self.with_data.iter().any(|n| n == name) {
-            if !asked {
-                return Err(ProcessError::UnknownDefinition {
-                    name: name.to_string(),
-                });
-            }
-            log::warn!("pipeline `{name}` reset: state of an unknown definition dropped");
-            self.wiped.push(name);
-            // That state's results went out in generation 1 (it predates generations).
-            at_least = 1;
-        }
-        let generation = self.gens.start_new(name, at_least);
-        if generation > 1 {
-            log::warn!(
-                "pipeline `{name}` starts empty in generation {generation}: results of an \
-                 earlier generation went out under this name (its store was moved aside, \
-                 or it was dropped), so its output IDs are now `{name}@{generation}/...`"
-            );
-        }
-        let mut fresh = PipelineProgress::new(spec, generation);
-        backfill::begin(spec, &mut fresh);
-        self.progress.pipelines.push(fresh);
-        Ok(true)
-    }
-}
-
-/// The journal lines for stored pipelines that are not configured: dormant ones, and state
-/// whose definition is unknown.
-fn warn_unconfigured(
-    progress: &Progress,
-    with_data: &[String],
-    wiped: &[&str],
-    configured: impl Fn(&str) -> bool,
-) {
-    for p in progress.pipelines.iter().filter(|p| !configured(&p.name)) {
-        log::warn!(
-            "pipeline `{}` is not configured, and its stored state is kept ({} keys, {} dedup \
-             entries): add it back with the same definition to continue it, or drop it with \
-             `cairn run --reset-pipeline {}`",
-            p.name,
-            p.keys,
-            p.dedup_entries,
-            p.name
-        );
-    }
-    for name in with_data.iter().filter(|n| {
-        !configured(n) && position(progress, n).is_none() && !wiped.contains(&n.as_str())
-    }) {
-        log::warn!(
-            "the store holds state of pipeline `{name}`, which is not configured and whose \
-             definition is unknown: drop it with `cairn run --reset-pipeline {name}`"
-        );
-    }
 }
 
 #[cfg(test)]

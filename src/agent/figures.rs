@@ -1,14 +1,22 @@
-//! The loop's figures copied into [`Metrics`] for `/metrics`, the `STATUS=` line, and the
-//! watch on sled's files. Metrics are written here and only read by the server thread, so
+//! The loop's figures copied into [`Metrics`] for `/metrics`, the `STATUS=` line, the
+//! watchdog, dead-letter journal lines, and the watch on sled's files. Metrics are written here and only read by the server thread, so
 //! one scrape sees one consistent moment.
 
-use std::time::Instant;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
+use crate::log::Log;
 use crate::metrics::Metrics;
-use crate::store::SavepointInfo;
+use crate::model::Record;
+use crate::notify::Heartbeat;
+use crate::processor::Processor;
+use crate::store::CheckpointInfo;
 
-use super::checkpointer::STORE_BLOAT_FACTOR;
-use super::{Agent, AgentError};
+use super::error::AgentError;
+use super::ingest::Ingest;
+use super::keeper::{STORE_BLOAT_FACTOR, Schedule};
+use super::memory::Trim;
+use super::results::Results;
 
 /// When the figures that walk a tree or a directory were last refreshed.
 #[derive(Debug, Default)]
@@ -31,45 +39,89 @@ impl Refresh {
     }
 }
 
-impl Agent {
-    /// The figures `/metrics` serves.
-    pub fn metrics(&self) -> &std::sync::Arc<Metrics> {
-        &self.metrics
+/// The loop's figures and what reports them: `/metrics`, the `STATUS=` line and the
+/// watchdog (`heartbeat`), the dead-letter journal lines, and heap trimming.
+pub(crate) struct Figures {
+    /// Figures for `/metrics` (issue 6); gauges refreshed every `metrics::REFRESH_INTERVAL`.
+    pub(crate) metrics: Arc<Metrics>,
+    refreshed: Refresh,
+    pub(crate) trim: Trim,
+    /// `WATCHDOG=1` and `STATUS=` for systemd: beaten every turn of the loop, and during a
+    /// long savepoint write.
+    pub(crate) heartbeat: Heartbeat,
+    dead_letter_log: crate::logging::RateLimit,
+}
+
+/// What the figures are copied from: the loop's parts, read-only, and the schedule (its
+/// store watch).
+pub(crate) struct View<'a> {
+    pub(crate) log: &'a Log,
+    pub(crate) proc: &'a Processor,
+    pub(crate) ingest: &'a Ingest,
+    pub(crate) results: &'a Results,
+    pub(crate) schedule: &'a mut Schedule,
+    pub(crate) now: Instant,
+    pub(crate) wall_ms: u64,
+}
+
+impl Figures {
+    pub(crate) fn new(metrics: Arc<Metrics>, now: Instant) -> Figures {
+        Figures {
+            metrics,
+            refreshed: Refresh::default(),
+            trim: Trim::new(now),
+            heartbeat: Heartbeat::from_env(),
+            dead_letter_log: crate::logging::RateLimit::new(10, Duration::from_secs(60)),
+        }
+    }
+
+    /// One journal line per dead letter, at most 10 per minute; the rest are counted and
+    /// reported as suppressed (they are all in the store: `cairn inspect dead-letters`).
+    pub(crate) fn dead_letter(&mut self, now: Instant, rec: &Record, reason: &str) {
+        self.dead_letter_log
+            .warn(now, "dead letter", "suppressed", || {
+                format!(
+                    "dead letter: offset {} topic `{}` reason {reason} (see `cairn inspect \
+                     dead-letters`)",
+                    rec.offset,
+                    crate::text::Shown(&rec.topic)
+                )
+            });
     }
 
     /// Copy the loop's figures (every tick, so one scrape sees one consistent moment); the
     /// ones that walk a tree or a directory at most every REFRESH_INTERVAL.
-    pub(super) fn refresh_metrics(&mut self, force: bool) -> Result<(), AgentError> {
-        let now = self.now();
-        if self.metrics_refreshed.take(now, force) {
-            let store = self.proc.store();
+    pub(crate) fn refresh(&mut self, force: bool, v: View<'_>) -> Result<(), AgentError> {
+        if self.refreshed.take(v.now, force) {
+            let store = v.proc.store();
             let first_seq = store.outbox_from(0).next().transpose()?.map(|(s, _)| s);
             self.metrics
-                .set_outbox(store.outbox_len() as u64, first_seq, self.clock.wall_ms());
+                .set_outbox(store.outbox_len() as u64, first_seq, v.wall_ms);
             // Not sled's `size_on_disk()`: it is slow enough to stall the loop (measured:
             // the e2e tests fell behind); the files' sizes are what an operator wants anyway.
             let store_bytes = crate::metrics::dir_size_bytes(store.dir());
-            let segments = self.log.segments().len() as u64;
+            let segments = v.log.segments().len() as u64;
             self.metrics.update(|f| {
                 f.store_bytes = store_bytes;
                 f.log_segments = segments;
             });
-            self.watch_store(store_bytes, now)?;
+            self.watch_store(v.proc, v.schedule, store_bytes, v.now)?;
         }
-        let progress = self.proc.engine().progress();
-        let (log, stats) = (&self.log, &self.stats);
-        let sp = self.checkpointer.newest_savepoint();
-        let (connected, backpressure) = (self.input_connected(), self.ingest.backpressure());
-        let behind = self.records_behind();
+        let progress = v.proc.engine().progress();
+        let (log, i, r) = (v.log, &v.ingest.counts, &v.results.counts);
+        let sp = v.schedule.newest_savepoint();
+        let connected = v.results.input_connected();
+        let backpressure = v.ingest.queue.backpressure();
+        let behind = records_behind(log, v.proc);
         self.metrics.update(|f| {
-            f.received = stats.received;
-            f.acked = stats.acked;
-            f.oversize_refused = stats.oversize;
-            f.held_let_go = stats.held_let_go;
-            f.published = stats.published;
-            f.pubacked = stats.pubacked;
-            f.published_early = stats.published_early;
-            f.reconnects = stats.reconnects;
+            f.received = i.received;
+            f.acked = i.acked;
+            f.oversize_refused = i.oversize;
+            f.held_let_go = i.held_let_go;
+            f.published = r.published;
+            f.pubacked = r.pubacked;
+            f.published_early = r.published_early;
+            f.reconnects = i.reconnects;
             f.connected = connected;
             f.backpressure = backpressure;
             f.records_behind = behind;
@@ -87,14 +139,20 @@ impl Agent {
 
     /// When sled's files grow far past the live data (sled reclaims space lazily, and a
     /// store can keep growing after the state stopped), say so and what to do. The
-    /// checkpointer decides when an estimate is worth its walk of the trees.
-    fn watch_store(&mut self, store_bytes: u64, now: Instant) -> Result<(), AgentError> {
-        if !self.checkpointer.store_estimate_due(store_bytes, now) {
+    /// schedule decides when an estimate is worth its walk of the trees.
+    fn watch_store(
+        &self,
+        proc: &Processor,
+        schedule: &mut Schedule,
+        store_bytes: u64,
+        now: Instant,
+    ) -> Result<(), AgentError> {
+        if !schedule.store_estimate_due(store_bytes, now) {
             return Ok(());
         }
-        let live = self.proc.store().live_bytes()?;
+        let live = proc.store().live_bytes()?;
         self.metrics.update(|f| f.store_live_bytes = live);
-        if self.checkpointer.store_estimated(store_bytes, live, now) {
+        if schedule.store_estimated(store_bytes, live, now) {
             log::warn!(
                 "store: sled's files take {store_bytes} bytes, more than {STORE_BLOAT_FACTOR}× \
                  the {live} bytes of live data (sled reclaims space lazily). If disk space is \
@@ -106,33 +164,70 @@ impl Agent {
         Ok(())
     }
 
-    /// The `STATUS=` line `systemctl status` shows.
-    pub(super) fn status_line(&self) -> String {
-        format!(
-            "running: received {}, acked {}, processed up to offset {}, checkpoint {}, outbox {}{}{}{}",
-            self.stats.received,
-            self.stats.acked,
-            self.proc.next_offset(),
-            self.proc.engine().progress().checkpoint_id,
-            self.proc.store().outbox_len(),
-            match self.records_behind() {
-                0 => String::new(),
-                n => format!(", {n} records behind (outbox full)"),
-            },
-            self.backfill_status(),
-            match (self.publisher.is_connected(), self.uplink.is_some()) {
-                (true, _) => "",
-                (false, true) => ", uplink disconnected",
-                (false, false) => ", broker disconnected",
-            }
-        )
+    /// A checkpoint committed (`took` to commit): its figures, in one update, so a scrape
+    /// sees the count, duration and offsets of one checkpoint, and the pipeline figures with
+    /// it (the ledger sizes change only at a commit).
+    pub(crate) fn checkpointed(
+        &self,
+        took: Duration,
+        info: &CheckpointInfo,
+        proc: &Processor,
+        log: &Log,
+    ) {
+        let outbox_end = proc.engine().progress().outbox_seq;
+        self.metrics
+            .note_outbox_committed(outbox_end, info.committed_at_ms);
+        let pipelines = pipeline_figures(proc.engine().progress(), log.first_offset());
+        let bounds = proc.store().bound_figures();
+        self.metrics.update(|f| {
+            set_bound_figures(f, &bounds);
+            f.pipelines = pipelines;
+            f.checkpoints += 1;
+            f.checkpoint.observe(took);
+            f.checkpoint_id = info.id;
+            f.checkpoint_next_offset = info.next_offset;
+            f.checkpoint_at_ms = info.committed_at_ms;
+            f.log_next_offset = log.next_offset();
+        });
     }
+}
+
+/// Records logged and not processed yet.
+pub(crate) fn records_behind(log: &Log, proc: &Processor) -> u64 {
+    log.durable_next().saturating_sub(proc.next_offset())
+}
+
+/// The `STATUS=` line `systemctl status` shows.
+pub(crate) fn status_line(
+    log: &Log,
+    proc: &Processor,
+    ingest: &Ingest,
+    results: &Results,
+) -> String {
+    format!(
+        "running: received {}, acked {}, processed up to offset {}, checkpoint {}, outbox {}{}{}{}",
+        ingest.counts.received,
+        ingest.counts.acked,
+        proc.next_offset(),
+        proc.engine().progress().checkpoint_id,
+        proc.store().outbox_len(),
+        match records_behind(log, proc) {
+            0 => String::new(),
+            n => format!(", {n} records behind (outbox full)"),
+        },
+        super::work::backfill_status(proc, log),
+        match (results.connected(), results.has_uplink()) {
+            (true, _) => "",
+            (false, true) => ", uplink disconnected",
+            (false, false) => ", broker disconnected",
+        }
+    )
 }
 
 /// Each pipeline's figures for `/metrics`, from the engine's progress (`first_offset`: the
 /// log's, where a backfill's cursor may lie below it).
-pub(super) fn pipeline_figures(
-    progress: &crate::pipeline::engine::Progress,
+pub(crate) fn pipeline_figures(
+    progress: &crate::model::Progress,
     first_offset: crate::model::Offset,
 ) -> std::collections::BTreeMap<String, crate::metrics::PipelineFigures> {
     progress
@@ -148,24 +243,15 @@ pub(super) fn pipeline_figures(
                 dead_letters: c.dead_letters,
                 outputs: c.outputs,
                 filtered: c.filtered,
-                backfill_left: super::backfill::records_left(progress, p, first_offset),
+                backfill_left: super::work::records_left(progress, p, first_offset),
             };
             (p.name.clone(), figures)
         })
         .collect()
 }
 
-/// The savepoint directory's gauges: it is bounded by `[savepoint] keep`.
-pub(super) fn note_savepoint_files(metrics: &Metrics, all: &[SavepointInfo]) {
-    let bytes = all.iter().map(|s| s.bytes).sum();
-    metrics.update(|f| {
-        f.savepoint_files = all.len() as u64;
-        f.savepoint_bytes = bytes;
-    });
-}
-
 /// The store's own bounds for `/metrics`.
-pub(super) fn set_bound_figures(f: &mut crate::metrics::Figures, b: &crate::store::BoundFigures) {
+pub(crate) fn set_bound_figures(f: &mut crate::metrics::Figures, b: &crate::store::BoundFigures) {
     f.dead_letters_stored = b.dead_letters.stored;
     f.dead_letters_pruned_age = b.dead_letters.pruned_age;
     f.dead_letters_pruned_count = b.dead_letters.pruned_count;
@@ -191,23 +277,5 @@ mod tests {
             "the forced one restarted the interval"
         );
         assert!(r.take(t0 + every + every / 2 + Duration::from_millis(1), false));
-    }
-
-    #[test]
-    fn the_savepoint_gauges_count_every_file_and_its_bytes() {
-        let m = Metrics::new();
-        let sp = |bytes| SavepointInfo {
-            path: "sp".into(),
-            format_version: 1,
-            checkpoint_id: 1,
-            next_offset: 0,
-            entries: 0,
-            created_at_ms: 0,
-            bytes,
-            seq: 0,
-        };
-        note_savepoint_files(&m, &[sp(10), sp(32)]);
-        let f = m.snapshot();
-        assert_eq!((f.savepoint_files, f.savepoint_bytes), (2, 42));
     }
 }

@@ -2,18 +2,338 @@
 //!
 //! A message is appended to the log, then waits here (its record and its ack) until the
 //! group commit's fsync; only then are acks handed to the MQTT module, in receipt order
-//! (invariant 1), and the records to the processor. While backpressure is on, messages are
-//! held here unappended and unacknowledged, so the broker keeps them (invariant 7).
+//! (invariant 1), and the records to processing. While backpressure is on (the log full,
+//! the disk nearly full), messages are held here unappended and unacknowledged, so the
+//! broker keeps them (invariant 7), up to [`HELD_LIMIT`] bytes; past it they are let go and
+//! asked for again by a reconnect once backpressure has stayed off.
 //!
-//! No IO: the loop in `agent/mod.rs` appends, fsyncs and acks, and tells this part what
-//! happened and what time it is. Generic over the ack token and the held message, so the
-//! tests can drive it without a broker.
+//! [`Queue`] decides without IO (the tests drive it without a broker: it is generic over
+//! the ack token and the held message); [`Ingest`] carries its decisions out with the log
+//! and the input connection the loop hands it, and keeps the free-space guard
+//! ([`crate::disk`]) that checkpoints consult too.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use crate::clock::{Note, ReceiptClock};
+use crate::clock::{Clock, Note, ReceiptClock};
+use crate::config::Config;
+use crate::disk::SpaceGuard;
+use crate::log::{Log, LogError};
+use crate::metrics::Metrics;
 use crate::model::{QOS_TOO_LARGE, Record, TooLarge};
+use crate::mqtt::{AckToken, Incoming, Mqtt};
+
+use super::error::{AgentError, failpoint};
+
+/// The most that inputs held under backpressure may take, in bytes (topic, payload and
+/// bookkeeping). Past it an input is let go, unacknowledged: the broker keeps it, and once
+/// backpressure ends the agent reconnects so that the broker sends it again (issue 16: with
+/// no bound, mosquitto 2.0.11 pushed 485k queued messages, 680 MiB, at an agent whose outbox
+/// was full). A QoS 0 input let go is gone, as QoS 0 allows: the broker keeps nothing for
+/// it, and holding QoS 0 without bound is what the bound is against.
+pub(crate) const HELD_LIMIT: usize = 4 << 20;
+
+/// What a held message takes besides its topic and payload: the message, its ack token
+/// and its queue slot, rounded up.
+const HELD_OVERHEAD: usize = 96;
+
+/// How long backpressure must stay off before the agent reconnects for inputs it let go:
+/// every reconnect makes the broker re-send all it has not had acknowledged, and a
+/// backpressure that comes and goes would otherwise ask for that again and again.
+const REDELIVER_SETTLE: Duration = Duration::from_secs(2);
+
+/// What ingest counts, for `/metrics` and the `STATUS=` line.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Counts {
+    pub(crate) received: u64,
+    pub(crate) acked: u64,
+    pub(crate) log_commits: u64,
+    /// Inputs over `log.max_payload`, logged as `too_large` stand-ins.
+    pub(crate) oversize: u64,
+    /// Inputs let go under backpressure (see [`HELD_LIMIT`]).
+    pub(crate) held_let_go: u64,
+    pub(crate) reconnects: u64,
+}
+
+/// The ingest part: the [`Queue`], the free-space guard, and what backpressure left to do.
+pub(crate) struct Ingest {
+    pub(crate) queue: Queue<AckToken, Incoming>,
+    /// Free space under the log and the store: below the reserve, stop acking (invariant 7)
+    /// and let checkpoints wait.
+    space: SpaceGuard,
+    /// Inputs were let go under backpressure: reconnect once it has stayed off for
+    /// [`REDELIVER_SETTLE`] and the acks before them are out.
+    redeliver: bool,
+    /// When backpressure last went off (`None` while on).
+    backpressure_off_at: Option<Instant>,
+    pub(crate) counts: Counts,
+}
+
+impl Ingest {
+    /// `receipt`: the receipt clock as recovery left it; `space`: the guard over the log's
+    /// and the store's directories.
+    pub(crate) fn new(receipt: ReceiptClock, space: SpaceGuard) -> Ingest {
+        Ingest {
+            queue: Queue::new(receipt, HELD_LIMIT, |m| {
+                m.topic.len() + m.payload.len() + HELD_OVERHEAD
+            }),
+            space,
+            redeliver: false,
+            backpressure_off_at: None,
+            counts: Counts::default(),
+        }
+    }
+
+    /// A message arrived: `Some` to append now, `None` if held (or let go).
+    pub(crate) fn arrive(&mut self, m: Incoming) -> Option<Incoming> {
+        self.counts.received += 1;
+        self.queue.arrive(m)
+    }
+
+    /// Append one message; false (and it is held) when the log or the disk is full.
+    pub(crate) fn append(
+        &mut self,
+        log: &mut Log,
+        m: Incoming,
+        cfg: &Config,
+        clock: &dyn Clock,
+    ) -> Result<bool, AgentError> {
+        // A nearly full disk is backpressure too: an ENOSPC would poison the log and stop
+        // the agent. 64 bytes cover the frame header and the record's other fields.
+        let bytes = (m.topic.len() + m.payload.len()) as u64 + 64;
+        let at = clock.monotonic();
+        if let Some(free) = self.space.check(at, bytes)? {
+            let why = format!(
+                "the disk is nearly full: {free} bytes free under {}, below the reserve of {} \
+                 bytes (2 × log.segment_size)",
+                self.space.lowest_dir().display(),
+                self.space.reserve()
+            );
+            self.set_backpressure(true, &why, at);
+            self.queue.hold_again(m);
+            return Ok(false);
+        }
+        let (now, note) = self.queue.stamp(clock.wall_ms(), clock.monotonic());
+        if let Some(note) = note {
+            log_clock_note(cfg, &note);
+        }
+        let stand_in = stand_in(&m.payload, m.qos, cfg.log.max_payload);
+        let appended = match &stand_in {
+            Some((p, qos)) => log.append_stand_in(now, &m.topic, p, *qos, m.retain),
+            None => log.append(now, &m.topic, &m.payload, m.qos, m.retain),
+        };
+        let offset = match appended {
+            Ok(off) => off,
+            Err(LogError::Full { .. }) => {
+                self.set_backpressure(true, "the replay log is full", at);
+                self.queue.hold_again(m);
+                return Ok(false);
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let (payload, qos) = match stand_in {
+            Some(s) => {
+                self.counts.oversize += 1;
+                s
+            }
+            None => (m.payload, m.qos),
+        };
+        let rec = Record {
+            offset,
+            received_at_ms: now,
+            topic: m.topic,
+            payload,
+            qos,
+            retain: m.retain,
+        };
+        self.queue.appended(rec, m.token, clock.monotonic());
+        Ok(true)
+    }
+
+    fn set_backpressure(&mut self, on: bool, why: &str, now: Instant) {
+        if self.queue.set_backpressure(on) {
+            self.backpressure_off_at = (!on).then_some(now);
+            if on {
+                log::warn!("backpressure on: {why}; not acknowledging, the broker queues");
+            } else {
+                log::info!("backpressure off: acknowledging again");
+            }
+        }
+    }
+
+    /// Invariant 1: fsync, then PUBACK in receipt order; the committed records come back for
+    /// processing.
+    pub(crate) fn commit(
+        &mut self,
+        log: &mut Log,
+        mqtt: &Mqtt,
+        metrics: &Metrics,
+        clock: &dyn Clock,
+    ) -> Result<Vec<Record>, AgentError> {
+        // A deliberately unsafe build acks first, to show the crash harness catches it.
+        let unsafe_early_ack = crate::failpoint::enabled("unsafe.ack_before_fsync");
+        if unsafe_early_ack {
+            self.send_acks(mqtt)?;
+            // Hold the window open as a slow flash write would, so that a cut in the harness
+            // lands inside it often enough to be seen, rather than once in a few hundred.
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        if log.pending() > 0 {
+            let began = clock.monotonic();
+            log.commit()?;
+            self.counts.log_commits += 1;
+            let took = clock.monotonic().saturating_duration_since(began);
+            metrics.update(|f| {
+                f.log_commits += 1;
+                f.log_commit.observe(took);
+            });
+        }
+        failpoint("ingest.before_puback")?;
+        self.send_acks(mqtt)?;
+        failpoint("ingest.after_puback")?;
+        let now = clock.monotonic();
+        self.redeliver_let_go(mqtt, now);
+        // The records go on to processing; acks the MQTT module had no room for wait for
+        // the next commit interval.
+        Ok(self.queue.committed(now))
+    }
+
+    /// Acks go to the MQTT module in receipt order, as many as its queue takes. The rest wait
+    /// here, still in order, for the next commit timer: a full queue (the broker sending
+    /// faster than rumqttc takes requests) is load, not a reason to exit (found by
+    /// tests/it/e2e.rs, where mosquitto 2.0.11 outran `max_inflight_messages`).
+    fn send_acks(&mut self, mqtt: &Mqtt) -> Result<(), AgentError> {
+        for t in self.queue.acks_to_send(mqtt.ack_room()) {
+            mqtt.ack(t)?;
+            self.counts.acked += 1;
+        }
+        Ok(())
+    }
+
+    /// Inputs were let go under backpressure and it has ended: once every ack before them is
+    /// with the MQTT module, reconnect, so that the broker sends them again.
+    pub(crate) fn redeliver_let_go(&mut self, mqtt: &Mqtt, now: Instant) {
+        let settled = self
+            .backpressure_off_at
+            .is_some_and(|t| now >= t + REDELIVER_SETTLE);
+        if self.redeliver && settled && !self.queue.acks_waiting() {
+            self.redeliver = false;
+            mqtt.reconnect();
+        }
+    }
+
+    /// Try the held messages again, oldest first (the caller has done what
+    /// [`super::keeper::Relief`] asked); backpressure ends once all are in the log.
+    pub(crate) fn retry_held(
+        &mut self,
+        log: &mut Log,
+        cfg: &Config,
+        clock: &dyn Clock,
+    ) -> Result<(), AgentError> {
+        while let Some(m) = self.queue.next_held() {
+            if !self.append(log, m, cfg, clock)? {
+                return Ok(()); // still no room: held again
+            }
+        }
+        self.set_backpressure(false, "", clock.monotonic());
+        let let_go = self.queue.take_let_go();
+        if let_go > 0 {
+            // The broker re-sends unacknowledged messages only on a new connection. The
+            // MQTT thread writes the acks queued before this request first.
+            self.counts.held_let_go += let_go;
+            log::info!(
+                "backpressure ended with {let_go} input(s) let go past the {HELD_LIMIT}-byte bound \
+                 of held ones; once it has stayed off for {REDELIVER_SETTLE:?} the agent \
+                 reconnects, so that the broker sends them again"
+            );
+            self.redeliver = true;
+        }
+        Ok(())
+    }
+
+    /// Whether `bytes` more may be written to the store now (a checkpoint): `Some(free)`
+    /// when that would leave less than the reserve.
+    pub(crate) fn room_for(&mut self, now: Instant, bytes: u64) -> Result<Option<u64>, AgentError> {
+        Ok(self.space.check(now, bytes)?)
+    }
+
+    /// The guard's reserve and the directory with the least room, for the journal.
+    pub(crate) fn space(&self) -> (&std::path::Path, u64) {
+        (self.space.lowest_dir(), self.space.reserve())
+    }
+}
+
+/// Put a clock note in the journal, with what it means for this configuration.
+pub(crate) fn log_clock_note(cfg: &Config, note: &Note) {
+    use crate::clock::{human_ms, utc_ms};
+    match *note {
+        Note::BehindRecorded {
+            wall_ms,
+            recorded_ms,
+        } => log::warn!(
+            "clock: the wall clock ({}) is behind the newest time of receipt already recorded \
+             ({}): it was set back, or the box booted with a stale clock. New records are \
+             stamped from {} on at the monotonic clock's rate until the wall clock catches up, \
+             so times of receipt never go backwards",
+            utc_ms(wall_ms),
+            utc_ms(recorded_ms),
+            utc_ms(recorded_ms)
+        ),
+        Note::SteppedBack { by_ms } => log::warn!(
+            "clock: the wall clock stepped back by {}; times of receipt go on from the last one \
+             at the monotonic clock's rate until it catches up, so windows by time of receipt \
+             and the dedup window keep their real pace",
+            human_ms(by_ms)
+        ),
+        Note::CaughtUp => {
+            log::info!(
+                "clock: the wall clock caught up with the times of receipt; following it again"
+            )
+        }
+        Note::SteppedForward {
+            by_ms,
+            expected_ms,
+            to_ms,
+        } => log_clock_forward(cfg, by_ms, expected_ms, to_ms),
+    }
+}
+
+/// A forward step ages everything recorded at once: say what that does to dedup and
+/// retention under this configuration.
+fn log_clock_forward(cfg: &Config, by_ms: u64, expected_ms: u64, to_ms: u64) {
+    use crate::clock::{human_ms, utc_ms};
+    let dedup = cfg
+        .pipelines
+        .iter()
+        .min_by_key(|p| p.dedup_window_ms)
+        .map(|p| {
+            format!(
+                "dedup entries first seen before {} (pipeline `{}`, dedup_window {}; \
+                 each pipeline by its own window) stop catching duplicates",
+                utc_ms(to_ms.saturating_sub(p.dedup_window_ms)),
+                p.name,
+                human_ms(p.dedup_window_ms)
+            )
+        })
+        .unwrap_or_else(|| "dedup entries age by as much".into());
+    let retention = u64::try_from(cfg.log.retention.as_millis()).unwrap_or(u64::MAX);
+    log::warn!(
+        "clock: the wall clock stepped forwards by {} beyond what the monotonic clock \
+         counted since the last record; times of receipt follow it (now {} instead of \
+         {}). The dedup window and log retention are measured in time of receipt, so \
+         everything recorded so far ages by {} at once: {}, and log segments received \
+         before {} (log.retention {}) are deleted once checkpointed. If the clock was \
+         wrong before, this is the correction; if it is wrong now, fix it: times of \
+         receipt never go back, so records keep the later time until it catches up",
+        human_ms(by_ms),
+        utc_ms(to_ms),
+        utc_ms(expected_ms),
+        human_ms(by_ms),
+        dedup,
+        utc_ms(to_ms.saturating_sub(retention)),
+        human_ms(retention)
+    );
+}
 
 /// Slots a queue here keeps once it is empty again. A burst can grow one far beyond that:
 /// mosquitto 2.0.11 sends a queued backlog without waiting for acks, and draining 1M queued
@@ -28,7 +348,7 @@ fn shrink_if_empty<T>(q: &mut VecDeque<T>) {
     }
 }
 
-pub(crate) struct Ingest<A, M> {
+pub(crate) struct Queue<A, M> {
     /// Appended but not yet committed: their acks and records, in receipt order.
     unsynced_acks: VecDeque<A>,
     unsynced_recs: Vec<Record>,
@@ -41,7 +361,7 @@ pub(crate) struct Ingest<A, M> {
     held_bytes: usize,
     held_limit: usize,
     size_of: fn(&M) -> usize,
-    /// Messages let go since the last [`Ingest::take_let_go`] because the held ones had
+    /// Messages let go since the last [`Queue::take_let_go`] because the held ones had
     /// reached `held_limit`.
     let_go: u64,
     backpressure: bool,
@@ -49,11 +369,11 @@ pub(crate) struct Ingest<A, M> {
     receipt: ReceiptClock,
 }
 
-impl<A, M> Ingest<A, M> {
+impl<A, M> Queue<A, M> {
     /// `held_limit`: the bytes (by `size_of`) that messages held under backpressure may take;
     /// one message is always held, whatever its size.
     pub(crate) fn new(receipt: ReceiptClock, held_limit: usize, size_of: fn(&M) -> usize) -> Self {
-        Ingest {
+        Queue {
             unsynced_acks: VecDeque::new(),
             unsynced_recs: Vec::new(),
             first_unsynced: None,
@@ -72,7 +392,7 @@ impl<A, M> Ingest<A, M> {
     ///
     /// Once the held messages take `held_limit` bytes, a newer one is let go: neither
     /// appended nor acknowledged, so the broker still has it and sends it again on the next
-    /// connection (see [`Ingest::take_let_go`]). A broker is meant to stop at its inflight
+    /// connection (see [`Queue::take_let_go`]). A broker is meant to stop at its inflight
     /// window, but mosquitto 2.0.11 sends a queued backlog without waiting for acks: with
     /// the outbox full, the agent held 485k messages, 680 MiB (issue 16).
     pub(crate) fn arrive(&mut self, m: M) -> Option<M> {
@@ -105,7 +425,7 @@ impl<A, M> Ingest<A, M> {
         m
     }
 
-    /// How many messages were let go since the last call (see [`Ingest::arrive`]): the
+    /// How many messages were let go since the last call (see [`Queue::arrive`]): the
     /// broker re-sends them only on a new connection.
     pub(crate) fn take_let_go(&mut self) -> u64 {
         std::mem::take(&mut self.let_go)
@@ -209,8 +529,8 @@ pub(crate) fn stand_in(payload: &[u8], qos: u8, max_payload: u64) -> Option<(Vec
 mod tests {
     use super::*;
 
-    fn ingest() -> Ingest<u32, &'static str> {
-        Ingest::new(
+    fn ingest() -> Queue<u32, &'static str> {
+        Queue::new(
             ReceiptClock::start(0, 1_000, Instant::now()).0,
             usize::MAX,
             |m| m.len(),
@@ -344,8 +664,8 @@ mod tests {
 
     #[test]
     fn held_messages_past_the_limit_are_let_go_and_counted_and_one_is_always_held() {
-        let mut i: Ingest<u32, &'static str> =
-            Ingest::new(ReceiptClock::start(0, 1_000, Instant::now()).0, 5, |m| {
+        let mut i: Queue<u32, &'static str> =
+            Queue::new(ReceiptClock::start(0, 1_000, Instant::now()).0, 5, |m| {
                 m.len()
             });
         i.set_backpressure(true);

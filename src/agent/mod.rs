@@ -1,59 +1,50 @@
-//! The agent: one event loop wiring ingest, processor, checkpoints and publisher.
+//! The agent: one event loop that owns its parts, hands each the IO it needs, and carries
+//! out what they return (the sans-IO shape of quinn-proto and rustls).
 //!
 //! ```text
-//!  mqtt thread ──Event──▶ loop: append to log ─(group commit: fsync)─▶ PUBACK in order
-//!                                 │                                     │
-//!                                 │            processor.apply(record) ◀┘
-//!                                 │            publish at once, in order (inputs durable)
-//!                                 │            checkpoint (one sled tx + fsync): unsettled
-//!                                 └──────────▶ results into the outbox; delete on PUBACK
+//!  mqtt thread ──Event──▶ loop: ingest appends to the log ─(group commit: fsync)─▶ PUBACK
+//!                                 │                                        │ in order
+//!                                 │            processor.apply(record) ◀───┘ (or the log
+//!                                 │            holds it: work takes it back later)
+//!                                 │            results: publish at once, in order
+//!                                 │            keeper: checkpoint (one sled tx; fsync beside)
+//!                                 └──────────▶ results: what a PUBACK settles, deleted
 //! ```
 //!
 //! The loop never waits on the MQTT thread: acks and publishes are queued without blocking
 //! (the MQTT module polls rumqttc in its own thread). Timers use the monotonic clock; the
-//! wall clock is read to stamp `received_at_ms` on new records (invariant 3), through a
-//! [`ReceiptClock`](crate::clock::ReceiptClock) that never goes backwards (see
-//! [`crate::clock`]).
+//! wall clock is read through the one [`Clock`] the agent was started with (times of
+//! receipt through a [`crate::clock::ReceiptClock`] that never goes backwards).
 //!
-//! ## Rooms
+//! ## Parts
 //!
-//! The decisions live in parts that do no IO; they are told the time and what happened,
-//! and answer what to do. This file is the loop that carries the answers out against the
-//! log, the store and the broker.
+//! Each part is a room: it owns its state, decides without reaching into the loop, and is
+//! handed the IO it needs (the log, the processor, a connection) as arguments. No part
+//! imports this file or calls back into it; the loop is the one `impl Agent`, and a new
+//! concern is a new part (`tests/it/layering.rs` checks both).
 //!
-//! - `ingest`: group commit (unsynced acks and records), ack order, held input and
-//!   backpressure, times of receipt, the `too_large` stand-in.
-//! - `publisher`: results before their checkpoint, the cursor and inflight window; what a
-//!   PUBACK settles.
-//! - `checkpointer`: when to checkpoint, retention's cutoff, relief for held input,
-//!   savepoint scheduling and the savepoint floor, when to look at sled's files.
-//! - `reload`: SIGHUP as a pure diff of two configs, then applied. `boundary`: pipeline
-//!   changes take effect at a checkpoint boundary. `fsync`: the checkpoint's fsync beside
-//!   the loop; retention and the quarantine wait for it.
-//! - `uplink`: with `[uplink]`, results go out on a second connection (its events arrive
-//!   on the same channel); the link's state and the backlog's drain rate.
-//! - `backfill`: slices of the retained log for `start = "earliest"` pipelines, and the
-//!   log they need kept from retention.
-//! - `start`: recovery and wiring; `retention`: log segments deleted; `drain`: shutdown;
-//!   `savepoints`: savepoints carried out; `figures`: metrics and the `STATUS=` line;
-//!   `memory`: heap trimming; `error`: [`AgentError`].
+//! - `ingest`: group commit, acks in receipt order, held input and backpressure, the
+//!   free-space guard, times of receipt.
+//! - `results/`: the outbox room: what waits, each sink's cursor, what a PUBACK settles,
+//!   the outbox bound, the uplink and its topic prefix (`results/mqtt.rs`).
+//! - `work`: when catch-up or backfill takes a slice of the log (the one reader is the
+//!   processor's, `processor/slice.rs`).
+//! - `keeper/`: when a checkpoint is due, its fsync beside the loop, retention, savepoints,
+//!   checkpoints waiting for disk room.
+//! - `figures`: `/metrics`, the `STATUS=` line and the watchdog, dead-letter lines.
+//! - `start`: recovery (the start plan is the processor's, `processor/plan.rs`);
+//!   `reload`: SIGHUP as a pure diff of two configs; `memory`: heap trimming; `error`:
+//!   [`AgentError`].
 
-mod backfill;
-mod behind;
-mod boundary;
-mod checkpointer;
-mod drain;
 mod error;
 mod figures;
-mod fsync;
 mod ingest;
+mod keeper;
 mod memory;
-mod publisher;
 mod reload;
-mod retention;
-mod savepoints;
+mod results;
 mod start;
-mod uplink;
+mod work;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -62,35 +53,20 @@ use std::time::{Duration, Instant};
 use crate::clock::Clock;
 use crate::config::Config;
 use crate::fsio::Durability;
-use crate::log::{Log, LogError};
+use crate::log::Log;
 use crate::metrics::Metrics;
 use crate::model::Record;
-use crate::mqtt::{AckToken, Event, Events, Incoming, Mqtt, MqttError, Want};
+use crate::mqtt::{Event, Events, Mqtt, Want};
 use crate::pipeline::engine::Outcome;
 use crate::processor::Processor;
 
-use behind::Behind;
-use behind::outbox_full;
-use checkpointer::{Checkpointer, Relief};
 pub use error::AgentError;
 use error::failpoint;
-use figures::Refresh;
+use figures::{Figures, View};
 use ingest::Ingest;
-use memory::Trim;
-use publisher::Publisher;
-
-/// The most that inputs held under backpressure may take, in bytes (topic, payload and
-/// bookkeeping). Past it an input is let go, unacknowledged: the broker keeps it, and once
-/// backpressure ends the agent reconnects so that the broker sends it again (issue 16: with
-/// no bound, mosquitto 2.0.11 pushed 485k queued messages, 680 MiB, at an agent whose outbox
-/// was full). A QoS 0 input let go is gone, as QoS 0 allows: the broker keeps nothing for
-/// it, and holding QoS 0 without bound is what the bound is against.
-pub(crate) const HELD_LIMIT: usize = 4 << 20;
-
-/// How long backpressure must stay off before the agent reconnects for inputs it let go:
-/// every reconnect makes the broker re-send all it has not had acknowledged, and a
-/// backpressure that comes and goes would otherwise ask for that again and again.
-const REDELIVER_SETTLE: Duration = Duration::from_secs(2);
+use keeper::{CHECKPOINT_BYTES_PER_WRITE, Keeper, Relief, Schedule};
+use results::Results;
+use work::{Next, Work};
 
 /// Shutdown requests: 0 none, 1 drain and exit, 2 or more exit now.
 #[derive(Debug, Clone, Default)]
@@ -115,64 +91,69 @@ pub fn wall_ms() -> u64 {
     crate::clock::SystemClock.wall_ms()
 }
 
-/// Figures the loop keeps (issue 6 exports them).
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Stats {
-    pub received: u64,
-    pub acked: u64,
-    pub log_commits: u64,
-    pub checkpoints: u64,
-    pub published: u64,
-    pub pubacked: u64,
-    /// Results published before the checkpoint that commits them (issue 14).
-    pub published_early: u64,
-    /// Results acknowledged before their checkpoint, so never written to the outbox.
-    pub settled_early: u64,
-    pub reconnects: u64,
-    /// Inputs over `log.max_payload`, logged as `too_large` stand-ins.
-    pub oversize: u64,
-    /// Inputs let go under backpressure (see [`HELD_LIMIT`]).
-    pub held_let_go: u64,
-}
-
 pub struct Agent {
     cfg: Config,
     log: Log,
     proc: Processor,
+    /// The input connection (`[mqtt]`), and the one channel both connections' events
+    /// arrive on.
     mqtt: Mqtt,
     events: Events,
-    ingest: Ingest<AckToken, Incoming>,
-    /// Inputs were let go under backpressure: reconnect once it has stayed off for
-    /// [`REDELIVER_SETTLE`] and the acks before them are out.
-    redeliver: bool,
-    /// When backpressure last went off (`None` while on).
-    backpressure_off_at: Option<Instant>,
-    publisher: Publisher,
-    checkpointer: Checkpointer,
-    /// The checkpoint's fsync, beside the loop.
-    fsync: fsync::Fsync,
-    /// Free space under the log and the store: below the reserve, stop acking (invariant 7).
-    space: crate::disk::SpaceGuard,
-    stats: Stats,
-    dead_letter_log: crate::logging::RateLimit,
-    /// Figures for `/metrics` (issue 6); gauges refreshed every `metrics::REFRESH_INTERVAL`.
-    metrics: Arc<Metrics>,
-    metrics_refreshed: Refresh,
-    trim: Trim,
-    sync: Durability,
+    ingest: Ingest,
+    results: Results,
+    work: Work,
+    keeper: Keeper,
+    figures: Figures,
     /// The box's clocks, passed in so tests can step them.
     clock: Box<dyn Clock>,
-    /// Warnings for processed segments deleted inside retention (a log short of room).
-    eviction_log: crate::logging::RateLimit,
-    /// `[uplink]`: the connection results go out on instead of `mqtt` (issue 13).
-    uplink: Option<uplink::Uplink>,
-    /// Backfills (`start = "earliest"`) in progress, if any.
-    backfill: backfill::Backfilling,
-    /// Processing behind the log while the outbox is at its bound (`behind`).
-    behind: Behind,
 }
 
 impl Agent {
+    /// Recover (truncate the torn tail, carry out the start plan, replay), then connect.
+    pub fn start(cfg: Config, sync: Durability) -> Result<Agent, AgentError> {
+        Agent::start_with_reset(cfg, sync, &[])
+    }
+
+    /// As [`Agent::start`], first resetting the named pipelines' state (see
+    /// [`Processor::open_with`]).
+    pub(crate) fn start_with_reset(
+        cfg: Config,
+        sync: Durability,
+        reset: &[String],
+    ) -> Result<Agent, AgentError> {
+        Agent::start_with_clock(cfg, sync, reset, crate::clock::from_env())
+    }
+
+    /// As [`Agent::start_with_reset`], stamping times of receipt from `clock`.
+    pub(crate) fn start_with_clock(
+        cfg: Config,
+        sync: Durability,
+        reset: &[String],
+        clock: Box<dyn Clock>,
+    ) -> Result<Agent, AgentError> {
+        let dir = cfg.storage.data_dir.clone();
+        let s = start::recover(&cfg, &sync, reset, clock.as_ref())
+            .map_err(|e| e.explain_disk_full(&dir))?;
+        Ok(Agent {
+            cfg,
+            log: s.log,
+            proc: s.proc,
+            mqtt: s.mqtt,
+            events: s.events,
+            ingest: s.ingest,
+            results: s.results,
+            work: s.work,
+            keeper: s.keeper,
+            figures: s.figures,
+            clock,
+        })
+    }
+
+    /// The figures `/metrics` serves.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.figures.metrics
+    }
+
     /// Now, on the monotonic clock. Every timer and time of day the agent uses comes from
     /// the one [`Clock`] it was started with, so a test can drive them all.
     fn now(&self) -> Instant {
@@ -187,7 +168,6 @@ impl Agent {
     }
 
     fn run_loop(mut self, shutdown: &Shutdown) -> Result<(), AgentError> {
-        let mut beat = crate::notify::Heartbeat::from_env();
         while shutdown.requested() == 0 {
             let timeout = self.next_deadline().saturating_duration_since(self.now());
             match self
@@ -208,19 +188,22 @@ impl Agent {
                             Err(_) => break,
                         }
                     }
-                    if self.ingest.batch_full(self.cfg.mqtt.ingest_batch) {
+                    if self.ingest.queue.batch_full(self.cfg.mqtt.ingest_batch) {
                         self.commit_log()?;
                     }
                 }
                 Err(_) => return Err(AgentError::MqttGone),
             }
             self.tick(false)?;
-            self.backfill_step()?;
-            self.behind_step()?;
+            self.work_step()?;
             if crate::signals::take_reload() {
                 self.reload();
             }
-            beat.beat(self.now(), || self.status_line());
+            let now = self.now();
+            let (log, proc, ingest, results) = (&self.log, &self.proc, &self.ingest, &self.results);
+            self.figures
+                .heartbeat
+                .beat(now, || figures::status_line(log, proc, ingest, results));
         }
         self.drain(shutdown)
     }
@@ -233,31 +216,31 @@ impl Agent {
     /// longer than a message does. Connection events always wake the loop.
     fn want(&self) -> Want {
         Want {
-            messages: self.ingest.messages_wanted(self.cfg.mqtt.ingest_batch),
+            messages: self
+                .ingest
+                .queue
+                .messages_wanted(self.cfg.mqtt.ingest_batch),
             acks: usize::from(self.cfg.outbox.inflight / 2).max(1),
         }
     }
 
-    /// Enough applied since the last checkpoint to take one now (`checkpoint.max_records`,
-    /// `checkpoint.max_keys`).
-    fn checkpoint_size_due(&self) -> bool {
-        Checkpointer::size_due(
-            self.proc.pending_records(),
-            self.proc.pending_keys(),
-            &self.cfg.checkpoint,
-        )
+    /// Why processing must wait now, if it must: the outbox at its bound, or checkpoints
+    /// waiting for disk room.
+    fn hold(&self) -> Option<&'static str> {
+        Results::full(&self.cfg.outbox, &self.proc).or(self
+            .keeper
+            .waiting_for_disk()
+            .then_some("the disk is nearly full"))
     }
 
     /// The next timer: the group commit's or the checkpoint's, at most 100 ms away (a commit
-    /// interval while publishes are in flight on a live connection).
+    /// interval while publishes are in flight on a live connection); now, if a slice of the
+    /// log is ready.
     fn next_deadline(&self) -> Instant {
-        if self.backfill.active() {
-            return self.now(); // a backfill slice is waiting: do not wait for input
+        if self.work.ready(self.hold()) {
+            return self.now();
         }
-        if self.behind.active() && outbox_full(&self.cfg.outbox, &self.proc).is_none() {
-            return self.now(); // records wait in the log and the outbox has room
-        }
-        let acks_may_wait = !self.publisher.idle() && self.publisher.is_connected();
+        let acks_may_wait = !self.results.idle() && self.results.connected();
         let far = self.now()
             + if acks_may_wait {
                 self.cfg.log.commit_interval // see `want`
@@ -266,10 +249,12 @@ impl Agent {
             };
         let a = self
             .ingest
+            .queue
             .deadline(self.cfg.log.commit_interval)
             .unwrap_or(far);
         let b = self
-            .checkpointer
+            .keeper
+            .schedule
             .deadline(self.cfg.checkpoint.interval)
             .unwrap_or(far);
         a.min(b)
@@ -278,24 +263,28 @@ impl Agent {
     fn on_event(&mut self, ev: Event) -> Result<(), AgentError> {
         match ev {
             Event::Message(m) => {
-                self.stats.received += 1;
                 if let Some(m) = self.ingest.arrive(m) {
-                    self.append(m)?;
+                    self.ingest
+                        .append(&mut self.log, m, &self.cfg, self.clock.as_ref())?;
                 }
             }
-            Event::PubAcked { output_id } => self.pubacked(&output_id)?,
-            Event::Uplink(ev) => self.on_uplink_event(*ev)?,
+            Event::PubAcked { output_id } => self.results.acked(&output_id, &self.proc)?,
+            Event::Uplink(ev) => {
+                let at = (self.clock.wall_ms(), self.now());
+                self.results
+                    .on_uplink_event(*ev, &self.proc, &self.cfg.outbox, at)?
+            }
             Event::Connected { session_present } => {
                 log::info!(
                     "mqtt: connected to {}:{} (session present: {session_present})",
                     self.cfg.mqtt.host,
                     self.cfg.mqtt.port
                 );
-                self.input_link(true);
+                self.results.input_link(true);
             }
             Event::Disconnected { reason } => {
-                if self.input_link(false) {
-                    self.stats.reconnects += 1;
+                if self.results.input_link(false) {
+                    self.ingest.counts.reconnects += 1;
                 }
                 // Acks still queued for that connection are dropped by the MQTT module; the
                 // broker redelivers those messages (DUP=1) and dedup by event ID drops them.
@@ -305,135 +294,26 @@ impl Agent {
         Ok(())
     }
 
-    /// The broker acknowledged a result: delete its outbox entry.
-    fn pubacked(&mut self, output_id: &str) -> Result<(), AgentError> {
-        // Outputs from `fresh` on are not in the store yet: nothing to delete.
-        let fresh = self
-            .proc
-            .pending_outputs()
-            .first()
-            .map_or(u64::MAX, |o| o.0);
-        for (seq, id) in self.publisher.acked(output_id) {
-            if seq >= fresh {
-                // At the broker, its checkpoint not yet committed (tests/it/crash.rs).
-                failpoint("publish.acked_before_checkpoint")?;
-            } else {
-                failpoint("outbox.before_delete")?;
-                self.proc.store().outbox_delete(seq, &id)?;
-                failpoint("outbox.after_delete")?;
-            }
-            self.stats.pubacked += 1;
-        }
-        Ok(())
-    }
-
-    /// Append one message; returns false (and holds it) when the log or the disk is full.
-    fn append(&mut self, m: Incoming) -> Result<bool, AgentError> {
-        // A nearly full disk is backpressure too: an ENOSPC would poison the log and stop
-        // the agent. 64 bytes cover the frame header and the record's other fields.
-        let bytes = (m.topic.len() + m.payload.len()) as u64 + 64;
-        let at = self.now();
-        if let Some(free) = self.space.check(at, bytes)? {
-            let why = format!(
-                "the disk is nearly full: {free} bytes free under {}, below the reserve of {} \
-                 bytes (2 × log.segment_size)",
-                self.space.lowest_dir().display(),
-                self.space.reserve()
-            );
-            self.set_backpressure(true, &why);
-            self.ingest.hold_again(m);
-            return Ok(false);
-        }
-        let (now, note) = self
-            .ingest
-            .stamp(self.clock.wall_ms(), self.clock.monotonic());
-        if let Some(note) = note {
-            start::log_clock_note(&self.cfg, &note);
-        }
-        let stand_in = ingest::stand_in(&m.payload, m.qos, self.cfg.log.max_payload);
-        let appended = match &stand_in {
-            Some((p, qos)) => self.log.append_stand_in(now, &m.topic, p, *qos, m.retain),
-            None => self.log.append(now, &m.topic, &m.payload, m.qos, m.retain),
-        };
-        let offset = match appended {
-            Ok(off) => off,
-            Err(LogError::Full { .. }) => {
-                self.set_backpressure(true, "the replay log is full");
-                self.ingest.hold_again(m);
-                return Ok(false);
-            }
-            Err(e) => return Err(e.into()),
-        };
-        let (payload, qos) = match stand_in {
-            Some(s) => {
-                self.stats.oversize += 1;
-                s
-            }
-            None => (m.payload, m.qos),
-        };
-        let rec = Record {
-            offset,
-            received_at_ms: now,
-            topic: m.topic,
-            payload,
-            qos,
-            retain: m.retain,
-        };
-        let now = self.now();
-        self.ingest.appended(rec, m.token, now);
-        Ok(true)
-    }
-
-    fn set_backpressure(&mut self, on: bool, why: &str) {
-        if self.ingest.set_backpressure(on) {
-            self.backpressure_off_at = (!on).then(|| self.now());
-            if on {
-                log::warn!("backpressure on: {why}; not acknowledging, the broker queues");
-            } else {
-                log::info!("backpressure off: acknowledging again");
-            }
-        }
-    }
-
-    /// Invariant 1: fsync, then PUBACK in receipt order, then process.
+    /// Invariant 1: fsync, then PUBACK in receipt order (ingest), then process: each record
+    /// now, or left in the log for `work` when processing must wait.
     fn commit_log(&mut self) -> Result<(), AgentError> {
-        // A deliberately unsafe build acks first, to show the crash harness catches it.
-        let unsafe_early_ack = crate::failpoint::enabled("unsafe.ack_before_fsync");
-        if unsafe_early_ack {
-            self.send_acks()?;
-            // Hold the window open as a slow flash write would, so that a cut in the harness
-            // lands inside it often enough to be seen, rather than once in a few hundred.
-            std::thread::sleep(Duration::from_millis(25));
-        }
-        if self.log.pending() > 0 {
-            let began = self.now();
-            self.log.commit()?;
-            self.stats.log_commits += 1;
-            let took = self.now().saturating_duration_since(began);
-            self.metrics.update(|f| {
-                f.log_commits += 1;
-                f.log_commit.observe(took);
-            });
-        }
-        failpoint("ingest.before_puback")?;
-        self.send_acks()?;
-        failpoint("ingest.after_puback")?;
-        self.redeliver_let_go();
-        // The records go on to processing; acks the MQTT module had no room for wait for
-        // the next commit interval.
-        let now = self.now();
+        let records = self.ingest.commit(
+            &mut self.log,
+            &self.mqtt,
+            &self.figures.metrics,
+            self.clock.as_ref(),
+        )?;
         let mut applied = false;
-        for rec in self.ingest.committed(now) {
-            if !self.apply_live(rec.offset) {
-                continue; // in the log: processed behind it (`behind`)
-            }
-            for outcome in self.proc.apply(&rec)? {
-                if let Outcome::DeadLetter { reason } = outcome {
-                    self.log_dead_letter(&rec, reason);
-                }
-            }
+        for rec in records {
+            let hold = self.hold();
             let now = self.now();
-            self.checkpointer.applied(now);
+            if !self
+                .work
+                .live(rec.offset, self.proc.next_offset(), hold, now)
+            {
+                continue; // in the log: processed from there later (`work`)
+            }
+            self.apply(&rec)?;
             applied = true;
         }
         if applied {
@@ -448,53 +328,87 @@ impl Agent {
         Ok(())
     }
 
-    /// Inputs were let go under backpressure and it has ended: once every ack before them is
-    /// with the MQTT module, reconnect, so that the broker sends them again.
-    fn redeliver_let_go(&mut self) {
-        let settled = self
-            .backpressure_off_at
-            .is_some_and(|t| self.now() >= t + REDELIVER_SETTLE);
-        if self.redeliver && settled && !self.ingest.acks_waiting() {
-            self.redeliver = false;
-            self.mqtt.reconnect();
+    /// Apply one live record.
+    fn apply(&mut self, rec: &Record) -> Result<(), AgentError> {
+        for outcome in self.proc.apply(rec)? {
+            if let Outcome::DeadLetter { reason } = outcome {
+                let now = self.now();
+                self.figures.dead_letter(now, rec, reason);
+            }
         }
+        let now = self.now();
+        self.keeper.schedule.applied(now);
+        Ok(())
     }
 
-    /// Acks go to the MQTT module in receipt order, as many as its queue takes. The rest wait
-    /// here, still in order, for the next commit timer: a full queue (the broker sending
-    /// faster than rumqttc takes requests) is load, not a reason to exit (found by
-    /// tests/it/e2e.rs, where mosquitto 2.0.11 outran `max_inflight_messages`).
-    fn send_acks(&mut self) -> Result<(), AgentError> {
-        for t in self.ingest.acks_to_send(self.mqtt.ack_room()) {
-            self.mqtt.ack(t)?;
-            self.stats.acked += 1;
+    /// One slice of the log, if the `work` part's rule says so; then publish what it gave,
+    /// and checkpoint if enough records wait for one (the timer covers the rest).
+    fn work_step(&mut self) -> Result<(), AgentError> {
+        let now = self.now();
+        let hold = self.hold();
+        let max = Work::slice_max(self.cfg.checkpoint.max_records);
+        let figures = &mut self.figures;
+        let took = self.work.step(
+            &mut self.proc,
+            &self.log,
+            (max, hold),
+            now,
+            &mut |rec, reason| figures.dead_letter(now, rec, reason),
+        )?;
+        if took.taken > 0 {
+            self.keeper.schedule.applied(now);
+        }
+        match took.kind {
+            Next::Backfill => {
+                // Applied, not checkpointed: a crash here resumes at the last committed cursor.
+                failpoint("backfill.after_slice")?;
+            }
+            Next::CatchUp if took.taken > 0 => {
+                self.proc.flush_upserts();
+                self.publish()?;
+            }
+            _ => return Ok(()),
+        }
+        if self.checkpoint_size_due() {
+            self.checkpoint()?;
         }
         Ok(())
     }
 
-    /// One journal line per dead letter, at most 10 per minute; the rest are counted and
-    /// reported as suppressed (they are all in the store: `cairn inspect dead-letters`).
-    fn log_dead_letter(&mut self, rec: &Record, reason: &str) {
-        self.dead_letter_log
-            .warn(self.clock.monotonic(), "dead letter", "suppressed", || {
-                format!(
-                    "dead letter: offset {} topic `{}` reason {reason} (see `cairn inspect \
-                     dead-letters`)",
-                    rec.offset, rec.topic
-                )
-            });
+    /// Enough applied since the last checkpoint to take one now (`checkpoint.max_records`,
+    /// `checkpoint.max_keys`).
+    fn checkpoint_size_due(&self) -> bool {
+        Schedule::size_due(
+            self.proc.pending_records(),
+            self.proc.pending_keys(),
+            &self.cfg.checkpoint,
+        )
     }
 
+    /// Commit everything applied (leaving out what the results' sinks have settled), hand
+    /// the fsync to the keeper, and take a savepoint if one is due. On a disk below the
+    /// free-space reserve the checkpoint waits instead, and processing with it.
     fn checkpoint(&mut self) -> Result<(), AgentError> {
         // At most one fsync outstanding: the previous checkpoint's first.
         self.settle_fsync(true)?;
         let began = self.now();
-        let settled_below = self.publisher.settled_below();
+        let writes = (self.proc.pending_results() as u64).saturating_add(self.proc.pending_keys());
+        let bytes = writes.saturating_mul(CHECKPOINT_BYTES_PER_WRITE);
+        if self.proc.pending_records() > 0 {
+            if let Some(free) = self.ingest.room_for(began, bytes)? {
+                let (dir, reserve) = self.ingest.space();
+                let dir = dir.to_path_buf();
+                self.keeper.disk_refused(began, free, &dir, reserve);
+                return Ok(());
+            }
+            self.keeper.disk_room(began);
+        }
+        let settled_below = self.results.settled_below();
         let done = self
             .proc
             .checkpoint_settled(self.clock.wall_ms(), settled_below);
         if let Err(e) = &done {
-            self.metrics.update(|f| f.checkpoint_failures += 1);
+            self.figures.metrics.update(|f| f.checkpoint_failures += 1);
             // Fatal by design: the engine is now ahead of the store; a restart replays.
             log::error!(
                 "checkpoint failed: {e}; exiting so that recovery replays from the last checkpoint"
@@ -503,15 +417,35 @@ impl Agent {
         let done = done?;
         let committed = done.is_some();
         if let Some((info, settled)) = done {
-            self.stats.checkpoints += 1;
-            self.stats.settled_early += settled;
+            self.results.checkpointed(settled);
             log::debug!("checkpoint {} at offset {}", info.id, info.next_offset);
             let took = self.now().saturating_duration_since(began);
-            let floor = backfill::retention_floor(&self.proc.store().progress()?, &self.cfg);
-            self.fsync.begin(info.next_offset, floor)?;
-            self.after_checkpoint(took, &info);
+            let floor = keeper::retention_floor(&self.proc.store().progress()?, &self.cfg);
+            self.keeper.committed(info.next_offset, floor)?;
+            self.figures
+                .checkpointed(took, &info, &self.proc, &self.log);
+            // Right after a commit the store is exactly that checkpoint and nothing else
+            // writes to it until this thread goes on: the one moment a savepoint is
+            // consistent. A failed one costs no data (the checkpoint is durable, retention
+            // keeps the log back to the previous savepoint): it is reported, and tried
+            // again next interval.
+            let now = self.now();
+            if self.keeper.schedule.savepoint_due_now(now) {
+                let (figures, clock) = (&mut self.figures, &self.clock);
+                let _ = self.keeper.take_savepoint(
+                    self.proc.store(),
+                    &self.cfg,
+                    &figures.metrics,
+                    now,
+                    &mut |n| {
+                        figures.heartbeat.beat(clock.monotonic(), || {
+                            format!("running: writing a savepoint ({n} entries so far)")
+                        })
+                    },
+                );
+            }
         }
-        self.checkpointer.checkpointed();
+        self.keeper.schedule.checkpointed();
         // After a commit, retention runs once it is durable (`settle_fsync`); with nothing
         // to commit, it still runs by time.
         if !committed {
@@ -523,9 +457,9 @@ impl Agent {
     /// A finished checkpoint fsync (`wait`: wait for the one in progress): the quarantine
     /// forgets what it settled, and retention may delete what it covers.
     fn settle_fsync(&mut self, wait: bool) -> Result<(), AgentError> {
-        let settled = self.fsync.settle(wait);
+        let settled = self.keeper.fsync_done(wait);
         if let Err(e) = &settled {
-            self.metrics.update(|f| f.checkpoint_failures += 1);
+            self.figures.metrics.update(|f| f.checkpoint_failures += 1);
             log::error!(
                 "checkpoint failed: {e}; exiting so that recovery replays from the last checkpoint"
             );
@@ -536,9 +470,26 @@ impl Agent {
         }
         Ok(())
     }
-}
 
-impl Agent {
+    /// The keeper's retention, with the log, the store and the receipt clock.
+    fn retention(&mut self) -> Result<(), AgentError> {
+        let now = self.now();
+        let receipt_ms = self.ingest.queue.receipt_now(self.clock.wall_ms(), now);
+        let (figures, clock) = (&mut self.figures, &self.clock);
+        self.keeper.retention(
+            &mut self.log,
+            self.proc.store(),
+            &self.cfg,
+            &figures.metrics,
+            (receipt_ms, now),
+            &mut |n| {
+                figures.heartbeat.beat(clock.monotonic(), || {
+                    format!("running: writing a savepoint ({n} entries so far)")
+                })
+            },
+        )
+    }
+
     /// The timers, in the order of the diagram: log commit, checkpoint, held input, publish;
     /// then the figures and the heap.
     fn tick(&mut self, force: bool) -> Result<(), AgentError> {
@@ -546,115 +497,137 @@ impl Agent {
         let now = self.now();
         if self
             .ingest
+            .queue
             .commit_due(now, self.cfg.log.commit_interval, force)
         {
             self.commit_log()?;
         }
         if self
-            .checkpointer
+            .keeper
+            .schedule
             .due(now, self.cfg.checkpoint.interval, force)
         {
             self.checkpoint()?;
         }
         self.relieve_backpressure()?;
-        self.redeliver_let_go();
+        self.ingest.redeliver_let_go(&self.mqtt, now);
         self.publish()?;
-        self.refresh_metrics(force)?;
-        self.refresh_uplink();
-        let work = self.stats.checkpoints + self.stats.pubacked;
-        if self.trim.take(now, work) {
+        let view = View {
+            log: &self.log,
+            proc: &self.proc,
+            ingest: &self.ingest,
+            results: &self.results,
+            schedule: &mut self.keeper.schedule,
+            now,
+            wall_ms: self.clock.wall_ms(),
+        };
+        self.figures.refresh(force, view)?;
+        self.results
+            .refresh(&self.figures.metrics, &self.proc, &self.cfg.outbox, now);
+        let work = self.keeper_work();
+        if self.figures.trim.take(now, work) {
             memory::return_free_memory();
             // And what the MQTT threads' allocation caches hold (`crate::alloc`).
             self.mqtt.rest();
-            if let Some(u) = &self.uplink {
-                u.mqtt.rest();
-            }
+            self.results.rest();
         }
         Ok(())
     }
 
+    /// Work done so far, for heap trimming: checkpoints and acknowledged results.
+    fn keeper_work(&self) -> u64 {
+        let f = self.figures.metrics.snapshot();
+        f.checkpoints + self.results.counts.pubacked
+    }
+
+    /// Held input: first what the keeper's schedule says relieves it, then try it again.
     fn relieve_backpressure(&mut self) -> Result<(), AgentError> {
-        let relief = Checkpointer::relief(self.ingest.has_held(), || {
+        let relief = Schedule::relief(self.ingest.queue.has_held(), || {
             (self.log.short_of_room(), self.proc.pending_records())
         });
         match relief {
-            Relief::Nothing => {}
+            Relief::Nothing => return Ok(()),
             Relief::Checkpoint => self.checkpoint()?,
             Relief::Retention => self.retention()?,
         }
-        while let Some(m) = self.ingest.next_held() {
-            if !self.append(m)? {
-                return Ok(()); // the log is still full: held again
-            }
-        }
-        self.set_backpressure(false, "");
-        let let_go = self.ingest.take_let_go();
-        if let_go > 0 {
-            // The broker re-sends unacknowledged messages only on a new connection. The
-            // MQTT thread writes the acks queued before this request first.
-            self.stats.held_let_go += let_go;
-            log::info!(
-                "backpressure ended with {let_go} input(s) let go past the {HELD_LIMIT}-byte bound \
-                 of held ones; once it has stayed off for {REDELIVER_SETTLE:?} the agent \
-                 reconnects, so that the broker sends them again"
-            );
-            self.redeliver = true;
-        }
-        Ok(())
+        self.ingest
+            .retry_held(&mut self.log, &self.cfg, self.clock.as_ref())
     }
 
-    /// Send, in order and within the inflight window, the durable outbox entries from the
-    /// cursor, then the outputs still waiting for their checkpoint (their inputs are durable
-    /// in the log: see `publisher`).
+    /// The results room sends what it can.
     fn publish(&mut self) -> Result<(), AgentError> {
-        let room = self
-            .publisher
-            .room(self.cfg.outbox.inflight, || self.results().inflight());
-        if room == 0 {
-            return Ok(());
-        }
-        let cursor = self.publisher.cursor();
-        let mut batch: Vec<_> = self
-            .proc
-            .store()
-            .outbox_from(cursor)
-            .take(room)
-            .map(|e| e.map(|(seq, out)| (seq, out, false)))
-            .collect::<Result<_, _>>()?;
-        // Then outputs still waiting for their checkpoint, from the cursor on: all newer
-        // than any outbox entry.
-        let pending = self.proc.pending_outputs();
-        let from = pending.partition_point(|(seq, _)| *seq < cursor);
-        let left = room - batch.len();
-        batch.extend(
-            pending[from..]
-                .iter()
-                .take(left)
-                .map(|(s, o)| (*s, o.clone(), true)),
-        );
-        for (seq, out, fresh) in batch {
-            failpoint("outbox.before_publish")?;
-            let topic = self.result_topic(&out.topic);
-            match self
-                .results()
-                .publish(out.id.clone(), &topic, out.payload, out.retain)
-            {
-                Ok(()) => {
-                    self.publisher.sent(out.id, seq);
-                    self.stats.published += 1;
-                    if fresh && self.stats.published_early == 0 {
-                        log::info!(
-                            "publish: results now leave before their checkpoint (first: {})",
-                            self.stats.published
-                        );
-                    }
-                    self.stats.published_early += u64::from(fresh);
-                    failpoint("outbox.after_publish")?;
+        self.results
+            .publish(&self.proc, &self.mqtt, self.cfg.outbox.inflight)
+    }
+
+    /// SIGHUP: re-read the config and apply what is safe to change (see `reload`).
+    fn reload(&mut self) {
+        crate::notify::reloading();
+        match crate::config::load(&self.cfg.source) {
+            Err(e) => log::error!("reload: {e}; keeping the running configuration"),
+            Ok(new) => {
+                let plan = reload::diff(&self.cfg, &new);
+                crate::logging::set_level(new.logging.level);
+                self.log.set_max_size(new.log.max_size);
+                reload::apply_safe(&mut self.cfg, &new);
+                if plan.savepoints_changed {
+                    let (wall_ms, now) = (self.clock.wall_ms(), self.now());
+                    self.keeper.reschedule_savepoints(&self.cfg, wall_ms, now);
                 }
-                Err(MqttError::InflightFull { .. }) => break,
-                Err(e) => return Err(e.into()),
+                if plan.restart.is_empty() {
+                    log::info!("reload: applied {}", self.cfg.source.display());
+                } else {
+                    log::warn!(
+                        "reload: applied the safe changes; {} changed too and need a restart (systemctl restart cairn)",
+                        plan.restart.join(", ")
+                    );
+                }
             }
         }
+        crate::notify::ready();
+    }
+
+    /// Shutdown. First signal: stop taking input, make everything durable, give the outbox
+    /// a bounded time, exit. A second signal ends the wait at once; nothing is lost either
+    /// way.
+    fn drain(mut self, shutdown: &Shutdown) -> Result<(), AgentError> {
+        crate::notify::stopping();
+        crate::notify::status("stopping: draining");
+        log::info!(
+            "shutdown: draining (log commit, checkpoint, outbox for up to {:?})",
+            self.cfg.outbox.drain_timeout
+        );
+        self.tick(true)?;
+        let deadline = self.now() + self.cfg.outbox.drain_timeout;
+        while !self.results.idle() || self.results.unsent(&self.proc)? {
+            if shutdown.requested() >= 2 || self.now() >= deadline {
+                break;
+            }
+            match self.events.recv_timeout(Duration::from_millis(20)) {
+                Ok(Event::Message(_)) => {} // not acked: the broker redelivers after restart
+                Ok(ev) => self.on_event(ev)?,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+            self.publish()?;
+            let now = self.now();
+            self.figures
+                .heartbeat
+                .beat(now, || "stopping: publishing the outbox".into());
+        }
+        let left = self.proc.store().outbox_len();
+        self.settle_fsync(true)?;
+        self.proc.store().sync()?;
+        let c = &self.results.counts;
+        log::info!(
+            "shutdown: done; {left} outbox entries left for the next start; {} results \
+             published before their checkpoint, {} of them acknowledged before it",
+            c.published_early,
+            c.settled_early
+        );
+        self.figures.metrics.stop_server();
+        self.results.shutdown();
+        self.mqtt.shutdown();
         Ok(())
     }
 }

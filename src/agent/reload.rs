@@ -4,15 +4,13 @@
 //!
 //! Pipelines never change here: results leave before their checkpoint, so a pipeline change
 //! must take effect at a checkpoint boundary, which the restart gives (a clean stop
-//! checkpoints everything; after a crash, `boundary` replays the tail under the old
-//! pipelines first).
+//! checkpoints everything; after a crash, the start plan (`processor::plan`) settles the
+//! tail under the old pipelines first, or starts a new generation).
 //!
-//! [`diff`] decides from the two configs alone; [`Agent::reload`] reads the file and
-//! carries the plan out.
+//! [`diff`] decides from the two configs alone; the loop (`Agent::reload` in
+//! `agent/mod.rs`) reads the file and carries the plan out.
 
 use crate::config::Config;
-
-use super::Agent;
 
 /// What a reload does with a new config.
 #[derive(Debug, PartialEq, Eq)]
@@ -64,33 +62,6 @@ pub(crate) fn apply_safe(cfg: &mut Config, new: &Config) {
     cfg.outbox.max_size = new.outbox.max_size;
     cfg.outbox.drain_timeout = new.outbox.drain_timeout;
     cfg.savepoint = new.savepoint.clone();
-}
-
-impl Agent {
-    pub(super) fn reload(&mut self) {
-        crate::notify::reloading();
-        match crate::config::load(&self.cfg.source) {
-            Err(e) => log::error!("reload: {e}; keeping the running configuration"),
-            Ok(new) => {
-                let plan = diff(&self.cfg, &new);
-                crate::logging::set_level(new.logging.level);
-                self.log.set_max_size(new.log.max_size);
-                apply_safe(&mut self.cfg, &new);
-                if plan.savepoints_changed {
-                    self.reschedule_savepoints();
-                }
-                if plan.restart.is_empty() {
-                    log::info!("reload: applied {}", self.cfg.source.display());
-                } else {
-                    log::warn!(
-                        "reload: applied the safe changes; {} changed too and need a restart (systemctl restart cairn)",
-                        plan.restart.join(", ")
-                    );
-                }
-            }
-        }
-        crate::notify::ready();
-    }
 }
 
 #[cfg(test)]

@@ -89,7 +89,7 @@ fn decode_skey(window_ms: Option<u64>, skey: &[u8]) -> (String, Option<(u64, u64
 
 /// The window size a pipeline's state was written with: from the config, or for a pipeline
 /// no longer configured from the definition the store kept for it.
-fn window_of(cfg: &Config, stored: &crate::pipeline::Progress, name: &str) -> Option<u64> {
+fn window_of(cfg: &Config, stored: &crate::model::Progress, name: &str) -> Option<u64> {
     if let Some(spec) = spec_of(cfg, name) {
         return spec.window.map(|w| w.size_ms);
     }

@@ -142,6 +142,26 @@ fn restore(cfg: &Config, file: Option<PathBuf>, latest: bool, json: bool) -> Res
             header.next_offset
         )));
     }
+    // Before the store is replaced: the next start puts every restored pipeline in a new
+    // generation of output IDs (`processor::restored`), so replay under settings changed
+    // since the savepoint never gives an ID that went out a second payload.
+    let what = format!(
+        "{}: checkpoint {}, log offset {}",
+        file.display(),
+        header.checkpoint_id,
+        header.next_offset
+    );
+    crate::processor::restored::mark(&cfg.storage.data_dir, &what, &crate::fsio::real()).map_err(
+        |e| {
+            Failure::runtime(format!(
+                "cannot write {}: {e}",
+                cfg.storage
+                    .data_dir
+                    .join(crate::processor::restored::FILE_NAME)
+                    .display()
+            ))
+        },
+    )?;
     let info = store::restore_savepoint(
         &file,
         &cfg.store_dir(),

@@ -34,7 +34,7 @@
 //!    the engine has applied in memory: a crash replays from the committed checkpoint, so
 //!    everything from there on must still be in the log. A backfill (`start = "earliest"`)
 //!    counts as unprocessed: the agent passes the lowest committed backfill cursor when it
-//!    is lower (`agent/backfill.rs`), so 3 never evicts what a backfill still needs.
+//!    is lower (`agent/keeper/mod.rs`), so 3 never evicts what a backfill still needs.
 //! 2. **`retention` is how long processed records are kept when there is room.** While the
 //!    log has room (see 3), a processed segment goes once its newest
 //!    record is older than `retention` and it lies below the savepoint floor (the newest

@@ -142,10 +142,7 @@ fn age_seconds(at_ms: u64, now_ms: u64) -> f64 {
 }
 
 pub(crate) fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
+    crate::clock::system_wall_ms()
 }
 
 /// The figures in Prometheus text format 0.0.4.

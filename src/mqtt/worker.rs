@@ -712,10 +712,7 @@ fn describe(e: &ConnectionError) -> String {
 
 /// Jitter only has to differ between agents restarting together, not be unpredictable.
 fn seed() -> u64 {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0);
+    let nanos = crate::clock::system_wall_ns() as u64;
     (nanos ^ (u64::from(std::process::id()) << 32)) | 1
 }
 

@@ -17,7 +17,7 @@ use super::spec::{Emit, PipelineSpec};
 use super::topic::{check_publish_topic, escape_key, matches, render};
 use super::value::{KeyState, Num};
 use crate::model::Record;
-pub use crate::model::{Backfill, Counters, DeadLetter, Output, PipelineProgress, Progress};
+use crate::model::{Backfill, DeadLetter, Output, PipelineProgress, Progress};
 
 /// Longest payload prefix kept in a dead letter.
 pub(crate) const DEAD_LETTER_PAYLOAD_MAX: usize = 1024;

@@ -4,8 +4,9 @@
 
 use std::collections::BTreeMap;
 
-use super::engine::{Checkpoint, DeadLetter, Output, Progress, ReadError, ReadState};
+use super::engine::{Checkpoint, ReadError, ReadState};
 use super::value::KeyState;
+use crate::model::{DeadLetter, Output, Progress};
 
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct MemState {

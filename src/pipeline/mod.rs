@@ -15,9 +15,6 @@ pub mod time;
 pub(crate) mod topic;
 pub(crate) mod value;
 
-pub use engine::{
-    Batch, Checkpoint, Counters, DeadLetter, Engine, Outcome, Output, PipelineProgress, Progress,
-    ReadError, ReadState,
-};
+pub use engine::{Batch, Checkpoint, Engine, Outcome, ReadError, ReadState};
 pub use spec::{Aggregate, AggregateSpec, Emit, Field, Format, PipelineSpec, WindowSpec};
 pub use value::{Agg, KeyState, Num};

@@ -16,7 +16,8 @@ use super::{
     backfill_record, bounded, dead_letter_value, decode, encode, index_room, io_err, pkey,
     pkey_dead,
 };
-use crate::pipeline::engine::{Batch, Checkpoint, DeadLetter, Output, Progress};
+use crate::model::{DeadLetter, Output, Progress};
+use crate::pipeline::engine::{Batch, Checkpoint};
 
 /// Ledger chunks a commit drops: (pipeline, key suffix, chunk).
 type ChunkChanges = Vec<(String, Vec<u8>, Chunk)>;

@@ -106,9 +106,7 @@ impl Store {
     pub(crate) fn open_copy(dir: &Path, cache_bytes: u64) -> Result<StoreCopy, StoreError> {
         let db = dir.join("db");
         let lock = lock_shared(&db, dir)?;
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos());
+        let nanos = crate::clock::system_wall_ns() % 1_000_000_000;
         let copy =
             std::env::temp_dir().join(format!("cairn-inspect-{}-{nanos}", std::process::id()));
         // 0700: the copy holds the same data as the store.

@@ -82,7 +82,8 @@ use serde::{Deserialize, Serialize};
 use sled::Transactional;
 
 use crate::fsio::{Durability, SyncKind};
-use crate::pipeline::engine::{Backfill, DeadLetter, Output, Progress, ReadError, ReadState};
+use crate::model::{Backfill, DeadLetter, Output, Progress};
+use crate::pipeline::engine::{ReadError, ReadState};
 use crate::pipeline::value::KeyState;
 
 /// Checkpoint records kept for `cairn inspect checkpoints`.
@@ -102,6 +103,39 @@ pub(crate) const MAX_ENTRY_BYTES: usize = 7 * 1024;
 /// Most bytes of one `meta` entry: `meta` holds three values, and the progress record grows
 /// with the number of pipelines (their definitions), which the config bounds, not a sender.
 pub(crate) const MAX_META_BYTES: usize = 96 * 1024;
+/// The most bytes `progress` can take as the stored progress record (its key included)
+/// once every count in it has grown to the largest a `u64` holds: what must fit in
+/// [`MAX_META_BYTES`] for every checkpoint of these pipelines to be storable. The record
+/// grows with the pipelines the store keeps (dormant ones too) and their definitions, so
+/// the start checks it before anything is processed (`processor::plan`).
+pub fn progress_bytes_at_most(progress: &Progress) -> usize {
+    let mut worst = progress.clone();
+    let most = u64::MAX;
+    (worst.next_offset, worst.checkpoint_id, worst.log_clock_ms) = (most, most, most);
+    (worst.records, worst.unmatched, worst.outbox_seq) = (most, most, most);
+    for p in &mut worst.pipelines {
+        (
+            p.max_event_time_ms,
+            p.evicted_below,
+            p.keys,
+            p.dedup_entries,
+        ) = (most, most, most, most);
+        (p.version_base, p.max_version, p.generation) = (most, most, u32::MAX);
+        let c = &mut p.counters;
+        (
+            c.applied,
+            c.duplicates,
+            c.dead_letters,
+            c.outputs,
+            c.filtered,
+        ) = (most, most, most, most, most);
+    }
+    PROGRESS_KEY.len() + encode(&worst).len()
+}
+
+/// The bound [`progress_bytes_at_most`] is held to.
+pub const PROGRESS_MAX_BYTES: usize = MAX_META_BYTES;
+
 /// A dead letter's topic and detail are cut to these many bytes when the whole letter would
 /// not fit in [`MAX_ENTRY_BYTES`] (a topic may be 64 KiB long; the letter is for a person).
 const DEAD_TOPIC_KEEP: usize = 512;
@@ -178,8 +212,8 @@ use outbox::OutboxMem;
 mod savepoint;
 pub(crate) use savepoint::restore_savepoint;
 pub use savepoint::{
-    SAVEPOINT_FORMAT_VERSION, SavepointInfo, list_savepoints, prune_savepoints,
-    read_savepoint_header, verify_savepoint,
+    SAVEPOINT_FORMAT_VERSION, SAVEPOINT_PROGRESS_EVERY, SavepointInfo, list_savepoints,
+    prune_savepoints, read_savepoint_header, verify_savepoint,
 };
 
 #[derive(Debug, thiserror::Error)]

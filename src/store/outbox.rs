@@ -31,7 +31,7 @@ use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
 
 use super::lru::Lru;
-use crate::pipeline::engine::Output;
+use crate::model::Output;
 
 pub(crate) const CHUNK_ENTRIES: usize = 256;
 pub(crate) const CHUNK_BYTES: usize = 4 * 1024;

@@ -58,6 +58,9 @@ use std::io::{self, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use super::{Store, StoreError, io_err, release_while_walking};
+
+/// How often [`Store::write_savepoint_with`] reports, in entries written.
+pub const SAVEPOINT_PROGRESS_EVERY: u64 = 4096;
 use crate::fsio::{Durability, SyncKind};
 use crate::text::Shown;
 
@@ -160,10 +163,7 @@ fn corrupt(file: &Path, what: impl std::fmt::Display) -> StoreError {
 }
 
 fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
+    crate::clock::system_wall_ms()
 }
 
 /// `savepoint-<seq, 20 digits>-<id>-<next_offset>.cairn`: names sort by when they were taken.
@@ -272,6 +272,18 @@ impl Store {
         dir: &Path,
         sync: &Durability,
     ) -> Result<SavepointInfo, StoreError> {
+        self.write_savepoint_with(dir, sync, &mut |_| {})
+    }
+
+    /// [`Store::write_savepoint`], calling `progress` with the entries written so far every
+    /// [`SAVEPOINT_PROGRESS_EVERY`] entries: a long write on the agent's loop feeds the
+    /// service manager's watchdog from there (issue 26).
+    pub fn write_savepoint_with(
+        &self,
+        dir: &Path,
+        sync: &Durability,
+        progress: &mut dyn FnMut(u64),
+    ) -> Result<SavepointInfo, StoreError> {
         if !dir.is_dir() {
             fs::create_dir_all(dir).map_err(io_err(dir))?;
             if let Some(parent) = dir.parent() {
@@ -310,6 +322,9 @@ impl Store {
                 body.write_all(&k).map_err(io_err(&tmp))?;
                 body.write_all(&v).map_err(io_err(&tmp))?;
                 header.entries += 1;
+                if header.entries % SAVEPOINT_PROGRESS_EVERY == 0 {
+                    progress(header.entries);
+                }
             }
         }
         body.write_all(END_MAGIC).map_err(io_err(&tmp))?;

@@ -30,7 +30,7 @@ use super::super::{
     decode, io_err, split_pkey, u64_of, v2,
 };
 use super::{END_MAGIC, HEADER_LEN, SavepointInfo, TRAILER_LEN, TREES, corrupt};
-use crate::pipeline::engine::{Backfill, DeadLetter, Output, Progress};
+use crate::model::{Backfill, DeadLetter, Output, Progress};
 use crate::pipeline::value::KeyState;
 
 /// Reads through a CRC.

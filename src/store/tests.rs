@@ -775,3 +775,31 @@ fn room_freed_by_expiry_indexes_the_unindexed_chunks_again() {
     assert_eq!(f.ledger_unindexed_chunks, 0, "{f:?}");
     assert!(f.ledger_index_bytes <= 256);
 }
+
+#[test]
+fn a_savepoint_write_reports_its_progress_so_the_watchdog_can_be_fed() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("store"), 1 << 20, fsio::real()).unwrap();
+    let mut engine = Engine::new(vec![spec()], store.progress().unwrap());
+    // Enough keys (state entries, dedup entries, outputs) for a few reports.
+    let n = 3 * SAVEPOINT_PROGRESS_EVERY;
+    for i in 0..n {
+        engine
+            .apply(&store, &rec(i, &format!("E{i}/K{i}/1")))
+            .unwrap();
+    }
+    store.commit(&engine.take_checkpoint(), 0).unwrap();
+    let mut reports = Vec::new();
+    let info = store
+        .write_savepoint_with(&dir.path().join("sp"), &fsio::real(), &mut |n| {
+            reports.push(n)
+        })
+        .unwrap();
+    assert!(info.entries >= n, "{}", info.entries);
+    assert_eq!(
+        reports.len() as u64,
+        info.entries / SAVEPOINT_PROGRESS_EVERY,
+        "one report every {SAVEPOINT_PROGRESS_EVERY} entries: {reports:?}"
+    );
+    assert!(reports.windows(2).all(|w| w[0] < w[1]), "{reports:?}");
+}

@@ -2,7 +2,7 @@
 
 use serde::Deserialize;
 
-use crate::pipeline::engine;
+use crate::model;
 
 /// Counters before `where` filters (issue 15) added `filtered`.
 #[derive(Deserialize)]
@@ -37,9 +37,9 @@ struct PipelineProgress {
     max_version: u64,
 }
 
-impl From<Progress> for engine::Progress {
-    fn from(p: Progress) -> engine::Progress {
-        engine::Progress {
+impl From<Progress> for model::Progress {
+    fn from(p: Progress) -> model::Progress {
+        model::Progress {
             next_offset: p.next_offset,
             checkpoint_id: p.checkpoint_id,
             log_clock_ms: p.log_clock_ms,
@@ -49,13 +49,13 @@ impl From<Progress> for engine::Progress {
             pipelines: p
                 .pipelines
                 .into_iter()
-                .map(|pp| engine::PipelineProgress {
+                .map(|pp| model::PipelineProgress {
                     name: pp.name,
                     max_event_time_ms: pp.max_event_time_ms,
                     evicted_below: pp.evicted_below,
                     keys: pp.keys,
                     dedup_entries: pp.dedup_entries,
-                    counters: engine::Counters {
+                    counters: model::Counters {
                         applied: pp.counters.applied,
                         duplicates: pp.counters.duplicates,
                         dead_letters: pp.counters.dead_letters,

@@ -335,7 +335,7 @@ fn event(id: u64, pad: usize) -> (String, Vec<u8>, bool) {
 }
 
 /// Per key: (sum, count) over the unique IDs.
-fn fold(ids: impl IntoIterator<Item = u64>) -> BTreeMap<String, (i64, u64)> {
+pub(crate) fn fold(ids: impl IntoIterator<Item = u64>) -> BTreeMap<String, (i64, u64)> {
     let mut seen = HashSet::new();
     let mut out: BTreeMap<String, (i64, u64)> = BTreeMap::new();
     for id in ids {
@@ -349,7 +349,7 @@ fn fold(ids: impl IntoIterator<Item = u64>) -> BTreeMap<String, (i64, u64)> {
 }
 
 /// A stopped agent's state of `pipeline`: per key (sum, count).
-fn state(agent: &CairnProcess, pipeline: &str) -> BTreeMap<String, (i64, u64)> {
+pub(crate) fn state(agent: &CairnProcess, pipeline: &str) -> BTreeMap<String, (i64, u64)> {
     let (st, out, err) = agent.command(&["inspect", "state", "--pipeline", pipeline, "--json"]);
     assert!(st.success(), "{err}");
     out.lines()

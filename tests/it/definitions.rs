@@ -13,9 +13,10 @@ use std::time::Duration;
 
 use cairn::fsio;
 use cairn::log::{Log, LogOptions};
+use cairn::model::{PipelineProgress, Progress};
+use cairn::pipeline::Engine;
 use cairn::pipeline::memory::MemState;
 use cairn::pipeline::spec::PipelineSpec;
-use cairn::pipeline::{Engine, PipelineProgress, Progress};
 use cairn::processor::{ProcessError, Processor, audit};
 use cairn::store::Store;
 
@@ -52,7 +53,7 @@ fn store(dir: &Path) -> Store {
 /// Open as the agent does: with the generations file beside the store.
 fn open(dir: &Path, specs: Vec<PipelineSpec>, reset: &[&str]) -> Result<Processor, ProcessError> {
     let reset: Vec<String> = reset.iter().map(|s| s.to_string()).collect();
-    let gens = dir.join(cairn::generations::FILE_NAME);
+    let gens = dir.join(cairn::processor::generations::FILE_NAME);
     Processor::open_with(store(dir), specs, &reset, Some(&gens))
 }
 

@@ -160,10 +160,10 @@ fn segments(data: &Path) -> Vec<PathBuf> {
 
 /// A tmpfs mounted for the length of a test. Dropping it unmounts, lazily (`umount -l`) if
 /// a process still holds files in it, so a failing test never leaves a mount behind.
-struct Mount(PathBuf);
+pub(crate) struct Mount(PathBuf);
 
 impl Mount {
-    fn tmpfs(dir: &Path, options: &str) -> Mount {
+    pub(crate) fn tmpfs(dir: &Path, options: &str) -> Mount {
         std::fs::create_dir_all(dir).expect("create the mount point");
         // A tmpfs root is 1777 by default, a data directory the agent refuses (others could
         // write it): 0700, as Cairn makes one.
@@ -278,7 +278,7 @@ fn a_nearly_full_disk_is_backpressure_and_nothing_is_lost_when_space_returns() {
 }
 
 /// Writes `bytes` real bytes (tmpfs does not allocate for a sparse file).
-fn fill(path: &Path, bytes: u64) {
+pub(crate) fn fill(path: &Path, bytes: u64) {
     use std::io::Write;
     let mut f = std::fs::File::create(path).expect("create the ballast");
     let chunk = vec![0xA5u8; MIB as usize];

@@ -6,6 +6,16 @@
 //!   randomness, sled, rumqttc, tokio, and none of the crate's IO rooms (`store`, `log`,
 //!   `mqtt`).
 //!
+//! And the rooms of the agent (issue 28, item 5):
+//!
+//! - `store`, `log` and `pipeline` never import `agent` or `mqtt`;
+//! - nothing imports `cli` (only the binary, `main.rs`, runs it);
+//! - no part of the agent imports `agent/mod.rs`: a path from any file under `agent/` other
+//!   than `mod.rs` that resolves (through `crate::`, `super::`, `self::`) to an item
+//!   `agent/mod.rs` defines (`Agent`, `Shutdown`, ...) is a part reaching into the loop;
+//! - `impl Agent` is written only in `agent/mod.rs`, and `Agent` has at most 12 fields;
+//! - the wall clock (`SystemTime::now`) is read only in `clock.rs` (issue 28, item 7).
+//!
 //! The sources are read as text: comments, strings and char literals are blanked first so a
 //! doc comment that says "sled" is not an import, then every `use` tree is expanded into full
 //! paths and every other path expression (`sled::Db::open(..)`, `tokio::select!`) is read as
@@ -97,7 +107,46 @@ const RULES: &[Rule] = &[
         allowed: outside_pipeline,
         why: "pipeline/ never sees MQTT",
     },
+    Rule {
+        prefix: &["crate", "agent"],
+        allowed: outside_lower_rooms,
+        why: "store/, log/ and pipeline/ never import the agent",
+    },
+    Rule {
+        prefix: &["crate", "mqtt"],
+        allowed: outside_lower_rooms,
+        why: "store/, log/ and pipeline/ never import mqtt",
+    },
+    Rule {
+        prefix: &["crate", "cli"],
+        allowed: in_cli,
+        why: "nothing imports cli (only main.rs runs it)",
+    },
+    Rule {
+        prefix: &["std", "time", "SystemTime", "now"],
+        allowed: in_clock,
+        why: "the wall clock is read only in clock.rs",
+    },
+    Rule {
+        prefix: &["SystemTime", "now"],
+        allowed: in_clock,
+        why: "the wall clock is read only in clock.rs",
+    },
 ];
+
+fn in_clock(rel: &str) -> bool {
+    rel == "clock.rs"
+}
+
+/// The rooms below the agent: they know nothing of the loop or the broker.
+fn outside_lower_rooms(rel: &str) -> bool {
+    !["store/", "log/", "pipeline/"]
+        .iter()
+        .any(|room| rel.starts_with(room))
+}
+fn in_cli(rel: &str) -> bool {
+    rel.starts_with("cli/") || rel == "main.rs"
+}
 
 /// Known violations of today's code, each with the reason it is tolerated. Entries are
 /// `(file under src/, path prefix joined by "::")`. Empty: the tree obeys every rule. An
@@ -324,6 +373,15 @@ fn use_tree(
 /// `extern crate`, and each other `a::b::c` written out.
 fn paths(src: &str) -> Vec<(Vec<String>, usize)> {
     let toks = tokens(&strip(src));
+    paths_indexed(&toks)
+        .into_iter()
+        .map(|(p, line, _)| (p, line))
+        .collect()
+}
+
+/// [`paths`] over tokens, each with the index of the token its statement starts at (the
+/// `use` of a use tree, else the path's first token).
+fn paths_indexed(toks: &[(Tok, usize)]) -> Vec<(Vec<String>, usize, usize)> {
     let mut out = Vec::new();
     let mut i = 0;
     let ident = |k: usize| match toks.get(k) {
@@ -333,12 +391,15 @@ fn paths(src: &str) -> Vec<(Vec<String>, usize)> {
     while i < toks.len() {
         match ident(i) {
             Some("use") => {
+                let at = i;
                 i += 1;
-                use_tree(&toks, &mut i, &[], &mut out);
+                let mut tree = Vec::new();
+                use_tree(toks, &mut i, &[], &mut tree);
+                out.extend(tree.into_iter().map(|(p, line)| (p, line, at)));
             }
             Some("extern") if ident(i + 1) == Some("crate") => {
                 if let Some(name) = ident(i + 2) {
-                    out.push((vec![name.to_string()], toks[i + 2].1));
+                    out.push((vec![name.to_string()], toks[i + 2].1, i));
                 }
                 i += 3;
             }
@@ -358,7 +419,7 @@ fn paths(src: &str) -> Vec<(Vec<String>, usize)> {
                     j += 2;
                 }
                 if !continues && path.len() > 1 {
-                    out.push((path, line));
+                    out.push((path, line, i));
                 }
                 i = j.max(i + 1);
             }
@@ -438,6 +499,398 @@ fn sources() -> Vec<(String, String)> {
             (rel, text)
         })
         .collect()
+}
+
+/// The module a file is, as a path under the crate root: `agent/mod.rs` is `agent`,
+/// `agent/results/mqtt.rs` is `agent::results::mqtt`, `lib.rs` is the root.
+fn module_of(rel: &str) -> Vec<String> {
+    let rel = rel.strip_suffix(".rs").unwrap_or(rel);
+    let mut parts: Vec<String> = rel.split('/').map(str::to_string).collect();
+    if matches!(
+        parts.last().map(String::as_str),
+        Some("mod" | "lib" | "main")
+    ) {
+        parts.pop();
+    }
+    parts
+}
+
+/// Every path the source names, with its line and the inline modules (`mod tests { .. }`)
+/// it is written in, so that `super::` can be resolved.
+fn paths_in_modules(src: &str) -> Vec<(Vec<String>, usize, Vec<String>)> {
+    let toks = tokens(&strip(src));
+    // The inline modules open at each token.
+    let mut depth = 0usize;
+    let mut open: Vec<(usize, String)> = Vec::new();
+    let mut context_at: Vec<Vec<String>> = Vec::with_capacity(toks.len());
+    let mut pending_mod: Option<String> = None;
+    for (i, (t, _)) in toks.iter().enumerate() {
+        context_at.push(open.iter().map(|(_, n)| n.clone()).collect());
+        match t {
+            Tok::Ident(w) if w == "mod" => {
+                if let Some((Tok::Ident(name), _)) = toks.get(i + 1) {
+                    pending_mod = Some(name.clone());
+                }
+            }
+            Tok::Punct('{') => {
+                depth += 1;
+                if let Some(name) = pending_mod.take() {
+                    open.push((depth, name));
+                }
+            }
+            Tok::Punct(';') => pending_mod = None,
+            Tok::Punct('}') => {
+                if open.last().is_some_and(|(d, _)| *d == depth) {
+                    open.pop();
+                }
+                depth = depth.saturating_sub(1);
+            }
+            _ => {}
+        }
+    }
+    paths_indexed(&toks)
+        .into_iter()
+        .map(|(p, line, at)| (p, line, context_at[at].clone()))
+        .collect()
+}
+
+/// `path`, written in module `module` (inline modules included), as a path from the crate
+/// root; `None` for a path that does not start at `crate`, `super` or `self` (another
+/// crate, or a name in scope).
+fn absolute(path: &[String], module: &[String]) -> Option<Vec<String>> {
+    let mut base: Vec<String>;
+    let mut rest = path;
+    match path.first().map(String::as_str) {
+        Some("crate") => {
+            base = Vec::new();
+            rest = &path[1..];
+        }
+        Some("super") | Some("self") => {
+            base = module.to_vec();
+            while let Some(head) = rest.first() {
+                match head.as_str() {
+                    "super" => {
+                        base.pop()?;
+                    }
+                    "self" => {}
+                    _ => break,
+                }
+                rest = &rest[1..];
+            }
+        }
+        _ => return None,
+    }
+    base.extend(rest.iter().cloned());
+    Some(base)
+}
+
+/// The names `agent/mod.rs` defines at its top level (types, functions, constants): what a
+/// part must not reach back for.
+fn loop_items(mod_rs: &str) -> Vec<String> {
+    let toks = tokens(&strip(mod_rs));
+    let mut depth = 0usize;
+    let mut names = Vec::new();
+    for (i, (t, _)) in toks.iter().enumerate() {
+        match t {
+            Tok::Punct('{') => depth += 1,
+            Tok::Punct('}') => depth = depth.saturating_sub(1),
+            Tok::Ident(w)
+                if depth == 0
+                    && matches!(
+                        w.as_str(),
+                        "struct" | "enum" | "fn" | "const" | "static" | "type" | "trait"
+                    ) =>
+            {
+                if let Some((Tok::Ident(name), _)) = toks.get(i + 1) {
+                    names.push(name.clone());
+                }
+            }
+            _ => {}
+        }
+    }
+    names
+}
+
+/// Paths in a file under `agent/` (not `mod.rs`) that reach an item of `agent/mod.rs`.
+fn reaches_into_the_loop(rel: &str, src: &str, items: &[String]) -> Vec<(usize, String)> {
+    if !rel.starts_with("agent/") || rel == "agent/mod.rs" {
+        return Vec::new();
+    }
+    let module = module_of(rel);
+    let mut found = Vec::new();
+    for (path, line, inline) in paths_in_modules(src) {
+        let mut at = module.clone();
+        at.extend(inline);
+        let Some(abs) = absolute(&path, &at) else {
+            continue;
+        };
+        let into_loop = abs.len() == 2 && abs[0] == "agent" && items.contains(&abs[1]);
+        // `use super::*` from a part: everything of the loop.
+        let glob = abs == ["agent"] && path.last().is_some_and(|p| p == "super");
+        if into_loop || glob {
+            found.push((line, path.join("::")));
+        }
+    }
+    found
+}
+
+/// Lines with an `impl` whose self type is `Agent` (inherent or a trait's).
+fn impls_of_agent(src: &str) -> Vec<usize> {
+    let toks = tokens(&strip(src));
+    let mut found = Vec::new();
+    for (i, (t, line)) in toks.iter().enumerate() {
+        if *t != Tok::Ident("impl".into()) {
+            continue;
+        }
+        // The header runs to the opening brace; the self type follows `for` if there is one.
+        let header: Vec<&Tok> = toks[i + 1..]
+            .iter()
+            .map(|(t, _)| t)
+            .take_while(|t| **t != Tok::Punct('{') && **t != Tok::Punct(';'))
+            .collect();
+        let after_for = header
+            .iter()
+            .position(|t| **t == Tok::Ident("for".into()))
+            .map_or(0, |k| k + 1);
+        // Skip generics right after `impl`.
+        let mut k = after_for;
+        if after_for == 0 && header.first() == Some(&&Tok::Punct('<')) {
+            let mut angle = 0i32;
+            while k < header.len() {
+                match header[k] {
+                    Tok::Punct('<') => angle += 1,
+                    Tok::Punct('>') => angle -= 1,
+                    _ => {}
+                }
+                k += 1;
+                if angle == 0 {
+                    break;
+                }
+            }
+        }
+        // The self type's path: idents joined by `::`; its last segment names the type.
+        let mut last = None;
+        for t in &header[k.min(header.len())..] {
+            match t {
+                Tok::Ident(w) => last = Some(w.as_str()),
+                Tok::PathSep => {}
+                _ => break,
+            }
+        }
+        if last == Some("Agent") {
+            found.push(*line);
+        }
+    }
+    found
+}
+
+/// The named fields of `struct name { .. }` in `src`, if it is there.
+fn struct_fields(src: &str, name: &str) -> Option<Vec<String>> {
+    let toks = tokens(&strip(src));
+    let start = toks.windows(3).position(|w| {
+        w[0].0 == Tok::Ident("struct".into())
+            && w[1].0 == Tok::Ident(name.into())
+            && w[2].0 == Tok::Punct('{')
+    })?;
+    let mut depth = 0usize;
+    let mut fields = Vec::new();
+    for k in start + 2..toks.len() {
+        // The `>` of `->` closes nothing.
+        let arrow = toks[k].0 == Tok::Punct('>') && k > 0 && toks[k - 1].0 == Tok::Punct('-');
+        match &toks[k].0 {
+            _ if arrow => {}
+            Tok::Punct('{') | Tok::Punct('(') | Tok::Punct('<') | Tok::Punct('[') => depth += 1,
+            Tok::Punct('}') | Tok::Punct(')') | Tok::Punct('>') | Tok::Punct(']') => {
+                depth -= 1;
+                if depth == 0 {
+                    return Some(fields);
+                }
+            }
+            Tok::Ident(w)
+                if depth == 1 && toks.get(k + 1).map(|t| &t.0) == Some(&Tok::Punct(':')) =>
+            {
+                fields.push(w.clone());
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+/// The most fields `Agent` may have (issue 28): past it, the loop is several things again.
+const AGENT_FIELDS_MAX: usize = 12;
+
+#[test]
+fn no_part_of_the_agent_reaches_into_the_loop_and_the_loop_is_one_impl_of_few_fields() {
+    let sources = sources();
+    let mod_rs = &sources
+        .iter()
+        .find(|(f, _)| f == "agent/mod.rs")
+        .expect("src/agent/mod.rs")
+        .1;
+    let items = loop_items(mod_rs);
+    assert!(
+        items.iter().any(|i| i == "Agent"),
+        "the scanner found no `Agent` in agent/mod.rs: {items:?}"
+    );
+    let mut problems = Vec::new();
+    for (rel, text) in &sources {
+        for (line, path) in reaches_into_the_loop(rel, text, &items) {
+            problems.push(format!(
+                "src/{rel}:{line}: `{path}`: a part reaches into agent/mod.rs (hand it what it \
+                 needs instead)"
+            ));
+        }
+        if rel != "agent/mod.rs" {
+            for line in impls_of_agent(text) {
+                problems.push(format!(
+                    "src/{rel}:{line}: `impl Agent` outside agent/mod.rs (make it a part)"
+                ));
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    assert_eq!(
+        impls_of_agent(mod_rs).len(),
+        1,
+        "agent/mod.rs should hold exactly one `impl Agent`"
+    );
+    let fields = struct_fields(mod_rs, "Agent").expect("struct Agent in agent/mod.rs");
+    assert!(
+        fields.len() <= AGENT_FIELDS_MAX,
+        "Agent has {} fields (at most {AGENT_FIELDS_MAX}): {fields:?}",
+        fields.len()
+    );
+    // Negative control on the real tree: the parts do name their siblings (the scanner
+    // resolves their paths), and the loop does name its parts.
+    let resolved_a_part = sources.iter().any(|(rel, text)| {
+        rel.starts_with("agent/results/")
+            && paths_in_modules(text).iter().any(|(p, _, inline)| {
+                let mut at = module_of(rel);
+                at.extend(inline.iter().cloned());
+                absolute(p, &at).is_some_and(|a| a.starts_with(&["agent".into(), "error".into()]))
+            })
+    });
+    assert!(
+        resolved_a_part,
+        "no path from agent/results/ to agent/error.rs was resolved"
+    );
+}
+
+#[test]
+fn a_part_that_reaches_into_the_loop_is_caught_however_it_is_written() {
+    let items: Vec<String> = ["Agent", "Shutdown", "HELD"].map(String::from).to_vec();
+    let caught = |rel: &str, src: &str| reaches_into_the_loop(rel, src, &items);
+    assert_eq!(
+        caught("agent/work.rs", "use super::Agent;\n"),
+        [(1, "super::Agent".to_string())]
+    );
+    assert_eq!(
+        caught("agent/keeper/mod.rs", "fn f(a: &mut super::Agent) {}\n").len(),
+        1
+    );
+    assert_eq!(
+        caught(
+            "agent/results/mqtt.rs",
+            "use super::super::{Agent, error::x};\n"
+        ),
+        [(1, "super::super::Agent".to_string())]
+    );
+    assert_eq!(
+        caught("agent/ingest.rs", "use crate::agent::Shutdown;\n").len(),
+        1
+    );
+    assert_eq!(
+        caught("agent/ingest.rs", "use super::*;\n").len(),
+        1,
+        "a glob"
+    );
+    // Not a reach: siblings, the file's own test module, and the loop itself.
+    assert!(caught("agent/ingest.rs", "use super::error::AgentError;\n").is_empty());
+    assert!(
+        caught(
+            "agent/ingest.rs",
+            "fn f() {}\n#[cfg(test)]\nmod tests {\n    use super::*;\n    use super::f;\n}\n"
+        )
+        .is_empty(),
+        "`super` in a test module is the file itself"
+    );
+    assert!(
+        caught(
+            "agent/ingest.rs",
+            "mod tests {\n    use super::{\n        Queue,\n        Agent,\n    };\n}\n"
+        )
+        .is_empty(),
+        "a use tree over several lines in a test module"
+    );
+    assert!(caught("agent/mod.rs", "use self::Agent;\n").is_empty());
+    assert!(caught("processor.rs", "use crate::agent::Agent;\n").is_empty());
+    assert_eq!(
+        loop_items(
+            "pub struct Agent {\n a: u8,\n}\nimpl Agent { fn inner() {} }\nconst HELD: u8 = 1;\nmod x;\n"
+        ),
+        ["Agent", "HELD"]
+    );
+}
+
+#[test]
+fn an_impl_of_agent_and_a_fat_agent_are_found() {
+    assert_eq!(impls_of_agent("impl Agent {\n}\n"), [1]);
+    assert_eq!(impls_of_agent("\nimpl super::Agent {}\n"), [2]);
+    assert_eq!(
+        impls_of_agent("impl Drop for crate::agent::Agent {}\n"),
+        [1]
+    );
+    assert_eq!(impls_of_agent("impl<'a> Agent { }\n"), [1]);
+    assert!(impls_of_agent("impl AgentError {}\nimpl Ingest {}\n// impl Agent {}\n").is_empty());
+    assert!(impls_of_agent("impl From<Agent> for X {}\n").is_empty());
+    let fat: String = (0..13)
+        .map(|i| format!("    f{i}: Box<dyn Fn(u8) -> u8>,\n"))
+        .collect();
+    let src = format!("pub struct Agent {{\n{fat}}}\nstruct Other {{ a: u8 }}\n");
+    assert_eq!(struct_fields(&src, "Agent").map(|f| f.len()), Some(13));
+    assert_eq!(
+        struct_fields(
+            "pub struct Agent {\n    pub(crate) cfg: Config,\n    log: Log,\n}\n",
+            "Agent"
+        ),
+        Some(vec!["cfg".to_string(), "log".to_string()])
+    );
+}
+
+#[test]
+fn the_lower_rooms_never_import_the_agent_mqtt_or_cli() {
+    let text = "use crate::agent::Agent;\nuse crate::mqtt::Event;\nuse crate::cli::run;\n";
+    let whys = |rel: &str| -> Vec<&str> { check(rel, text).into_iter().map(|v| v.why).collect() };
+    assert_eq!(
+        whys("store/mod.rs"),
+        [
+            "store/, log/ and pipeline/ never import the agent",
+            "store/, log/ and pipeline/ never import mqtt",
+            "nothing imports cli (only main.rs runs it)"
+        ]
+    );
+    assert_eq!(whys("log/reader.rs").len(), 3);
+    assert_eq!(
+        whys("agent/mod.rs"),
+        ["nothing imports cli (only main.rs runs it)"]
+    );
+    assert!(whys("cli/run.rs").iter().all(|w| !w.contains("cli")));
+}
+
+#[test]
+fn the_wall_clock_read_anywhere_but_clock_rs_is_reported() {
+    let text = "fn f() {\n    let a = std::time::SystemTime::now();\n    let b = SystemTime::now();\n    let c = SystemTime::UNIX_EPOCH;\n}\n";
+    let lines = |rel: &str| -> Vec<usize> {
+        check(rel, text)
+            .into_iter()
+            .filter(|v| v.why.contains("wall clock"))
+            .map(|v| v.line)
+            .collect()
+    };
+    assert_eq!(lines("logging.rs"), [2, 3]);
+    assert_eq!(lines("store/copy.rs"), [2, 3]);
+    assert!(lines("clock.rs").is_empty());
 }
 
 #[test]
@@ -565,6 +1018,8 @@ fn path_expressions_and_macros_are_seen_not_only_use_lines() {
         vec![
             (2, "sled::Config::new".to_string()),
             (3, "tokio::select".to_string()),
+            // Twice: pipeline/ sees no clock, and only clock.rs reads the wall clock.
+            (4, "std::time::SystemTime::now".to_string()),
             (4, "std::time::SystemTime::now".to_string()),
         ]
     );

@@ -7,8 +7,9 @@
 use std::collections::{BTreeMap, HashSet};
 
 use cairn::fsio;
+use cairn::model::Output;
 use cairn::model::Record;
-use cairn::pipeline::engine::{Engine, Output};
+use cairn::pipeline::engine::Engine;
 use cairn::pipeline::spec::*;
 use cairn::store::Store;
 use proptest::prelude::*;

@@ -1,11 +1,12 @@
-//! The uplink (issue 13): results published over a second, publish-only connection to a
-//! central broker, with `topic_prefix` before each topic; inputs still come from `[mqtt]`.
-//! The outbox is its store-and-forward queue: durable, bounded by `outbox.max_size`, and
-//! drained in sequence order when the link returns.
+//! The MQTT sink: results published to the local broker of `[mqtt]`, or with `[uplink]`
+//! (issue 13) over a second, publish-only connection to a central broker, with
+//! `topic_prefix` before each topic; inputs still come from `[mqtt]`. The outbox is its
+//! store-and-forward queue: durable, bounded, and drained in sequence order (its
+//! [`Cursor`]) when the link returns.
 //!
 //! Both connections feed the loop's one event channel (the uplink's events wrapped in
 //! [`Event::Uplink`]), so the loop never waits on one connection while the other has
-//! events. Without `[uplink]` the results go to the input connection, as before.
+//! events.
 //!
 //! [`Link`] and [`DrainRate`] do no IO: told what happened and when, they answer what
 //! changed (for the journal) and the figures (for `status` and `/metrics`).
@@ -14,28 +15,35 @@ use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use crate::config::UplinkConfig;
-use crate::mqtt::{Event, Mqtt};
-
-use super::{Agent, AgentError};
+use super::Counts as Sent;
+use super::cursor::{Cursor, Next};
+use crate::agent::error::{AgentError, failpoint};
+use crate::config::{OutboxConfig, UplinkConfig};
+use crate::mqtt::{Event, Mqtt, MqttError};
 
 /// The drain rate is measured over this much recent time...
 const RATE_SPAN: Duration = Duration::from_secs(10);
 /// ... from samples at least this far apart.
 const RATE_STEP: Duration = Duration::from_millis(250);
 
-/// The uplink connection and what the loop knows of it.
-pub(crate) struct Uplink {
-    pub(super) mqtt: Mqtt,
+/// The MQTT sink: its cursor, and the uplink if results go to one.
+pub(crate) struct MqttSink {
+    pub(crate) cursor: Cursor,
+    uplink: Option<Uplink>,
+}
+
+/// The uplink connection and what the sink knows of it.
+struct Uplink {
+    mqtt: Mqtt,
     prefix: String,
     endpoint: String,
-    /// The input connection (`[mqtt]`): the publisher follows the uplink instead.
-    pub(super) input_connected: bool,
-    pub(super) link: Link,
+    /// The input connection (`[mqtt]`): the cursor follows the uplink instead.
+    input_connected: bool,
+    link: Link,
 }
 
 impl Uplink {
-    pub(super) fn new(cfg: &UplinkConfig, mqtt: Mqtt) -> Uplink {
+    fn new(cfg: &UplinkConfig, mqtt: Mqtt) -> Uplink {
         Uplink {
             mqtt,
             prefix: cfg.topic_prefix.clone(),
@@ -186,7 +194,7 @@ impl Link {
 /// entry's age, which otherwise would count from this start): checkpoint `k`'s results end
 /// at the durable `outbox_seq` less the results of every later checkpoint in the history.
 /// Entries older than the history (1000 checkpoints) get its oldest time: understated.
-pub(super) fn note_waiting_outbox(
+pub(crate) fn note_waiting_outbox(
     metrics: &crate::metrics::Metrics,
     store: &crate::store::Store,
 ) -> Result<(), crate::store::StoreError> {
@@ -203,49 +211,102 @@ pub(super) fn note_waiting_outbox(
     Ok(())
 }
 
-impl Agent {
-    /// The connection results go out on: the uplink if configured, else the input one.
-    pub(super) fn results(&self) -> &Mqtt {
-        self.uplink.as_ref().map_or(&self.mqtt, |u| &u.mqtt)
+impl MqttSink {
+    /// The sink over the input connection, or over `uplink` (with its config) if there is
+    /// one; `first_seq`: where its cursor starts (the oldest outbox entry).
+    pub(crate) fn new(first_seq: u64, uplink: Option<(&UplinkConfig, Mqtt)>) -> MqttSink {
+        MqttSink {
+            cursor: Cursor::new(first_seq),
+            uplink: uplink.map(|(cfg, mqtt)| Uplink::new(cfg, mqtt)),
+        }
     }
 
-    /// A result's topic on that connection: `topic_prefix` first, with an uplink.
-    pub(super) fn result_topic<'a>(&self, topic: &'a str) -> Cow<'a, str> {
-        match &self.uplink {
-            Some(u) if !u.prefix.is_empty() => Cow::Owned(format!("{}{topic}", u.prefix)),
-            _ => Cow::Borrowed(topic),
+    /// The connection results go out on: the uplink if configured, else `input`.
+    pub(crate) fn conn<'a>(&'a self, input: &'a Mqtt) -> &'a Mqtt {
+        self.uplink.as_ref().map_or(input, |u| &u.mqtt)
+    }
+
+    /// How many results may be sent now: none while disconnected, else what the inflight
+    /// `window` has left beside what the connection still holds.
+    pub(crate) fn room(&self, window: u16, input: &Mqtt) -> usize {
+        let conn = self.conn(input);
+        self.cursor.room(window, || conn.inflight())
+    }
+
+    /// Publish `batch` (from [`super::cursor::next_batch`]) in order, until the connection's
+    /// window is full.
+    pub(crate) fn send(
+        &mut self,
+        batch: Vec<Next>,
+        input: &Mqtt,
+        counts: &mut Sent,
+    ) -> Result<(), AgentError> {
+        let (conn, prefix) = match &self.uplink {
+            Some(u) => (&u.mqtt, u.prefix.as_str()),
+            None => (input, ""),
+        };
+        for (seq, out, fresh) in batch {
+            failpoint("outbox.before_publish")?;
+            let topic = if prefix.is_empty() {
+                Cow::Borrowed(out.topic.as_str())
+            } else {
+                Cow::Owned(format!("{prefix}{}", out.topic))
+            };
+            match conn.publish(out.id.clone(), &topic, out.payload, out.retain) {
+                Ok(()) => {
+                    self.cursor.sent(out.id, seq);
+                    counts.published += 1;
+                    if fresh && counts.published_early == 0 {
+                        log::info!(
+                            "publish: results now leave before their checkpoint (first: {})",
+                            counts.published
+                        );
+                    }
+                    counts.published_early += u64::from(fresh);
+                    failpoint("outbox.after_publish")?;
+                }
+                Err(MqttError::InflightFull { .. }) => break,
+                Err(e) => return Err(e.into()),
+            }
         }
+        Ok(())
+    }
+
+    /// Whether results go to an uplink.
+    pub(crate) fn has_uplink(&self) -> bool {
+        self.uplink.is_some()
     }
 
     /// Whether the input connection (`[mqtt]`) is up.
-    pub(super) fn input_connected(&self) -> bool {
+    pub(crate) fn input_connected(&self) -> bool {
         self.uplink
             .as_ref()
-            .map_or(self.publisher.is_connected(), |u| u.input_connected)
+            .map_or(self.cursor.is_connected(), |u| u.input_connected)
     }
 
     /// The input connection came up (`true`) or went down; `true` if that was a change to
-    /// count as a reconnect. Without an uplink the publisher follows it.
-    pub(super) fn input_link(&mut self, up: bool) -> bool {
+    /// count as a reconnect. Without an uplink the cursor follows it.
+    pub(crate) fn input_link(&mut self, up: bool) -> bool {
         match (&mut self.uplink, up) {
             (Some(u), up) => std::mem::replace(&mut u.input_connected, up) && !up,
             (None, true) => {
-                self.publisher.connected();
+                self.cursor.connected();
                 false
             }
-            (None, false) => self.publisher.disconnected(),
+            (None, false) => self.cursor.disconnected(),
         }
     }
 
-    /// An event of the uplink connection.
-    pub(super) fn on_uplink_event(&mut self, ev: Event) -> Result<(), AgentError> {
-        if let Event::PubAcked { output_id } = &ev {
-            return self.pubacked(output_id);
-        }
-        let entries = self.proc.store().outbox_len() as u64;
-        let window = u64::from(self.cfg.outbox.inflight);
-        let wall = self.clock.wall_ms();
-        let now = self.now();
+    /// An event of the uplink connection other than a PUBACK (`entries` and `bytes`: the
+    /// outbox now; `at`: the clocks, wall and monotonic).
+    pub(crate) fn on_uplink_event(
+        &mut self,
+        ev: Event,
+        (entries, bytes): (u64, u64),
+        cfg: &OutboxConfig,
+        (wall, now): (u64, Instant),
+    ) -> Result<(), MqttError> {
+        let window = u64::from(cfg.inflight);
         let Some(u) = self.uplink.as_mut() else {
             return Ok(());
         };
@@ -261,11 +322,10 @@ impl Agent {
                     u.link.connected(wall, now, entries, window)
                 {
                     log::info!(
-                        "uplink: backlog draining: {entries} results, {} bytes, in order",
-                        self.proc.store().outbox_bytes()
+                        "uplink: backlog draining: {entries} results, {bytes} bytes, in order"
                     );
                 }
-                self.publisher.connected();
+                self.cursor.connected();
             }
             Event::Disconnected { reason } => {
                 if u.link.lost(wall) {
@@ -273,12 +333,12 @@ impl Agent {
                         "uplink: lost {}: {reason}; results wait in the outbox ({entries} now, \
                          up to outbox.max_size {} bytes)",
                         u.endpoint,
-                        self.cfg.outbox.max_size
+                        cfg.max_size
                     );
                 } else {
                     log::warn!("uplink: cannot connect to {}: {reason}", u.endpoint);
                 }
-                self.publisher.disconnected();
+                self.cursor.disconnected();
             }
             Event::Message(m) => {
                 // No subscriptions are made on the uplink; a session kept from a config
@@ -286,7 +346,7 @@ impl Agent {
                 log::warn!(
                     "uplink: dropped a message on `{}`: the uplink's session {} has a \
                      subscription it should not have",
-                    m.topic,
+                    crate::text::Shown(&m.topic),
                     u.endpoint
                 );
                 u.mqtt.ack(m.token)?;
@@ -295,40 +355,44 @@ impl Agent {
         Ok(())
     }
 
-    /// Every tick: the drain's figures, and a journal line when a backlog has drained.
-    pub(super) fn refresh_uplink(&mut self) {
-        let store = self.proc.store();
-        let (entries, bytes) = (store.outbox_len() as u64, store.outbox_bytes());
-        let now = self.now();
-        let window = u64::from(self.cfg.outbox.inflight);
-        let acked = self.stats.pubacked;
-        let max = self.cfg.outbox.max_size;
-        let (rate, eta, up) = match self.uplink.as_mut() {
-            Some(u) => {
-                if let Some(Change::Drained { took, from }) =
-                    u.link.observe(now, entries, acked, window)
-                {
-                    log::info!(
-                        "uplink: backlog drained: {from} results in {:.1}s",
-                        took.as_secs_f64()
-                    );
-                }
-                let r = &u.link.rate;
-                (
-                    r.acked_per_second(),
-                    r.eta_seconds(),
-                    Some(u.link.figures()),
-                )
-            }
-            None => (0.0, None, None),
+    /// Every tick: the drain's figures (rate, time left, the link), and a journal line when
+    /// a backlog has drained.
+    pub(crate) fn observe(
+        &mut self,
+        now: Instant,
+        entries: u64,
+        acked: u64,
+        window: u64,
+    ) -> (f64, Option<f64>, Option<crate::metrics::UplinkFigures>) {
+        let Some(u) = self.uplink.as_mut() else {
+            return (0.0, None, None);
         };
-        self.metrics.update(|f| {
-            f.outbox_bytes = bytes;
-            f.outbox_max_bytes = max;
-            f.outbox_drain_rate = rate;
-            f.outbox_drain_eta_seconds = eta;
-            f.uplink = up;
-        });
+        if let Some(Change::Drained { took, from }) = u.link.observe(now, entries, acked, window) {
+            log::info!(
+                "uplink: backlog drained: {from} results in {:.1}s",
+                took.as_secs_f64()
+            );
+        }
+        let r = &u.link.rate;
+        (
+            r.acked_per_second(),
+            r.eta_seconds(),
+            Some(u.link.figures()),
+        )
+    }
+
+    /// Let the uplink's thread hand back its allocation caches.
+    pub(crate) fn rest(&self) {
+        if let Some(u) = &self.uplink {
+            u.mqtt.rest();
+        }
+    }
+
+    /// Close the uplink, if any.
+    pub(crate) fn shutdown(&mut self) {
+        if let Some(u) = self.uplink.take() {
+            u.mqtt.shutdown();
+        }
     }
 }
 

@@ -18,7 +18,7 @@ use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, sync_channel};
 use crate::model::Offset;
 use crate::store::{StoreError, Syncer};
 
-pub(super) struct Fsync {
+pub(crate) struct Fsync {
     /// `None` only while dropping.
     jobs: Option<SyncSender<Offset>>,
     /// Joined on drop, so that the store's last handle is gone when the agent is.
@@ -37,7 +37,7 @@ pub(super) struct Fsync {
 impl Fsync {
     /// Start the thread; `durable` is the checkpoint the store opened with, `floor` what
     /// retention must keep for it.
-    pub(super) fn start(syncer: Syncer, durable: Offset, floor: Offset) -> std::io::Result<Fsync> {
+    pub(crate) fn start(syncer: Syncer, durable: Offset, floor: Offset) -> std::io::Result<Fsync> {
         let (jobs, rx) = sync_channel::<Offset>(1);
         let (tx, done) = sync_channel(1);
         let dir = syncer.dir().to_path_buf();
@@ -62,19 +62,19 @@ impl Fsync {
     }
 
     /// Everything below this offset is covered by a durable checkpoint.
-    pub(super) fn durable(&self) -> Offset {
+    pub(crate) fn durable(&self) -> Offset {
         self.durable
     }
 
     /// Retention may delete below this: what the newest durable checkpoint no longer needs,
     /// live or backfill.
-    pub(super) fn floor(&self) -> Offset {
+    pub(crate) fn floor(&self) -> Offset {
         self.floor
     }
 
     /// Make the checkpoint just committed (up to `next_offset`, needing the log from
     /// `floor`) durable. The previous one must be done (see [`Fsync::settle`]).
-    pub(super) fn begin(&mut self, next_offset: Offset, floor: Offset) -> Result<(), StoreError> {
+    pub(crate) fn begin(&mut self, next_offset: Offset, floor: Offset) -> Result<(), StoreError> {
         assert!(self.pending.is_none(), "one checkpoint fsync at a time");
         let jobs = self.jobs.as_ref().ok_or_else(|| self.gone())?;
         jobs.send(next_offset).map_err(|_| self.gone())?;
@@ -83,7 +83,7 @@ impl Fsync {
     }
 
     /// The offset newly made durable, if the pending fsync finished (`wait`: wait for it).
-    pub(super) fn settle(&mut self, wait: bool) -> Result<Option<Offset>, StoreError> {
+    pub(crate) fn settle(&mut self, wait: bool) -> Result<Option<Offset>, StoreError> {
         if self.pending.is_none() {
             return Ok(None);
         }

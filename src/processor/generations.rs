@@ -32,7 +32,7 @@ use crate::fsio::Durability;
 pub const FILE_NAME: &str = "generations";
 
 /// The per-pipeline highest generations, loaded from and saved to one file.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(crate) struct Generations {
     path: Option<PathBuf>,
     highest: BTreeMap<String, u32>,
@@ -121,12 +121,17 @@ impl Generations {
     /// generation it had (and above `at_least`, what the store knows). Saturates at
     /// `u32::MAX`, four billion resets away.
     pub(crate) fn start_new(&mut self, name: &str, at_least: u32) -> u32 {
-        let next = match self.highest(name) {
-            None if at_least == 0 => 1,
-            h => h.unwrap_or(0).max(at_least).saturating_add(1),
-        };
+        let next = self.next(name, at_least);
         self.observe(name, next);
         next
+    }
+
+    /// The generation [`Generations::start_new`] would start, without starting it.
+    pub(crate) fn next(&self, name: &str, at_least: u32) -> u32 {
+        match self.highest(name) {
+            None if at_least == 0 => 1,
+            h => h.unwrap_or(0).max(at_least).saturating_add(1),
+        }
     }
 
     /// Replace the file if anything changed, durably (tmp, fsync, rename, fsync dir).

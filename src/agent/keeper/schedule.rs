@@ -1,4 +1,4 @@
-//! Checkpointer: when to commit what was processed, what retention may delete, when a
+//! Schedule: when to commit what was processed, what retention may delete, when a
 //! savepoint is due, and when sled's files deserve a look.
 //!
 //! No IO: the loop commits, deletes segments, writes savepoints and measures the store; this
@@ -16,7 +16,7 @@ pub(crate) const STORE_BLOAT_FACTOR: u64 = 4;
 const STORE_ESTIMATE_INTERVAL: Duration = Duration::from_secs(600);
 const STORE_WARN_INTERVAL: Duration = Duration::from_secs(3600);
 
-pub(crate) struct Checkpointer {
+pub(crate) struct Schedule {
     /// When the oldest record applied since the last checkpoint was applied.
     first_unchecked: Option<Instant>,
     /// The newest savepoint: retention keeps the log back to its `next_offset`.
@@ -47,7 +47,7 @@ pub(crate) enum Relief {
     Retention,
 }
 
-impl Checkpointer {
+impl Schedule {
     /// At start: the newest savepoint on disk, and the interval periodic ones come at
     /// (`wall_ms` and `now` are the clocks at start; a savepoint's age is by the wall clock).
     pub(crate) fn new(
@@ -55,9 +55,9 @@ impl Checkpointer {
         every: Option<Duration>,
         wall_ms: u64,
         now: Instant,
-    ) -> Checkpointer {
+    ) -> Schedule {
         let next_savepoint = savepoint_due(every, newest_savepoint.as_ref(), wall_ms, now);
-        Checkpointer {
+        Schedule {
             first_unchecked: None,
             newest_savepoint,
             next_savepoint,
@@ -225,7 +225,7 @@ mod tests {
     #[test]
     fn a_checkpoint_is_due_an_interval_after_the_first_applied_record() {
         let t0 = Instant::now();
-        let mut c = Checkpointer::new(None, None, 0, t0);
+        let mut c = Schedule::new(None, None, 0, t0);
         assert!(!c.due(t0 + MIN, MIN, true), "nothing applied");
         c.applied(t0);
         c.applied(t0 + MIN / 2);
@@ -244,31 +244,31 @@ mod tests {
             max_records: 100,
             max_keys: 10,
         };
-        assert!(!Checkpointer::size_due(99, 9, &cfg));
-        assert!(Checkpointer::size_due(100, 9, &cfg), "records");
-        assert!(Checkpointer::size_due(99, 10, &cfg), "keys");
+        assert!(!Schedule::size_due(99, 9, &cfg));
+        assert!(Schedule::size_due(100, 9, &cfg), "records");
+        assert!(Schedule::size_due(99, 10, &cfg), "keys");
     }
 
     #[test]
     fn held_input_with_a_log_short_of_room_checkpoints_else_runs_retention() {
         let unasked = || unreachable!("nothing held: the log is not asked");
-        assert_eq!(Checkpointer::relief(false, unasked), Relief::Nothing);
-        assert_eq!(Checkpointer::relief(true, || (true, 5)), Relief::Checkpoint);
-        assert_eq!(Checkpointer::relief(true, || (true, 0)), Relief::Retention);
-        assert_eq!(Checkpointer::relief(true, || (false, 5)), Relief::Retention);
+        assert_eq!(Schedule::relief(false, unasked), Relief::Nothing);
+        assert_eq!(Schedule::relief(true, || (true, 5)), Relief::Checkpoint);
+        assert_eq!(Schedule::relief(true, || (true, 0)), Relief::Retention);
+        assert_eq!(Schedule::relief(true, || (false, 5)), Relief::Retention);
     }
 
     #[test]
     fn retention_cuts_off_by_the_receipt_clock_and_never_below_zero() {
-        assert_eq!(Checkpointer::retention_cutoff(100_000, MIN), 40_000);
-        assert_eq!(Checkpointer::retention_cutoff(1_000, MIN), 0);
-        assert_eq!(Checkpointer::retention_cutoff(1_000, Duration::MAX), 0);
+        assert_eq!(Schedule::retention_cutoff(100_000, MIN), 40_000);
+        assert_eq!(Schedule::retention_cutoff(1_000, MIN), 0);
+        assert_eq!(Schedule::retention_cutoff(1_000, Duration::MAX), 0);
     }
 
     #[test]
     fn the_savepoint_floor_is_the_newest_savepoint_until_released() {
         let t0 = Instant::now();
-        let mut c = Checkpointer::new(None, None, 0, t0);
+        let mut c = Schedule::new(None, None, 0, t0);
         assert_eq!(c.savepoint_floor(), u64::MAX, "no savepoint holds anything");
         c.savepoint_written(savepoint(500, 0));
         assert_eq!(c.savepoint_floor(), 500);
@@ -281,16 +281,16 @@ mod tests {
     fn the_first_savepoint_is_due_by_the_age_of_the_newest_and_then_every_interval() {
         let t0 = Instant::now();
         let hour = 60 * MIN;
-        let none = Checkpointer::new(None, Some(hour), 10_000_000, t0);
+        let none = Schedule::new(None, Some(hour), 10_000_000, t0);
         assert_eq!(none.next_savepoint(), Some(t0), "none yet: at once");
-        let young = Checkpointer::new(
+        let young = Schedule::new(
             Some(savepoint(1, 10_000_000 - 60_000)),
             Some(hour),
             10_000_000,
             t0,
         );
         assert_eq!(young.next_savepoint(), Some(t0 + hour - MIN));
-        let mut old = Checkpointer::new(Some(savepoint(1, 0)), Some(hour), 10_000_000, t0);
+        let mut old = Schedule::new(Some(savepoint(1, 0)), Some(hour), 10_000_000, t0);
         assert!(
             old.savepoint_due_now(t0),
             "older than the interval: at once"
@@ -300,14 +300,14 @@ mod tests {
         assert!(old.savepoint_due_now(t0 + hour));
         old.reschedule(None, 10_000_000, t0);
         assert_eq!(old.next_savepoint(), None, "interval off: none scheduled");
-        assert!(!Checkpointer::new(None, None, 0, t0).savepoint_due_now(t0));
+        assert!(!Schedule::new(None, None, 0, t0).savepoint_due_now(t0));
     }
 
     #[test]
     fn the_store_is_estimated_only_when_large_outgrown_and_not_lately() {
         let t0 = Instant::now();
         let big = STORE_WATCH_MIN_BYTES;
-        let mut c = Checkpointer::new(None, None, 0, t0);
+        let mut c = Schedule::new(None, None, 0, t0);
         assert!(
             !c.store_estimate_due(big - 1, t0),
             "small: not worth a walk"

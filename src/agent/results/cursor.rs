@@ -1,9 +1,9 @@
-//! Publisher: what goes out, in which order, and what a PUBACK settles.
+//! A sink's cursor: what goes out next, in which order, and what an acknowledgement settles.
 //!
 //! Results leave at log-commit latency (issue 14): every output the processor emits derives
 //! from log records that are already fsynced (records are applied only after their group
 //! commit), so replay after any crash recomputes it with the same ID and the same payload.
-//! The publisher therefore sends, in sequence order and at most `outbox.inflight` on the
+//! A sink therefore sends, in sequence order and at most `outbox.inflight` on the
 //! wire, first the durable outbox entries at or after its cursor, then the outputs still
 //! waiting for their checkpoint (*fresh* ones, read from the processor's memory).
 //!
@@ -29,15 +29,47 @@
 //! with their IDs: a consumer drops the IDs it has seen, and the last message per key is
 //! still the newest.
 //!
-//! No IO: the loop reads the outbox and the processor's fresh outputs, publishes, and
-//! deletes; this part keeps the cursor (the next sequence to send), what is on the wire
-//! under which output ID, and whether the broker is there at all.
+//! No IO: the sink reads the outbox and the processor's fresh outputs, publishes, and
+//! deletes; this keeps the cursor (the next sequence to send), what is on the wire under
+//! which output ID, and whether the destination is there at all. Every sink has one (today
+//! the MQTT sink, `results/mqtt.rs`); an entry can go once every sink it is routed to has
+//! settled it.
 //!
-//! [`settled_below`]: Publisher::settled_below
+//! [`settled_below`]: Cursor::settled_below
 
 use std::collections::{BTreeMap, HashMap};
 
-pub(crate) struct Publisher {
+use crate::model::Output;
+
+/// One result to send: its sequence, the output, and whether it is *fresh* (read from the
+/// processor's memory, its checkpoint still to come).
+pub(crate) type Next = (u64, Output, bool);
+
+/// What goes out next, at most `room`: the durable outbox entries from `cursor` on, in
+/// sequence order (`outbox` yields them so), then the outputs still waiting for their
+/// checkpoint from `cursor` on (`pending`, in sequence order, all newer than any entry).
+pub(crate) fn next_batch<E>(
+    cursor: u64,
+    room: usize,
+    outbox: impl Iterator<Item = Result<(u64, Output), E>>,
+    pending: &[(u64, Output)],
+) -> Result<Vec<Next>, E> {
+    let mut batch: Vec<Next> = outbox
+        .take(room)
+        .map(|e| e.map(|(seq, out)| (seq, out, false)))
+        .collect::<Result<_, _>>()?;
+    let from = pending.partition_point(|(seq, _)| *seq < cursor);
+    let left = room - batch.len();
+    batch.extend(
+        pending[from..]
+            .iter()
+            .take(left)
+            .map(|(s, o)| (*s, o.clone(), true)),
+    );
+    Ok(batch)
+}
+
+pub(crate) struct Cursor {
     /// The next sequence to publish.
     cursor: u64,
     /// Sequence → (output ID, acknowledged), for each publish not yet settled.
@@ -47,11 +79,11 @@ pub(crate) struct Publisher {
     connected: bool,
 }
 
-impl Publisher {
+impl Cursor {
     /// Start at the oldest entry the outbox holds: after a restart, everything in it is
     /// sent again (same IDs, same payloads; the receivers dedup).
-    pub(crate) fn new(first_seq: u64) -> Publisher {
-        Publisher {
+    pub(crate) fn new(first_seq: u64) -> Cursor {
+        Cursor {
             cursor: first_seq,
             inflight: BTreeMap::new(),
             by_id: HashMap::new(),
@@ -137,9 +169,54 @@ mod tests {
         v.into_iter().map(|(s, _)| s).collect()
     }
 
+    fn out(id: &str) -> Output {
+        Output {
+            id: id.into(),
+            topic: format!("t/{id}"),
+            payload: vec![],
+            retain: false,
+            latest_only: false,
+        }
+    }
+
+    #[test]
+    fn the_outbox_goes_first_then_fresh_results_from_the_cursor_within_the_room() {
+        let outbox = vec![(3, out("a")), (4, out("b"))];
+        let pending = vec![(5, out("c")), (6, out("d")), (7, out("e"))];
+        let sent = |cursor, room, outbox: &[(u64, Output)]| {
+            let it = outbox.iter().cloned().map(Ok::<_, ()>);
+            next_batch(cursor, room, it, &pending)
+                .unwrap()
+                .into_iter()
+                .map(|(s, o, fresh)| (s, o.id, fresh))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            sent(3, 4, &outbox),
+            [
+                (3, "a".into(), false),
+                (4, "b".into(), false),
+                (5, "c".into(), true),
+                (6, "d".into(), true)
+            ]
+        );
+        assert_eq!(
+            sent(3, 1, &outbox),
+            [(3, "a".into(), false)],
+            "the room bounds it"
+        );
+        // Past the outbox: fresh results from the cursor, none sent twice.
+        assert_eq!(
+            sent(6, 5, &[]),
+            [(6, "d".into(), true), (7, "e".into(), true)]
+        );
+        assert_eq!(sent(8, 5, &[]), [], "nothing newer than the cursor");
+        assert_eq!(sent(3, 0, &outbox), [], "no room: nothing");
+    }
+
     #[test]
     fn nothing_is_sent_while_disconnected_whatever_the_window() {
-        let mut p = Publisher::new(0);
+        let mut p = Cursor::new(0);
         assert_eq!(
             p.room(10, || unreachable!("not asked while disconnected")),
             0
@@ -154,7 +231,7 @@ mod tests {
 
     #[test]
     fn the_cursor_follows_what_was_sent_and_a_puback_names_the_entry_to_delete() {
-        let mut p = Publisher::new(40);
+        let mut p = Cursor::new(40);
         assert_eq!(p.cursor(), 40);
         p.sent("a".into(), 40);
         p.sent("b".into(), 41);
@@ -170,7 +247,7 @@ mod tests {
 
     #[test]
     fn a_restart_begins_at_the_oldest_entry_and_sends_it_again() {
-        let p = Publisher::new(7);
+        let p = Cursor::new(7);
         assert_eq!(p.cursor(), 7);
         assert_eq!(p.settled_below(), 7, "nothing below the outbox is waiting");
         assert!(p.idle());
@@ -179,7 +256,7 @@ mod tests {
 
     #[test]
     fn only_a_prefix_of_acknowledged_outputs_is_settled_whatever_the_ack_order() {
-        let mut p = Publisher::new(0);
+        let mut p = Cursor::new(0);
         for (i, id) in ["a", "b", "c", "d"].iter().enumerate() {
             p.sent(id.to_string(), i as u64);
         }
@@ -203,7 +280,7 @@ mod tests {
     fn a_checkpoint_keeps_every_output_at_or_above_the_settled_prefix() {
         // The checkpoint's outputs are seqs 5..10; 5..7 were sent and acknowledged, 7 and 8
         // are on the wire, 9 was not sent. The outbox gets exactly 7, 8 and 9.
-        let mut p = Publisher::new(5);
+        let mut p = Cursor::new(5);
         for s in 5..9 {
             p.sent(format!("o{s}"), s);
         }
