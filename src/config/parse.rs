@@ -34,10 +34,11 @@ use super::{
     CheckpointConfig, Config, DeadLettersConfig, LogConfig, LoggingConfig, MetricsConfig,
     MqttConfig, OutboxConfig, SavepointConfig, StorageConfig, TlsConfig,
 };
-use crate::pipeline::filter::{Expr, parse_filter};
+use crate::pipeline::expr::Expr;
+use crate::pipeline::field::{Field, Format, TemplatePart};
+use crate::pipeline::filter::parse_filter;
 use crate::pipeline::spec::{
-    Aggregate, AggregateSpec, Emit, Field, Format, MAX_WINDOWS_PER_EVENT, PipelineSpec, Start,
-    TemplatePart, WindowSpec,
+    Aggregate, AggregateSpec, Emit, MAX_WINDOWS_PER_EVENT, PipelineSpec, Start, WindowSpec,
 };
 
 mod link;

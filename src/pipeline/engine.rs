@@ -12,10 +12,12 @@
 
 use std::collections::BTreeMap;
 
-use super::parse::{Parsed, Refusal, parse};
+use super::num::Num;
+use super::parse::{Parsed, parse};
+use super::refusal::Refusal;
 use super::spec::{Emit, PipelineSpec};
 use super::topic::{check_publish_topic, escape_key, matches, render};
-use super::value::{KeyState, Num};
+use super::value::KeyState;
 use crate::model::Record;
 pub use crate::model::{Backfill, Counters, DeadLetter, Output, PipelineProgress, Progress};
 

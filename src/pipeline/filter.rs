@@ -18,53 +18,15 @@
 
 use std::cmp::Ordering;
 
-use serde::{Deserialize, Serialize};
-
-use super::parse::Refusal;
-use super::spec::{Field, Format};
-use super::value::Num;
+use super::expr::{CmpOp, Expr, Literal, Operand};
+use super::field::{Field, Format};
+use super::num::{MAX_EXACT_FLOAT, Num};
+use super::refusal::Refusal;
 
 /// Deepest nesting of `not` and parentheses: the parser recurses once per level.
 pub(crate) const MAX_DEPTH: usize = 64;
 /// Longest expression, in bytes.
 pub(crate) const MAX_LEN: usize = 4096;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum CmpOp {
-    Eq,
-    Ne,
-    Lt,
-    Le,
-    Gt,
-    Ge,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub enum Literal {
-    Str(String),
-    Num(Num),
-    Bool(bool),
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub enum Operand {
-    Field(Field),
-    Literal(Literal),
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub enum Expr {
-    Or(Box<Expr>, Box<Expr>),
-    And(Box<Expr>, Box<Expr>),
-    Not(Box<Expr>),
-    Cmp(Operand, CmpOp, Operand),
-}
-
-// `Num` holds floats, so the derive cannot promise `Eq`; literals are never NaN (the parser
-// accepts finite numbers only), so equality is an equivalence here.
-impl Eq for Literal {}
-impl Eq for Operand {}
-impl Eq for Expr {}
 
 /// A value read from an input for a comparison.
 #[derive(Debug, Clone, PartialEq)]
@@ -260,7 +222,7 @@ fn number(w: &str) -> Option<Num> {
         .bytes()
         .all(|c| c.is_ascii_digit() || matches!(c, b'-' | b'+' | b'.' | b'e' | b'E'));
     let f = w.parse::<f64>().ok()?;
-    (ok_chars && f.is_finite() && f.abs() < super::value::MAX_EXACT_FLOAT).then_some(Num::Float(f))
+    (ok_chars && f.is_finite() && f.abs() < MAX_EXACT_FLOAT).then_some(Num::Float(f))
 }
 
 struct Parser {

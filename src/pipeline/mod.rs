@@ -5,10 +5,14 @@
 
 pub(crate) mod describe;
 pub mod engine;
+pub(crate) mod expr;
+pub mod field;
 pub(crate) mod filter;
 pub(crate) mod json;
 pub mod memory;
+pub(crate) mod num;
 pub(crate) mod parse;
+pub(crate) mod refusal;
 pub(crate) mod sketch;
 pub mod spec;
 pub mod time;
@@ -19,5 +23,7 @@ pub use engine::{
     Batch, Checkpoint, Counters, DeadLetter, Engine, Outcome, Output, PipelineProgress, Progress,
     ReadError, ReadState,
 };
-pub use spec::{Aggregate, AggregateSpec, Emit, Field, Format, PipelineSpec, WindowSpec};
-pub use value::{Agg, KeyState, Num};
+pub use field::{Field, Format};
+pub use num::Num;
+pub use spec::{Aggregate, AggregateSpec, Emit, PipelineSpec, WindowSpec};
+pub use value::{Agg, KeyState};

@@ -6,6 +6,7 @@
 
 use cairn::model::Record;
 use cairn::pipeline::engine::{Engine, Outcome};
+use cairn::pipeline::field::{Field, Format};
 use cairn::pipeline::memory::MemState;
 use cairn::pipeline::spec::*;
 
