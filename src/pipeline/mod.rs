@@ -8,6 +8,7 @@ pub mod engine;
 pub(crate) mod expr;
 pub mod field;
 pub(crate) mod filter;
+mod filter_json;
 pub(crate) mod json;
 pub mod memory;
 pub(crate) mod num;
