@@ -610,6 +610,67 @@ fn topic_filters_follow_mqtt_rules() {
     }
 }
 
+/// Issue 27: config text that becomes a topic (filters, output templates, the uplink's
+/// prefix, the literal parts of key and event-ID templates) holds no code point an MQTT
+/// receiver may refuse; each is reported at its line, naming the code point.
+#[test]
+fn code_points_a_receiver_may_refuse_are_refused_in_config_text_at_their_line() {
+    let cases = [
+        (
+            "topics = [\"payments/#\"]",
+            "topics = [\"payments/\\uFFFF/#\"]",
+            "pipeline[0].topics[0]",
+            "U+FFFF",
+        ),
+        (
+            "topics = [\"payments/#\"]",
+            "topics = [\"in/\\u0085\"]",
+            "pipeline[0].topics[0]",
+            "U+0085",
+        ),
+        (
+            "output_topic = \"balances/{key}\"",
+            "output_topic = \"b/\\uFDD0/{key}\"",
+            "pipeline[0].output_topic",
+            "U+FDD0",
+        ),
+        (
+            "output_topic = \"balances/{key}\"",
+            "output_topic = \"b/{key}\\U0010FFFE\"",
+            "pipeline[0].output_topic",
+            "U+10FFFE",
+        ),
+        (
+            "key = \"/account\"",
+            "key = \"{/account}-\\uFFFE\"",
+            "pipeline[0].key",
+            "U+FFFE",
+        ),
+        (
+            "event_id = \"/id\"",
+            "event_id = \"\\u0001{/id}\"",
+            "pipeline[0].event_id",
+            "U+0001",
+        ),
+    ];
+    for (from, to, key, code) in cases {
+        let text = MINIMAL.replace(from, to);
+        let line = line_of(&text, to.split(' ').next().unwrap());
+        assert_problem(&only(&text), key, line, code);
+    }
+    let text = format!("{MINIMAL}[uplink]\nclient_id = \"up\"\ntopic_prefix = \"site/\\uFDEF/\"\n");
+    assert_problem(
+        &only(&text),
+        "uplink.topic_prefix",
+        line_of(&text, "topic_prefix"),
+        "U+FDEF",
+    );
+    // A pointer may name such a member: it reads the payload, it is not a topic.
+    assert!(parse(&MINIMAL.replace("\"/account\"", "\"/acc\\uFFFFount\"")).is_ok());
+    // And their neighbours are text like any other.
+    assert!(parse(&MINIMAL.replace("balances/{key}", "b/\\uFFFD\\uFDCF/{key}")).is_ok());
+}
+
 #[test]
 fn a_duplicate_pipeline_name_is_refused() {
     let second = &MINIMAL[MINIMAL.find("[[pipeline]]").unwrap()..];

@@ -767,7 +767,8 @@ struct Slot {
     topic: String,
 }
 
-/// Refuse keys that cannot name a state entry, a topic level and an output-ID segment.
+/// Refuse keys that cannot name a state entry, a topic level and an output-ID segment: empty,
+/// too long, or holding a code point an MQTT receiver may refuse ([`crate::text`]).
 fn check_key(spec: &PipelineSpec, ev: Parsed) -> Result<Parsed, Refusal> {
     let refuse = |reason, detail: String| Err(Refusal { reason, detail });
     if ev.key.is_empty() {
@@ -780,9 +781,21 @@ fn check_key(spec: &PipelineSpec, ev: Parsed) -> Result<Parsed, Refusal> {
             format!("key is {len} bytes, the limit is {max}"),
         );
     }
-    if ev.key.chars().any(char::is_control) {
-        let detail = "the key contains a control character (NUL, newline, ...)";
-        return refuse("bad_key", detail.into());
+    // The key becomes a topic level: a code point a receiver may treat as malformed gets the
+    // publish refused by disconnecting, again after every reconnect (issue 27).
+    if let Some(c) = crate::text::first_refusable(&ev.key) {
+        let what = if c.is_control() {
+            "a control character (NUL, newline, ...)"
+        } else {
+            "a Unicode non-character"
+        };
+        return refuse(
+            "bad_key",
+            format!(
+                "the key contains U+{:04X}, {what}, which an MQTT receiver may refuse in a topic",
+                u32::from(c)
+            ),
+        );
     }
     Ok(ev)
 }

@@ -407,3 +407,69 @@ fn an_event_time_at_the_end_of_time_reaches_every_pipeline_without_a_panic() {
     );
     assert!(!cp.batch.outputs.is_empty());
 }
+
+// ---------------------------------------------------------------------------------------
+// Hostile keys against a real broker.
+
+/// One changelog pipeline `p` over `in/#`, results to `out/{key}`; `extra` adds lines.
+fn broker_pipeline(extra: &str) -> String {
+    format!(
+        "[[pipeline]]\nname = \"p\"\ntopics = [\"in/#\"]\nevent_id = \"/id\"\nkey = \"/k\"\n\
+         value = \"/v\"\naggregate = \"sum\"\noutput_topic = \"out/{{key}}\"\n\
+         emit = \"changelog\"\n{extra}\n"
+    )
+}
+
+/// Issue 27: a key holding U+FFFF made a result topic mosquitto treats as malformed: it
+/// dropped the agent, which reconnected and sent the same result again, for ever, and no
+/// later result went out. Now the key is a dead letter (`bad_key`), the connection stays up
+/// and the next result arrives.
+#[test]
+fn a_key_with_a_non_character_is_a_dead_letter_and_the_connection_stays_up() {
+    use crate::support::agent::{AgentConfig, CairnProcess};
+    use crate::support::{Broker, Collector, publish_all};
+    use std::time::Duration;
+
+    let broker = Broker::start();
+    let cfg = AgentConfig::new(broker.port(), &broker_pipeline(""));
+    let mut agent = CairnProcess::new(&cfg);
+    agent.start_connected();
+    let out = Collector::start(broker.port(), "out/#");
+    let input = |id: &str, key: &str| {
+        let payload = format!(r#"{{"id":"{id}","k":"{key}","v":1}}"#);
+        ("in/x".to_string(), payload.into_bytes(), false)
+    };
+    publish_all(
+        broker.port(),
+        &[
+            input("e1", r"bad\uFFFF"),
+            input("e2", r"\uFDD0"),
+            input("e3", "good"),
+        ],
+    );
+    assert!(
+        out.wait_for_count(1, Duration::from_secs(20)),
+        "the result after the hostile keys never arrived; broker log:\n{}\nagent:\n{}",
+        broker.log(),
+        agent.stderr_tail(30)
+    );
+    // Time for a reconnect loop to show, had the hostile topic gone out.
+    std::thread::sleep(Duration::from_millis(500));
+    let topics: Vec<String> = out.messages().into_iter().map(|m| m.topic).collect();
+    assert_eq!(topics, ["out/good"]);
+    assert_eq!(
+        broker.connections(&cfg.client_id),
+        1,
+        "the agent was dropped and reconnected; broker log:\n{}",
+        broker.log()
+    );
+    assert_eq!(agent.terminate().code(), Some(0));
+    let dead = agent.inspect("dead-letters");
+    let reasons: Vec<&str> = dead.iter().filter_map(|d| d["reason"].as_str()).collect();
+    assert_eq!(reasons, ["bad_key", "bad_key"], "{dead:?}");
+    assert!(
+        dead.iter()
+            .all(|d| d["detail"].as_str().unwrap().contains("non-character")),
+        "{dead:?}"
+    );
+}

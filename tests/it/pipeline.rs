@@ -126,6 +126,36 @@ fn bad_payloads_of_every_kind_become_dead_letters_and_processing_goes_on() {
         h.feed(r#"{"id":"E1","account":"a\u0000b","amount":1}"#),
         dead("bad_key")
     );
+    // Issue 27: code points an MQTT receiver may refuse in a topic, as JSON escapes and raw.
+    for key in [
+        r"a\uFFFF",
+        r"\uFFFE",
+        r"x\uFDD0",
+        r"\uFDEF",
+        r"\uD83F\uDFFF",
+        r"\u0085",
+        r"\u007F",
+        "\u{FFFF}",
+        "a\u{10FFFF}",
+        "\u{9F}",
+    ] {
+        let payload = format!(r#"{{"id":"E1","account":"{key}","amount":1}}"#);
+        assert_eq!(h.feed(&payload), dead("bad_key"), "{key}");
+    }
+    // Next to them, what a receiver must accept is a key.
+    let mut spec = json_spec(Aggregate::Sum);
+    spec.max_keys = 10;
+    let mut ok = Harness::new(vec![spec]);
+    for (i, key) in ["\u{FDCF}", "\u{FFFD}", "\u{A0}", "\u{1F600}", r"\uFDF0"]
+        .iter()
+        .enumerate()
+    {
+        let payload = format!(r#"{{"id":"ok{i}","account":"{key}","amount":1}}"#);
+        assert!(
+            matches!(ok.feed(&payload)[..], [Outcome::Applied { .. }]),
+            "{key}"
+        );
+    }
     assert_eq!(
         h.feed(r#"{"id":"","account":"A","amount":1}"#),
         dead("empty_id")
@@ -140,9 +170,20 @@ fn bad_payloads_of_every_kind_become_dead_letters_and_processing_goes_on() {
     );
     h.checkpoint();
     assert_eq!(h.value("A"), Some(serde_json::json!(5)));
-    assert_eq!(h.mem.dead.len(), 15);
+    assert_eq!(h.mem.dead.len(), 25);
     let reasons: Vec<_> = h.mem.dead.values().map(|d| d.reason.as_str()).collect();
     assert!(reasons.contains(&"not_utf8"));
+    let non_character = h
+        .mem
+        .dead
+        .values()
+        .find(|d| d.detail.contains("U+FFFF"))
+        .unwrap();
+    assert!(
+        non_character.detail.contains("non-character") && non_character.detail.contains("MQTT"),
+        "{}",
+        non_character.detail
+    );
     assert!(h.mem.dead.values().all(|d| !d.detail.is_empty()));
 }
 

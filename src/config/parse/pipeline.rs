@@ -1,7 +1,7 @@
 //! Stage 2 for `[[pipeline]]`: one function per key group, called in the order problems
 //! are reported, so that one mistake is reported once and the rest still are.
 
-use super::names::{check_filter, check_output_topic};
+use super::names::{check_filter, check_output_topic, refusable};
 use super::*;
 
 impl Validator {
@@ -330,6 +330,25 @@ impl Validator {
         };
         let format = format?;
         match Field::parse(&text, format) {
+            Ok(Field::Template(parts)) if ["key", "event_id"].contains(&name) => {
+                // A key's literal parts go into every result topic as they are. An event ID's
+                // are held to the same rule, so that no identity the config spells holds a
+                // code point a receiver may refuse (IDs are shown and sent on too).
+                let bad = parts.iter().find_map(|part| match part {
+                    TemplatePart::Literal(l) => refusable(l),
+                    TemplatePart::Field(_) => None,
+                });
+                match bad {
+                    Some(why) => {
+                        self.problem(
+                            &format!("{p}.{name}"),
+                            format!("`{}`: {why}", text.escape_debug()),
+                        );
+                        None
+                    }
+                    None => Some(Some(Field::Template(parts))),
+                }
+            }
             Ok(f) => Some(Some(f)),
             Err(e) => {
                 self.problem(&format!("{p}.{name}"), e);
