@@ -26,7 +26,8 @@
 //! ## Codemap
 //!
 //! - [`model`]: plain data: `Record`, `Offset`, and what a checkpoint persists (`Progress`,
-//!   `PipelineProgress`, `Counters`, `Output`, `DeadLetter`).
+//!   `PipelineProgress`, `Counters`, `Output`, `DeadLetter`), and the bounds on one stored
+//!   entry that the engine, config validation and the store all check.
 //! - [`pipeline`]: pipeline definitions, payload parsing, `where` filters, dedup, aggregates
 //!   (with a deterministic quantile sketch), tumbling and hopping windows, output IDs; the
 //!   [`pipeline::engine::Engine`] and an in-memory reference store.

@@ -1155,3 +1155,87 @@ fn checkpoint_max_keys_defaults_to_1536_and_must_be_at_least_one() {
     let e = parse(&text).unwrap_err().to_string();
     assert!(e.contains("checkpoint.max_keys"), "{e}");
 }
+
+/// Issue 26: a pipeline whose worst key makes a result too large for one stored entry is
+/// refused at load, at the key to change, with the largest value that fits.
+#[test]
+fn a_pipeline_whose_worst_result_cannot_be_stored_is_refused_naming_the_keys() {
+    let text = with_pipeline("max_key_len = 1024");
+    let p = only(&text);
+    assert_problem(
+        &p,
+        "pipeline[0].max_key_len",
+        line_of(&text, "max_key_len"),
+        "lower max_key_len to at most",
+    );
+    assert!(
+        p.message.contains("output_topic") && p.message.contains("7168"),
+        "{}",
+        p.message
+    );
+    // The value it names is the largest that loads.
+    let fits: usize = p
+        .message
+        .split("at most ")
+        .nth(1)
+        .unwrap()
+        .split(|c: char| !c.is_ascii_digit())
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((500..1024).contains(&fits), "{fits}");
+    assert!(parse(&with_pipeline(&format!("max_key_len = {fits}"))).is_ok());
+    assert!(parse(&with_pipeline(&format!("max_key_len = {}", fits + 1))).is_err());
+    // Each `{key}` in the template counts: two of them halve what fits, about.
+    let twice = MINIMAL.replace("balances/{key}", "balances/{key}/{key}");
+    let text = format!("{twice}max_key_len = {fits}\n");
+    assert_eq!(only(&text).key, "pipeline[0].max_key_len");
+    // A template too long for any key is reported at the template.
+    let long = MINIMAL.replace("balances/{key}", &format!("{}/{{key}}", "b".repeat(7100)));
+    let p = only(&long);
+    assert_problem(
+        &p,
+        "pipeline[0].output_topic",
+        line_of(&long, "output_topic"),
+        "shorten output_topic",
+    );
+    // Aggregates count too: a list of all of them leaves less room for the key.
+    let list = MINIMAL.replace(
+        "aggregate = \"sum\"",
+        "aggregate = [\"count\", \"sum\", \"min\", \"max\", \"avg\", \"last\", \"stddev\", \"variance\", \"p1\", \"p95\", \"p99.9\"]",
+    );
+    assert!(parse(&format!("{list}max_key_len = {}\n", fits - 20)).is_err());
+    assert!(
+        parse(&list).is_ok(),
+        "the defaults fit with every aggregate"
+    );
+}
+
+/// Issue 26: the checkpoint's progress record holds every pipeline's definition; so many
+/// pipelines that it cannot fit one stored record are refused at load.
+#[test]
+fn too_many_pipelines_for_the_progress_record_are_refused() {
+    let head = &MINIMAL[..MINIMAL.find("[[pipeline]]").unwrap()];
+    let pipelines = |n: usize| {
+        let mut text = head.to_string();
+        for i in 0..n {
+            text.push_str(&format!(
+                "[[pipeline]]\nname = \"p{i:03}{}\"\ntopics = [\"in/{i}\"]\nevent_id = \"{{/device}}-{{/seq}}-{}\"\nkey = \"/k\"\n\
+                 value = \"/v\"\naggregate = \"sum\"\noutput_topic = \"o/{i}/{{key}}\"\n",
+                "n".repeat(60),
+                "x".repeat(100)
+            ));
+        }
+        text
+    };
+    assert!(parse(&pipelines(100)).is_ok());
+    let p = problems(&pipelines(300));
+    assert_eq!(p.len(), 1, "{p:#?}");
+    assert_eq!(p[0].key, "pipeline");
+    assert!(
+        p[0].message.contains("progress record") && p[0].message.contains("fewer pipelines"),
+        "{}",
+        p[0].message
+    );
+}

@@ -256,6 +256,29 @@ impl KeyState {
         }
     }
 
+    /// At least the bytes this state takes in the store (postcard), without encoding it:
+    /// every varint at its longest (a count 10 bytes, a sketch bucket 15), every optional
+    /// part of a list counted. Close enough that only a state near the entry bound needs
+    /// its exact size (`engine::check_state_size`).
+    pub(crate) fn stored_bound(&self) -> usize {
+        let sketch = |s: &Sketch| 3 + s.buckets() * 15;
+        // version and count, the variant
+        21 + match &self.agg {
+            Agg::Percentile { sketch: s, .. } => 3 + sketch(s),
+            Agg::Multi(m) => {
+                // the list (a variant and a u16 each), three numbers, `last`, the moments
+                4 + m.aggregates.len() * 4
+                    + 3 * 12
+                    + 22
+                    + 17
+                    + 1
+                    + m.sketch.as_ref().map_or(0, sketch)
+            }
+            // a number and a time, or two floats, at most
+            _ => 24,
+        }
+    }
+
     /// Whether the output carries `values` (a list of aggregates) instead of `value`.
     pub(crate) fn is_multi(&self) -> bool {
         matches!(self.agg, Agg::Multi(_))

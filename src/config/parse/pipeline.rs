@@ -3,6 +3,9 @@
 
 use super::names::{check_filter, check_output_topic, refusable};
 use super::*;
+use crate::model::{MAX_ENTRY_BYTES, MAX_META_BYTES};
+use crate::pipeline::bound::{max_key_len_within, worst_result_bytes};
+use crate::pipeline::engine::progress_bytes;
 
 impl Validator {
     pub(super) fn pipelines(&mut self, raw: Option<Vec<RawPipeline>>) -> Option<Vec<PipelineSpec>> {
@@ -25,7 +28,24 @@ impl Validator {
                 None => ok = false,
             }
         }
+        ok &= self.progress_fits(&out);
         ok.then_some(out)
+    }
+
+    /// The checkpoint's progress record holds a fixed part per pipeline and its definition;
+    /// it must fit one `meta` value whatever the counters reach, or no checkpoint could be
+    /// written (issue 26). Dormant pipelines add to it; the start checks those.
+    fn progress_fits(&mut self, specs: &[PipelineSpec]) -> bool {
+        let bytes = progress_bytes(specs);
+        self.require("pipeline", bytes <= MAX_META_BYTES, || {
+            format!(
+                "the {} pipelines' progress record can take {bytes} bytes, more than the \
+                 {MAX_META_BYTES} the store keeps in one record (each pipeline takes about 150 \
+                 bytes, its name and its definition: format, fields, aggregates, window): \
+                 configure fewer pipelines, or shorter names and field templates",
+                specs.len()
+            )
+        })
     }
 
     /// A window's slide: `None` when it equals the size (tumbling, stored as before).
@@ -126,7 +146,7 @@ impl Validator {
             self.pipeline_limits(&p, r.max_key_len, r.max_keys, r.max_id_len, r.max_future);
 
         format.as_ref()?;
-        Some(PipelineSpec {
+        let spec = PipelineSpec {
             name: name?,
             topics: topics?,
             format: format?,
@@ -146,7 +166,40 @@ impl Validator {
             max_keys: u64::try_from(limits.max_keys?).ok()?,
             max_id_len: usize::try_from(limits.max_id_len?).ok()?,
             max_future_ms: limits.max_future_ms?,
-        })
+        };
+        self.results_fit(&p, &spec).then_some(spec)
+    }
+
+    /// Every result of the pipeline fits one stored entry, whatever key a sender picks: else
+    /// the worst key would make a result the store refuses, and after a crash replay would
+    /// make it again on every start (issue 26). The engine refuses such an event too; this
+    /// says at load time which keys to change.
+    fn results_fit(&mut self, p: &str, spec: &PipelineSpec) -> bool {
+        let bytes = worst_result_bytes(spec);
+        if bytes <= MAX_ENTRY_BYTES {
+            return true;
+        }
+        let aggregates = spec.aggregate.all().len();
+        let why = format!(
+            "a result of this pipeline can take {bytes} bytes in the store, more than the \
+             {MAX_ENTRY_BYTES} one stored entry holds: a key of max_key_len = {} bytes, each of \
+             which topic escaping triples, goes into output_topic ({} bytes, {} `{{key}}`), the \
+             output ID and the JSON body, beside {aggregates} aggregate value(s)",
+            spec.max_key_len,
+            spec.output_topic.len(),
+            spec.output_topic.matches("{key}").count(),
+        );
+        match max_key_len_within(spec, MAX_ENTRY_BYTES) {
+            Some(fits) => self.problem(
+                &format!("{p}.max_key_len"),
+                format!("{why}; lower max_key_len to at most {fits}, or shorten output_topic"),
+            ),
+            None => self.problem(
+                &format!("{p}.output_topic"),
+                format!("{why}; shorten output_topic, or list fewer aggregates"),
+            ),
+        }
+        false
     }
 
     /// The name: valid, and not used by an earlier pipeline (`names` remembers them).
