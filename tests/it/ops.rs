@@ -140,7 +140,7 @@ fn the_packaged_config_differs_from_the_example_only_in_data_dir() {
     let without_data_dir = |c: &cairn::config::Config| {
         cairn::config::summary(c)
             .lines()
-            .filter(|l| !l.starts_with("data dir"))
+            .filter(|l| !l.starts_with("data_dir"))
             .collect::<Vec<_>>()
             .join("\n")
     };

@@ -481,18 +481,13 @@ impl Validator {
                 );
                 None
             }
-            some => self.duration(&k("size"), some, 0).filter(|&ms| {
-                self.require(&k("size"), ms > 0, || {
-                    "must be longer than 0s; remove `window` for an unwindowed aggregate"
-                        .to_string()
-                })
-            }),
+            some => self.duration(&k("size"), some),
         };
-        let lateness = self.duration(&k("allowed_lateness"), w.allowed_lateness, 0);
+        let lateness = self.duration(&k("allowed_lateness"), w.allowed_lateness);
         let slide = match w.slide {
             None => Some(None),
             some => self
-                .duration(&k("slide"), some, 0)
+                .duration(&k("slide"), some)
                 .and_then(|slide| self.slide(&k("slide"), slide, size)),
         };
         // No `?` before here: it would skip the checks above, hiding their problems.
@@ -505,20 +500,7 @@ impl Validator {
 
     fn dedup_window(&mut self, p: &str, raw: Option<DurationText>) -> Option<u64> {
         let key = format!("{p}.dedup_window");
-        self.duration(&key, raw, DEFAULT_DEDUP_WINDOW_MS)
-            .filter(|&ms| {
-                self.require(
-                    &key,
-                    (MIN_DEDUP_WINDOW_MS..=MAX_DEDUP_WINDOW_MS).contains(&ms),
-                    || {
-                        format!(
-                            "must be between 1m and 366d, found {}: broker redeliveries after a \
-                             reconnect come minutes later, and the window is held in the store",
-                            format_duration_ms(ms)
-                        )
-                    },
-                )
-            })
+        self.duration(&key, raw)
     }
 
     /// The output topic template; `{window_start}` only with a window.
@@ -602,39 +584,10 @@ impl Validator {
         max_id_len: Option<i64>,
         max_future: Option<DurationText>,
     ) -> Limits {
-        let max_key_len = self.int(
-            &format!("{p}.max_key_len"),
-            max_key_len,
-            DEFAULT_MAX_KEY_LEN,
-            1..=MAX_MAX_KEY_LEN,
-            " bytes: keys are part of topics, output IDs and store keys",
-        );
-        let max_keys = self.int(
-            &format!("{p}.max_keys"),
-            max_keys,
-            DEFAULT_MAX_KEYS,
-            1..=i64::MAX,
-            "",
-        );
-        let max_id_len = self.int(
-            &format!("{p}.max_id_len"),
-            max_id_len,
-            DEFAULT_MAX_ID_LEN,
-            1..=MAX_MAX_ID_LEN,
-            " bytes: event IDs are held in the dedup ledger",
-        );
-        let key = format!("{p}.max_future");
-        let max_future_ms = self
-            .duration(&key, max_future, DEFAULT_MAX_FUTURE_MS)
-            .filter(|&ms| {
-                self.require(&key, ms <= MAX_MAX_FUTURE_MS, || {
-                    format!(
-                        "must be at most 366d, found {}: it is how far a device clock may run \
-                         ahead, and events beyond it are dead letters",
-                        format_duration_ms(ms)
-                    )
-                })
-            });
+        let max_key_len = self.int(&format!("{p}.max_key_len"), max_key_len);
+        let max_keys = self.int(&format!("{p}.max_keys"), max_keys);
+        let max_id_len = self.int(&format!("{p}.max_id_len"), max_id_len);
+        let max_future_ms = self.duration(&format!("{p}.max_future"), max_future);
         Limits {
             max_key_len,
             max_keys,
