@@ -48,7 +48,7 @@
 //!   backpressure, times of receipt, `too_large` stand-ins), `agent/publisher.rs` (results
 //!   before their checkpoint, the inflight window; what a PUBACK settles),
 //!   `agent/checkpointer.rs` (when to checkpoint, retention's cutoff, savepoint schedule
-//!   and floor, the store watch), `agent/reload.rs` (SIGHUP as a diff of two configs),
+//!   and floor, the store watch), `agent/reload.rs` (SIGHUP: carries out `config::reload`'s plan),
 //!   `agent/uplink.rs` (results to a central broker over a second connection, the outbox
 //!   as its queue, the drain's figures), `agent/backfill.rs` (backfill slices beside live
 //!   work; the log they need kept from retention), `agent/behind.rs` (at the outbox's bound
@@ -59,7 +59,10 @@
 //!   `agent/start.rs`; retention carried out in `agent/retention.rs`; shutdown in
 //!   `agent/drain.rs`; savepoints carried out in `agent/savepoints.rs`; `/metrics` copying
 //!   and the status line in `agent/figures.rs`; heap trimming in `agent/memory.rs`.
-//! - [`config`]: TOML → validated [`config::Config`], every problem with file and line.
+//! - [`config`]: TOML → validated [`config::Config`], every problem with file and line;
+//!   every key's default, range, reload behaviour and reason once, in `config/keys.rs`
+//!   (validation, `validate`'s summary, `docs/configuration.md` and the SIGHUP plan of
+//!   `config/reload.rs` read it).
 //! - [`cli`]: the `cairn` command, one file per command in `cli/` (`run`, `validate`,
 //!   `inspect`, `verify`, `status`, `savepoint`), and `cli/failure.rs` for the exit codes
 //!   every command shares.

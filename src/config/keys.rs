@@ -113,23 +113,16 @@ impl Key {
 
     /// The range or choices in words.
     pub fn range_text(&self) -> String {
-        let between =
-            |lo: String, hi: String, open_lo: bool, open_hi: bool| match (open_lo, open_hi) {
-                (true, true) => "any".to_string(),
-                (false, true) => format!("at least {lo}"),
-                (true, false) => format!("at most {hi}"),
-                (false, false) => format!("{lo} to {hi}"),
-            };
         match self.range {
-            Range::Int(lo, hi) => between(lo.to_string(), hi.to_string(), false, hi == i64::MAX),
-            Range::Ms(lo, hi) => between(
-                format_duration_ms(lo),
-                format_duration_ms(hi),
+            Range::Int(lo, hi) => bounds(&lo.to_string(), &hi.to_string(), false, hi == i64::MAX),
+            Range::Ms(lo, hi) => bounds(
+                &format_duration_ms(lo),
+                &format_duration_ms(hi),
                 lo == 0,
                 hi == u64::MAX,
             ),
             Range::Bytes(lo, hi) => {
-                between(format_size(lo), format_size(hi), lo == 0, hi == u64::MAX)
+                bounds(&format_size(lo), &format_size(hi), lo == 0, hi == u64::MAX)
             }
             Range::Choices(c) => c.iter().map(|s| q(s)).collect::<Vec<_>>().join(", "),
             Range::Text(t) => t.into(),
@@ -142,6 +135,17 @@ impl Key {
             Get::Config(f) => f(cfg),
             Get::Pipeline(f) => cfg.pipelines.first().and_then(f),
         }
+    }
+}
+
+/// "between LO and HI", or one side alone when the other is open, or "any": for the
+/// reference and for validation's problems alike.
+pub(crate) fn bounds(lo: &str, hi: &str, open_lo: bool, open_hi: bool) -> String {
+    match (open_lo, open_hi) {
+        (true, true) => "any".to_string(),
+        (false, true) => format!("at least {lo}"),
+        (true, false) => format!("at most {hi}"),
+        (false, false) => format!("between {lo} and {hi}"),
     }
 }
 

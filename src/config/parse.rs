@@ -54,7 +54,7 @@ mod summary;
 mod tests;
 mod uplink;
 
-use super::keys::{self, Def, Range};
+use super::keys::{self, Def, Range, bounds};
 use super::units::{self, format_duration_ms, format_size, parse_duration_ms, parse_size};
 use link::RawLink;
 use locate::{Lines, Seg};
@@ -196,20 +196,6 @@ pub fn parse_str(text: &str, path: &Path) -> Result<Config, ConfigError> {
     }
 }
 
-/// "between LO and HI", or one side alone when the other is open.
-fn bounds(lo: &str, hi: &str, range: Range) -> String {
-    let (open_lo, open_hi) = match range {
-        Range::Int(_, hi) => (false, hi == i64::MAX),
-        Range::Ms(lo, hi) | Range::Bytes(lo, hi) => (lo == 0, hi == u64::MAX),
-        _ => (true, true),
-    };
-    match (open_lo, open_hi) {
-        (false, true) => format!("at least {lo}"),
-        (true, false) => format!("at most {hi}"),
-        _ => format!("between {lo} and {hi}"),
-    }
-}
-
 fn duration_ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
@@ -335,13 +321,7 @@ impl Validator {
                 .ok()?,
         };
         match row.range {
-            Range::Ms(lo, hi) if !(lo..=hi).contains(&ms) => {
-                let (lo, hi) = (format_duration_ms(lo), format_duration_ms(hi));
-                let bounds = bounds(&lo, &hi, row.range);
-                let found = format_duration_ms(ms);
-                self.problem(key, format!("must be {bounds}, found {found}: {}", row.why));
-                None
-            }
+            Range::Ms(lo, hi) => self.within(key, row.why, ms, (lo, hi), format_duration_ms),
             _ => Some(ms),
         }
     }
@@ -357,14 +337,26 @@ impl Validator {
             Some(text) => parse_size(&text.0).map_err(|e| self.problem(key, e)).ok()?,
         };
         match row.range {
-            Range::Bytes(lo, hi) if !(lo..=hi).contains(&n) => {
-                let bounds = bounds(&format_size(lo), &format_size(hi), row.range);
-                let found = format_size(n);
-                self.problem(key, format!("must be {bounds}, found {found}: {}", row.why));
-                None
-            }
+            Range::Bytes(lo, hi) => self.within(key, row.why, n, (lo, hi), format_size),
             _ => Some(n),
         }
+    }
+
+    /// `n` when it lies in `lo..=hi`; else a problem naming the range as `show` writes it.
+    fn within(
+        &mut self,
+        key: &str,
+        why: &str,
+        n: u64,
+        (lo, hi): (u64, u64),
+        show: fn(u64) -> String,
+    ) -> Option<u64> {
+        if (lo..=hi).contains(&n) {
+            return Some(n);
+        }
+        let bounds = bounds(&show(lo), &show(hi), lo == 0, hi == u64::MAX);
+        self.problem(key, format!("must be {bounds}, found {}: {why}", show(n)));
+        None
     }
 
     /// An integer key, likewise.
@@ -377,7 +369,7 @@ impl Validator {
         };
         match row.range {
             Range::Int(lo, hi) if !(lo..=hi).contains(&n) => {
-                let bounds = bounds(&lo.to_string(), &hi.to_string(), row.range);
+                let bounds = bounds(&lo.to_string(), &hi.to_string(), false, hi == i64::MAX);
                 self.problem(key, format!("must be {bounds}, found {n}: {}", row.why));
                 None
             }
