@@ -26,7 +26,8 @@
 //! ## Codemap
 //!
 //! - [`model`]: plain data: `Record`, `Offset`, and what a checkpoint persists (`Progress`,
-//!   `PipelineProgress`, `Counters`, `Output`, `DeadLetter`).
+//!   `PipelineProgress`, `Counters`, `Output`, `DeadLetter`), and the bounds on one stored
+//!   entry that the engine, config validation and the store all check.
 //! - [`pipeline`]: pipeline definitions, payload parsing, `where` filters, dedup, aggregates
 //!   (with a deterministic quantile sketch), tumbling and hopping windows, output IDs; the
 //!   [`pipeline::engine::Engine`] and an in-memory reference store.
@@ -58,9 +59,12 @@
 //!   retention's cutoff, savepoint schedule and floor, the store watch; `fsync.rs` the
 //!   checkpoint's fsync on its own thread; retention, savepoints and checkpoints waiting
 //!   for disk room in `mod.rs`); `agent/figures.rs` (`/metrics`, `STATUS=`, the watchdog);
-//!   `agent/start.rs` (recovery); `agent/reload.rs` (SIGHUP as a diff of two configs);
+//!   `agent/start.rs` (recovery); SIGHUP carries out `config::reload`'s plan;
 //!   `agent/memory.rs` (heap trimming).
-//! - [`config`]: TOML → validated [`config::Config`], every problem with file and line.
+//! - [`config`]: TOML → validated [`config::Config`], every problem with file and line;
+//!   every key's default, range, reload behaviour and reason once, in `config/keys.rs`
+//!   (validation, `validate`'s summary, `docs/configuration.md` and the SIGHUP plan of
+//!   `config/reload.rs` read it).
 //! - [`cli`]: the `cairn` command, one file per command in `cli/` (`run`, `validate`,
 //!   `inspect`, `verify`, `status`, `savepoint`), and `cli/failure.rs` for the exit codes
 //!   every command shares.

@@ -33,15 +33,14 @@
 //!   checkpoints waiting for disk room.
 //! - `figures`: `/metrics`, the `STATUS=` line and the watchdog, dead-letter lines.
 //! - `start`: recovery (the start plan is the processor's, `processor/plan.rs`);
-//!   `reload`: SIGHUP as a pure diff of two configs; `memory`: heap trimming; `error`:
-//!   [`AgentError`].
+//!   SIGHUP carries out `config::reload`'s plan (`Agent::reload`); `memory`: heap
+//!   trimming; `error`: [`AgentError`].
 
 mod error;
 mod figures;
 mod ingest;
 mod keeper;
 mod memory;
-mod reload;
 mod results;
 mod start;
 mod work;
@@ -560,27 +559,32 @@ impl Agent {
             .publish(&self.proc, &self.mqtt, self.cfg.outbox.inflight)
     }
 
-    /// SIGHUP: re-read the config and apply what is safe to change (see `reload`).
+    /// SIGHUP: re-read the config file and carry out the plan `config::reload::plan` makes
+    /// from the running and the new config: the keys whose table row says a SIGHUP applies
+    /// them are copied and used; every other change is reported for a restart. A config
+    /// with problems changes nothing. Pipelines never change here: a pipeline change takes
+    /// effect at a checkpoint boundary, which the restart's start plan gives.
     fn reload(&mut self) {
         crate::notify::reloading();
         match crate::config::load(&self.cfg.source) {
             Err(e) => log::error!("reload: {e}; keeping the running configuration"),
             Ok(new) => {
-                let plan = reload::diff(&self.cfg, &new);
-                crate::logging::set_level(new.logging.level);
-                self.log.set_max_size(new.log.max_size);
-                reload::apply_safe(&mut self.cfg, &new);
-                if plan.savepoints_changed {
+                let plan = crate::config::reload::plan(&self.cfg, &new);
+                plan.apply(&mut self.cfg, &new);
+                crate::logging::set_level(self.cfg.logging.level);
+                self.log.set_max_size(self.cfg.log.max_size);
+                if plan.applies("savepoint.interval") {
                     let (wall_ms, now) = (self.clock.wall_ms(), self.now());
                     self.keeper.reschedule_savepoints(&self.cfg, wall_ms, now);
                 }
                 if plan.restart.is_empty() {
-                    log::info!("reload: applied {}", self.cfg.source.display());
-                } else {
-                    log::warn!(
-                        "reload: applied the safe changes; {} changed too and need a restart (systemctl restart cairn)",
-                        plan.restart.join(", ")
+                    log::info!(
+                        "reload: {} ({})",
+                        plan.describe(),
+                        self.cfg.source.display()
                     );
+                } else {
+                    log::warn!("reload: {}", plan.describe());
                 }
             }
         }

@@ -3,13 +3,20 @@
 //!
 //! Durations and sizes are strings (`"250ms"`, `"7d"`, `"512MiB"`). An unknown key, a wrong
 //! type or an impossible value is a [`ConfigError`] naming the file, the key and its line.
+//!
+//! Every key's default, range, unit, reload behaviour and reason live once, in the table of
+//! [`keys`]: validation, `cairn validate`'s [`summary`], the SIGHUP [`reload::plan`] and
+//! `docs/configuration.md` all read it.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::pipeline::spec::PipelineSpec;
 
+pub mod keys;
 mod parse;
+pub mod reload;
+pub(crate) mod units;
 pub use parse::{ConfigError, Problem, load, parse_str, summary};
 
 /// The whole, validated configuration.

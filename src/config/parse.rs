@@ -34,10 +34,11 @@ use super::{
     CheckpointConfig, Config, DeadLettersConfig, LogConfig, LoggingConfig, MetricsConfig,
     MqttConfig, OutboxConfig, SavepointConfig, StorageConfig, TlsConfig,
 };
-use crate::pipeline::filter::{Expr, parse_filter};
+use crate::pipeline::expr::Expr;
+use crate::pipeline::field::{Field, Format, TemplatePart};
+use crate::pipeline::filter::parse_filter;
 use crate::pipeline::spec::{
-    Aggregate, AggregateSpec, Emit, Field, Format, MAX_WINDOWS_PER_EVENT, PipelineSpec, Start,
-    TemplatePart, WindowSpec,
+    Aggregate, AggregateSpec, Emit, MAX_WINDOWS_PER_EVENT, PipelineSpec, Start, WindowSpec,
 };
 
 mod link;
@@ -51,134 +52,27 @@ mod summary;
 #[cfg(test)]
 #[path = "parse_tests.rs"]
 mod tests;
-#[path = "units.rs"]
-mod units;
 mod uplink;
 
+use super::keys::{self, Def, Range, bounds};
+use super::units::{self, format_duration_ms, format_size, parse_duration_ms, parse_size};
 use link::RawLink;
 use locate::{Lines, Seg};
 use names::valid_name;
 use raw::*;
 pub use summary::summary;
-use units::{format_duration_ms, format_size, parse_duration_ms, parse_size};
 
 // ---------------------------------------------------------------------------------------
-// Defaults and bounds. Durations in ms, sizes in bytes.
+// Bounds that are not one key's: every key's default and range, with the reason for the
+// default, are in the table of keys (`config/keys.rs`).
 
 const KIB: u64 = 1 << 10;
-const MIB: u64 = 1 << 20;
-const GIB: u64 = 1 << 30;
-
-const DEFAULT_HOST: &str = "127.0.0.1";
-const DEFAULT_PORT: i64 = 1883;
-/// MQTT keep-alive is a 16-bit count of seconds; under 5s a busy fsync can look like a
-/// dead connection.
-const DEFAULT_KEEP_ALIVE_MS: u64 = 30_000;
-const MIN_KEEP_ALIVE_MS: u64 = 5_000;
-const MAX_KEEP_ALIVE_MS: u64 = 65_535_000;
-/// mosquitto's default `max_inflight_messages`: the broker never has more unacked inputs
-/// out at once, so a larger batch would never fill and would only wait for the timer.
-const DEFAULT_INGEST_BATCH: i64 = 20;
-/// Backoff against a dead broker (rumqttc has none: without it, a tight loop).
-const DEFAULT_RECONNECT_MIN_MS: u64 = 100;
-const MIN_RECONNECT_MIN_MS: u64 = 10;
-const DEFAULT_RECONNECT_MAX_MS: u64 = 30_000;
-/// While we are disconnected the broker queues for us, but mosquitto drops silently past
-/// `max_queued_messages` (default 1000): never back off for longer than this.
-const MAX_RECONNECT_MAX_MS: u64 = 600_000;
-const DEFAULT_CHANNEL_CAPACITY: i64 = 1024;
-/// A channel is memory we promise to hold; a million messages is already far too many for
-/// an edge box.
-const MAX_CHANNEL_CAPACITY: i64 = 1 << 20;
 /// MQTT 3.1.1 guarantees 23 characters; most brokers accept more.
 const MAX_CLIENT_ID_LEN: usize = 64;
 const PORTABLE_CLIENT_ID_LEN: usize = 23;
-
-/// DESIGN §4: 8–32 MiB on an edge box; sled's own default (1 GiB, counted in on-disk bytes)
-/// lets RSS grow to several GiB.
-const DEFAULT_CACHE_SIZE: u64 = 16 * MIB;
-const MIN_CACHE_SIZE: u64 = MIB;
-const MAX_CACHE_SIZE: u64 = GIB;
-// The dedup ledger's in-memory index (issue 10): below 1 MiB it would be full at ~60k events.
-const DEFAULT_LEDGER_INDEX_MAX: u64 = 64 * MIB;
-const MIN_LEDGER_INDEX_MAX: u64 = MIB;
-const MAX_LEDGER_INDEX_MAX: u64 = 16 * GIB;
-// Dead letters (issue 10): kept at most this many, this long.
-const DEFAULT_DEAD_LETTERS_MAX_ENTRIES: i64 = 100_000;
-const MAX_DEAD_LETTERS_MAX_ENTRIES: i64 = 100_000_000;
-const DEFAULT_DEAD_LETTERS_MAX_AGE_MS: u64 = 30 * 86_400_000;
-const MIN_DEAD_LETTERS_MAX_AGE_MS: u64 = 60_000;
-
-const DEFAULT_SEGMENT_SIZE: u64 = 64 * MIB;
-const MIN_SEGMENT_SIZE: u64 = MIB;
-/// Offsets inside a segment stay far from the framing's u32 length field.
-const MAX_SEGMENT_SIZE: u64 = GIB;
-/// 32 segments: a few hours of a busy box, and full ⇒ backpressure, never loss.
-const DEFAULT_LOG_MAX_SIZE: u64 = 2 * GIB;
-const DEFAULT_RETENTION_MS: u64 = 24 * 3_600_000;
-/// Group commit: a few ms of latency buys one fsync for a whole batch.
-const DEFAULT_COMMIT_INTERVAL_MS: u64 = 5;
-/// Held inputs are unacked inputs; beyond a second the broker's inflight window stalls.
-const MAX_COMMIT_INTERVAL_MS: u64 = 1_000;
-const DEFAULT_MAX_PAYLOAD: u64 = 256 * KIB;
 /// Room for a record's framing and metadata (topic, offsets, times) beside its payload.
 const RECORD_OVERHEAD: u64 = 64 * KIB;
-
-/// Bounds replay after a crash (results leave before their checkpoint, so it no longer sets
-/// their latency). 5 s, from the interval curve of `benches/compare.rs` (issue 14, README
-/// "Performance"): bytes written per event fall from ~2,500 at 50 ms to ~340 at 5 s, while
-/// recovery after a kill stays under half a second at the rates this box sustains.
-const DEFAULT_CHECKPOINT_INTERVAL_MS: u64 = 5_000;
-const MAX_CHECKPOINT_INTERVAL_MS: u64 = 3_600_000;
-/// One sled transaction holds a whole checkpoint in memory (~13k 4-tree txn/s, DESIGN §4),
-/// and so does the engine's overlay until then (ledger entries, outputs: a few MiB at this
-/// bound). High enough that the interval decides below ~4,000 events/s.
-const DEFAULT_CHECKPOINT_MAX_RECORDS: i64 = 20_000;
-const MAX_CHECKPOINT_MAX_RECORDS: i64 = 1_000_000;
-/// Each key a checkpoint writes costs a copy of its sled leaf (~4 KiB with 100k keys) until
-/// the checkpoint's transaction ends: sled copies a leaf on every write and frees the old
-/// copy only once the transaction unpins. Measured on the 1M backlog over 100k keys
-/// (`benches/compare.rs`): peak RSS 122 MiB at 20,000 records per checkpoint, 68-73 at 5,000,
-/// 60 at 2,500 (issue 16); bounded by keys, 59.2-64.2 MiB at 2,048 and 55.7-57.5 at 1,536,
-/// at rest the same. With few keys the record bound or the interval decides.
-const DEFAULT_CHECKPOINT_MAX_KEYS: i64 = 1_536;
-
-/// Hours of output while the broker is away, at a few kB each: well under the disk.
-const DEFAULT_OUTBOX_MAX_ENTRIES: i64 = 100_000;
-/// The outbox is the uplink's store-and-forward queue: 1 GiB holds about 5 million
-/// results of ~200 bytes (a day and a half of changelog results at 40/s with the uplink
-/// down), half the replay log's default 2 GiB, and still small beside an edge box's
-/// flash. In `upsert` mode it holds one result per key whatever the outage.
-const DEFAULT_OUTBOX_MAX_SIZE: u64 = GIB;
-/// One checkpoint's outputs must fit under the bound with room to spare.
-const MIN_OUTBOX_MAX_SIZE: u64 = MIB;
-const DEFAULT_OUTBOX_INFLIGHT: i64 = 100;
-const DEFAULT_DRAIN_TIMEOUT_MS: u64 = 5_000;
-/// systemd kills after TimeoutStopSec (90s by default); finish well before.
-const MAX_DRAIN_TIMEOUT_MS: u64 = 60_000;
-
-const DEFAULT_SAVEPOINT_KEEP: i64 = 3;
-const MIN_SAVEPOINT_INTERVAL_MS: u64 = 1_000;
-const MAX_SAVEPOINT_KEEP: i64 = 1_000;
-
 const MAX_PIPELINE_NAME_LEN: usize = 64;
-/// Business duplicates can come days later (a device that re-sends its backlog after a
-/// week offline); broker redeliveries minutes later.
-const DEFAULT_DEDUP_WINDOW_MS: u64 = 7 * 86_400_000;
-const MIN_DEDUP_WINDOW_MS: u64 = 60_000;
-const MAX_DEDUP_WINDOW_MS: u64 = 366 * 86_400_000;
-const DEFAULT_MAX_KEY_LEN: i64 = 128;
-const MAX_MAX_KEY_LEN: i64 = 1_024;
-/// State per key is small; a million keys is tens of MB in sled.
-const DEFAULT_MAX_KEYS: i64 = 1_000_000;
-/// Event IDs live in the dedup ledger; a bound keeps its values far below sled's blob
-/// threshold (a 200 KB ID once produced an unfsynced blob file).
-const DEFAULT_MAX_ID_LEN: i64 = 256;
-const MAX_MAX_ID_LEN: i64 = 1_024;
-/// Device clocks drift by seconds to minutes; an event further ahead is a broken clock, and
-/// accepting it would close every window up to it.
-const DEFAULT_MAX_FUTURE_MS: u64 = 600_000;
-const MAX_MAX_FUTURE_MS: u64 = 366 * 86_400_000;
 
 // ---------------------------------------------------------------------------------------
 // Errors.
@@ -413,42 +307,74 @@ impl Validator {
         None
     }
 
-    fn duration(&mut self, key: &str, raw: Option<DurationText>, default_ms: u64) -> Option<u64> {
-        match raw {
-            None => Some(default_ms),
+    /// A duration key: absent, its default from the table of keys; present, parsed and held
+    /// to the table's range.
+    fn duration(&mut self, key: &str, raw: Option<DurationText>) -> Option<u64> {
+        let row = keys::row(key);
+        let ms = match raw {
+            None => match row.default {
+                Def::Ms(ms) => return Some(ms),
+                _ => return Some(0),
+            },
             Some(text) => parse_duration_ms(&text.0)
                 .map_err(|e| self.problem(key, e))
-                .ok(),
+                .ok()?,
+        };
+        match row.range {
+            Range::Ms(lo, hi) => self.within(key, row.why, ms, (lo, hi), format_duration_ms),
+            _ => Some(ms),
         }
     }
 
-    fn size(&mut self, key: &str, raw: Option<SizeText>, default: u64) -> Option<u64> {
-        match raw {
-            None => Some(default),
-            Some(text) => parse_size(&text.0).map_err(|e| self.problem(key, e)).ok(),
+    /// A size key, likewise.
+    fn size(&mut self, key: &str, raw: Option<SizeText>) -> Option<u64> {
+        let row = keys::row(key);
+        let n = match raw {
+            None => match row.default {
+                Def::Bytes(n) => return Some(n),
+                _ => return Some(0),
+            },
+            Some(text) => parse_size(&text.0).map_err(|e| self.problem(key, e)).ok()?,
+        };
+        match row.range {
+            Range::Bytes(lo, hi) => self.within(key, row.why, n, (lo, hi), format_size),
+            _ => Some(n),
         }
     }
 
-    /// An integer in `range`; `why` follows the range in the message.
-    fn int(
+    /// `n` when it lies in `lo..=hi`; else a problem naming the range as `show` writes it.
+    fn within(
         &mut self,
         key: &str,
-        raw: Option<i64>,
-        default: i64,
-        range: std::ops::RangeInclusive<i64>,
         why: &str,
-    ) -> Option<i64> {
-        let n = raw.unwrap_or(default);
-        if range.contains(&n) {
+        n: u64,
+        (lo, hi): (u64, u64),
+        show: fn(u64) -> String,
+    ) -> Option<u64> {
+        if (lo..=hi).contains(&n) {
             return Some(n);
         }
-        let bounds = if *range.end() == i64::MAX {
-            format!("at least {}", range.start())
-        } else {
-            format!("between {} and {}", range.start(), range.end())
-        };
-        self.problem(key, format!("must be {bounds}, found {n}{why}"));
+        let bounds = bounds(&show(lo), &show(hi), lo == 0, hi == u64::MAX);
+        self.problem(key, format!("must be {bounds}, found {}: {why}", show(n)));
         None
+    }
+
+    /// An integer key, likewise.
+    fn int(&mut self, key: &str, raw: Option<i64>) -> Option<i64> {
+        let row = keys::row(key);
+        let n = match (raw, row.default) {
+            (Some(n), _) => n,
+            (None, Def::Int(n)) => n,
+            (None, _) => 0,
+        };
+        match row.range {
+            Range::Int(lo, hi) if !(lo..=hi).contains(&n) => {
+                let bounds = bounds(&lo.to_string(), &hi.to_string(), false, hi == i64::MAX);
+                self.problem(key, format!("must be {bounds}, found {n}: {}", row.why));
+                None
+            }
+            _ => Some(n),
+        }
     }
 
     /// `check` false ⇒ a problem at `key`.

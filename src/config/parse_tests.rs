@@ -85,8 +85,11 @@ fn the_example_file_loads() {
     assert_eq!(cfg.pipelines[0].name, "balances");
     assert_eq!(cfg.source, path);
     let s = summary(&cfg);
-    assert!(s.contains("127.0.0.1:1883 as cairn-edge-1"), "{s}");
-    assert!(s.contains("balances: payments/#"), "{s}");
+    assert!(s.contains("client_id = \"cairn-edge-1\"\n"), "{s}");
+    assert!(
+        s.contains("name = \"balances\"\ntopics = [\"payments/#\"]"),
+        "{s}"
+    );
 }
 
 #[test]
@@ -485,8 +488,10 @@ fn mqtt_limits_are_checked_against_each_other() {
         &only(&text),
         "mqtt.keep_alive",
         2,
-        "whole seconds between 5s and 65535s",
+        "between 5s and 18h12m15s",
     );
+    let text = with("mqtt", "keep_alive = \"5500ms\"");
+    assert_problem(&only(&text), "mqtt.keep_alive", 2, "must be whole seconds");
     let text = MINIMAL.replace("box-1", "box 1");
     assert_problem(
         &only(&text),
@@ -608,6 +613,67 @@ fn topic_filters_follow_mqtt_rules() {
     for bad in ["", "a#", "#/a", "a/b#", "a+", "a/+b/c", "a\0b"] {
         assert!(check_filter(bad).is_err(), "{bad:?}");
     }
+}
+
+/// Issue 27: config text that becomes a topic (filters, output templates, the uplink's
+/// prefix, the literal parts of key and event-ID templates) holds no code point an MQTT
+/// receiver may refuse; each is reported at its line, naming the code point.
+#[test]
+fn code_points_a_receiver_may_refuse_are_refused_in_config_text_at_their_line() {
+    let cases = [
+        (
+            "topics = [\"payments/#\"]",
+            "topics = [\"payments/\\uFFFF/#\"]",
+            "pipeline[0].topics[0]",
+            "U+FFFF",
+        ),
+        (
+            "topics = [\"payments/#\"]",
+            "topics = [\"in/\\u0085\"]",
+            "pipeline[0].topics[0]",
+            "U+0085",
+        ),
+        (
+            "output_topic = \"balances/{key}\"",
+            "output_topic = \"b/\\uFDD0/{key}\"",
+            "pipeline[0].output_topic",
+            "U+FDD0",
+        ),
+        (
+            "output_topic = \"balances/{key}\"",
+            "output_topic = \"b/{key}\\U0010FFFE\"",
+            "pipeline[0].output_topic",
+            "U+10FFFE",
+        ),
+        (
+            "key = \"/account\"",
+            "key = \"{/account}-\\uFFFE\"",
+            "pipeline[0].key",
+            "U+FFFE",
+        ),
+        (
+            "event_id = \"/id\"",
+            "event_id = \"\\u0001{/id}\"",
+            "pipeline[0].event_id",
+            "U+0001",
+        ),
+    ];
+    for (from, to, key, code) in cases {
+        let text = MINIMAL.replace(from, to);
+        let line = line_of(&text, to.split(' ').next().unwrap());
+        assert_problem(&only(&text), key, line, code);
+    }
+    let text = format!("{MINIMAL}[uplink]\nclient_id = \"up\"\ntopic_prefix = \"site/\\uFDEF/\"\n");
+    assert_problem(
+        &only(&text),
+        "uplink.topic_prefix",
+        line_of(&text, "topic_prefix"),
+        "U+FDEF",
+    );
+    // A pointer may name such a member: it reads the payload, it is not a topic.
+    assert!(parse(&MINIMAL.replace("\"/account\"", "\"/acc\\uFFFFount\"")).is_ok());
+    // And their neighbours are text like any other.
+    assert!(parse(&MINIMAL.replace("balances/{key}", "b/\\uFFFD\\uFDCF/{key}")).is_ok());
 }
 
 #[test]
@@ -932,10 +998,15 @@ allowed_lateness = "1m"
     );
     assert_eq!(p.dedup_window_ms, 86_400_000);
     let s = summary(&cfg);
-    assert!(
-        s.contains("max(2) by 1 per 15m window (lateness 1m)"),
-        "{s}"
-    );
+    for line in [
+        "aggregate = \"max\"",
+        "value = \"2\"",
+        "key = \"1\"",
+        "window.size = \"15m\"",
+        "window.allowed_lateness = \"1m\"",
+    ] {
+        assert!(s.contains(&format!("{line}\n")), "{line}: {s}");
+    }
 }
 
 #[test]
@@ -1055,8 +1126,8 @@ fn start_is_latest_by_default_or_earliest_and_nothing_else() {
         Start::Earliest
     );
     let earliest = parse(&with_pipeline("start = \"earliest\"")).unwrap();
-    assert!(summary(&earliest).contains("start earliest: backfills the retained log"));
-    assert!(!summary(&parse(MINIMAL).unwrap()).contains("start"));
+    assert!(summary(&earliest).contains("start = \"earliest\"\n"));
+    assert!(summary(&parse(MINIMAL).unwrap()).contains("start = \"latest\"  # default\n"));
     let text = with_pipeline("start = \"beginning\"");
     assert_problem(
         &only(&text),
@@ -1093,4 +1164,88 @@ fn checkpoint_max_keys_defaults_to_1536_and_must_be_at_least_one() {
     let text = format!("{MINIMAL}\n[checkpoint]\nmax_keys = 0\n");
     let e = parse(&text).unwrap_err().to_string();
     assert!(e.contains("checkpoint.max_keys"), "{e}");
+}
+
+/// Issue 26: a pipeline whose worst key makes a result too large for one stored entry is
+/// refused at load, at the key to change, with the largest value that fits.
+#[test]
+fn a_pipeline_whose_worst_result_cannot_be_stored_is_refused_naming_the_keys() {
+    let text = with_pipeline("max_key_len = 1024");
+    let p = only(&text);
+    assert_problem(
+        &p,
+        "pipeline[0].max_key_len",
+        line_of(&text, "max_key_len"),
+        "lower max_key_len to at most",
+    );
+    assert!(
+        p.message.contains("output_topic") && p.message.contains("7168"),
+        "{}",
+        p.message
+    );
+    // The value it names is the largest that loads.
+    let fits: usize = p
+        .message
+        .split("at most ")
+        .nth(1)
+        .unwrap()
+        .split(|c: char| !c.is_ascii_digit())
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((500..1024).contains(&fits), "{fits}");
+    assert!(parse(&with_pipeline(&format!("max_key_len = {fits}"))).is_ok());
+    assert!(parse(&with_pipeline(&format!("max_key_len = {}", fits + 1))).is_err());
+    // Each `{key}` in the template counts: two of them halve what fits, about.
+    let twice = MINIMAL.replace("balances/{key}", "balances/{key}/{key}");
+    let text = format!("{twice}max_key_len = {fits}\n");
+    assert_eq!(only(&text).key, "pipeline[0].max_key_len");
+    // A template too long for any key is reported at the template.
+    let long = MINIMAL.replace("balances/{key}", &format!("{}/{{key}}", "b".repeat(7100)));
+    let p = only(&long);
+    assert_problem(
+        &p,
+        "pipeline[0].output_topic",
+        line_of(&long, "output_topic"),
+        "shorten output_topic",
+    );
+    // Aggregates count too: a list of all of them leaves less room for the key.
+    let list = MINIMAL.replace(
+        "aggregate = \"sum\"",
+        "aggregate = [\"count\", \"sum\", \"min\", \"max\", \"avg\", \"last\", \"stddev\", \"variance\", \"p1\", \"p95\", \"p99.9\"]",
+    );
+    assert!(parse(&format!("{list}max_key_len = {}\n", fits - 20)).is_err());
+    assert!(
+        parse(&list).is_ok(),
+        "the defaults fit with every aggregate"
+    );
+}
+
+/// Issue 26: the checkpoint's progress record holds every pipeline's definition; so many
+/// pipelines that it cannot fit one stored record are refused at load.
+#[test]
+fn too_many_pipelines_for_the_progress_record_are_refused() {
+    let head = &MINIMAL[..MINIMAL.find("[[pipeline]]").unwrap()];
+    let pipelines = |n: usize| {
+        let mut text = head.to_string();
+        for i in 0..n {
+            text.push_str(&format!(
+                "[[pipeline]]\nname = \"p{i:03}{}\"\ntopics = [\"in/{i}\"]\nevent_id = \"{{/device}}-{{/seq}}-{}\"\nkey = \"/k\"\n\
+                 value = \"/v\"\naggregate = \"sum\"\noutput_topic = \"o/{i}/{{key}}\"\n",
+                "n".repeat(60),
+                "x".repeat(100)
+            ));
+        }
+        text
+    };
+    assert!(parse(&pipelines(100)).is_ok());
+    let p = problems(&pipelines(300));
+    assert_eq!(p.len(), 1, "{p:#?}");
+    assert_eq!(p[0].key, "pipeline");
+    assert!(
+        p[0].message.contains("progress record") && p[0].message.contains("fewer pipelines"),
+        "{}",
+        p[0].message
+    );
 }

@@ -5,10 +5,10 @@
 //! Arithmetic is checked: a value that does not fit in `u64` is an error, never a wrap.
 
 /// The duration units, for messages.
-pub(super) const DURATION_UNITS: &str = "ms, s, m, h, d";
+pub(crate) const DURATION_UNITS: &str = "ms, s, m, h, d";
 
 /// The size units, for messages.
-pub(super) const SIZE_UNITS: &str =
+pub(crate) const SIZE_UNITS: &str =
     "B, KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB, TB (powers of 1000)";
 
 /// Duration units from the largest to the smallest, with their length in milliseconds.
@@ -38,7 +38,7 @@ const SIZE_TABLE: [(&str, u64); 10] = [
 ///
 /// Parts go from the largest unit to the smallest, each unit at most once, so that every
 /// duration has one spelling a reader can check at a glance.
-pub(super) fn parse_duration_ms(text: &str) -> Result<u64, String> {
+pub(crate) fn parse_duration_ms(text: &str) -> Result<u64, String> {
     let s = text.trim();
     let example = format!(
         "write an integer and a unit, e.g. \"250ms\", \"30s\" or \"1h30m\"; accepted units: {DURATION_UNITS}"
@@ -91,7 +91,7 @@ pub(super) fn parse_duration_ms(text: &str) -> Result<u64, String> {
 }
 
 /// Parse a size such as `"512MiB"`, `"64KB"` or `"100B"` into bytes.
-pub(super) fn parse_size(text: &str) -> Result<u64, String> {
+pub(crate) fn parse_size(text: &str) -> Result<u64, String> {
     let s = text.trim();
     let (number, unit, after) = split_number_unit(s);
     if number.is_empty() || !after.is_empty() && !after.starts_with(['.', ',']) {
@@ -137,7 +137,7 @@ fn split_number_unit(s: &str) -> (&str, &str, &str) {
 }
 
 /// The canonical spelling of a duration, e.g. `1h30m`, `250ms`, `0s`.
-pub(super) fn format_duration_ms(ms: u64) -> String {
+pub(crate) fn format_duration_ms(ms: u64) -> String {
     if ms == 0 {
         return "0s".to_string();
     }
@@ -154,7 +154,7 @@ pub(super) fn format_duration_ms(ms: u64) -> String {
 }
 
 /// The shortest exact spelling of a size, e.g. `64MiB`, `100KB`, `1000001B`.
-pub(super) fn format_size(bytes: u64) -> String {
+pub(crate) fn format_size(bytes: u64) -> String {
     if bytes == 0 {
         return "0B".to_string();
     }

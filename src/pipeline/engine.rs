@@ -12,12 +12,15 @@
 
 use std::collections::BTreeMap;
 
-use super::parse::{Parsed, Refusal, parse};
+use super::bound::{KeyBytes, result_bytes};
+use super::num::Num;
+use super::parse::{Parsed, parse};
+use super::refusal::Refusal;
 use super::spec::{Emit, PipelineSpec};
 use super::topic::{check_publish_topic, escape_key, matches, render};
-use super::value::{KeyState, Num};
-use crate::model::Record;
+use super::value::KeyState;
 use crate::model::{Backfill, DeadLetter, Output, PipelineProgress, Progress};
+use crate::model::{DEAD_LETTER_KEY_ROOM, MAX_ENTRY_BYTES, Record};
 
 /// Longest payload prefix kept in a dead letter.
 pub(crate) const DEAD_LETTER_PAYLOAD_MAX: usize = 1024;
@@ -105,6 +108,21 @@ pub fn definition(spec: &PipelineSpec) -> String {
         "event_time": spec.event_time, "aggregate": spec.aggregate, "window": spec.window,
     })
     .to_string()
+}
+
+/// Most bytes the progress record takes with `specs` configured and nothing dormant, whatever
+/// its counters reach: every number at its longest varint, each pipeline's name and
+/// definition as they are (see [`Progress`] and [`PipelineProgress`] for the layout).
+pub fn progress_bytes(specs: &[PipelineSpec]) -> usize {
+    // next_offset, checkpoint_id, log_clock_ms, records, unmatched, outbox_seq; the list's
+    // length.
+    let fixed = 6 * 10 + 5;
+    specs.iter().fold(fixed, |sum, spec| {
+        // Eight u64 (times, keys, ledger entries, two versions), five counters, a u32
+        // generation, two string lengths.
+        let numbers = 8 * 10 + 5 * 10 + 5 + 2 * 5;
+        sum.saturating_add(numbers + spec.name.len() + definition(spec).len())
+    })
 }
 
 /// Which pipelines a record goes to: every matching one that is live, or one backfilling
@@ -363,7 +381,9 @@ impl Engine {
         }
         self.remember(&name, content_id, now);
         self.progress.pipelines[p].counters.dead_letters += 1;
-        self.batch.dead_letters.push(DeadLetter {
+        // Bounded here, where it is made: a topic may be 64 KiB and a detail may quote a
+        // sender's field; cut, the letter fits one stored entry (invariant 7).
+        let letter = DeadLetter {
             offset: rec.offset,
             pipeline: name,
             topic: rec.topic.clone(),
@@ -371,7 +391,10 @@ impl Engine {
             detail: r.detail,
             received_at_ms: rec.received_at_ms,
             payload: payload[..payload.len().min(DEAD_LETTER_PAYLOAD_MAX)].to_vec(),
-        });
+        };
+        self.batch
+            .dead_letters
+            .push(letter.fitted(DEAD_LETTER_KEY_ROOM));
         Ok(Outcome::DeadLetter { reason: r.reason })
     }
 
@@ -484,6 +507,7 @@ impl Engine {
             }
         };
         let escaped = escape_key(&ev.key);
+        let key_bytes = KeyBytes::of(&ev.key, &escaped);
         let slot = |start: Option<u64>| -> Result<Slot, Refusal> {
             let mut skey = Vec::with_capacity(8 + ev.key.len());
             if let Some(start) = start {
@@ -492,6 +516,22 @@ impl Engine {
             skey.extend_from_slice(ev.key.as_bytes());
             let topic = render(&spec.output_topic, &escaped, start);
             check_publish_topic(&topic)?;
+            // Decided from the key and the topic alone, before any state changes, so replay
+            // decides the same; a result the store would refuse would fail every checkpoint,
+            // replay's included (issue 26).
+            let bytes = result_bytes(spec, topic.len(), key_bytes);
+            if bytes > MAX_ENTRY_BYTES {
+                return Err(Refusal {
+                    reason: "result_too_large",
+                    detail: format!(
+                        "a result for this key would take up to {bytes} bytes in the store, \
+                         which holds at most {MAX_ENTRY_BYTES} per entry (a key of {} bytes, a \
+                         topic of {}): lower max_key_len or shorten output_topic",
+                        ev.key.len(),
+                        topic.len()
+                    ),
+                });
+            }
             Ok(Slot { skey, topic })
         };
         let Some(w) = spec.window else {
@@ -583,7 +623,11 @@ impl Engine {
                 .apply(value, time_ms)
                 .map(|s| (s, false))
                 .map_err(|_| overflow()),
-        })
+        }
+        .and_then(|(st, new_key)| {
+            check_state_size(&spec.name, skey, &st)?;
+            Ok((st, new_key))
+        }))
     }
 
     /// Drop windows the watermark has closed: no event can change them any more. With
@@ -765,7 +809,29 @@ struct Slot {
     topic: String,
 }
 
-/// Refuse keys that cannot name a state entry, a topic level and an output-ID segment.
+/// Refuse a state that would not fit one stored entry beside its key (the pipeline's name,
+/// a separator, the window start and the key): a sketch with many buckets under a long key
+/// can outgrow it. The cheap bound decides almost always; the exact size only near it.
+fn check_state_size(pipeline: &str, skey: &[u8], st: &KeyState) -> Result<(), Refusal> {
+    let key = pipeline.len() + 1 + skey.len();
+    if key + st.stored_bound() <= MAX_ENTRY_BYTES {
+        return Ok(());
+    }
+    let bytes = key + postcard::experimental::serialized_size(st).unwrap_or(usize::MAX);
+    if bytes <= MAX_ENTRY_BYTES {
+        return Ok(());
+    }
+    Err(Refusal {
+        reason: "state_too_large",
+        detail: format!(
+            "the key's state would take {bytes} bytes in the store, which holds at most \
+             {MAX_ENTRY_BYTES} per entry: lower max_key_len, or drop a percentile aggregate"
+        ),
+    })
+}
+
+/// Refuse keys that cannot name a state entry, a topic level and an output-ID segment: empty,
+/// too long, or holding a code point an MQTT receiver may refuse ([`crate::text`]).
 fn check_key(spec: &PipelineSpec, ev: Parsed) -> Result<Parsed, Refusal> {
     let refuse = |reason, detail: String| Err(Refusal { reason, detail });
     if ev.key.is_empty() {
@@ -778,9 +844,21 @@ fn check_key(spec: &PipelineSpec, ev: Parsed) -> Result<Parsed, Refusal> {
             format!("key is {len} bytes, the limit is {max}"),
         );
     }
-    if ev.key.chars().any(char::is_control) {
-        let detail = "the key contains a control character (NUL, newline, ...)";
-        return refuse("bad_key", detail.into());
+    // The key becomes a topic level: a code point a receiver may treat as malformed gets the
+    // publish refused by disconnecting, again after every reconnect (issue 27).
+    if let Some(c) = crate::text::first_refusable(&ev.key) {
+        let what = if c.is_control() {
+            "a control character (NUL, newline, ...)"
+        } else {
+            "a Unicode non-character"
+        };
+        return refuse(
+            "bad_key",
+            format!(
+                "the key contains U+{:04X}, {what}, which an MQTT receiver may refuse in a topic",
+                u32::from(c)
+            ),
+        );
     }
     Ok(ev)
 }
@@ -789,16 +867,12 @@ fn check_key(spec: &PipelineSpec, ev: Parsed) -> Result<Parsed, Refusal> {
 /// namespace no event ID can enter (event IDs with control characters are refused).
 /// Written by hand so it never changes with a toolchain: the ledger outlives builds.
 pub(crate) fn dead_letter_id(topic: &str, payload: &[u8]) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in topic
+    let bytes = topic
         .as_bytes()
         .iter()
         .chain([0xffu8].iter())
-        .chain(payload)
-    {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
+        .chain(payload);
+    let h = crate::model::fnv1a(bytes);
     format!("\u{1}dead:{h:016x}:{}", payload.len())
 }
 
@@ -881,6 +955,60 @@ mod tests {
                         String::from_utf8(serde_json::to_vec(&b).unwrap()).unwrap(),
                         String::from_utf8(as_map(&b)).unwrap()
                     );
+                }
+            }
+        }
+    }
+
+    /// The bound the engine and config validation use is at least what a result takes in
+    /// the store (one outbox entry of one result), and not far above it.
+    #[test]
+    fn the_result_bound_holds_the_stored_entry_and_is_close() {
+        use crate::model::MAX_ENTRY_BYTES;
+        use crate::pipeline::bound::{KeyBytes, result_bytes, worst_result_bytes};
+        let all = r#"["count", "sum", "min", "max", "avg", "last", "stddev", "variance", "p1", "p95", "p99.9"]"#;
+        for agg in ["\"sum\"", all] {
+            for window in ["", "window = { size = \"1ms\" }"] {
+                let mut spec = crate::config::pipeline_from_toml(&format!(
+                    "name = \"{}\"\ntopics = [\"in/#\"]\nevent_id = \"/id\"\nkey = \"/k\"\n\
+                     value = \"/v\"\naggregate = {agg}\noutput_topic = \"o/{{key}}\"\n\
+                     emit = \"changelog\"\n{window}\n",
+                    "n".repeat(64)
+                ))
+                .unwrap();
+                spec.max_key_len = 400;
+                for unit in ["/", "\"", "a", "é"] {
+                    let key = unit.repeat(400 / unit.len());
+                    let payload = serde_json::json!({"id": "e", "k": key, "v": -0.125e-300});
+                    let mut e = Engine::new(vec![spec.clone()], Progress::default());
+                    let rec = Record {
+                        offset: 0,
+                        received_at_ms: 1,
+                        topic: "in/a".into(),
+                        payload: payload.to_string().into_bytes(),
+                        qos: 1,
+                        retain: false,
+                    };
+                    let outcome = e.apply(&crate::pipeline::memory::MemState::default(), &rec);
+                    assert!(matches!(outcome.unwrap()[..], [Outcome::Applied { .. }]));
+                    let (_, out) = e.take_checkpoint().batch.outputs.remove(0);
+                    let stored = 8 + postcard::to_stdvec(&vec![(u64::MAX, out.clone())])
+                        .unwrap()
+                        .len();
+                    let bound = result_bytes(
+                        &spec,
+                        out.topic.len(),
+                        KeyBytes::of(&key, &escape_key(&key)),
+                    );
+                    assert!(stored <= bound, "{agg} {window} {unit}: {stored} > {bound}");
+                    // Counted at their longest: the numbers this one-event result holds short.
+                    let slack = 200 + 36 * spec.aggregate.all().len();
+                    assert!(
+                        bound - stored < slack,
+                        "{agg} {window} {unit}: {stored}, {bound}"
+                    );
+                    assert!(bound <= worst_result_bytes(&spec));
+                    assert!(worst_result_bytes(&spec) <= MAX_ENTRY_BYTES);
                 }
             }
         }

@@ -15,56 +15,29 @@
 //! `and` and `or` evaluate left to right and stop as soon as the answer is known, so
 //! `/status == "running" and /temp > -40` skips a stopped machine even if it sends no
 //! temperature.
+//!
+//! Bounded for hostile config: at most [`MAX_LEN`] bytes, and at most [`MAX_DEPTH`] levels
+//! of `not` and parentheses, the only places the parser recurses; chains of `and` and `or`
+//! are loops, and make one flat node each (see [`super::expr`]), so neither the parser nor
+//! the evaluator recurses deeper than [`MAX_DEPTH`] levels whatever the filter.
+//! [`parse_stored`] reads back the canonical text a tree prints, under the same depth bound
+//! and a length bound ([`STORED_MAX_LEN`]) no canonical text of an accepted filter reaches.
 
 use std::cmp::Ordering;
 
-use serde::{Deserialize, Serialize};
-
-use super::parse::Refusal;
-use super::spec::{Field, Format};
-use super::value::Num;
+use super::expr::{CmpOp, Expr, Literal, Operand};
+use super::field::{Field, Format};
+use super::num::{MAX_EXACT_FLOAT, Num};
+use super::refusal::Refusal;
 
 /// Deepest nesting of `not` and parentheses: the parser recurses once per level.
 pub(crate) const MAX_DEPTH: usize = 64;
 /// Longest expression, in bytes.
 pub(crate) const MAX_LEN: usize = 4096;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum CmpOp {
-    Eq,
-    Ne,
-    Lt,
-    Le,
-    Gt,
-    Ge,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub enum Literal {
-    Str(String),
-    Num(Num),
-    Bool(bool),
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub enum Operand {
-    Field(Field),
-    Literal(Literal),
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub enum Expr {
-    Or(Box<Expr>, Box<Expr>),
-    And(Box<Expr>, Box<Expr>),
-    Not(Box<Expr>),
-    Cmp(Operand, CmpOp, Operand),
-}
-
-// `Num` holds floats, so the derive cannot promise `Eq`; literals are never NaN (the parser
-// accepts finite numbers only), so equality is an equivalence here.
-impl Eq for Literal {}
-impl Eq for Operand {}
-impl Eq for Expr {}
+/// Longest canonical text [`parse_stored`] reads. The canonical text of a filter is at most
+/// about 2.4 times its source (the worst is `/<1`, printed `{/} < 1`), so every filter the
+/// config accepts reads back (`filter::tests::the_canonical_text_of_the_longest_filters_fits`).
+pub(crate) const STORED_MAX_LEN: usize = 4 * MAX_LEN;
 
 /// A value read from an input for a comparison.
 #[derive(Debug, Clone, PartialEq)]
@@ -113,12 +86,46 @@ fn err<T>(offset: usize, message: impl Into<String>) -> Result<T, SyntaxError> {
     })
 }
 
+/// How the lexer reads a field: with the pipeline's format (config text), or as canonical
+/// text, which names its kind by its shape (`{/a}` a pointer, `{2}` a position).
+#[derive(Clone, Copy)]
+enum Fields<'a> {
+    Config(&'a Format),
+    Stored,
+}
+
+impl Fields<'_> {
+    fn parse(self, text: &str) -> Result<Field, String> {
+        match self {
+            Fields::Config(format) => Field::parse(text, format),
+            // A pointer never reads as a position, nor a position as a pointer; a topic level
+            // reads the same under both.
+            Fields::Stored => Field::parse(text, &Format::Json).or_else(|_| {
+                let any = Format::Delimited {
+                    separator: "/".into(),
+                };
+                Field::parse(text, &any)
+            }),
+        }
+    }
+}
+
 /// Parse a filter for a pipeline of the given format.
 pub(crate) fn parse_filter(text: &str, format: &Format) -> Result<Expr, SyntaxError> {
-    if text.len() > MAX_LEN {
-        return err(0, format!("longer than {MAX_LEN} bytes"));
+    parse_with(text, Fields::Config(format), MAX_LEN)
+}
+
+/// Read back the canonical text of a filter (`Expr`'s `Display`), as `pipelines.json` keeps
+/// it: the format is not needed, since that text writes every field in a form of one kind.
+pub(crate) fn parse_stored(text: &str) -> Result<Expr, SyntaxError> {
+    parse_with(text, Fields::Stored, STORED_MAX_LEN)
+}
+
+fn parse_with(text: &str, fields: Fields<'_>, max_len: usize) -> Result<Expr, SyntaxError> {
+    if text.len() > max_len {
+        return err(0, format!("longer than {max_len} bytes"));
     }
-    let toks = lex(text, format)?;
+    let toks = lex(text, fields)?;
     let mut p = Parser {
         toks,
         pos: 0,
@@ -149,7 +156,7 @@ fn ends_word(c: char) -> bool {
     c.is_whitespace() || "()=!<>\"".contains(c)
 }
 
-fn lex(text: &str, format: &Format) -> Result<Vec<(usize, Tok)>, SyntaxError> {
+fn lex(text: &str, fields: Fields<'_>) -> Result<Vec<(usize, Tok)>, SyntaxError> {
     let mut out = Vec::new();
     let b = text.as_bytes();
     let mut i = 0;
@@ -182,21 +189,21 @@ fn lex(text: &str, format: &Format) -> Result<Vec<(usize, Tok)>, SyntaxError> {
                         return err(i, "unclosed `{`");
                     };
                     let inner = &text[i + 1..i + close];
-                    let f = Field::parse(inner, format).map_err(|m| SyntaxError {
+                    let f = fields.parse(inner).map_err(|m| SyntaxError {
                         offset: i + 1,
                         message: m,
                     })?;
                     (Tok::Field(f), close + 1)
                 }
                 '/' => {
-                    if !matches!(format, Format::Json) {
+                    if matches!(fields, Fields::Config(Format::Delimited { .. })) {
                         return err(
                             i,
                             "a JSON pointer needs format = \"json\"; a delimited field is `{2}`",
                         );
                     }
                     let len = text[i..].find(ends_word).unwrap_or(text.len() - i);
-                    let f = Field::parse(&text[i..i + len], format).map_err(|m| SyntaxError {
+                    let f = fields.parse(&text[i..i + len]).map_err(|m| SyntaxError {
                         offset: i,
                         message: m,
                     })?;
@@ -215,7 +222,7 @@ fn lex(text: &str, format: &Format) -> Result<Vec<(usize, Tok)>, SyntaxError> {
                     "true" => Tok::Lit(Literal::Bool(true)),
                     "false" => Tok::Lit(Literal::Bool(false)),
                     w if w.starts_with("topic[") => Tok::Field(
-                        Field::parse(w, format).map_err(|m| SyntaxError { offset: i, message: m })?,
+                        fields.parse(w).map_err(|m| SyntaxError { offset: i, message: m })?,
                     ),
                     w => Tok::Lit(Literal::Num(number(w).ok_or_else(|| SyntaxError {
                         offset: i,
@@ -260,7 +267,7 @@ fn number(w: &str) -> Option<Num> {
         .bytes()
         .all(|c| c.is_ascii_digit() || matches!(c, b'-' | b'+' | b'.' | b'e' | b'E'));
     let f = w.parse::<f64>().ok()?;
-    (ok_chars && f.is_finite() && f.abs() < super::value::MAX_EXACT_FLOAT).then_some(Num::Float(f))
+    (ok_chars && f.is_finite() && f.abs() < MAX_EXACT_FLOAT).then_some(Num::Float(f))
 }
 
 struct Parser {
@@ -278,22 +285,23 @@ impl Parser {
         self.toks.get(self.pos).map_or(self.end, |(o, _)| *o)
     }
 
+    /// `a or b or ...`: a loop, not a recursion, and one flat node (see [`Expr::any`]).
     fn or(&mut self, depth: usize) -> Result<Expr, SyntaxError> {
-        let mut e = self.and(depth)?;
+        let mut parts = vec![self.and(depth)?];
         while self.peek() == Some(&Tok::Or) {
             self.pos += 1;
-            e = Expr::Or(Box::new(e), Box::new(self.and(depth)?));
+            parts.push(self.and(depth)?);
         }
-        Ok(e)
+        Ok(Expr::any(parts))
     }
 
     fn and(&mut self, depth: usize) -> Result<Expr, SyntaxError> {
-        let mut e = self.not(depth)?;
+        let mut parts = vec![self.not(depth)?];
         while self.peek() == Some(&Tok::And) {
             self.pos += 1;
-            e = Expr::And(Box::new(e), Box::new(self.not(depth)?));
+            parts.push(self.not(depth)?);
         }
-        Ok(e)
+        Ok(Expr::all(parts))
     }
 
     fn not(&mut self, depth: usize) -> Result<Expr, SyntaxError> {
@@ -381,8 +389,22 @@ impl Expr {
         get: &mut dyn FnMut(&Field) -> Result<Value, Refusal>,
     ) -> Result<bool, Refusal> {
         match self {
-            Expr::Or(a, b) => Ok(a.eval(get)? || b.eval(get)?),
-            Expr::And(a, b) => Ok(a.eval(get)? && b.eval(get)?),
+            Expr::Or(parts) => {
+                for p in parts {
+                    if p.eval(get)? {
+                        return Ok(true);
+                    }
+                }
+                Ok(false)
+            }
+            Expr::And(parts) => {
+                for p in parts {
+                    if !p.eval(get)? {
+                        return Ok(false);
+                    }
+                }
+                Ok(true)
+            }
             Expr::Not(a) => Ok(!a.eval(get)?),
             Expr::Cmp(l, op, r) => {
                 let read =
@@ -584,5 +606,174 @@ mod tests {
         assert!(json(&deep).unwrap_err().message.contains("nested deeper"));
         let deep = format!("{}/a == 1", "not ".repeat(100));
         assert!(json(&deep).unwrap_err().message.contains("nested deeper"));
+    }
+
+    /// Source texts of filters: comparisons of every operand form, joined by `and`, `or`,
+    /// `not` and parentheses, with redundant parentheses and spacing as people write them.
+    fn filter_text(delimited: bool) -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        let field = if delimited {
+            prop_oneof![
+                (0..40usize).prop_map(|i| format!("{{{i}}}")),
+                (0..9usize).prop_map(|i| format!("topic[{i}]")),
+                (0..9usize).prop_map(|i| format!("{{topic[{i}]}}")),
+                (0..9usize, 0..9usize).prop_map(|(a, b)| format!("topic[{a}]{{{b}}}")),
+            ]
+            .boxed()
+        } else {
+            prop_oneof![
+                "/[a-z~0-9]{0,4}".prop_filter("a valid pointer", |p| {
+                    Field::parse(p, &Format::Json).is_ok()
+                }),
+                "[a-z \"()=<]{0,4}".prop_map(|s| format!("{{/{s}}}")),
+                (0..9usize).prop_map(|i| format!("topic[{i}]")),
+                "[a-z]{1,3}".prop_map(|s| format!("/{s}{{/{s}}}-x")),
+            ]
+            .boxed()
+        };
+        let literal = prop_oneof![
+            any::<i64>().prop_map(|i| i.to_string()),
+            (-9.0e15f64..9.0e15).prop_map(|f| format!("{f}")),
+            (-1.0f64..1.0).prop_map(|f| format!("{f:e}")),
+            "[a-zé\"\\\\ ()]{0,5}"
+                .prop_map(|s| format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "\\\""))),
+        ];
+        let op = prop_oneof![
+            Just("=="),
+            Just("!="),
+            Just("<"),
+            Just("<="),
+            Just(">"),
+            Just(">=")
+        ];
+        let cmp = prop_oneof![
+            (field.clone(), op.clone(), literal.clone())
+                .prop_map(|(f, o, l)| format!("{f} {o} {l}")),
+            (literal, op, field.clone()).prop_map(|(l, o, f)| format!("{l}{o}{f}")),
+            (
+                field.clone(),
+                prop_oneof![Just("=="), Just("!=")],
+                any::<bool>()
+            )
+                .prop_map(|(f, o, b)| format!("{f} {o} {b}")),
+            (field.clone(), field).prop_map(|(a, b)| format!("{a} < {b}")),
+        ];
+        cmp.prop_recursive(6, 64, 8, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 2..6).prop_map(|v| v.join(" and ")),
+                proptest::collection::vec(inner.clone(), 2..6).prop_map(|v| v.join(" or ")),
+                inner.clone().prop_map(|e| format!("({e})")),
+                inner.clone().prop_map(|e| format!("not ({e})")),
+                inner.clone().prop_map(|e| format!("not {e}")),
+                (inner.clone(), inner).prop_map(|(a, b)| format!("({a})and({b})")),
+            ]
+        })
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
+
+        /// What `pipelines.json` keeps of a filter (its canonical text) reads back as the
+        /// tree the config gave, for both formats, and prints the same text again.
+        #[test]
+        fn canonical_text_reads_back_as_the_same_tree(
+            text in filter_text(false),
+            delimited in filter_text(true),
+        ) {
+            let sep = Format::Delimited { separator: ";".into() };
+            for (text, format) in [(text, Format::Json), (delimited, sep)] {
+                let e = match parse_filter(&text, &format) {
+                    Ok(e) => e,
+                    // Beyond the length or depth bound: not a filter to keep.
+                    Err(err) if err.message.contains("longer") || err.message.contains("nested") => continue,
+                    Err(err) => panic!("{text}: {err:?}"),
+                };
+                let canonical = e.to_string();
+                let back = parse_stored(&canonical);
+                proptest::prop_assert_eq!(back.as_ref(), Ok(&e), "{} -> {}", text, canonical);
+                proptest::prop_assert_eq!(back.unwrap().to_string(), canonical);
+            }
+        }
+    }
+
+    /// `and`/`or` chains are one flat node however they are grouped, so a long filter is a
+    /// shallow tree, and equal filters are equal trees.
+    #[test]
+    fn chains_make_one_flat_node_whatever_the_grouping() {
+        let flat = json("/a == 1 and /b == 2 and /c == 3").unwrap();
+        assert!(matches!(&flat, Expr::And(p) if p.len() == 3), "{flat:?}");
+        assert_eq!(json("(/a == 1 and /b == 2) and /c == 3").unwrap(), flat);
+        assert_eq!(json("/a == 1 and (/b == 2 and (/c == 3))").unwrap(), flat);
+        let mixed = json("/a == 1 or /b == 2 and /c == 3").unwrap();
+        assert_eq!(mixed.to_string(), "{/a} == 1 or {/b} == 2 and {/c} == 3");
+        let grouped = json("(/a == 1 or /b == 2) and not (/c == 3 or /d == 4)").unwrap();
+        assert_eq!(
+            grouped.to_string(),
+            "({/a} == 1 or {/b} == 2) and not ({/c} == 3 or {/d} == 4)"
+        );
+        assert_eq!(parse_stored(&grouped.to_string()).unwrap(), grouped);
+    }
+
+    /// Hundreds of terms and the deepest nesting the config accepts read back from their
+    /// canonical text, and neither parsing nor evaluating them recurses per term.
+    #[test]
+    fn long_and_deep_filters_read_back() {
+        let terms: Vec<String> = (0..300).map(|i| format!("/d!={i}")).collect();
+        let long = terms.join(" or ");
+        assert!(long.len() <= MAX_LEN, "{}", long.len());
+        let e = json(&long).unwrap();
+        assert!(matches!(&e, Expr::Or(p) if p.len() == 300));
+        assert_eq!(parse_stored(&e.to_string()).unwrap(), e);
+        let n = |i| Value::Num(Num::Int(i));
+        assert_eq!(eval(&e, &[("/d", n(7))]), Ok(true));
+
+        // MAX_DEPTH - 1 levels of parentheses, alternating `and` and `or` so none flattens.
+        let mut deep = "/x == 0".to_string();
+        for level in 1..MAX_DEPTH {
+            let word = if level % 2 == 0 { "and" } else { "or" };
+            deep = format!("/x == {level} {word} ({deep})");
+        }
+        let e = json(&deep).unwrap();
+        let back = parse_stored(&e.to_string()).unwrap();
+        assert_eq!(back, e);
+        let top = MAX_DEPTH as i64 - 1; // the outermost level is an `or`
+        assert_eq!(eval(&e, &[("/x", n(top))]), Ok(true));
+        assert_eq!(eval(&e, &[("/x", n(top - 1))]), Ok(false));
+        // One level more is refused with a clear error, in config text and stored text alike.
+        let deeper = format!("/x == 99 or ({deep})");
+        assert!(json(&deeper).unwrap_err().message.contains("nested deeper"));
+        let mut stored = deep.replace("/x", "{/x}");
+        stored = format!("{{/x}} == 99 or ({stored})");
+        assert!(
+            parse_stored(&stored)
+                .unwrap_err()
+                .message
+                .contains("nested deeper")
+        );
+    }
+
+    /// The longest filters the config accepts, of the shapes whose canonical text grows the
+    /// most, still read back from it.
+    #[test]
+    fn the_canonical_text_of_the_longest_filters_fits() {
+        for unit in ["/<1", "/<9e15", "/==true", "not /<1", "(/<1)", "topic[1]<1"] {
+            let n = (MAX_LEN + 4) / (unit.len() + 4);
+            let text = vec![unit; n].join(" or ");
+            assert!(text.len() <= MAX_LEN);
+            let e = json(&text).unwrap();
+            let canonical = e.to_string();
+            assert!(
+                canonical.len() <= STORED_MAX_LEN,
+                "{unit}: {} bytes",
+                canonical.len()
+            );
+            assert_eq!(parse_stored(&canonical).unwrap(), e);
+        }
+        assert!(
+            json(&"/<1 or ".repeat(600))
+                .unwrap_err()
+                .message
+                .contains("longer")
+        );
     }
 }

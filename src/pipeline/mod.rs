@@ -3,12 +3,18 @@
 //! last checkpoint and the record, so replay recomputes exactly what a crash lost
 //! (invariant 3; guarded by `tests/it/model.rs`).
 
+pub(crate) mod bound;
 pub(crate) mod describe;
 pub mod engine;
+pub(crate) mod expr;
+pub mod field;
 pub(crate) mod filter;
+mod filter_json;
 pub(crate) mod json;
 pub mod memory;
+pub(crate) mod num;
 pub(crate) mod parse;
+pub(crate) mod refusal;
 pub(crate) mod sketch;
 pub mod spec;
 pub mod time;
@@ -16,5 +22,7 @@ pub(crate) mod topic;
 pub(crate) mod value;
 
 pub use engine::{Batch, Checkpoint, Engine, Outcome, ReadError, ReadState};
-pub use spec::{Aggregate, AggregateSpec, Emit, Field, Format, PipelineSpec, WindowSpec};
-pub use value::{Agg, KeyState, Num};
+pub use field::{Field, Format};
+pub use num::Num;
+pub use spec::{Aggregate, AggregateSpec, Emit, PipelineSpec, WindowSpec};
+pub use value::{Agg, KeyState};

@@ -1,10 +1,12 @@
 //! Payload → event fields, or the reason it is a dead letter.
 
+use super::field::{Field, Format, TemplatePart};
 use super::filter::Value as FilterValue;
 use super::json::Json;
-use super::spec::{Field, Format, PipelineSpec, TemplatePart};
+use super::num::{MAX_EXACT_FLOAT, Num};
+use super::refusal::Refusal;
+use super::spec::PipelineSpec;
 use super::time::parse_rfc3339_ms;
-use super::value::{MAX_EXACT_FLOAT, Num};
 
 /// The fields of one event, before dedup and aggregation.
 #[derive(Debug, Clone, PartialEq)]
@@ -15,13 +17,6 @@ pub(crate) struct Parsed {
     pub value: Num,
     /// From the payload, or `None` when the pipeline has no event-time field.
     pub event_time_ms: Option<u64>,
-}
-
-/// Why a payload was refused. `reason` is a stable, greppable word; `detail` says more.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Refusal {
-    pub reason: &'static str,
-    pub detail: String,
 }
 
 fn refuse(reason: &'static str, detail: impl Into<String>) -> Refusal {

@@ -90,7 +90,7 @@ impl Sketch {
             .fold(0u64, |t, &(_, n)| t.saturating_add(n))
     }
 
-    #[cfg(test)]
+    /// Buckets held: what its size in the store grows with.
     pub(crate) fn buckets(&self) -> usize {
         self.buckets.len()
     }

@@ -1,6 +1,6 @@
 //! MQTT topic filters, topic-safe keys and output topics.
 
-use super::parse::Refusal;
+use super::refusal::Refusal;
 
 /// The longest topic MQTT can carry (a 16-bit length prefix). A longer one would make the
 /// broker drop the connection, and the outbox would send it again after every reconnect.

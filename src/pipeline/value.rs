@@ -11,60 +11,9 @@ use std::cmp::Ordering;
 
 use serde::{Deserialize, Serialize};
 
+use super::num::Num;
 use super::sketch::Sketch;
 use super::spec::{Aggregate, AggregateSpec};
-
-/// Largest magnitude a float may have: beyond it, consecutive integers are not representable.
-pub(crate) const MAX_EXACT_FLOAT: f64 = 9_007_199_254_740_992.0;
-
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub enum Num {
-    Int(i64),
-    Float(f64),
-}
-
-impl Num {
-    pub fn as_f64(self) -> f64 {
-        match self {
-            Num::Int(i) => i as f64,
-            Num::Float(f) => f,
-        }
-    }
-
-    /// The value as a float that means exactly the same number, if there is one: an
-    /// integer beyond 2^53 has none, and neither has a float outside the accepted range.
-    fn exact_f64(self) -> Option<f64> {
-        let f = self.as_f64();
-        (f.is_finite() && f.abs() < MAX_EXACT_FLOAT).then_some(f)
-    }
-
-    /// `None` when the sum cannot be held: integer overflow, or a floating-point sum (or an
-    /// integer entering one) outside the exact range, where precision would be lost silently.
-    pub(crate) fn checked_add(self, other: Num) -> Option<Num> {
-        match (self, other) {
-            (Num::Int(a), Num::Int(b)) => a.checked_add(b).map(Num::Int),
-            (a, b) => Num::Float(a.exact_f64()? + b.exact_f64()?)
-                .exact_f64()
-                .map(Num::Float),
-        }
-    }
-
-    pub(crate) fn cmp_value(self, other: Num) -> Ordering {
-        match (self, other) {
-            (Num::Int(a), Num::Int(b)) => a.cmp(&b),
-            (a, b) => a.as_f64().total_cmp(&b.as_f64()),
-        }
-    }
-
-    pub(crate) fn to_json(self) -> serde_json::Value {
-        match self {
-            Num::Int(i) => serde_json::Value::from(i),
-            Num::Float(f) => serde_json::Number::from_f64(f)
-                .map(serde_json::Value::Number)
-                .unwrap_or(serde_json::Value::Null),
-        }
-    }
-}
 
 /// The aggregate's running value. `Avg` keeps the exact sum; the average is computed on output.
 /// Stored with postcard, which names a variant by its position: new variants go at the end,
@@ -307,6 +256,29 @@ impl KeyState {
         }
     }
 
+    /// At least the bytes this state takes in the store (postcard), without encoding it:
+    /// every varint at its longest (a count 10 bytes, a sketch bucket 15), every optional
+    /// part of a list counted. Close enough that only a state near the entry bound needs
+    /// its exact size (`engine::check_state_size`).
+    pub(crate) fn stored_bound(&self) -> usize {
+        let sketch = |s: &Sketch| 3 + s.buckets() * 15;
+        // version and count, the variant
+        21 + match &self.agg {
+            Agg::Percentile { sketch: s, .. } => 3 + sketch(s),
+            Agg::Multi(m) => {
+                // the list (a variant and a u16 each), three numbers, `last`, the moments
+                4 + m.aggregates.len() * 4
+                    + 3 * 12
+                    + 22
+                    + 17
+                    + 1
+                    + m.sketch.as_ref().map_or(0, sketch)
+            }
+            // a number and a time, or two floats, at most
+            _ => 24,
+        }
+    }
+
     /// Whether the output carries `values` (a list of aggregates) instead of `value`.
     pub(crate) fn is_multi(&self) -> bool {
         matches!(self.agg, Agg::Multi(_))
@@ -324,6 +296,7 @@ fn quantile_json(s: &Sketch, permille: u16) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pipeline::num::MAX_EXACT_FLOAT;
 
     #[test]
     fn integer_sum_is_exact_and_refuses_overflow() {

@@ -96,13 +96,11 @@ const DEAD_STATS_KEY: &[u8] = b"dead_letters";
 /// progress record in the same transaction, kept apart so its layout stays unchanged.
 const BACKFILL_KEY: &[u8] = b"backfill";
 
-/// Most bytes of one tree entry (key plus value) outside `meta`. sled writes a whole leaf
-/// node, up to 17 entries, as one log item, and an item over 128 KiB goes to a blob file that
-/// sled never fsyncs (DESIGN §4): 17 entries of 7 KiB stay below it. The chunks aim at 4 KiB.
-pub(crate) const MAX_ENTRY_BYTES: usize = 7 * 1024;
-/// Most bytes of one `meta` entry: `meta` holds three values, and the progress record grows
-/// with the number of pipelines (their definitions), which the config bounds, not a sender.
-pub(crate) const MAX_META_BYTES: usize = 96 * 1024;
+// The bounds on one stored entry live in `model`, where the engine and config validation
+// that make the values check them too: MAX_ENTRY_BYTES (7 KiB, key plus value, outside
+// `meta`) and MAX_META_BYTES (96 KiB, one `meta` value).
+pub(crate) use crate::model::{MAX_ENTRY_BYTES, MAX_META_BYTES};
+
 /// The most bytes `progress` can take as the stored progress record (its key included)
 /// once every count in it has grown to the largest a `u64` holds: what must fit in
 /// [`MAX_META_BYTES`] for every checkpoint of these pipelines to be storable. The record
@@ -136,10 +134,6 @@ pub fn progress_bytes_at_most(progress: &Progress) -> usize {
 /// The bound [`progress_bytes_at_most`] is held to.
 pub const PROGRESS_MAX_BYTES: usize = MAX_META_BYTES;
 
-/// A dead letter's topic and detail are cut to these many bytes when the whole letter would
-/// not fit in [`MAX_ENTRY_BYTES`] (a topic may be 64 KiB long; the letter is for a person).
-const DEAD_TOPIC_KEEP: usize = 512;
-const DEAD_DETAIL_KEEP: usize = 1024;
 /// Most dead letters pruned by age in one commit beyond those the batch adds (bounds the
 /// transaction; the rest go at the next commits).
 pub(crate) const DEAD_PRUNE_MAX: usize = 1024;
@@ -379,29 +373,11 @@ fn bounded(tree: &'static str, key: &[u8], value: Vec<u8>) -> Result<Vec<u8>, St
     Ok(value)
 }
 
-/// At most `max` bytes of `s`, cut at a character boundary, marked when cut.
-fn clip(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_string();
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…({} bytes)", &s[..end], s.len())
-}
-
 /// A dead letter's stored bytes: a topic (up to 64 KiB from the sender) or a detail too long
-/// for one entry is cut, deterministically, so that a refusal never fails a checkpoint.
+/// for one entry is cut, deterministically, so that a refusal never fails a checkpoint (the
+/// engine already cuts what it makes: see [`DeadLetter::fitted`]).
 fn dead_letter_value(key: &[u8], d: &DeadLetter) -> Vec<u8> {
-    let v = encode(d);
-    if key.len() + v.len() <= MAX_ENTRY_BYTES {
-        return v;
-    }
-    let mut d = d.clone();
-    d.topic = clip(&d.topic, DEAD_TOPIC_KEEP);
-    d.detail = clip(&d.detail, DEAD_DETAIL_KEEP);
-    encode(&d)
+    encode(&d.clone().fitted(key.len()))
 }
 
 /// Bytes the ledger index of `pipeline` may grow to: the bound less what the others hold.

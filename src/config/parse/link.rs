@@ -20,20 +20,19 @@ impl Validator {
     /// The connection keys `[mqtt]` and `[uplink]` share, under `section`; `ingest_batch`
     /// and `channel_capacity` are left 0 for the caller.
     pub(super) fn link(&mut self, section: &str, r: RawLink) -> Option<MqttConfig> {
-        let host = r.host.unwrap_or_else(|| DEFAULT_HOST.to_string());
+        let host_key = format!("{section}.host");
+        let default_host = match keys::row(&host_key).default {
+            Def::Text(h) => h,
+            _ => "",
+        };
+        let host = r.host.unwrap_or_else(|| default_host.to_string());
         let host_ok = self.require(
-            &format!("{section}.host"),
+            &host_key,
             !host.is_empty() && !host.contains(char::is_whitespace),
             || format!("`{host}` is not a host name or IP address"),
         );
         let port = self
-            .int(
-                &format!("{section}.port"),
-                r.port,
-                DEFAULT_PORT,
-                1..=65_535,
-                "",
-            )
+            .int(&format!("{section}.port"), r.port)
             .map(|p| p as u16);
 
         let client_id = self.client_id(section, r.client_id);

@@ -3,6 +3,22 @@
 
 use super::*;
 
+/// Why `s` cannot go into a topic, if it holds a code point an MQTT receiver may refuse
+/// ([`crate::text::mqtt_may_refuse`]): a broker that does drops the connection, and the same
+/// publish or subscription would be sent again after every reconnect (issue 27).
+pub(super) fn refusable(s: &str) -> Option<String> {
+    let c = crate::text::first_refusable(s)?;
+    let what = if c.is_control() {
+        "a control character"
+    } else {
+        "a Unicode non-character"
+    };
+    Some(format!(
+        "it contains U+{:04X}, {what}, which an MQTT receiver may refuse in a topic",
+        u32::from(c)
+    ))
+}
+
 /// `[A-Za-z0-9_-]{1,max}`.
 pub(super) fn valid_name(s: &str, max: usize) -> bool {
     (1..=max).contains(&s.len())
@@ -16,8 +32,8 @@ pub(super) fn check_filter(f: &str) -> Result<(), String> {
     if f.is_empty() {
         return Err("it is empty and matches nothing".to_string());
     }
-    if f.contains('\0') {
-        return Err("it contains a NUL character".to_string());
+    if let Some(why) = refusable(f) {
+        return Err(why);
     }
     if f.len() > MAX_TOPIC_LEN {
         return Err(format!("it is longer than {MAX_TOPIC_LEN} bytes"));
@@ -45,8 +61,8 @@ pub(super) fn check_output_topic(t: &str, windowed: bool) -> Result<(), String> 
     if t.is_empty() {
         return Err("an output topic cannot be empty".to_string());
     }
-    if t.contains('\0') {
-        return Err("it contains a NUL character".to_string());
+    if let Some(why) = refusable(t) {
+        return Err(why);
     }
     if t.len() > MAX_RESULT_TOPIC_LEN {
         return Err(format!(

@@ -1,8 +1,11 @@
 //! Stage 2 for `[[pipeline]]`: one function per key group, called in the order problems
 //! are reported, so that one mistake is reported once and the rest still are.
 
-use super::names::{check_filter, check_output_topic};
+use super::names::{check_filter, check_output_topic, refusable};
 use super::*;
+use crate::model::{MAX_ENTRY_BYTES, MAX_META_BYTES};
+use crate::pipeline::bound::{max_key_len_within, worst_result_bytes};
+use crate::pipeline::engine::progress_bytes;
 
 impl Validator {
     pub(super) fn pipelines(&mut self, raw: Option<Vec<RawPipeline>>) -> Option<Vec<PipelineSpec>> {
@@ -25,7 +28,24 @@ impl Validator {
                 None => ok = false,
             }
         }
+        ok &= self.progress_fits(&out);
         ok.then_some(out)
+    }
+
+    /// The checkpoint's progress record holds a fixed part per pipeline and its definition;
+    /// it must fit one `meta` value whatever the counters reach, or no checkpoint could be
+    /// written (issue 26). Dormant pipelines add to it; the start checks those.
+    fn progress_fits(&mut self, specs: &[PipelineSpec]) -> bool {
+        let bytes = progress_bytes(specs);
+        self.require("pipeline", bytes <= MAX_META_BYTES, || {
+            format!(
+                "the {} pipelines' progress record can take {bytes} bytes, more than the \
+                 {MAX_META_BYTES} the store keeps in one record (each pipeline takes about 150 \
+                 bytes, its name and its definition: format, fields, aggregates, window): \
+                 configure fewer pipelines, or shorter names and field templates",
+                specs.len()
+            )
+        })
     }
 
     /// A window's slide: `None` when it equals the size (tumbling, stored as before).
@@ -126,7 +146,7 @@ impl Validator {
             self.pipeline_limits(&p, r.max_key_len, r.max_keys, r.max_id_len, r.max_future);
 
         format.as_ref()?;
-        Some(PipelineSpec {
+        let spec = PipelineSpec {
             name: name?,
             topics: topics?,
             format: format?,
@@ -146,7 +166,40 @@ impl Validator {
             max_keys: u64::try_from(limits.max_keys?).ok()?,
             max_id_len: usize::try_from(limits.max_id_len?).ok()?,
             max_future_ms: limits.max_future_ms?,
-        })
+        };
+        self.results_fit(&p, &spec).then_some(spec)
+    }
+
+    /// Every result of the pipeline fits one stored entry, whatever key a sender picks: else
+    /// the worst key would make a result the store refuses, and after a crash replay would
+    /// make it again on every start (issue 26). The engine refuses such an event too; this
+    /// says at load time which keys to change.
+    fn results_fit(&mut self, p: &str, spec: &PipelineSpec) -> bool {
+        let bytes = worst_result_bytes(spec);
+        if bytes <= MAX_ENTRY_BYTES {
+            return true;
+        }
+        let aggregates = spec.aggregate.all().len();
+        let why = format!(
+            "a result of this pipeline can take {bytes} bytes in the store, more than the \
+             {MAX_ENTRY_BYTES} one stored entry holds: a key of max_key_len = {} bytes, each of \
+             which topic escaping triples, goes into output_topic ({} bytes, {} `{{key}}`), the \
+             output ID and the JSON body, beside {aggregates} aggregate value(s)",
+            spec.max_key_len,
+            spec.output_topic.len(),
+            spec.output_topic.matches("{key}").count(),
+        );
+        match max_key_len_within(spec, MAX_ENTRY_BYTES) {
+            Some(fits) => self.problem(
+                &format!("{p}.max_key_len"),
+                format!("{why}; lower max_key_len to at most {fits}, or shorten output_topic"),
+            ),
+            None => self.problem(
+                &format!("{p}.output_topic"),
+                format!("{why}; shorten output_topic, or list fewer aggregates"),
+            ),
+        }
+        false
     }
 
     /// The name: valid, and not used by an earlier pipeline (`names` remembers them).
@@ -330,6 +383,25 @@ impl Validator {
         };
         let format = format?;
         match Field::parse(&text, format) {
+            Ok(Field::Template(parts)) if ["key", "event_id"].contains(&name) => {
+                // A key's literal parts go into every result topic as they are. An event ID's
+                // are held to the same rule, so that no identity the config spells holds a
+                // code point a receiver may refuse (IDs are shown and sent on too).
+                let bad = parts.iter().find_map(|part| match part {
+                    TemplatePart::Literal(l) => refusable(l),
+                    TemplatePart::Field(_) => None,
+                });
+                match bad {
+                    Some(why) => {
+                        self.problem(
+                            &format!("{p}.{name}"),
+                            format!("`{}`: {why}", text.escape_debug()),
+                        );
+                        None
+                    }
+                    None => Some(Some(Field::Template(parts))),
+                }
+            }
             Ok(f) => Some(Some(f)),
             Err(e) => {
                 self.problem(&format!("{p}.{name}"), e);
@@ -409,18 +481,13 @@ impl Validator {
                 );
                 None
             }
-            some => self.duration(&k("size"), some, 0).filter(|&ms| {
-                self.require(&k("size"), ms > 0, || {
-                    "must be longer than 0s; remove `window` for an unwindowed aggregate"
-                        .to_string()
-                })
-            }),
+            some => self.duration(&k("size"), some),
         };
-        let lateness = self.duration(&k("allowed_lateness"), w.allowed_lateness, 0);
+        let lateness = self.duration(&k("allowed_lateness"), w.allowed_lateness);
         let slide = match w.slide {
             None => Some(None),
             some => self
-                .duration(&k("slide"), some, 0)
+                .duration(&k("slide"), some)
                 .and_then(|slide| self.slide(&k("slide"), slide, size)),
         };
         // No `?` before here: it would skip the checks above, hiding their problems.
@@ -433,20 +500,7 @@ impl Validator {
 
     fn dedup_window(&mut self, p: &str, raw: Option<DurationText>) -> Option<u64> {
         let key = format!("{p}.dedup_window");
-        self.duration(&key, raw, DEFAULT_DEDUP_WINDOW_MS)
-            .filter(|&ms| {
-                self.require(
-                    &key,
-                    (MIN_DEDUP_WINDOW_MS..=MAX_DEDUP_WINDOW_MS).contains(&ms),
-                    || {
-                        format!(
-                            "must be between 1m and 366d, found {}: broker redeliveries after a \
-                             reconnect come minutes later, and the window is held in the store",
-                            format_duration_ms(ms)
-                        )
-                    },
-                )
-            })
+        self.duration(&key, raw)
     }
 
     /// The output topic template; `{window_start}` only with a window.
@@ -530,39 +584,10 @@ impl Validator {
         max_id_len: Option<i64>,
         max_future: Option<DurationText>,
     ) -> Limits {
-        let max_key_len = self.int(
-            &format!("{p}.max_key_len"),
-            max_key_len,
-            DEFAULT_MAX_KEY_LEN,
-            1..=MAX_MAX_KEY_LEN,
-            " bytes: keys are part of topics, output IDs and store keys",
-        );
-        let max_keys = self.int(
-            &format!("{p}.max_keys"),
-            max_keys,
-            DEFAULT_MAX_KEYS,
-            1..=i64::MAX,
-            "",
-        );
-        let max_id_len = self.int(
-            &format!("{p}.max_id_len"),
-            max_id_len,
-            DEFAULT_MAX_ID_LEN,
-            1..=MAX_MAX_ID_LEN,
-            " bytes: event IDs are held in the dedup ledger",
-        );
-        let key = format!("{p}.max_future");
-        let max_future_ms = self
-            .duration(&key, max_future, DEFAULT_MAX_FUTURE_MS)
-            .filter(|&ms| {
-                self.require(&key, ms <= MAX_MAX_FUTURE_MS, || {
-                    format!(
-                        "must be at most 366d, found {}: it is how far a device clock may run \
-                         ahead, and events beyond it are dead letters",
-                        format_duration_ms(ms)
-                    )
-                })
-            });
+        let max_key_len = self.int(&format!("{p}.max_key_len"), max_key_len);
+        let max_keys = self.int(&format!("{p}.max_keys"), max_keys);
+        let max_id_len = self.int(&format!("{p}.max_id_len"), max_id_len);
+        let max_future_ms = self.duration(&format!("{p}.max_future"), max_future);
         Limits {
             max_key_len,
             max_keys,

@@ -5,27 +5,8 @@ use super::*;
 
 impl Validator {
     pub(super) fn dead_letters(&mut self, r: RawDeadLetters) -> Option<DeadLettersConfig> {
-        let max_entries = self.int(
-            "dead_letters.max_entries",
-            r.max_entries,
-            DEFAULT_DEAD_LETTERS_MAX_ENTRIES,
-            1..=MAX_DEAD_LETTERS_MAX_ENTRIES,
-            ": the oldest dead letters are dropped (and counted) beyond it",
-        );
-        let max_age = self
-            .duration(
-                "dead_letters.max_age",
-                r.max_age,
-                DEFAULT_DEAD_LETTERS_MAX_AGE_MS,
-            )
-            .filter(|&ms| {
-                self.require("dead_letters.max_age", ms >= MIN_DEAD_LETTERS_MAX_AGE_MS, || {
-                    format!(
-                        "must be at least 1m, found {}: dead letters are kept for a person to read",
-                        format_duration_ms(ms)
-                    )
-                })
-            });
+        let max_entries = self.int("dead_letters.max_entries", r.max_entries);
+        let max_age = self.duration("dead_letters.max_age", r.max_age);
         Some(DeadLettersConfig {
             max_entries: u64::try_from(max_entries?).ok()?,
             max_age: Duration::from_millis(max_age?),
@@ -61,13 +42,7 @@ impl Validator {
                 reconnect_max: r.reconnect_max,
             },
         );
-        let ingest_batch = self.int(
-            "mqtt.ingest_batch",
-            r.ingest_batch,
-            DEFAULT_INGEST_BATCH,
-            1..=65_535,
-            "; keep it at or below the broker's max_inflight_messages (mosquitto: 20)",
-        );
+        let ingest_batch = self.int("mqtt.ingest_batch", r.ingest_batch);
         let channel_capacity =
             self.channel_capacity(r.channel_capacity, ingest_batch, outbox_inflight);
         Some(MqttConfig {
@@ -103,20 +78,14 @@ impl Validator {
 
     pub(super) fn keep_alive(&mut self, section: &str, raw: Option<DurationText>) -> Option<u64> {
         let key = format!("{section}.keep_alive");
-        self.duration(&key, raw, DEFAULT_KEEP_ALIVE_MS)
-            .filter(|&ms| {
-                self.require(
-                    &key,
-                    (MIN_KEEP_ALIVE_MS..=MAX_KEEP_ALIVE_MS).contains(&ms) && ms % 1000 == 0,
-                    || {
-                        format!(
-                            "must be whole seconds between 5s and 65535s (MQTT sends it as a 16-bit \
-                             count of seconds; below 5s a slow fsync looks like a dead link), found {}",
-                            format_duration_ms(ms)
-                        )
-                    },
+        self.duration(&key, raw).filter(|&ms| {
+            self.require(&key, ms % 1000 == 0, || {
+                format!(
+                    "must be whole seconds, found {}: MQTT sends it as a count of seconds",
+                    format_duration_ms(ms)
                 )
             })
+        })
     }
 
     /// The reconnect backoff bounds, `min <= max`.
@@ -130,29 +99,8 @@ impl Validator {
             format!("{section}.reconnect_min"),
             format!("{section}.reconnect_max"),
         );
-        let reconnect_min = self
-            .duration(&min_key, min, DEFAULT_RECONNECT_MIN_MS)
-            .filter(|&ms| {
-                self.require(&min_key, ms >= MIN_RECONNECT_MIN_MS, || {
-                    format!(
-                        "must be at least {}, found {}: a shorter backoff hammers a broker that is down",
-                        format_duration_ms(MIN_RECONNECT_MIN_MS),
-                        format_duration_ms(ms)
-                    )
-                })
-            });
-        let reconnect_max = self
-            .duration(&max_key, max, DEFAULT_RECONNECT_MAX_MS)
-            .filter(|&ms| {
-                self.require(&max_key, ms <= MAX_RECONNECT_MAX_MS, || {
-                    format!(
-                        "must be at most {}, found {}: while we are away the broker queues our \
-                         messages, and mosquitto drops them silently past max_queued_messages",
-                        format_duration_ms(MAX_RECONNECT_MAX_MS),
-                        format_duration_ms(ms)
-                    )
-                })
-            });
+        let reconnect_min = self.duration(&min_key, min);
+        let reconnect_max = self.duration(&max_key, max);
         let reconnect_max = match (reconnect_min, reconnect_max) {
             (Some(lo), Some(hi)) if hi < lo => {
                 self.problem(
@@ -177,13 +125,7 @@ impl Validator {
         ingest_batch: Option<i64>,
         outbox_inflight: Option<u16>,
     ) -> Option<i64> {
-        let channel_capacity = self.int(
-            "mqtt.channel_capacity",
-            raw,
-            DEFAULT_CHANNEL_CAPACITY,
-            1..=MAX_CHANNEL_CAPACITY,
-            "",
-        );
+        let channel_capacity = self.int("mqtt.channel_capacity", raw);
         match (channel_capacity, ingest_batch, outbox_inflight) {
             (Some(cap), Some(batch), Some(inflight)) => {
                 let need = 2 * (batch + i64::from(inflight));
@@ -268,36 +210,8 @@ impl Validator {
             }
             Some(d) => Some(PathBuf::from(d)),
         };
-        let cache_size = self
-            .size("storage.cache_size", r.cache_size, DEFAULT_CACHE_SIZE)
-            .filter(|&n| {
-                self.require("storage.cache_size", (MIN_CACHE_SIZE..=MAX_CACHE_SIZE).contains(&n), || {
-                    format!(
-                        "must be between 1MiB and 1GiB, found {}: sled counts on-disk bytes, and \
-                         its memory use can be several times this (DESIGN §4)",
-                        format_size(n)
-                    )
-                })
-            });
-        let ledger_index_max = self
-            .size(
-                "storage.ledger_index_max",
-                r.ledger_index_max,
-                DEFAULT_LEDGER_INDEX_MAX,
-            )
-            .filter(|&n| {
-                self.require(
-                    "storage.ledger_index_max",
-                    (MIN_LEDGER_INDEX_MAX..=MAX_LEDGER_INDEX_MAX).contains(&n),
-                    || {
-                        format!(
-                            "must be between 1MiB and 16GiB, found {}: the dedup ledger's index \
-                             takes 7 to 14 bytes per event ID in the window",
-                            format_size(n)
-                        )
-                    },
-                )
-            });
+        let cache_size = self.size("storage.cache_size", r.cache_size);
+        let ledger_index_max = self.size("storage.ledger_index_max", r.ledger_index_max);
         Some(StorageConfig {
             data_dir: data_dir?,
             cache_size: cache_size?,
@@ -310,16 +224,8 @@ impl Validator {
         r: RawLog,
         savepoint_interval: Option<Duration>,
     ) -> Option<LogConfig> {
-        let segment_size = self
-            .size("log.segment_size", r.segment_size, DEFAULT_SEGMENT_SIZE)
-            .filter(|&n| {
-                self.require(
-                    "log.segment_size",
-                    (MIN_SEGMENT_SIZE..=MAX_SEGMENT_SIZE).contains(&n),
-                    || format!("must be between 1MiB and 1GiB, found {}", format_size(n)),
-                )
-            });
-        let max_size = self.size("log.max_size", r.max_size, DEFAULT_LOG_MAX_SIZE);
+        let segment_size = self.size("log.segment_size", r.segment_size);
+        let max_size = self.size("log.max_size", r.max_size);
         let max_size = match (segment_size, max_size) {
             (Some(seg), Some(max)) if max < seg.saturating_mul(2) => {
                 self.problem(
@@ -335,7 +241,7 @@ impl Validator {
             }
             (_, max) => max,
         };
-        let retention = self.duration("log.retention", r.retention, DEFAULT_RETENTION_MS);
+        let retention = self.duration("log.retention", r.retention);
         if let (Some(ret), Some(sp)) = (retention, savepoint_interval) {
             let sp = duration_ms(sp);
             self.require("log.retention", ret >= sp, || {
@@ -347,28 +253,8 @@ impl Validator {
                 )
             });
         }
-        let commit_interval = self
-            .duration(
-                "log.commit_interval",
-                r.commit_interval,
-                DEFAULT_COMMIT_INTERVAL_MS,
-            )
-            .filter(|&ms| {
-                self.require("log.commit_interval", ms <= MAX_COMMIT_INTERVAL_MS, || {
-                    format!(
-                        "must be at most 1s, found {}: inputs wait unacknowledged this long, and \
-                         the broker stops sending when its inflight window is full",
-                        format_duration_ms(ms)
-                    )
-                })
-            });
-        let max_payload = self
-            .size("log.max_payload", r.max_payload, DEFAULT_MAX_PAYLOAD)
-            .filter(|&n| {
-                self.require("log.max_payload", n >= 1, || {
-                    "must be at least 1B".to_string()
-                })
-            });
+        let commit_interval = self.duration("log.commit_interval", r.commit_interval);
+        let max_payload = self.size("log.max_payload", r.max_payload);
         let max_payload = match (segment_size, max_payload) {
             (Some(seg), Some(p)) if p.saturating_add(RECORD_OVERHEAD) > seg => {
                 self.problem(
@@ -395,39 +281,9 @@ impl Validator {
     }
 
     pub(super) fn checkpoint(&mut self, r: RawCheckpoint) -> Option<CheckpointConfig> {
-        let interval = self
-            .duration(
-                "checkpoint.interval",
-                r.interval,
-                DEFAULT_CHECKPOINT_INTERVAL_MS,
-            )
-            .filter(|&ms| {
-                self.require(
-                    "checkpoint.interval",
-                    (1..=MAX_CHECKPOINT_INTERVAL_MS).contains(&ms),
-                    || {
-                        format!(
-                            "must be between 1ms and 1h, found {}: replay after a crash \
-                             starts at the last checkpoint",
-                            format_duration_ms(ms)
-                        )
-                    },
-                )
-            });
-        let max_records = self.int(
-            "checkpoint.max_records",
-            r.max_records,
-            DEFAULT_CHECKPOINT_MAX_RECORDS,
-            1..=MAX_CHECKPOINT_MAX_RECORDS,
-            ": one checkpoint is one sled transaction, held in memory",
-        );
-        let max_keys = self.int(
-            "checkpoint.max_keys",
-            r.max_keys,
-            DEFAULT_CHECKPOINT_MAX_KEYS,
-            1..=MAX_CHECKPOINT_MAX_RECORDS,
-            ": each key a checkpoint writes holds a copy of a sled leaf until it commits",
-        );
+        let interval = self.duration("checkpoint.interval", r.interval);
+        let max_records = self.int("checkpoint.max_records", r.max_records);
+        let max_keys = self.int("checkpoint.max_keys", r.max_keys);
         Some(CheckpointConfig {
             interval: Duration::from_millis(interval?),
             max_records: u64::try_from(max_records?).ok()?,
@@ -436,45 +292,10 @@ impl Validator {
     }
 
     pub(super) fn outbox(&mut self, r: RawOutbox) -> Option<OutboxConfig> {
-        let max_entries = self.int(
-            "outbox.max_entries",
-            r.max_entries,
-            DEFAULT_OUTBOX_MAX_ENTRIES,
-            1..=i64::MAX,
-            "",
-        );
-        let max_size = self
-            .size("outbox.max_size", r.max_size, DEFAULT_OUTBOX_MAX_SIZE)
-            .filter(|&n| {
-                self.require("outbox.max_size", n >= MIN_OUTBOX_MAX_SIZE, || {
-                    format!(
-                        "must be at least 1MiB, found {}: one checkpoint's results must fit",
-                        format_size(n)
-                    )
-                })
-            });
-        let inflight = self.int(
-            "outbox.inflight",
-            r.inflight,
-            DEFAULT_OUTBOX_INFLIGHT,
-            1..=65_535,
-            ": MQTT packet IDs are 16-bit",
-        );
-        let drain_timeout = self
-            .duration(
-                "outbox.drain_timeout",
-                r.drain_timeout,
-                DEFAULT_DRAIN_TIMEOUT_MS,
-            )
-            .filter(|&ms| {
-                self.require("outbox.drain_timeout", ms <= MAX_DRAIN_TIMEOUT_MS, || {
-                    format!(
-                        "must be at most 1m, found {}: systemd kills a service that takes longer \
-                         than TimeoutStopSec (90s by default) to stop",
-                        format_duration_ms(ms)
-                    )
-                })
-            });
+        let max_entries = self.int("outbox.max_entries", r.max_entries);
+        let max_size = self.size("outbox.max_size", r.max_size);
+        let inflight = self.int("outbox.inflight", r.inflight);
+        let drain_timeout = self.duration("outbox.drain_timeout", r.drain_timeout);
         Some(OutboxConfig {
             max_entries: u64::try_from(max_entries?).ok()?,
             max_size: max_size?,
@@ -513,34 +334,14 @@ impl Validator {
     }
 
     pub(super) fn savepoint(&mut self, r: RawSavepoint) -> Option<SavepointConfig> {
+        // Absent: no savepoints.
         let interval = match r.interval {
             None => Some(None),
-            Some(text) => match parse_duration_ms(&text.0) {
-                Err(e) => {
-                    self.problem("savepoint.interval", e);
-                    None
-                }
-                Ok(ms) if ms < MIN_SAVEPOINT_INTERVAL_MS => {
-                    self.problem(
-                        "savepoint.interval",
-                        format!(
-                            "must be at least 1s, found {}: each savepoint copies the whole state; \
-                             remove the key to disable savepoints",
-                            format_duration_ms(ms)
-                        ),
-                    );
-                    None
-                }
-                Ok(ms) => Some(Some(Duration::from_millis(ms))),
-            },
+            some => self
+                .duration("savepoint.interval", some)
+                .map(|ms| Some(Duration::from_millis(ms))),
         };
-        let keep = self.int(
-            "savepoint.keep",
-            r.keep,
-            DEFAULT_SAVEPOINT_KEEP,
-            1..=MAX_SAVEPOINT_KEEP,
-            "",
-        );
+        let keep = self.int("savepoint.keep", r.keep);
         Some(SavepointConfig {
             interval: interval?,
             keep: usize::try_from(keep?).ok()?,

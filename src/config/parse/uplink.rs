@@ -2,6 +2,7 @@
 //! connection keys are checked by the same code as `[mqtt]`'s (`link.rs`); here
 //! only what is its own: `topic_prefix`, and that it is not `[mqtt]`'s session.
 
+use super::names::refusable;
 use super::*;
 use crate::config::UplinkConfig;
 
@@ -34,13 +35,20 @@ impl Validator {
             },
         );
         let prefix = r.topic_prefix.unwrap_or_default();
-        let prefix_ok = self.require("uplink.topic_prefix", valid_prefix(&prefix), || {
-            format!(
-                "`{}` cannot begin an MQTT topic: no `+`, `#` or NUL, not starting with `$`, \
+        let prefix_ok = match refusable(&prefix) {
+            Some(why) => {
+                let shown = prefix.escape_debug();
+                self.problem("uplink.topic_prefix", format!("`{shown}`: {why}"));
+                false
+            }
+            None => self.require("uplink.topic_prefix", valid_prefix(&prefix), || {
+                format!(
+                    "`{}` cannot begin an MQTT topic: no `+` or `#`, not starting with `$`, \
                      at most {MAX_TOPIC_PREFIX_LEN} bytes",
-                prefix.escape_debug()
-            )
-        });
+                    prefix.escape_debug()
+                )
+            }),
+        };
         let mut link = link?;
         if let Some(m) = mqtt {
             let same_broker = m.host == link.host && m.port == link.port;
@@ -70,9 +78,10 @@ impl Validator {
     }
 }
 
-/// A prefix the publish topic checks will accept before any result topic.
+/// A prefix the publish topic checks will accept before any result topic (code points a
+/// receiver may refuse are checked before, with their own message).
 fn valid_prefix(p: &str) -> bool {
-    p.len() <= MAX_TOPIC_PREFIX_LEN && !p.contains(['+', '#', '\0']) && !p.starts_with('$')
+    p.len() <= MAX_TOPIC_PREFIX_LEN && !p.contains(['+', '#']) && !p.starts_with('$')
 }
 
 #[cfg(test)]
