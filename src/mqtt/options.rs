@@ -1,11 +1,15 @@
 //! [`MqttConfig`] → rumqttc `MqttOptions`: credentials from the password file, TLS from PEM
-//! files. Every error names the file it came from.
+//! files (read with the PEM parser of `rustls::pki_types`). Every error names the file it
+//! came from.
 
-use std::io::BufReader;
 use std::path::Path;
 use std::sync::Arc;
 
 use rumqttc::{MqttOptions, TlsConfiguration, Transport};
+// PEM through rustls's own `pki-types` (its `std` feature is on with rustls's): the
+// `rustls-pemfile` crate is unmaintained (RUSTSEC-2025-0134) and only wraps this API now.
+use rustls::pki_types::pem::{self, PemObject};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
 use super::MqttError;
 use crate::config::{MqttConfig, TlsConfig};
@@ -87,14 +91,25 @@ fn read_password(path: &Path) -> Result<String, MqttError> {
     Ok(text.to_owned())
 }
 
-fn open(what: &'static str, path: &Path) -> Result<BufReader<std::fs::File>, MqttError> {
-    std::fs::File::open(path)
-        .map(BufReader::new)
-        .map_err(|source| MqttError::File {
-            what,
-            path: path.to_owned(),
-            source,
-        })
+/// The whole file, as bytes; an error names the file.
+fn read_file(what: &'static str, path: &Path) -> Result<Vec<u8>, MqttError> {
+    std::fs::read(path).map_err(|source| MqttError::File {
+        what,
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// Every certificate in a PEM file, in order (other sections are skipped); at least one.
+fn read_certs(what: &'static str, path: &Path) -> Result<Vec<CertificateDer<'static>>, MqttError> {
+    let pem = read_file(what, path)?;
+    let certs = CertificateDer::pem_slice_iter(&pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| tls_error(what, path, e))?;
+    if certs.is_empty() {
+        return Err(tls_error(what, path, "no PEM certificate found"));
+    }
+    Ok(certs)
 }
 
 fn tls_error(what: &'static str, path: &Path, problem: impl ToString) -> MqttError {
@@ -110,33 +125,26 @@ fn tls_config(tls: &TlsConfig) -> Result<TlsConfiguration, MqttError> {
     let _ = rustls::crypto::ring::default_provider().install_default();
 
     let mut roots = rustls::RootCertStore::empty();
-    for cert in rustls_pemfile::certs(&mut open("CA", &tls.ca_file)?) {
-        let cert = cert.map_err(|e| tls_error("CA", &tls.ca_file, e))?;
+    for cert in read_certs("CA", &tls.ca_file)? {
         roots
             .add(cert)
             .map_err(|e| tls_error("CA", &tls.ca_file, e))?;
-    }
-    if roots.is_empty() {
-        return Err(tls_error("CA", &tls.ca_file, "no PEM certificate found"));
     }
     let builder = rustls::ClientConfig::builder().with_root_certificates(roots);
 
     let config = match (&tls.cert_file, &tls.key_file) {
         (None, None) => builder.with_no_client_auth(),
         (Some(cert_file), Some(key_file)) => {
-            let certs = rustls_pemfile::certs(&mut open("client certificate", cert_file)?)
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| tls_error("client certificate", cert_file, e))?;
-            if certs.is_empty() {
-                return Err(tls_error(
-                    "client certificate",
-                    cert_file,
-                    "no PEM certificate found",
-                ));
-            }
-            let key = rustls_pemfile::private_key(&mut open("client key", key_file)?)
-                .map_err(|e| tls_error("client key", key_file, e))?
-                .ok_or_else(|| tls_error("client key", key_file, "no PEM private key found"))?;
+            let certs = read_certs("client certificate", cert_file)?;
+            // The first private key of any kind (PKCS#8, PKCS#1 or SEC1).
+            let key = PrivateKeyDer::from_pem_slice(&read_file("client key", key_file)?).map_err(
+                |e| match e {
+                    pem::Error::NoItemsFound => {
+                        tls_error("client key", key_file, "no PEM private key found")
+                    }
+                    e => tls_error("client key", key_file, e),
+                },
+            )?;
             builder
                 .with_client_auth_cert(certs, key)
                 .map_err(|e| tls_error("client key", key_file, e))?
@@ -148,4 +156,117 @@ fn tls_config(tls: &TlsConfig) -> Result<TlsConfiguration, MqttError> {
         }
     };
     Ok(TlsConfiguration::Rustls(Arc::new(config)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // A throwaway self-signed pair made for these tests only (openssl req -x509 -newkey ec).
+    const CERT: &str = "-----BEGIN CERTIFICATE-----
+MIIBjzCCATWgAwIBAgIUSUDb6Ew9as1fZhCEqJ7tXjkSlnIwCgYIKoZIzj0EAwIw
+HDEaMBgGA1UEAwwRY2Fpcm4tdGVzdC1jbGllbnQwIBcNMjYxMjAxMjE0NDEzWhgP
+MjEyNjExMDcyMTQ0MTNaMBwxGjAYBgNVBAMMEWNhaXJuLXRlc3QtY2xpZW50MFkw
+EwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAEfhHKY8JJTSEkblt/Q7w7hdjOYBGJAh0L
+bAdHMKgUaex4pW79YwS0Htb9I74d50AbpCAzj1Q3ASCkqeq7RAmz+KNTMFEwHQYD
+VR0OBBYEFLl53e0WaAgGXjotLR0fFFyY3GF0MB8GA1UdIwQYMBaAFLl53e0WaAgG
+XjotLR0fFFyY3GF0MA8GA1UdEwEB/wQFMAMBAf8wCgYIKoZIzj0EAwIDSAAwRQIg
+Zo4T9tC/vP/0L7nxNXaq7LXiKphheMvo0UGZPL0oXI8CIQDqdLa+Tdxg6St1unB1
+9+Glm/Q4elLXmHIKcJ7ktU2wIw==
+-----END CERTIFICATE-----
+";
+    const PKCS8_KEY: &str = "-----BEGIN PRIVATE KEY-----
+MIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG0wawIBAQQgMCVelJjuIeG3TgUD
+TVDPu8j7+LK+5RHPhltFWDrvKMahRANCAAR+EcpjwklNISRuW39DvDuF2M5gEYkC
+HQtsB0cwqBRp7Hilbv1jBLQe1v0jvh3nQBukIDOPVDcBIKSp6rtECbP4
+-----END PRIVATE KEY-----
+";
+    const SEC1_KEY: &str = "-----BEGIN EC PRIVATE KEY-----
+MHcCAQEEIDAlXpSY7iHht04FA01Qz7vI+/iyvuURz4ZbRVg67yjGoAoGCCqGSM49
+AwEHoUQDQgAEfhHKY8JJTSEkblt/Q7w7hdjOYBGJAh0LbAdHMKgUaex4pW79YwS0
+Htb9I74d50AbpCAzj1Q3ASCkqeq7RAmz+A==
+-----END EC PRIVATE KEY-----
+";
+
+    fn files(dir: &Path, ca: &str, cert: &str, key: &str) -> TlsConfig {
+        let write = |name: &str, text: &str| {
+            let path = dir.join(name);
+            std::fs::write(&path, text).unwrap();
+            path
+        };
+        TlsConfig {
+            ca_file: write("ca.pem", ca),
+            cert_file: Some(write("cert.pem", cert)),
+            key_file: Some(write("key.pem", key)),
+        }
+    }
+
+    #[test]
+    fn tls_reads_a_ca_a_client_certificate_and_a_pkcs8_or_sec1_key() {
+        let dir = tempfile::tempdir().unwrap();
+        for key in [PKCS8_KEY, SEC1_KEY] {
+            // Other sections around the ones we want are skipped.
+            let tls = files(
+                dir.path(),
+                &format!("{key}{CERT}"),
+                CERT,
+                &format!("{CERT}{key}"),
+            );
+            assert!(tls_config(&tls).is_ok());
+        }
+        let tls = TlsConfig {
+            cert_file: None,
+            key_file: None,
+            ..files(dir.path(), CERT, CERT, PKCS8_KEY)
+        };
+        assert!(
+            tls_config(&tls).is_ok(),
+            "a CA alone: no client certificate"
+        );
+    }
+
+    #[test]
+    fn a_pem_file_without_what_it_should_hold_is_an_error_naming_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let problem = |tls: &TlsConfig| match tls_config(tls) {
+            Err(MqttError::Tls {
+                what,
+                path,
+                problem,
+            }) => {
+                assert!(path.starts_with(dir.path()));
+                format!("{what} {}: {problem}", path.file_name().unwrap().display())
+            }
+            Err(e) => panic!("not a TLS file error: {e}"),
+            Ok(_) => panic!("accepted"),
+        };
+        let tls = files(dir.path(), PKCS8_KEY, CERT, PKCS8_KEY);
+        assert_eq!(problem(&tls), "CA ca.pem: no PEM certificate found");
+        let tls = files(dir.path(), CERT, PKCS8_KEY, PKCS8_KEY);
+        assert_eq!(
+            problem(&tls),
+            "client certificate cert.pem: no PEM certificate found"
+        );
+        let tls = files(dir.path(), CERT, CERT, CERT);
+        assert_eq!(
+            problem(&tls),
+            "client key key.pem: no PEM private key found"
+        );
+        // A section that never ends is malformed, not skipped.
+        let torn = &CERT[..CERT.len() - 30];
+        let tls = files(dir.path(), torn, CERT, PKCS8_KEY);
+        assert!(
+            problem(&tls).starts_with("CA ca.pem: "),
+            "{}",
+            problem(&tls)
+        );
+        let tls = TlsConfig {
+            ca_file: dir.path().join("missing.pem"),
+            ..tls
+        };
+        let Err(err) = tls_config(&tls) else {
+            panic!("a missing file was accepted")
+        };
+        assert!(matches!(&err, MqttError::File { what: "CA", .. }), "{err}");
+    }
 }
