@@ -293,7 +293,7 @@ impl Agent {
                 );
                 self.input_link(true);
             }
-            Event::Disconnected { reason } => {
+            Event::Disconnected { reason, .. } => {
                 if self.input_link(false) {
                     self.stats.reconnects += 1;
                 }

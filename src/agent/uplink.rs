@@ -267,7 +267,7 @@ impl Agent {
                 }
                 self.publisher.connected();
             }
-            Event::Disconnected { reason } => {
+            Event::Disconnected { reason, .. } => {
                 if u.link.lost(wall) {
                     log::warn!(
                         "uplink: lost {}: {reason}; results wait in the outbox ({entries} now, \

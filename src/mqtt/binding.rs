@@ -138,6 +138,14 @@ impl Publishes {
         n
     }
 
+    /// Output IDs of the publishes written to the broker and not acknowledged, oldest
+    /// first (in [`Self::accept`] order).
+    pub(crate) fn unacked(&self) -> Vec<String> {
+        let mut written: Vec<&OutPublish> = self.bound.values().collect();
+        written.sort_by_key(|p| p.seq);
+        written.into_iter().map(|p| p.output_id.clone()).collect()
+    }
+
     /// Publishes inside rumqttc that were never given a pkid (for a consistency check).
     pub(crate) fn unbound_len(&self) -> usize {
         self.unbound.len() + self.collided.is_some() as usize
@@ -208,6 +216,24 @@ mod tests {
         hand_all(&mut p);
         assert_eq!(p.on_outgoing(1), Sent::Bound("o1".into()));
         assert_eq!(p.on_puback(10), None, "the old pkid means nothing any more");
+    }
+
+    #[test]
+    fn unacked_lists_what_was_written_and_not_acknowledged_oldest_first() {
+        let mut p = with(4);
+        for _ in 0..3 {
+            p.handed();
+        }
+        // Packet ids say nothing of the order: they wrap.
+        assert_eq!(p.on_outgoing(9), Sent::Bound("o0".into()));
+        assert_eq!(p.on_outgoing(1), Sent::Bound("o1".into()));
+        assert_eq!(p.on_outgoing(5), Sent::Bound("o2".into()));
+        assert_eq!(p.unacked(), ["o0", "o1", "o2"]);
+        assert_eq!(p.on_puback(1).as_deref(), Some("o1"));
+        // o3 is accepted but not written: not in the list.
+        assert_eq!(p.unacked(), ["o0", "o2"]);
+        p.on_session_lost();
+        assert!(p.unacked().is_empty(), "queued again, not written yet");
     }
 
     #[test]

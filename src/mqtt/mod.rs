@@ -18,7 +18,10 @@
 //!   all, which is why the outbox re-sends everything it still holds.
 //! - **Nothing blocks forever and nothing spins.** [`Mqtt::publish`] refuses when
 //!   `publish_inflight` publishes are unacknowledged ([`MqttError::InflightFull`]); the agent
-//!   waits for a `PubAcked`. Reconnects use bounded, jittered exponential backoff.
+//!   waits for a `PubAcked`. Reconnects use bounded, jittered exponential backoff, which
+//!   starts again from its minimum only after a connection stayed up for [`STABLE_AFTER`]
+//!   (`backoff.rs`): a broker that drops us right after each CONNACK is retried ever more
+//!   slowly, not 13 times a second.
 //!
 //! # Mechanism
 //!
@@ -52,6 +55,7 @@
 //! `max(channel_capacity, publish_inflight + ingest_batch + 16)`, so in steady state neither
 //! publishes nor acks wait for room.
 
+mod backoff;
 mod binding;
 mod events;
 mod options;
@@ -63,10 +67,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::TrySendError;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use rumqttc::AsyncClient;
 
 use crate::config::MqttConfig;
+pub use backoff::STABLE_AFTER;
 use binding::Publishes;
 pub use events::{Events, Want};
 
@@ -148,8 +154,25 @@ pub enum Event {
     },
     /// The connection is down, or the first attempt failed. Once per state change, not per
     /// retry; the reason of the latest failure is also logged.
+    ///
+    /// What the layer above needs to find a publish the broker refuses by dropping the
+    /// connection (mosquitto does, for a topic it takes as malformed: issue 27): the broker
+    /// handles our publishes in order and drops us at the one it refuses, so that one is the
+    /// oldest of `unacked`, on a connection that was up only briefly (`up_for` well under
+    /// [`STABLE_AFTER`]: the refusal comes one round trip after the CONNACK, when the
+    /// unacknowledged publishes are re-sent). The same output ID at the front of `unacked` of
+    /// several such drops in a row, and no other cause, is the sign. The connection itself
+    /// keeps re-sending it, with the backoff growing to `reconnect_max`, until the caller
+    /// stops asking: nothing here gives up on a publish.
     Disconnected {
         reason: String,
+        /// Output IDs of our publishes written on the connection that ended (or re-sent on
+        /// it) and not acknowledged, oldest first. Empty when no connection was up (a failed
+        /// connect attempt). They are still ours: each is re-sent on the next connection and
+        /// still ends in one acknowledgement event.
+        unacked: Vec<String>,
+        /// How long the connection that ended was up; `None` when none was.
+        up_for: Option<Duration>,
     },
     Message(Incoming),
     /// The broker acknowledged the publish with this output ID.

@@ -17,12 +17,11 @@ use rumqttc::{
     QoS, Request, SubscribeFilter, SubscribeReasonCode,
 };
 
+use super::backoff::{self, Backoff, STABLE_AFTER};
 use super::binding::Sent;
 use super::{AckToken, Event, Incoming, Inner, Queues, Sink};
 use crate::config::MqttConfig;
 
-/// Floor for the reconnect backoff, so that a zero in the config cannot make a tight loop.
-const BACKOFF_FLOOR: Duration = Duration::from_millis(10);
 /// How long shutdown waits for DISCONNECT to be written.
 const DISCONNECT_GRACE: Duration = Duration::from_secs(1);
 /// How long a clean shutdown waits for the broker to close the connection after DISCONNECT.
@@ -51,10 +50,7 @@ pub(crate) struct Worker {
     events: Sink,
     filters: Vec<String>,
     endpoint: String,
-    backoff_min: Duration,
-    backoff_max: Duration,
-    backoff: Duration,
-    rng: u64,
+    backoff: Backoff,
     /// Epoch of the current (or last) connection; 0 never names one.
     epoch: u64,
     connected: bool,
@@ -79,7 +75,6 @@ impl Worker {
         events: Sink,
         filters: Vec<String>,
     ) -> Worker {
-        let backoff_min = cfg.reconnect_min.max(BACKOFF_FLOOR);
         Worker {
             eventloop,
             client,
@@ -87,10 +82,7 @@ impl Worker {
             events,
             filters,
             endpoint: format!("{}:{} as {:?}", cfg.host, cfg.port, cfg.client_id),
-            backoff_min,
-            backoff_max: cfg.reconnect_max.max(backoff_min),
-            backoff: backoff_min,
-            rng: seed(),
+            backoff: Backoff::new(cfg.reconnect_min, cfg.reconnect_max, backoff::seed()),
             epoch: 0,
             connected: false,
             ever_connected: false,
@@ -281,17 +273,30 @@ impl Worker {
         self.down_announced = false;
         self.last_reason = None;
         self.attempts = 0;
-        self.backoff = self.backoff_min;
+        // Not a reset of the backoff: that waits until the connection has stayed up.
+        self.backoff.connected(Instant::now());
         self.emit(Event::Connected { session_present });
     }
 
     async fn on_error(&mut self, e: ConnectionError) {
         let reason = describe(&e);
+        let mut unacked = Vec::new();
+        let mut up_for = None;
         if self.connected {
-            self.connection_gone();
+            up_for = self.connection_gone();
+            unacked = self.inner.lock().pubs.unacked();
+            let up = up_for.unwrap_or_default();
             warn!(
-                "lost connection to {}: {reason}; reconnecting with backoff {:?}..{:?}",
-                self.endpoint, self.backoff_min, self.backoff_max
+                "lost connection to {} after {up:.1?} up: {reason}; reconnecting with backoff \
+                 {:?}..{:?}{}",
+                self.endpoint,
+                self.backoff.min(),
+                self.backoff.max(),
+                if up < STABLE_AFTER {
+                    " (not reset: the connection was not up for long)"
+                } else {
+                    ""
+                }
             );
         } else {
             self.attempts += 1;
@@ -312,10 +317,14 @@ impl Worker {
         self.last_reason = Some(reason.clone());
         if !self.down_announced {
             self.down_announced = true;
-            self.emit(Event::Disconnected { reason });
+            self.emit(Event::Disconnected {
+                reason,
+                unacked,
+                up_for,
+            });
         }
         self.flush().await;
-        let delay = self.next_delay();
+        let delay = self.backoff.next_delay();
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}
             _ = self.inner.stop_wake.notified() => {}
@@ -323,9 +332,10 @@ impl Worker {
     }
 
     /// The live connection is gone (rumqttc has cleaned up): no ack goes out on it any more,
-    /// and what rumqttc buffered from it is taken now.
-    fn connection_gone(&mut self) {
+    /// and what rumqttc buffered from it is taken now. Returns how long it was up.
+    fn connection_gone(&mut self) -> Option<Duration> {
         self.connected = false;
+        let up_for = self.backoff.lost(Instant::now());
         // Synchronously after rumqttc's cleanup: see the module comment.
         self.inner.lock().live = None;
         // rumqttc would hand us these after the next CONNACK, mixed up with the new
@@ -336,6 +346,7 @@ impl Worker {
             self.on_event(event, true);
         }
         self.check_unbound();
+        up_for
     }
 
     /// [`super::Mqtt::reconnect`] was asked for: once the queued acks are written, drop the
@@ -353,7 +364,8 @@ impl Worker {
         }
         self.inner.reconnect.store(false, Ordering::SeqCst);
         self.eventloop.clean();
-        self.connection_gone();
+        let up_for = self.connection_gone();
+        let unacked = self.inner.lock().pubs.unacked();
         info!(
             "dropped the connection to {} so that the broker re-sends what we have not \
              acknowledged; connecting again",
@@ -362,6 +374,8 @@ impl Worker {
         self.down_announced = true;
         self.emit(Event::Disconnected {
             reason: "reconnecting for redelivery".into(),
+            unacked,
+            up_for,
         });
         self.flush().await;
     }
@@ -381,17 +395,6 @@ impl Worker {
         if in_rumqttc != ours {
             error!("bug: {ours} publishes await a packet id, rumqttc holds {in_rumqttc}");
         }
-    }
-
-    /// Equal jitter: a uniform delay in `[b/2, b]`, then `b` doubles up to the maximum.
-    fn next_delay(&mut self) -> Duration {
-        let base = self.backoff;
-        self.backoff = (base * 2).min(self.backoff_max);
-        self.rng ^= self.rng << 13;
-        self.rng ^= self.rng >> 7;
-        self.rng ^= self.rng << 17;
-        let frac = (self.rng % 1024) as f64 / 1024.0;
-        base.mul_f64(0.5 + 0.5 * frac)
     }
 
     /// Writes every queued ack of the live connection straight to the socket, one flush for
@@ -708,15 +711,6 @@ fn describe(e: &ConnectionError) -> String {
         }
         other => other.to_string(),
     }
-}
-
-/// Jitter only has to differ between agents restarting together, not be unpredictable.
-fn seed() -> u64 {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0);
-    (nanos ^ (u64::from(std::process::id()) << 32)) | 1
 }
 
 #[cfg(test)]

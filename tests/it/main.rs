@@ -25,6 +25,7 @@ mod log_corruption;
 mod log_crash;
 mod model;
 mod mqtt_client;
+mod mqtt_flaps;
 mod mqtt_flow;
 mod ops;
 mod pipeline;

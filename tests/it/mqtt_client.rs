@@ -259,7 +259,7 @@ fn reconnects_with_backoff_after_a_broker_kill_and_the_subscription_survives() {
     std::thread::sleep(Duration::from_millis(2200));
     broker.kill();
     let reason = expect(&rx, STEP, |e| match e {
-        Event::Disconnected { reason } => Some(reason),
+        Event::Disconnected { reason, .. } => Some(reason),
         _ => None,
     });
     assert!(!reason.is_empty());
@@ -342,7 +342,7 @@ fn a_bad_password_is_a_clear_error_and_not_a_tight_loop() {
     cfg.password_file = Some(file);
     let (mqtt, rx) = Mqtt::start(&cfg, vec![], 10).unwrap();
     let reason = expect(&rx, STEP, |e| match e {
-        Event::Disconnected { reason } => Some(reason),
+        Event::Disconnected { reason, .. } => Some(reason),
         Event::Connected { .. } => panic!("connected with a wrong password"),
         _ => None,
     });
