@@ -285,6 +285,8 @@ impl Agent {
             }
             Event::PubAcked { output_id } => self.pubacked(&output_id)?,
             Event::Uplink(ev) => self.on_uplink_event(*ev)?,
+            // Issue 26: not wired yet (the broker's own count of dropped inputs).
+            Event::BrokerDrops(_) => {}
             Event::Connected { session_present } => {
                 log::info!(
                     "mqtt: connected to {}:{} (session present: {session_present})",

@@ -250,7 +250,7 @@ impl Agent {
             return Ok(());
         };
         match ev {
-            Event::PubAcked { .. } | Event::Uplink(_) => {}
+            Event::PubAcked { .. } | Event::Uplink(_) | Event::BrokerDrops(_) => {}
             Event::Connected { session_present } => {
                 log::info!(
                     "uplink: connected to {} (session present: {session_present}); {entries} \

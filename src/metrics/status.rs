@@ -100,6 +100,8 @@ pub fn status_json(families: &[Family]) -> Value {
         "backpressure": one("cairn_backpressure"),
         "processing_behind": one("cairn_processing_behind_records"),
         "connected": one("cairn_mqtt_connected"),
+        "broker_dropped": {"available": one("cairn_broker_dropped_available") == json!(1),
+                           "total": one("cairn_broker_dropped_messages")},
         "metrics": flat(&samples),
     })
 }

@@ -80,7 +80,7 @@ fn kind(e: &Event) -> Kind {
             Event::PubAcked { .. } => Kind::Ack,
             _ => Kind::Other,
         },
-        Event::Connected { .. } | Event::Disconnected { .. } => Kind::Other,
+        Event::Connected { .. } | Event::Disconnected { .. } | Event::BrokerDrops(_) => Kind::Other,
     }
 }
 

@@ -16,6 +16,10 @@
 //!   and retransmissions do not consume the binding FIFO (see `binding.rs`). If the broker lost
 //!   our session, the unacknowledged publishes are re-sent here, in order; a restart loses them
 //!   all, which is why the outbox re-sends everything it still holds.
+//! - **The broker's own losses are visible.** The connection that subscribes to inputs also
+//!   watches mosquitto's count of the messages it dropped (`$SYS`, `sys.rs`) and reports
+//!   every value, or why it cannot, as [`Event::BrokerDrops`]; those messages are never
+//!   inputs.
 //! - **Nothing blocks forever and nothing spins.** [`Mqtt::publish`] refuses when
 //!   `publish_inflight` publishes are unacknowledged ([`MqttError::InflightFull`]); the agent
 //!   waits for a `PubAcked`. Reconnects use bounded, jittered exponential backoff, which
@@ -59,6 +63,7 @@ mod backoff;
 mod binding;
 mod events;
 mod options;
+mod sys;
 mod worker;
 
 use std::collections::VecDeque;
@@ -75,6 +80,7 @@ use crate::config::MqttConfig;
 pub use backoff::STABLE_AFTER;
 use binding::Publishes;
 pub use events::{Events, Want};
+pub use sys::{BrokerDrops, DropTally, WAIT as SYS_WAIT};
 
 /// Room in rumqttc's request channel beyond one full publish window and one ingest batch of
 /// acks (subscribe, disconnect, a few retries).
@@ -179,6 +185,10 @@ pub enum Event {
     PubAcked {
         output_id: String,
     },
+    /// The input connection's watch of the broker's own count of dropped messages (`sys.rs`):
+    /// every value of mosquitto's `$SYS/broker/publish/messages/dropped`, or why it cannot be
+    /// watched. Only on a connection that subscribes to inputs; never an input itself.
+    BrokerDrops(BrokerDrops),
     /// An event of the uplink connection of [`Mqtt::start_with_uplink`] (never itself an
     /// `Uplink`): both connections feed one channel, so the caller waits on one receiver and
     /// neither connection's events wait behind the other's.
@@ -187,6 +197,7 @@ pub enum Event {
 
 /// Where a connection's thread hands its events: the caller's channel, each event wrapped
 /// in [`Event::Uplink`] for the uplink connection.
+#[derive(Clone)]
 pub(crate) struct Sink {
     tx: events::Sender,
     uplink: bool,
@@ -347,8 +358,17 @@ impl Mqtt {
             .build()
             .map_err(MqttError::Start)?;
         let name = if events.uplink { "uplink" } else { "mqtt" };
-        let worker =
-            worker::Worker::new(cfg, eventloop, client, inner.clone(), events, subscriptions);
+        // The connection that reads inputs also watches the broker's drops of them.
+        let watch_sys = !subscriptions.is_empty();
+        let worker = worker::Worker::new(
+            cfg,
+            eventloop,
+            client,
+            inner.clone(),
+            events,
+            subscriptions,
+            watch_sys,
+        );
         let thread = std::thread::Builder::new()
             .name(name.into())
             .spawn(move || {

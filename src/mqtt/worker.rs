@@ -7,8 +7,9 @@
 //! that would survive into the next connection unaccounted for.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::mpsc::TrySendError;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use log::{debug, error, info, warn};
@@ -19,6 +20,7 @@ use rumqttc::{
 
 use super::backoff::{self, Backoff, STABLE_AFTER};
 use super::binding::Sent;
+use super::sys::SysWatch;
 use super::{AckToken, Event, Incoming, Inner, Queues, Sink};
 use crate::config::MqttConfig;
 
@@ -64,6 +66,10 @@ pub(crate) struct Worker {
     batch: VecDeque<Event>,
     /// Acks or publishes being written by [`Self::write_all`] (kept for its allocation).
     packets: Vec<Packet>,
+    /// The broker's count of dropped messages, watched on the input connection (`sys.rs`);
+    /// shared with the timer tasks of [`sys_timer`].
+    sys: Option<Arc<Mutex<SysWatch>>>,
+    subs: SubRequests,
 }
 
 impl Worker {
@@ -74,6 +80,7 @@ impl Worker {
         inner: Arc<Inner>,
         events: Sink,
         filters: Vec<String>,
+        watch_sys: bool,
     ) -> Worker {
         Worker {
             eventloop,
@@ -91,6 +98,8 @@ impl Worker {
             attempts: 0,
             batch: VecDeque::with_capacity(MAX_BATCH),
             packets: Vec::new(),
+            sys: watch_sys.then(Default::default),
+            subs: SubRequests::default(),
         }
     }
 
@@ -155,6 +164,18 @@ impl Worker {
     fn on_event(&mut self, event: rumqttc::Event, stale: bool) {
         match event {
             rumqttc::Event::Incoming(Packet::ConnAck(ack)) => self.on_connack(ack.session_present),
+            rumqttc::Event::Incoming(Packet::Publish(p))
+                if self.sys.is_some() && SysWatch::takes(&p.topic, p.qos == QoS::AtMostOnce) =>
+            {
+                // The broker's `$SYS`, for the watch (`sys.rs`): never an input.
+                let reports = match &self.sys {
+                    Some(watch) => lock(watch).on_message(&p.topic, &p.payload),
+                    None => Vec::new(),
+                };
+                for report in reports {
+                    self.emit(Event::BrokerDrops(report));
+                }
+            }
             rumqttc::Event::Incoming(Packet::Publish(p)) => {
                 let qos = match p.qos {
                     QoS::AtMostOnce => 0,
@@ -185,16 +206,30 @@ impl Worker {
                     None => error!("PUBACK for packet id {} that names no publish", ack.pkid),
                 }
             }
-            rumqttc::Event::Incoming(Packet::SubAck(ack)) => {
-                for (filter, code) in self.filters.iter().zip(&ack.return_codes) {
-                    if *code == SubscribeReasonCode::Failure {
-                        error!(
-                            "broker {} refused the subscription {filter:?}",
-                            self.endpoint
-                        );
+            rumqttc::Event::Incoming(Packet::SubAck(ack)) => match self.subs.acked(ack.pkid) {
+                Some(SubKind::Inputs) | None => {
+                    for (filter, code) in self.filters.iter().zip(&ack.return_codes) {
+                        if *code == SubscribeReasonCode::Failure {
+                            error!(
+                                "broker {} refused the subscription {filter:?}",
+                                self.endpoint
+                            );
+                        }
                     }
                 }
-            }
+                Some(SubKind::Sys) => {
+                    let refused = SysWatch::filters()
+                        .into_iter()
+                        .zip(&ack.return_codes)
+                        .find(|(_, code)| **code == SubscribeReasonCode::Failure)
+                        .map(|(filter, _)| filter);
+                    let report = self.sys.as_ref().and_then(|w| lock(w).suback(refused));
+                    if let Some(report) = report {
+                        self.emit(Event::BrokerDrops(report));
+                    }
+                }
+            },
+            rumqttc::Event::Outgoing(Outgoing::Subscribe(pkid)) => self.subs.sent(pkid),
             rumqttc::Event::Outgoing(Outgoing::Publish(pkid)) => {
                 let sent = self.inner.lock().pubs.on_outgoing(pkid);
                 match sent {
@@ -230,6 +265,8 @@ impl Worker {
             if session_present {
                 0
             } else {
+                // rumqttc dropped the requests it kept for the old session, SUBSCRIBEs too.
+                self.subs.session_lost();
                 // rumqttc has just cleared its retransmission queue, but not a parked
                 // collision, which would then wait for an ack that never comes.
                 self.eventloop.state.collision = None;
@@ -253,10 +290,12 @@ impl Worker {
                 .map(|f| SubscribeFilter::new(f.clone(), QoS::AtLeastOnce));
             // The request channel is empty here: the pump adds nothing while disconnected and
             // rumqttc drained it when the previous connection failed.
-            if let Err(e) = self.client.try_subscribe_many(filters) {
-                error!("cannot queue SUBSCRIBE to {}: {e}", self.endpoint);
+            match self.client.try_subscribe_many(filters) {
+                Ok(()) => self.subs.asked(SubKind::Inputs),
+                Err(e) => error!("cannot queue SUBSCRIBE to {}: {e}", self.endpoint),
             }
         }
+        self.watch_sys();
         if self.ever_connected || self.attempts > 0 {
             info!(
                 "connected to {} again after {} attempt(s) (session present: {session_present})",
@@ -331,10 +370,33 @@ impl Worker {
         }
     }
 
+    /// On every connection: subscribe (again) to the broker's `$SYS` count of dropped
+    /// messages, and call it unavailable if nothing comes ([`super::sys::WAIT`]). Again on every
+    /// connection, not only when the session was lost: `$SYS` values are QoS 0, not queued
+    /// for us while we were away, and a new subscription brings the retained ones.
+    fn watch_sys(&mut self) {
+        let Some(watch) = &self.sys else { return };
+        let filters =
+            SysWatch::filters().map(|f| SubscribeFilter::new(f.to_owned(), QoS::AtMostOnce));
+        if let Err(e) = self.client.try_subscribe_many(filters) {
+            error!("cannot queue SUBSCRIBE to $SYS on {}: {e}", self.endpoint);
+            return;
+        }
+        self.subs.asked(SubKind::Sys);
+        lock(watch).subscribed(self.epoch, Instant::now());
+        tokio::spawn(sys_timer(watch.clone(), self.events.clone(), self.epoch));
+    }
+
     /// The live connection is gone (rumqttc has cleaned up): no ack goes out on it any more,
     /// and what rumqttc buffered from it is taken now. Returns how long it was up.
     fn connection_gone(&mut self) -> Option<Duration> {
         self.connected = false;
+        if let Some(watch) = &self.sys {
+            lock(watch).down();
+        }
+        // SUBSCRIBEs written on it are never answered; those not written are in rumqttc's
+        // queue for the next connection, first.
+        self.subs.connection_gone();
         let up_for = self.backoff.lost(Instant::now());
         // Synchronously after rumqttc's cleanup: see the module comment.
         self.inner.lock().live = None;
@@ -575,6 +637,86 @@ impl Worker {
     }
 }
 
+/// [`super::sys::WAIT`] after subscribing on connection `epoch`: reports the count unavailable if
+/// no `$SYS` message came meanwhile. A task of its own, because the worker only wakes for
+/// rumqttc (a poll is never abandoned half way, see [`Worker::run`]); it sends straight to
+/// the caller, after the watch has decided under its lock, so its report is never out of
+/// order with the worker's.
+async fn sys_timer(watch: Arc<Mutex<SysWatch>>, events: Sink, epoch: u64) {
+    let Some(deadline) = lock(&watch).deadline() else {
+        return;
+    };
+    tokio::time::sleep_until(deadline.into()).await;
+    // Tokio's timer rounds to its own millisecond ticks and was seen to wake a fraction of
+    // a millisecond before `Instant::now()` reached the deadline: it is the deadline here.
+    let now = Instant::now().max(deadline);
+    let Some(report) = lock(&watch).tick(epoch, now) else {
+        return;
+    };
+    let mut event = Event::BrokerDrops(report);
+    loop {
+        match events.try_send(event) {
+            Ok(()) | Err(TrySendError::Disconnected(_)) => return,
+            Err(TrySendError::Full(back)) => {
+                event = back;
+                tokio::time::sleep(EVENT_FULL_WAIT).await;
+            }
+        }
+    }
+}
+
+fn lock(watch: &Mutex<SysWatch>) -> MutexGuard<'_, SysWatch> {
+    // The watch is a few plain fields, whole after any panic.
+    watch.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What each SUBSCRIBE we asked for was for, to read its SUBACK: asked in order, given a
+/// packet id in that order (`Outgoing::Subscribe`), answered by packet id.
+#[derive(Debug, Default)]
+struct SubRequests {
+    /// Asked (in rumqttc's request channel or its queue for the next connection), no packet
+    /// id yet; front = oldest.
+    asked: VecDeque<SubKind>,
+    /// Written, awaiting their SUBACK.
+    sent: Vec<(u16, SubKind)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SubKind {
+    /// The pipelines' filters.
+    Inputs,
+    /// The broker's `$SYS` count of dropped messages.
+    Sys,
+}
+
+impl SubRequests {
+    fn asked(&mut self, kind: SubKind) {
+        self.asked.push_back(kind);
+    }
+
+    fn sent(&mut self, pkid: u16) {
+        if let Some(kind) = self.asked.pop_front() {
+            self.sent.retain(|(p, _)| *p != pkid);
+            self.sent.push((pkid, kind));
+        }
+    }
+
+    fn acked(&mut self, pkid: u16) -> Option<SubKind> {
+        let at = self.sent.iter().position(|(p, _)| *p == pkid)?;
+        Some(self.sent.swap_remove(at).1)
+    }
+
+    /// The connection is gone: written SUBSCRIBEs get no answer.
+    fn connection_gone(&mut self) {
+        self.sent.clear();
+    }
+
+    /// The broker kept no session: rumqttc dropped the requests it held for it.
+    fn session_lost(&mut self) {
+        self.asked.clear();
+    }
+}
+
 /// The rest after a turn that read `read` packets from the broker, `waited` after the last
 /// turn ended: [`READ_PAUSE`] after a short burst that came soon ([`BUSY_WAIT`]), none after
 /// a full burst (more is waiting), a turn that read nothing (the caller's acks and publishes,
@@ -806,6 +948,33 @@ mod tests {
         assert_eq!(q.pubs.next_to_hand().map(|p| p.topic.as_str()), Some("t/3"));
         q.pubs.on_await_ack(1);
         assert_eq!(q.pubs.unbound_len(), 1);
+    }
+
+    #[test]
+    fn each_suback_is_read_as_the_subscribe_it_answers_across_reconnects() {
+        let mut subs = SubRequests::default();
+        subs.asked(SubKind::Inputs);
+        subs.asked(SubKind::Sys);
+        subs.sent(1);
+        subs.sent(2);
+        assert_eq!(subs.acked(2), Some(SubKind::Sys));
+        assert_eq!(subs.acked(2), None, "answered once");
+        // Lost before its SUBACK: never answered. One asked and not sent yet goes out
+        // first on the next connection (rumqttc's queue for it), before the new ones.
+        subs.asked(SubKind::Sys);
+        subs.connection_gone();
+        assert_eq!(subs.acked(1), None);
+        subs.asked(SubKind::Inputs);
+        subs.sent(7);
+        subs.sent(8);
+        assert_eq!(subs.acked(7), Some(SubKind::Sys));
+        assert_eq!(subs.acked(8), Some(SubKind::Inputs));
+        // A broker without our session: rumqttc dropped what it kept for it.
+        subs.asked(SubKind::Inputs);
+        subs.session_lost();
+        subs.asked(SubKind::Sys);
+        subs.sent(3);
+        assert_eq!(subs.acked(3), Some(SubKind::Sys));
     }
 
     #[test]

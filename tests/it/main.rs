@@ -27,6 +27,7 @@ mod model;
 mod mqtt_client;
 mod mqtt_flaps;
 mod mqtt_flow;
+mod mqtt_sys;
 mod ops;
 mod pipeline;
 mod reload;

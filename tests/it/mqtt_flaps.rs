@@ -27,8 +27,7 @@ fn config(port: u16, client_id: &str) -> MqttConfig {
 }
 
 #[test]
-fn a_broker_that_drops_us_after_every_connack_is_retried_at_the_backoffs_pace_and_the_refused_publish_is_named()
- {
+fn a_publish_the_broker_drops_us_for_is_named_and_retried_at_the_backoffs_pace() {
     let broker = Broker::start();
     let id = "cairn-flap";
     let (mqtt, rx) = Mqtt::start(&config(broker.port(), id), vec![], 100).unwrap();
