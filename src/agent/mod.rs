@@ -285,8 +285,9 @@ impl Agent {
             }
             Event::PubAcked { output_id } => self.pubacked(&output_id)?,
             Event::Uplink(ev) => self.on_uplink_event(*ev)?,
-            // Issue 26: not wired yet (the broker's own count of dropped inputs).
-            Event::BrokerDrops(_) => {}
+            // Issues 26 and 29: not wired yet (the broker's own count of dropped inputs;
+            // the outcomes only an MQTT 5 sink gives).
+            Event::BrokerDrops(_) | Event::PubRefused { .. } | Event::TooLarge { .. } => {}
             Event::Connected { session_present } => {
                 log::info!(
                     "mqtt: connected to {}:{} (session present: {session_present})",

@@ -250,7 +250,11 @@ impl Agent {
             return Ok(());
         };
         match ev {
-            Event::PubAcked { .. } | Event::Uplink(_) | Event::BrokerDrops(_) => {}
+            Event::PubAcked { .. }
+            | Event::Uplink(_)
+            | Event::BrokerDrops(_)
+            | Event::PubRefused { .. }
+            | Event::TooLarge { .. } => {}
             Event::Connected { session_present } => {
                 log::info!(
                     "uplink: connected to {} (session present: {session_present}); {entries} \

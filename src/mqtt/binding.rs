@@ -80,6 +80,17 @@ impl Publishes {
         self.to_send.front()
     }
 
+    /// Takes [`Self::next_to_hand`] out for good: it will not be sent (too large for the
+    /// broker, or ruled out by its CONNACK), and the caller hears so.
+    pub(crate) fn take_next(&mut self) -> Option<OutPublish> {
+        self.to_send.pop_front()
+    }
+
+    /// Publishes handed to rumqttc and not acknowledged (written or about to be).
+    pub(crate) fn handed_len(&self) -> usize {
+        self.len() - self.to_send.len()
+    }
+
     /// rumqttc accepted [`Self::next_to_hand`] into its request channel.
     pub(crate) fn handed(&mut self) {
         if let Some(p) = self.to_send.pop_front() {

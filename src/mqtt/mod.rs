@@ -64,6 +64,7 @@ mod binding;
 mod events;
 mod options;
 mod sys;
+mod v5;
 mod worker;
 
 use std::collections::VecDeque;
@@ -81,6 +82,7 @@ pub use backoff::STABLE_AFTER;
 use binding::Publishes;
 pub use events::{Events, Want};
 pub use sys::{BrokerDrops, DropTally, WAIT as SYS_WAIT};
+pub use v5::Mqtt5;
 
 /// Room in rumqttc's request channel beyond one full publish window and one ingest batch of
 /// acks (subscribe, disconnect, a few retries).
@@ -181,9 +183,32 @@ pub enum Event {
         up_for: Option<Duration>,
     },
     Message(Incoming),
-    /// The broker acknowledged the publish with this output ID.
+    /// The broker acknowledged the publish with this output ID (MQTT 5: with a reason code
+    /// of 0x00 success or 0x10 no matching subscribers).
     PubAcked {
         output_id: String,
+    },
+    /// MQTT 5 only ([`Mqtt5`]): the broker refused the publish with this output ID, its
+    /// PUBACK carrying a reason code of 0x80 or more (0x87 not authorized: an ACL), or its
+    /// CONNACK ruled it out so that it was not sent (0x9A retain not supported, 0x9B QoS not
+    /// supported). Not delivered and not settled: the result stays the caller's, to re-send
+    /// with backoff (the connection has forgotten it) or to set aside.
+    PubRefused {
+        output_id: String,
+        /// The MQTT 5 reason code.
+        code: u8,
+        /// Its name in the MQTT 5 specification, for a journal line.
+        reason: &'static str,
+    },
+    /// MQTT 5 only ([`Mqtt5`]): the result with this output ID makes a PUBLISH of `size`
+    /// bytes, over the broker's Maximum Packet Size `max` (from its CONNACK). Never sent
+    /// (sent, the broker would close the connection, and the re-send on the next one would
+    /// loop): answered at once and forgotten. A dead letter for this destination; it cannot
+    /// succeed while the broker keeps that maximum.
+    TooLarge {
+        output_id: String,
+        size: usize,
+        max: u32,
     },
     /// The input connection's watch of the broker's own count of dropped messages (`sys.rs`):
     /// every value of mosquitto's `$SYS/broker/publish/messages/dropped`, or why it cannot be
@@ -312,6 +337,34 @@ impl Mqtt {
             uplink: true,
         };
         let up = Mqtt::start_on(uplink, Vec::new(), publish_inflight, up)?;
+        let sink = Sink {
+            tx: events_tx,
+            uplink: false,
+        };
+        let input = Mqtt::start_on(cfg, subscriptions, publish_inflight, sink)?;
+        Ok((input, up, events_rx))
+    }
+
+    /// As [`Mqtt::start_with_uplink`], the result connection speaking `protocol`: the
+    /// input connection, the result connection ([`Link`]) and the one event channel, the
+    /// result connection's events wrapped in [`Event::Uplink`]. An MQTT 5 link adds
+    /// [`Event::PubRefused`] and [`Event::TooLarge`] to the outcomes.
+    pub fn start_with_link(
+        cfg: &MqttConfig,
+        subscriptions: Vec<String>,
+        link: &MqttConfig,
+        protocol: Protocol,
+        publish_inflight: u16,
+    ) -> Result<(Mqtt, Link, Events), MqttError> {
+        let (events_tx, events_rx) = events::queue(cfg.channel_capacity);
+        let up = Sink {
+            tx: events_tx.clone(),
+            uplink: true,
+        };
+        let up = match protocol {
+            Protocol::V311 => Link::V311(Mqtt::start_on(link, Vec::new(), publish_inflight, up)?),
+            Protocol::V5 => Link::V5(Mqtt5::start_on(link, publish_inflight, up)?),
+        };
         let sink = Sink {
             tx: events_tx,
             uplink: false,
@@ -488,6 +541,78 @@ impl Drop for Mqtt {
             && thread.join().is_err()
         {
             log::error!("the MQTT thread panicked");
+        }
+    }
+}
+
+/// Which MQTT a result connection speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    /// MQTT 3.1.1: a PUBACK cannot refuse (a broker's ACL acknowledges and drops).
+    V311,
+    /// MQTT 5: a PUBACK carries a reason code ([`Event::PubRefused`]).
+    V5,
+}
+
+/// A publish-only result connection of either protocol, with the one API the agent uses
+/// for its uplink. Its events come as [`Event::Uplink`].
+pub enum Link {
+    V311(Mqtt),
+    V5(Mqtt5),
+}
+
+impl Link {
+    /// [`Mqtt::publish`] or [`Mqtt5::publish`].
+    pub fn publish(
+        &self,
+        output_id: String,
+        topic: &str,
+        payload: Vec<u8>,
+        retain: bool,
+    ) -> Result<(), MqttError> {
+        match self {
+            Link::V311(m) => m.publish(output_id, topic, payload, retain),
+            Link::V5(m) => m.publish(output_id, topic, payload, retain),
+        }
+    }
+
+    /// Publishes without an outcome yet.
+    pub fn inflight(&self) -> usize {
+        match self {
+            Link::V311(m) => m.inflight(),
+            Link::V5(m) => m.inflight(),
+        }
+    }
+
+    /// The caller is idle: give back the thread's allocation cache.
+    pub fn rest(&self) {
+        match self {
+            Link::V311(m) => m.rest(),
+            Link::V5(m) => m.rest(),
+        }
+    }
+
+    /// Acknowledge a message that came on the link anyway (a 3.1.1 session kept from a
+    /// config that subscribed on it). An MQTT 5 link never hands one out.
+    pub fn ack(&self, token: AckToken) -> Result<(), MqttError> {
+        match self {
+            Link::V311(m) => m.ack(token),
+            Link::V5(_) => Ok(()),
+        }
+    }
+
+    pub fn protocol(&self) -> Protocol {
+        match self {
+            Link::V311(_) => Protocol::V311,
+            Link::V5(_) => Protocol::V5,
+        }
+    }
+
+    /// Disconnects and joins the connection's thread.
+    pub fn shutdown(self) {
+        match self {
+            Link::V311(m) => m.shutdown(),
+            Link::V5(m) => m.shutdown(),
         }
     }
 }

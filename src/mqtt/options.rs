@@ -21,6 +21,24 @@ use crate::config::{MqttConfig, TlsConfig};
 const MQTT_MAX_PACKET: usize = 268_435_455;
 
 pub(crate) fn build(cfg: &MqttConfig, publish_inflight: u16) -> Result<MqttOptions, MqttError> {
+    check(cfg, publish_inflight)?;
+    let mut opts = MqttOptions::new(cfg.client_id.clone(), cfg.host.clone(), cfg.port);
+    opts.set_keep_alive(cfg.keep_alive)
+        .set_clean_session(false)
+        .set_manual_acks(true)
+        .set_inflight(rumqttc_inflight(publish_inflight))
+        .set_max_packet_size(MQTT_MAX_PACKET, MQTT_MAX_PACKET);
+    if let Some((user, password)) = credentials(cfg)? {
+        opts.set_credentials(user, password);
+    }
+    if let Some(tls) = &cfg.tls {
+        opts.set_transport(Transport::tls_with_config(tls_config(tls)?));
+    }
+    Ok(opts)
+}
+
+/// What every connection's settings must be, whichever protocol.
+fn check(cfg: &MqttConfig, publish_inflight: u16) -> Result<(), MqttError> {
     if cfg.client_id.is_empty() {
         return Err(MqttError::Config(
             "client_id must not be empty: the broker keeps the persistent session under it".into(),
@@ -37,29 +55,57 @@ pub(crate) fn build(cfg: &MqttConfig, publish_inflight: u16) -> Result<MqttOptio
             "keep_alive must be 0 (off) or at least 1s, not {keep_alive:?}"
         )));
     }
-    let mut opts = MqttOptions::new(cfg.client_id.clone(), cfg.host.clone(), cfg.port);
-    opts.set_keep_alive(keep_alive)
-        .set_clean_session(false)
-        .set_manual_acks(true)
-        .set_inflight(rumqttc_inflight(publish_inflight))
-        .set_max_packet_size(MQTT_MAX_PACKET, MQTT_MAX_PACKET);
+    Ok(())
+}
 
+/// User name and password, the password read from its file. A password needs a user name
+/// (MQTT 3.1.1 requires it; the same rule for MQTT 5 keeps one meaning for the settings).
+fn credentials(cfg: &MqttConfig) -> Result<Option<(String, String)>, MqttError> {
     match (&cfg.username, &cfg.password_file) {
-        (Some(user), Some(file)) => {
-            opts.set_credentials(user.clone(), read_password(file)?);
-        }
-        (Some(user), None) => {
-            opts.set_credentials(user.clone(), "");
-        }
-        (None, Some(file)) => {
-            return Err(MqttError::Config(format!(
-                "password_file {} is set but username is not (MQTT 3.1.1 needs both)",
-                file.display()
-            )));
-        }
-        (None, None) => {}
+        (Some(user), Some(file)) => Ok(Some((user.clone(), read_password(file)?))),
+        (Some(user), None) => Ok(Some((user.clone(), String::new()))),
+        (None, Some(file)) => Err(MqttError::Config(format!(
+            "password_file {} is set but username is not (MQTT 3.1.1 needs both)",
+            file.display()
+        ))),
+        (None, None) => Ok(None),
     }
+}
 
+/// Most bytes of a packet the broker may send to an MQTT 5 result connection (CONNECT's
+/// Maximum Packet Size): only acknowledgements and a DISCONNECT with its reason come.
+const V5_MAX_INCOMING_PACKET: u32 = 64 * 1024;
+/// The shortest keep-alive rumqttc's v5 client takes.
+const V5_MIN_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The options of an MQTT 5 result connection (`super::v5`): the same checks, credentials
+/// and TLS as [`build`], and no session (clean start: a publish-only connection keeps
+/// nothing in one, and every unacknowledged publish is re-sent on the next connection).
+/// rumqttc's window is exactly ours (it lowers it to the broker's Receive Maximum): this
+/// connection sends no acknowledgements that a full window could hold back.
+pub(crate) fn build_v5(
+    cfg: &MqttConfig,
+    publish_inflight: u16,
+) -> Result<rumqttc::v5::MqttOptions, MqttError> {
+    check(cfg, publish_inflight)?;
+    // rumqttc's v5 client asserts (panics on) a shorter one, and has no "off": with 0 it
+    // would ping without pause.
+    if cfg.keep_alive < V5_MIN_KEEP_ALIVE {
+        return Err(MqttError::Config(format!(
+            "keep_alive must be at least {V5_MIN_KEEP_ALIVE:?} for an MQTT 5 connection, not \
+             {:?}",
+            cfg.keep_alive
+        )));
+    }
+    let mut opts = rumqttc::v5::MqttOptions::new(cfg.client_id.clone(), cfg.host.clone(), cfg.port);
+    opts.set_keep_alive(cfg.keep_alive)
+        .set_clean_start(true)
+        .set_manual_acks(false)
+        .set_outgoing_inflight_upper_limit(publish_inflight)
+        .set_max_packet_size(Some(V5_MAX_INCOMING_PACKET));
+    if let Some((user, password)) = credentials(cfg)? {
+        opts.set_credentials(user, password);
+    }
     if let Some(tls) = &cfg.tls {
         opts.set_transport(Transport::tls_with_config(tls_config(tls)?));
     }

@@ -24,6 +24,7 @@ mod layering;
 mod log_corruption;
 mod log_crash;
 mod model;
+mod mqtt5;
 mod mqtt_client;
 mod mqtt_flaps;
 mod mqtt_flow;
