@@ -41,7 +41,9 @@
 //!   record whose processing panics is retried a bounded number of times, then set aside.
 //! - [`generations`]: the output-ID generation of each pipeline, in a file beside the store.
 //! - [`clock`]: the time of receipt stamped on new records, monotonic across clock steps.
-//! - [`mqtt`]: the rumqttc facade: manual acks, packet-id binding, reconnect backoff, TLS.
+//! - [`mqtt`]: the rumqttc facade: manual acks, packet-id binding, reconnect backoff (reset
+//!   only after a connection stayed up), TLS; the broker's own count of dropped messages
+//!   (`mqtt/sys.rs`); MQTT 5 result connections whose PUBACK can refuse (`mqtt/v5/`).
 //! - [`agent`]: the event loop wiring them (`agent/mod.rs`), carrying out what its parts
 //!   decide without IO: `agent/ingest.rs` (group commit, ack order, held input and
 //!   backpressure, times of receipt, `too_large` stand-ins), `agent/publisher.rs` (results

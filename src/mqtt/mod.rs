@@ -2,6 +2,14 @@
 //! single-threaded agent loop: received messages and publish acknowledgements come out of one
 //! bounded queue, [`Events`]; [`Mqtt::ack`] and [`Mqtt::publish`] never block.
 //!
+//! Two protocols: the input connection, and the 3.1.1 result connections, are [`Mqtt`]
+//! (this file and `worker.rs`); an MQTT 5 result connection is [`Mqtt5`] (`v5/`), whose
+//! PUBACK can refuse ([`Event::PubRefused`]). [`Link`] is either, for a result connection
+//! chosen by [`Protocol`] ([`Mqtt::start_with_link`]). Files: `binding.rs` (packet ids to
+//! output IDs, both protocols), `backoff.rs` (reconnects, both), `events.rs` (the queue),
+//! `options.rs` (settings, credentials, TLS), `sys.rs` (the broker's count of dropped
+//! messages).
+//!
 //! # Guarantees
 //!
 //! - **No message is acknowledged behind the caller's back.** Manual acks: a PUBACK goes out

@@ -221,7 +221,11 @@ impl Mqtt5 {
         let worker = worker::Worker::new(cfg, eventloop, client, inner.clone(), events);
         let thread = std::thread::Builder::new()
             .name("sink5".into())
-            .spawn(move || runtime.block_on(worker.run()))
+            .spawn(move || {
+                // Every result's packets pass through this thread, as on the 3.1.1 path.
+                crate::alloc::cache_this_thread(true);
+                runtime.block_on(worker.run())
+            })
             .map_err(MqttError::Start)?;
         Ok(Mqtt5 {
             inner,
