@@ -184,8 +184,9 @@ pub enum Event {
         reason: String,
         /// Output IDs of our publishes written on the connection that ended (or re-sent on
         /// it) and not acknowledged, oldest first. Empty when no connection was up (a failed
-        /// connect attempt). They are still ours: each is re-sent on the next connection and
-        /// still ends in one acknowledgement event.
+        /// connect attempt), and when we dropped it on purpose (`Mqtt::reconnect`): then it
+        /// was not the broker's doing. They are still ours: each is re-sent on the next
+        /// connection and still ends in one outcome event.
         unacked: Vec<String>,
         /// How long the connection that ended was up; `None` when none was.
         up_for: Option<Duration>,

@@ -427,7 +427,6 @@ impl Worker {
         self.inner.reconnect.store(false, Ordering::SeqCst);
         self.eventloop.clean();
         let up_for = self.connection_gone();
-        let unacked = self.inner.lock().pubs.unacked();
         info!(
             "dropped the connection to {} so that the broker re-sends what we have not \
              acknowledged; connecting again",
@@ -436,7 +435,8 @@ impl Worker {
         self.down_announced = true;
         self.emit(Event::Disconnected {
             reason: "reconnecting for redelivery".into(),
-            unacked,
+            // Our doing, not the broker's: nothing here was refused.
+            unacked: Vec::new(),
             up_for,
         });
         self.flush().await;
