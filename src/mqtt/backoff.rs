@@ -21,6 +21,8 @@
 
 use std::time::{Duration, Instant};
 
+use log::{debug, error, warn};
+
 /// How long a connection must stay up before the next outage starts from the minimum delay.
 pub const STABLE_AFTER: Duration = Duration::from_secs(10);
 
@@ -89,8 +91,112 @@ impl Backoff {
     }
 }
 
+/// What every connection does between two of its connections, whichever protocol: the
+/// backoff, one `Disconnected` per down period (not per retry), and journal lines that say a
+/// new failure once and repeat themselves only at debug level.
+#[derive(Debug)]
+pub(crate) struct Reconnects {
+    backoff: Backoff,
+    /// Broker address and client id, for the journal.
+    endpoint: String,
+    ever_connected: bool,
+    /// `Disconnected` was emitted for the current down period.
+    announced: bool,
+    last_reason: Option<String>,
+    /// Failed connect attempts since the connection was last up.
+    attempts: u32,
+}
+
+impl Reconnects {
+    pub(crate) fn new(endpoint: String, min: Duration, max: Duration) -> Reconnects {
+        Reconnects {
+            backoff: Backoff::new(min, max, seed()),
+            endpoint,
+            ever_connected: false,
+            announced: false,
+            last_reason: None,
+            attempts: 0,
+        }
+    }
+
+    pub(crate) fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// Whether a connection was ever up in this process.
+    pub(crate) fn ever_connected(&self) -> bool {
+        self.ever_connected
+    }
+
+    /// A CONNACK was accepted at `now`. Returns what the journal line adds to "connected to
+    /// ...": " again after N attempt(s)", or nothing for the first connection. The backoff
+    /// is not reset yet (see [`Backoff::lost`]).
+    pub(crate) fn up(&mut self, now: Instant) -> String {
+        let again = if self.ever_connected || self.attempts > 0 {
+            format!(" again after {} attempt(s)", self.attempts + 1)
+        } else {
+            String::new()
+        };
+        self.ever_connected = true;
+        self.announced = false;
+        self.last_reason = None;
+        self.attempts = 0;
+        self.backoff.connected(now);
+        again
+    }
+
+    /// The live connection is gone at `now`; how long it was up.
+    pub(crate) fn lost(&mut self, now: Instant) -> Option<Duration> {
+        self.backoff.lost(now)
+    }
+
+    /// A poll failed for `reason`: `up_for` is `Some` when it ended a live connection (from
+    /// [`Self::lost`]), `refused` when the broker refused the connection. Logs it, and
+    /// returns whether it starts a down period the caller must announce.
+    pub(crate) fn failed(&mut self, reason: &str, up_for: Option<Duration>, refused: bool) -> bool {
+        let endpoint = &self.endpoint;
+        if let Some(up) = up_for {
+            warn!(
+                "lost connection to {endpoint} after {up:.1?} up: {reason}; reconnecting with \
+                 backoff {:?}..{:?}{}",
+                self.backoff.min(),
+                self.backoff.max(),
+                if up < STABLE_AFTER {
+                    " (not reset: the connection was not up for long)"
+                } else {
+                    ""
+                }
+            );
+        } else {
+            self.attempts += 1;
+            if self.last_reason.as_deref() == Some(reason) {
+                debug!(
+                    "connect attempt {} to {endpoint} failed: {reason}",
+                    self.attempts
+                );
+            } else if refused {
+                error!("{reason} ({endpoint}); retrying with backoff");
+            } else {
+                warn!("cannot connect to {endpoint}: {reason}; retrying with backoff");
+            }
+        }
+        self.last_reason = Some(reason.to_owned());
+        !std::mem::replace(&mut self.announced, true)
+    }
+
+    /// A down period of our own making, announced by the caller.
+    pub(crate) fn announced(&mut self) {
+        self.announced = true;
+    }
+
+    /// The delay before the next connect attempt.
+    pub(crate) fn next_delay(&mut self) -> Duration {
+        self.backoff.next_delay()
+    }
+}
+
 /// Jitter only has to differ between agents restarting together, not be unpredictable.
-pub(crate) fn seed() -> u64 {
+fn seed() -> u64 {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
@@ -141,6 +247,28 @@ mod tests {
         }
         assert!(last >= 500 * MS, "still growing, then capped: {last:?}");
         assert!(b.next_delay() >= 500 * MS);
+    }
+
+    #[test]
+    fn one_announcement_per_down_period_and_again_after_the_attempts_it_took() {
+        let t0 = Instant::now();
+        let mut r = Reconnects::new("b".into(), 100 * MS, 1000 * MS);
+        assert!(
+            r.failed("refused", None, true),
+            "the first failure is announced"
+        );
+        assert!(!r.failed("refused", None, true), "a retry is not");
+        assert_eq!(r.up(t0), " again after 3 attempt(s)");
+        assert!(r.ever_connected());
+        let up_for = r.lost(t0 + 2 * MS);
+        assert_eq!(up_for, Some(2 * MS));
+        assert!(r.failed("reset", up_for, false), "a new down period");
+        assert_eq!(r.up(t0), " again after 1 attempt(s)");
+        r.announced(); // a reconnect of our own
+        let up_for = r.lost(t0);
+        assert!(!r.failed("eof", up_for, false));
+        let mut first = Reconnects::new("b".into(), 100 * MS, 1000 * MS);
+        assert_eq!(first.up(t0), "", "the first connection");
     }
 
     #[test]

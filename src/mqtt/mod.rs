@@ -92,6 +92,9 @@ pub use events::{Events, Want};
 pub use sys::{BrokerDrops, DropTally, WAIT as SYS_WAIT};
 pub use v5::Mqtt5;
 
+/// Step while the caller's event channel is full ([`Sink::hand_over`]).
+const EVENT_FULL_WAIT: Duration = Duration::from_millis(1);
+
 /// Room in rumqttc's request channel beyond one full publish window and one ingest batch of
 /// acks (subscribe, disconnect, a few retries).
 const REQUEST_CHANNEL_MARGIN: usize = 16;
@@ -264,6 +267,41 @@ impl Sink {
     /// receiver is gone.
     pub(crate) fn send_some(&self, batch: &mut VecDeque<Event>) -> Result<(), ()> {
         self.tx.send_some(batch, |e| self.wrap(e))
+    }
+
+    /// Queue one event from a task other than the connection's event loop, waiting while
+    /// the caller's queue is full; `Err` when the caller's receiver is gone.
+    pub(crate) async fn deliver(&self, mut event: Event) -> Result<(), ()> {
+        loop {
+            match self.try_send(event) {
+                Ok(()) => return Ok(()),
+                Err(TrySendError::Disconnected(_)) => return Err(()),
+                Err(TrySendError::Full(back)) => {
+                    event = back;
+                    tokio::time::sleep(EVENT_FULL_WAIT).await;
+                }
+            }
+        }
+    }
+
+    /// Hands `batch` to the caller in order, under one lock as far as there is room, waiting
+    /// while its queue is full: that is the backpressure, the connection's thread stops
+    /// reading from the broker meanwhile. Gives up when `stop` is set (the rest goes with
+    /// the caller's queue) and sets it when the caller's receiver is gone. Leaves `batch`
+    /// empty.
+    pub(crate) async fn hand_over(&self, batch: &mut VecDeque<Event>, stop: &AtomicBool) {
+        while !batch.is_empty() {
+            if self.send_some(batch).is_err() {
+                log::debug!("event receiver dropped: stopping the connection's thread");
+                stop.store(true, Ordering::SeqCst);
+                break;
+            }
+            if batch.is_empty() || stop.load(Ordering::SeqCst) {
+                break;
+            }
+            tokio::time::sleep(EVENT_FULL_WAIT).await;
+        }
+        batch.clear();
     }
 }
 

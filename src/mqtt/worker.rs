@@ -8,7 +8,6 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::TrySendError;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -18,7 +17,7 @@ use rumqttc::{
     QoS, Request, SubscribeFilter, SubscribeReasonCode,
 };
 
-use super::backoff::{self, Backoff, STABLE_AFTER};
+use super::backoff::Reconnects;
 use super::binding::Sent;
 use super::sys::SysWatch;
 use super::{AckToken, Event, Incoming, Inner, Queues, Sink};
@@ -28,8 +27,6 @@ use crate::config::MqttConfig;
 const DISCONNECT_GRACE: Duration = Duration::from_secs(1);
 /// How long a clean shutdown waits for the broker to close the connection after DISCONNECT.
 const LINGER_GRACE: Duration = Duration::from_millis(500);
-/// Step while the caller's event channel is full.
-const EVENT_FULL_WAIT: Duration = Duration::from_millis(1);
 /// How long the thread rests after a turn that read from the broker, before it reads again:
 /// what arrives meanwhile is then read in one burst, with one wake-up, not one each (see
 /// [`pause_after`]).
@@ -51,17 +48,11 @@ pub(crate) struct Worker {
     inner: Arc<Inner>,
     events: Sink,
     filters: Vec<String>,
-    endpoint: String,
-    backoff: Backoff,
+    /// Backoff, one `Disconnected` per down period, the journal lines of failures.
+    reconnects: Reconnects,
     /// Epoch of the current (or last) connection; 0 never names one.
     epoch: u64,
     connected: bool,
-    ever_connected: bool,
-    /// Set once `Disconnected` was emitted for the current down period.
-    down_announced: bool,
-    last_reason: Option<String>,
-    /// Failed connect attempts since the connection was last up.
-    attempts: u32,
     /// Events for the caller, handed over together by [`Self::flush`].
     batch: VecDeque<Event>,
     /// Acks or publishes being written by [`Self::write_all`] (kept for its allocation).
@@ -88,14 +79,13 @@ impl Worker {
             inner,
             events,
             filters,
-            endpoint: format!("{}:{} as {:?}", cfg.host, cfg.port, cfg.client_id),
-            backoff: Backoff::new(cfg.reconnect_min, cfg.reconnect_max, backoff::seed()),
+            reconnects: Reconnects::new(
+                format!("{}:{} as {:?}", cfg.host, cfg.port, cfg.client_id),
+                cfg.reconnect_min,
+                cfg.reconnect_max,
+            ),
             epoch: 0,
             connected: false,
-            ever_connected: false,
-            down_announced: false,
-            last_reason: None,
-            attempts: 0,
             batch: VecDeque::with_capacity(MAX_BATCH),
             packets: Vec::new(),
             sys: watch_sys.then(Default::default),
@@ -212,7 +202,7 @@ impl Worker {
                         if *code == SubscribeReasonCode::Failure {
                             error!(
                                 "broker {} refused the subscription {filter:?}",
-                                self.endpoint
+                                self.reconnects.endpoint()
                             );
                         }
                     }
@@ -276,14 +266,14 @@ impl Worker {
         if requeued > 0 {
             warn!(
                 "broker {} had no session for us: re-sending {requeued} unacknowledged publishes",
-                self.endpoint
+                self.reconnects.endpoint()
             );
         }
         // Also on this process's first connection even if the broker kept our session: the
         // config may name filters that session never subscribed to (a new pipeline, a changed
         // topic), and re-subscribing an existing filter changes nothing for the broker. (It
         // does re-send retained messages on those topics; dedup by event ID drops them.)
-        if (!session_present || !self.ever_connected) && !self.filters.is_empty() {
+        if (!session_present || !self.reconnects.ever_connected()) && !self.filters.is_empty() {
             let filters = self
                 .filters
                 .iter()
@@ -292,70 +282,31 @@ impl Worker {
             // rumqttc drained it when the previous connection failed.
             match self.client.try_subscribe_many(filters) {
                 Ok(()) => self.subs.asked(SubKind::Inputs),
-                Err(e) => error!("cannot queue SUBSCRIBE to {}: {e}", self.endpoint),
+                Err(e) => error!(
+                    "cannot queue SUBSCRIBE to {}: {e}",
+                    self.reconnects.endpoint()
+                ),
             }
         }
         self.watch_sys();
-        if self.ever_connected || self.attempts > 0 {
-            info!(
-                "connected to {} again after {} attempt(s) (session present: {session_present})",
-                self.endpoint,
-                self.attempts + 1
-            );
-        } else {
-            info!(
-                "connected to {} (session present: {session_present})",
-                self.endpoint
-            );
-        }
-        self.ever_connected = true;
-        self.down_announced = false;
-        self.last_reason = None;
-        self.attempts = 0;
-        // Not a reset of the backoff: that waits until the connection has stayed up.
-        self.backoff.connected(Instant::now());
+        let again = self.reconnects.up(Instant::now());
+        info!(
+            "connected to {}{again} (session present: {session_present})",
+            self.reconnects.endpoint()
+        );
         self.emit(Event::Connected { session_present });
     }
 
     async fn on_error(&mut self, e: ConnectionError) {
         let reason = describe(&e);
-        let mut unacked = Vec::new();
-        let mut up_for = None;
-        if self.connected {
-            up_for = self.connection_gone();
-            unacked = self.inner.lock().pubs.unacked();
-            let up = up_for.unwrap_or_default();
-            warn!(
-                "lost connection to {} after {up:.1?} up: {reason}; reconnecting with backoff \
-                 {:?}..{:?}{}",
-                self.endpoint,
-                self.backoff.min(),
-                self.backoff.max(),
-                if up < STABLE_AFTER {
-                    " (not reset: the connection was not up for long)"
-                } else {
-                    ""
-                }
-            );
+        let (up_for, unacked) = if self.connected {
+            let up_for = self.connection_gone();
+            (up_for, self.inner.lock().pubs.unacked())
         } else {
-            self.attempts += 1;
-            if self.last_reason.as_deref() == Some(reason.as_str()) {
-                debug!(
-                    "connect attempt {} to {} failed: {reason}",
-                    self.attempts, self.endpoint
-                );
-            } else if matches!(e, ConnectionError::ConnectionRefused(_)) {
-                error!("{reason} ({}); retrying with backoff", self.endpoint);
-            } else {
-                warn!(
-                    "cannot connect to {}: {reason}; retrying with backoff",
-                    self.endpoint
-                );
-            }
-        }
-        self.last_reason = Some(reason.clone());
-        if !self.down_announced {
-            self.down_announced = true;
+            (None, Vec::new())
+        };
+        let refused = matches!(e, ConnectionError::ConnectionRefused(_));
+        if self.reconnects.failed(&reason, up_for, refused) {
             self.emit(Event::Disconnected {
                 reason,
                 unacked,
@@ -363,7 +314,7 @@ impl Worker {
             });
         }
         self.flush().await;
-        let delay = self.backoff.next_delay();
+        let delay = self.reconnects.next_delay();
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}
             _ = self.inner.stop_wake.notified() => {}
@@ -379,7 +330,10 @@ impl Worker {
         let filters =
             SysWatch::filters().map(|f| SubscribeFilter::new(f.to_owned(), QoS::AtMostOnce));
         if let Err(e) = self.client.try_subscribe_many(filters) {
-            error!("cannot queue SUBSCRIBE to $SYS on {}: {e}", self.endpoint);
+            error!(
+                "cannot queue SUBSCRIBE to $SYS on {}: {e}",
+                self.reconnects.endpoint()
+            );
             return;
         }
         self.subs.asked(SubKind::Sys);
@@ -397,7 +351,7 @@ impl Worker {
         // SUBSCRIBEs written on it are never answered; those not written are in rumqttc's
         // queue for the next connection, first.
         self.subs.connection_gone();
-        let up_for = self.backoff.lost(Instant::now());
+        let up_for = self.reconnects.lost(Instant::now());
         // Synchronously after rumqttc's cleanup: see the module comment.
         self.inner.lock().live = None;
         // rumqttc would hand us these after the next CONNACK, mixed up with the new
@@ -430,9 +384,9 @@ impl Worker {
         info!(
             "dropped the connection to {} so that the broker re-sends what we have not \
              acknowledged; connecting again",
-            self.endpoint
+            self.reconnects.endpoint()
         );
-        self.down_announced = true;
+        self.reconnects.announced();
         self.emit(Event::Disconnected {
             reason: "reconnecting for redelivery".into(),
             // Our doing, not the broker's: nothing here was refused.
@@ -568,18 +522,9 @@ impl Worker {
     /// room, waiting while its queue is full (that is the backpressure: we stop reading from
     /// the broker). Gives up at shutdown.
     async fn flush(&mut self) {
-        while !self.batch.is_empty() {
-            if self.events.send_some(&mut self.batch).is_err() {
-                debug!("event receiver dropped: stopping the MQTT thread");
-                self.inner.stop.store(true, Ordering::SeqCst);
-                break;
-            }
-            if self.batch.is_empty() || self.stopping() {
-                break; // at shutdown the rest is dropped with the caller's queue
-            }
-            tokio::time::sleep(EVENT_FULL_WAIT).await;
-        }
-        self.batch.clear();
+        self.events
+            .hand_over(&mut self.batch, &self.inner.stop)
+            .await;
     }
 
     /// After DISCONNECT is written, wait (briefly) for the broker to close the connection.
@@ -611,13 +556,13 @@ impl Worker {
         loop {
             tokio::select! {
                 _ = &mut deadline => {
-                    warn!("DISCONNECT to {} not written within {DISCONNECT_GRACE:?}", self.endpoint);
+                    warn!("DISCONNECT to {} not written within {DISCONNECT_GRACE:?}", self.reconnects.endpoint());
                     return;
                 }
                 polled = self.eventloop.poll() => match polled {
                     Ok(rumqttc::Event::Outgoing(Outgoing::Disconnect)) => {
                         self.linger().await;
-                        info!("disconnected from {}", self.endpoint);
+                        info!("disconnected from {}", self.reconnects.endpoint());
                         return;
                     }
                     Ok(rumqttc::Event::Incoming(Packet::PubAck(ack))) => {
@@ -653,16 +598,8 @@ async fn sys_timer(watch: Arc<Mutex<SysWatch>>, events: Sink, epoch: u64) {
     let Some(report) = lock(&watch).tick(epoch, now) else {
         return;
     };
-    let mut event = Event::BrokerDrops(report);
-    loop {
-        match events.try_send(event) {
-            Ok(()) | Err(TrySendError::Disconnected(_)) => return,
-            Err(TrySendError::Full(back)) => {
-                event = back;
-                tokio::time::sleep(EVENT_FULL_WAIT).await;
-            }
-        }
-    }
+    // A receiver that is gone needs no report.
+    let _ = events.deliver(Event::BrokerDrops(report)).await;
 }
 
 fn lock(watch: &Mutex<SysWatch>) -> MutexGuard<'_, SysWatch> {

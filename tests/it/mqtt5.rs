@@ -15,23 +15,6 @@ use cairn::mqtt::{Event, Events, Mqtt, Mqtt5, MqttError, Protocol};
 
 const STEP: Duration = Duration::from_secs(10);
 
-fn config(port: u16, client_id: &str) -> MqttConfig {
-    support::init_log();
-    MqttConfig {
-        host: "127.0.0.1".into(),
-        port,
-        client_id: client_id.into(),
-        keep_alive: Duration::from_secs(5),
-        username: None,
-        password_file: None,
-        tls: None,
-        ingest_batch: 20,
-        reconnect_min: Duration::from_millis(50),
-        reconnect_max: Duration::from_millis(400),
-        channel_capacity: 256,
-    }
-}
-
 /// How one publish ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Outcome {
@@ -91,7 +74,7 @@ fn acl_broker(dir: &Path, writable: &[&str]) -> (Broker, MqttConfig) {
     });
     let file = dir.join("client.password");
     std::fs::write(&file, "s3cret\n").unwrap();
-    let mut cfg = config(broker.port(), "cairn-central");
+    let mut cfg = support::mqtt_config(broker.port(), "cairn-central");
     cfg.username = Some("cairn".into());
     cfg.password_file = Some(file);
     (broker, cfg)
@@ -203,7 +186,7 @@ fn a_result_over_the_brokers_maximum_packet_size_is_answered_at_once_and_never_s
         ..BrokerConfig::default()
     });
     let id = "cairn-maxpacket";
-    let (sink, rx) = Mqtt5::start(&config(broker.port(), id), 10).unwrap();
+    let (sink, rx) = Mqtt5::start(&support::mqtt_config(broker.port(), id), 10).unwrap();
     connected(&rx);
     sink.publish("small-1".into(), "out/a", vec![b'x'; 100], false)
         .unwrap();
@@ -233,7 +216,8 @@ fn the_window_is_the_brokers_receive_maximum_when_that_is_smaller_than_ours() {
         max_inflight: 5, // mosquitto's Receive Maximum for MQTT 5 clients
         ..BrokerConfig::default()
     });
-    let (sink, rx) = Mqtt5::start(&config(broker.port(), "cairn-window"), 100).unwrap();
+    let (sink, rx) =
+        Mqtt5::start(&support::mqtt_config(broker.port(), "cairn-window"), 100).unwrap();
     assert_eq!(sink.window(), 100, "ours, before the broker said anything");
     connected(&rx);
     assert_eq!(sink.window(), 5);
@@ -277,7 +261,7 @@ fn mqtt5_connects_over_tls_with_a_private_ca_and_a_bad_password_is_retried_with_
         tls: Some(certs.clone()),
         ..BrokerConfig::default()
     });
-    let mut cfg = config(broker.port(), "cairn-tls5");
+    let mut cfg = support::mqtt_config(broker.port(), "cairn-tls5");
     cfg.tls = Some(TlsConfig {
         ca_file: certs.ca.clone(),
         cert_file: None,
@@ -316,9 +300,9 @@ fn an_input_connection_and_an_mqtt5_link_share_one_channel() {
     let local = Broker::start();
     let central = Broker::start();
     let (input, link, rx) = Mqtt::start_with_link(
-        &config(local.port(), "cairn-in"),
+        &support::mqtt_config(local.port(), "cairn-in"),
         vec!["in/#".into()],
-        &config(central.port(), "cairn-link"),
+        &support::mqtt_config(central.port(), "cairn-link"),
         Protocol::V5,
         10,
     )

@@ -14,20 +14,7 @@ use cairn::mqtt::{Event, Events, Incoming, Mqtt, MqttError};
 const STEP: Duration = Duration::from_secs(10);
 
 fn config(port: u16, client_id: &str) -> MqttConfig {
-    support::init_log();
-    MqttConfig {
-        host: "127.0.0.1".into(),
-        port,
-        client_id: client_id.into(),
-        keep_alive: Duration::from_secs(5),
-        username: None,
-        password_file: None,
-        tls: None,
-        ingest_batch: 20,
-        reconnect_min: Duration::from_millis(50),
-        reconnect_max: Duration::from_millis(400),
-        channel_capacity: 256,
-    }
+    support::mqtt_config(port, client_id)
 }
 
 /// The next event that `want` accepts; other events are skipped. Panics after `timeout`.

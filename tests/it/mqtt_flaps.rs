@@ -6,31 +6,13 @@
 use std::time::{Duration, Instant};
 
 use crate::support::{self, Broker};
-use cairn::config::MqttConfig;
 use cairn::mqtt::{Event, Mqtt};
-
-fn config(port: u16, client_id: &str) -> MqttConfig {
-    support::init_log();
-    MqttConfig {
-        host: "127.0.0.1".into(),
-        port,
-        client_id: client_id.into(),
-        keep_alive: Duration::from_secs(5),
-        username: None,
-        password_file: None,
-        tls: None,
-        ingest_batch: 20,
-        reconnect_min: Duration::from_millis(50),
-        reconnect_max: Duration::from_millis(400),
-        channel_capacity: 256,
-    }
-}
 
 #[test]
 fn a_publish_the_broker_drops_us_for_is_named_and_retried_at_the_backoffs_pace() {
     let broker = Broker::start();
     let id = "cairn-flap";
-    let (mqtt, rx) = Mqtt::start(&config(broker.port(), id), vec![], 100).unwrap();
+    let (mqtt, rx) = Mqtt::start(&support::mqtt_config(broker.port(), id), vec![], 100).unwrap();
     let first = rx.recv_timeout(Duration::from_secs(10));
     assert!(matches!(first, Ok(Event::Connected { .. })), "{first:?}");
     let before = broker.connections(id);

@@ -13,21 +13,11 @@ use cairn::mqtt::{BrokerDrops, Event, Events, Mqtt};
 const DROPPED: &str = "$SYS/broker/publish/messages/dropped";
 
 fn config(port: u16, client_id: &str) -> MqttConfig {
-    support::init_log();
     MqttConfig {
-        host: "127.0.0.1".into(),
-        port,
-        client_id: client_id.into(),
-        keep_alive: Duration::from_secs(5),
-        username: None,
-        password_file: None,
-        tls: None,
-        ingest_batch: 20,
-        reconnect_min: Duration::from_millis(50),
-        reconnect_max: Duration::from_millis(400),
-        // Room for an ack of every message of the burst: this test acks as fast as it
-        // reads (the agent asks `ack_room` first).
+        // Room for an ack of every message of the burst: these tests ack as fast as they
+        // read (the agent asks `ack_room` first).
         channel_capacity: 4096,
+        ..support::mqtt_config(port, client_id)
     }
 }
 

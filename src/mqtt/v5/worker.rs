@@ -10,7 +10,6 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::TrySendError;
 use std::time::{Duration, Instant};
 
 use log::{debug, error, info, warn};
@@ -19,7 +18,7 @@ use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::mqttbytes::v5::{ConnAck, ConnectReturnCode, Packet};
 use rumqttc::v5::{AsyncClient, ConnectionError, Event as V5Event, EventLoop, StateError};
 
-use super::super::backoff::{self, Backoff, STABLE_AFTER};
+use super::super::backoff::Reconnects;
 use super::super::binding::Sent;
 use super::super::{Event, Sink};
 use super::{Inner, Limits, Queues, puback_reason};
@@ -27,8 +26,6 @@ use crate::config::MqttConfig;
 
 /// How long shutdown waits for DISCONNECT to be written.
 const DISCONNECT_GRACE: Duration = Duration::from_secs(1);
-/// Step while the caller's event channel is full.
-const EVENT_FULL_WAIT: Duration = Duration::from_millis(1);
 /// At most this many events are handed to the caller per wake-up.
 const MAX_BATCH: usize = 64;
 
@@ -37,17 +34,11 @@ pub(super) struct Worker {
     client: AsyncClient,
     inner: Arc<Inner>,
     events: Sink,
-    endpoint: String,
-    backoff: Backoff,
+    /// Backoff, one `Disconnected` per down period, the journal lines of failures.
+    reconnects: Reconnects,
     /// Our own window (`publish_inflight`); the broker's Receive Maximum may lower it.
     ours: usize,
     connected: bool,
-    ever_connected: bool,
-    /// Set once `Disconnected` was emitted for the current down period.
-    down_announced: bool,
-    last_reason: Option<String>,
-    /// Failed connect attempts since the connection was last up.
-    attempts: u32,
     /// Events for the caller, handed over together by [`Self::flush`].
     batch: VecDeque<Event>,
 }
@@ -66,14 +57,13 @@ impl Worker {
             client,
             inner,
             events,
-            endpoint: format!("{}:{} as {:?} (MQTT 5)", cfg.host, cfg.port, cfg.client_id),
-            backoff: Backoff::new(cfg.reconnect_min, cfg.reconnect_max, backoff::seed()),
+            reconnects: Reconnects::new(
+                format!("{}:{} as {:?} (MQTT 5)", cfg.host, cfg.port, cfg.client_id),
+                cfg.reconnect_min,
+                cfg.reconnect_max,
+            ),
             ours,
             connected: false,
-            ever_connected: false,
-            down_announced: false,
-            last_reason: None,
-            attempts: 0,
             batch: VecDeque::with_capacity(MAX_BATCH),
         }
     }
@@ -130,7 +120,7 @@ impl Worker {
                 } else {
                     debug!(
                         "{} refused output {}: 0x{code:02X} {reason}",
-                        self.endpoint,
+                        self.reconnects.endpoint(),
                         crate::text::Shown(&output_id)
                     );
                     self.emit(Event::PubRefused {
@@ -146,7 +136,7 @@ impl Worker {
                 // No subscriptions and no session: nothing should come. rumqttc acks it.
                 warn!(
                     "{} sent a message on `{}` to a publish-only connection; dropped",
-                    self.endpoint,
+                    self.reconnects.endpoint(),
                     crate::text::Shown(&String::from_utf8_lossy(&p.topic))
                 );
             }
@@ -196,14 +186,10 @@ impl Worker {
             }
         };
         self.connected = true;
-        let again = if self.ever_connected || self.attempts > 0 {
-            format!(" again after {} attempt(s)", self.attempts + 1)
-        } else {
-            String::new()
-        };
+        let again = self.reconnects.up(Instant::now());
         info!(
             "connected to {}{again}: window {} (Receive Maximum {}), maximum packet {}{}{}",
-            self.endpoint,
+            self.reconnects.endpoint(),
             limits.window,
             props
                 .and_then(|p| p.receive_max)
@@ -217,54 +203,20 @@ impl Worker {
         if requeued > 0 {
             info!("re-sending {requeued} publishes without an outcome, in order");
         }
-        self.ever_connected = true;
-        self.down_announced = false;
-        self.last_reason = None;
-        self.attempts = 0;
-        self.backoff.connected(Instant::now());
         self.emit(Event::Connected { session_present });
         self.inner.wake.notify_one();
     }
 
     async fn on_error(&mut self, e: ConnectionError) {
         let reason = describe(&e);
-        let mut unacked = Vec::new();
-        let mut up_for = None;
-        if self.connected {
-            up_for = self.connection_gone();
-            unacked = self.inner.lock().pubs.unacked();
-            let up = up_for.unwrap_or_default();
-            warn!(
-                "lost connection to {} after {up:.1?} up: {reason}; reconnecting with backoff \
-                 {:?}..{:?}{}",
-                self.endpoint,
-                self.backoff.min(),
-                self.backoff.max(),
-                if up < STABLE_AFTER {
-                    " (not reset: the connection was not up for long)"
-                } else {
-                    ""
-                }
-            );
+        let (up_for, unacked) = if self.connected {
+            let up_for = self.connection_gone();
+            (up_for, self.inner.lock().pubs.unacked())
         } else {
-            self.attempts += 1;
-            if self.last_reason.as_deref() == Some(reason.as_str()) {
-                debug!(
-                    "connect attempt {} to {} failed: {reason}",
-                    self.attempts, self.endpoint
-                );
-            } else if matches!(e, ConnectionError::ConnectionRefused(_)) {
-                error!("{reason} ({}); retrying with backoff", self.endpoint);
-            } else {
-                warn!(
-                    "cannot connect to {}: {reason}; retrying with backoff",
-                    self.endpoint
-                );
-            }
-        }
-        self.last_reason = Some(reason.clone());
-        if !self.down_announced {
-            self.down_announced = true;
+            (None, Vec::new())
+        };
+        let refused = matches!(e, ConnectionError::ConnectionRefused(_));
+        if self.reconnects.failed(&reason, up_for, refused) {
             self.emit(Event::Disconnected {
                 reason,
                 unacked,
@@ -272,7 +224,7 @@ impl Worker {
             });
         }
         self.flush().await;
-        let delay = self.backoff.next_delay();
+        let delay = self.reconnects.next_delay();
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}
             _ = self.inner.stop_wake.notified() => {}
@@ -283,7 +235,7 @@ impl Worker {
     /// is taken now. Returns how long it was up.
     fn connection_gone(&mut self) -> Option<Duration> {
         self.connected = false;
-        let up_for = self.backoff.lost(Instant::now());
+        let up_for = self.reconnects.lost(Instant::now());
         // Synchronously after rumqttc's cleanup: the pump hands nothing more to it.
         self.inner.lock().live = false;
         // PUBACKs read before the failure still count; an `Outgoing::Publish` must bind
@@ -302,18 +254,9 @@ impl Worker {
 
     /// Hands the queued events to the caller in order, waiting while its queue is full.
     async fn flush(&mut self) {
-        while !self.batch.is_empty() {
-            if self.events.send_some(&mut self.batch).is_err() {
-                debug!("event receiver dropped: stopping the MQTT 5 thread");
-                self.inner.stop.store(true, Ordering::SeqCst);
-                break;
-            }
-            if self.batch.is_empty() || self.stopping() {
-                break;
-            }
-            tokio::time::sleep(EVENT_FULL_WAIT).await;
-        }
-        self.batch.clear();
+        self.events
+            .hand_over(&mut self.batch, &self.inner.stop)
+            .await;
     }
 
     /// Best effort: DISCONNECT, then poll until it is written.
@@ -326,13 +269,13 @@ impl Worker {
         loop {
             tokio::select! {
                 _ = &mut deadline => {
-                    let endpoint = &self.endpoint;
+                    let endpoint = &self.reconnects.endpoint();
                     warn!("DISCONNECT to {endpoint} not written within {DISCONNECT_GRACE:?}");
                     return;
                 }
                 polled = self.eventloop.poll() => match polled {
                     Ok(V5Event::Outgoing(Outgoing::Disconnect)) => {
-                        info!("disconnected from {}", self.endpoint);
+                        info!("disconnected from {}", self.reconnects.endpoint());
                         return;
                     }
                     Ok(_) => {}
@@ -353,17 +296,10 @@ async fn pump_task(client: AsyncClient, inner: Arc<Inner>, events: Sink) {
         }
         loop {
             let ruled_out = pump_once(&client, &mut inner.lock());
-            let Some(mut event) = ruled_out else { break };
+            let Some(event) = ruled_out else { break };
             // The outcome of a publish the caller waits for: it must arrive.
-            loop {
-                match events.try_send(event) {
-                    Ok(()) => break,
-                    Err(TrySendError::Disconnected(_)) => return,
-                    Err(TrySendError::Full(back)) => {
-                        event = back;
-                        tokio::time::sleep(EVENT_FULL_WAIT).await;
-                    }
-                }
+            if events.deliver(event).await.is_err() {
+                return; // the caller is gone
             }
         }
     }
