@@ -3,8 +3,9 @@
 //! them, with a subscriber taking every one (as a central broker has), on loopback.
 //!
 //! Per run it prints results acknowledged per second and this process's CPU time per
-//! result (the connection's thread, and the subscriber's, which runs in this process too). Three kinds of run, same window of 100
-//! unacknowledged results (the agent's `outbox.inflight` in `benches/uplink.rs`):
+//! result (the connection's thread, and the subscriber's, which runs in this process too).
+//! Three kinds of run, same window of 100 unacknowledged results (the agent's
+//! `outbox.inflight` in `benches/uplink.rs`):
 //! - `3.1.1`: [`Mqtt`], which writes its publishes to the socket itself, many per flush;
 //! - `5`: [`Mqtt5`], rumqttc's v5 client, one publish per request and flush (its socket is
 //!   private), the broker's Receive Maximum raised to the window (`max_inflight_messages
@@ -58,10 +59,10 @@ fn result(i: usize) -> (String, String, Vec<u8>) {
     let key = format!("meter-{:04}", i % KEYS);
     let version = i / KEYS + 1;
     let id = format!("p/{key}/{version}");
+    let value = i % 100;
     let payload = format!(
-        r#"{{"id":"{id}","pipeline":"p","key":"{key}","version":{version},"value":{},"count":{version},"generation":1}}"#,
-        i % 100
-    );
+        r#"{{"id":"{id}","pipeline":"p","key":"{key}","version":{version},"value":{value},"#
+    ) + &format!(r#""count":{version},"generation":1}}"#);
     (id, format!("site/box-17/out/{key}"), payload.into_bytes())
 }
 
@@ -122,8 +123,8 @@ fn run(kind: &str, n: usize) -> f64 {
     link.shutdown();
     let rate = n as f64 / wall.as_secs_f64();
     println!(
-        "  MQTT {kind:<16} {n} results in {:>6.2} s: {rate:>8.0} results/s, {:>5.1} µs CPU per result \
-         (subscriber has {} so far)",
+        "  MQTT {kind:<16} {n} results in {:>6.2} s: {rate:>8.0} results/s, {:>5.1} µs CPU per \
+         result (subscriber has {} so far)",
         wall.as_secs_f64(),
         cpu.as_secs_f64() * 1e6 / n as f64,
         subscriber.count()

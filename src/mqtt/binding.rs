@@ -30,6 +30,18 @@ pub(crate) struct OutPublish {
     pub retain: bool,
 }
 
+/// Where a publish given up by the caller was inside rumqttc ([`Publishes::remove_handed`]):
+/// what must go from rumqttc's retransmission queue with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Handed {
+    /// Written under this packet id.
+    Bound(u16),
+    /// The `n`th (from 0) of the publishes handed to rumqttc without a packet id yet.
+    Unbound(usize),
+    /// rumqttc's parked collision.
+    Collided,
+}
+
 /// What an `Outgoing::Publish(pkid)` meant.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Sent {
@@ -84,6 +96,36 @@ impl Publishes {
     /// broker, or ruled out by its CONNACK), and the caller hears so.
     pub(crate) fn take_next(&mut self) -> Option<OutPublish> {
         self.to_send.pop_front()
+    }
+
+    /// Forgets a publish not handed to rumqttc yet; whether it was there.
+    pub(crate) fn remove_queued(&mut self, output_id: &str) -> bool {
+        let at = self.to_send.iter().position(|p| p.output_id == output_id);
+        at.and_then(|at| self.to_send.remove(at)).is_some()
+    }
+
+    /// Forgets a publish handed to rumqttc; where it was, so that the caller takes it out of
+    /// rumqttc too (only while the connection is down: then rumqttc holds it in its queue
+    /// for the next one). `None` if it is not there (acknowledged meanwhile, or queued).
+    pub(crate) fn remove_handed(&mut self, output_id: &str) -> Option<Handed> {
+        let bound = self.bound.iter().find(|(_, p)| p.output_id == output_id);
+        if let Some(pkid) = bound.map(|(pkid, _)| *pkid) {
+            self.bound.remove(&pkid);
+            return Some(Handed::Bound(pkid));
+        }
+        if let Some(n) = self.unbound.iter().position(|p| p.output_id == output_id) {
+            self.unbound.remove(n);
+            return Some(Handed::Unbound(n));
+        }
+        if self
+            .collided
+            .as_ref()
+            .is_some_and(|(_, p)| p.output_id == output_id)
+        {
+            self.collided = None;
+            return Some(Handed::Collided);
+        }
+        None
     }
 
     /// Publishes handed to rumqttc and not acknowledged (written or about to be).
@@ -245,6 +287,26 @@ mod tests {
         assert_eq!(p.unacked(), ["o0", "o2"]);
         p.on_session_lost();
         assert!(p.unacked().is_empty(), "queued again, not written yet");
+    }
+
+    #[test]
+    fn a_publish_given_up_is_found_wherever_it_waits_and_forgotten() {
+        let mut p = with(5);
+        for _ in 0..4 {
+            p.handed();
+        }
+        assert_eq!(p.on_outgoing(7), Sent::Bound("o0".into()));
+        // o0 written, o1..o3 handed without a packet id, o4 queued.
+        assert!(p.remove_queued("o4"));
+        assert!(!p.remove_queued("o4"));
+        assert_eq!(p.remove_handed("o0"), Some(Handed::Bound(7)));
+        assert_eq!(p.remove_handed("o2"), Some(Handed::Unbound(1)));
+        assert_eq!(p.remove_handed("o2"), None);
+        assert_eq!(p.len(), 2);
+        // The binding goes on with the others, in order.
+        assert_eq!(p.on_outgoing(8), Sent::Bound("o1".into()));
+        assert_eq!(p.on_outgoing(9), Sent::Bound("o3".into()));
+        assert_eq!(p.on_puback(7), None, "its packet id names nothing now");
     }
 
     #[test]

@@ -181,8 +181,9 @@ pub enum Event {
     /// [`STABLE_AFTER`]: the refusal comes one round trip after the CONNACK, when the
     /// unacknowledged publishes are re-sent). The same output ID at the front of `unacked` of
     /// several such drops in a row, and no other cause, is the sign. The connection itself
-    /// keeps re-sending it, with the backoff growing to `reconnect_max`, until the caller
-    /// stops asking: nothing here gives up on a publish.
+    /// keeps re-sending it, with the backoff growing to `reconnect_max` (and, MQTT 5 re-sending
+    /// in order, holding back everything after it), until the caller gives it up with
+    /// [`Mqtt::abandon`] (or [`Link::abandon`]): nothing here gives up on a publish by itself.
     Disconnected {
         reason: String,
         /// Output IDs of our publishes written on the connection that ended (or re-sent on
@@ -324,6 +325,9 @@ struct Inner {
 
 struct Queues {
     pubs: Publishes,
+    /// Output IDs given up by the caller ([`Mqtt::abandon`]) that rumqttc may still hold:
+    /// taken out of it when the connection is next down.
+    abandoned: Vec<String>,
     acks: VecDeque<AckToken>,
     /// Epoch of the live connection, `None` while down.
     live: Option<u64>,
@@ -440,6 +444,7 @@ impl Mqtt {
         let inner = Arc::new(Inner {
             queues: Mutex::new(Queues {
                 pubs: Publishes::default(),
+                abandoned: Vec::new(),
                 acks: VecDeque::new(),
                 live: None,
                 channel_acks: 0,
@@ -548,6 +553,20 @@ impl Mqtt {
         Ok(())
     }
 
+    /// Gives up a publish for good: the caller has set it aside (a dead letter for this
+    /// destination, say a publish the broker keeps refusing by dropping the connection: see
+    /// [`Event::Disconnected`]). Queued, it goes at once; handed to rumqttc (written, or
+    /// waiting in its queue for the next connection), it goes the next time the connection
+    /// is down, before the next connect attempt, so it is never sent again. No outcome
+    /// event follows for it, except a PUBACK already on its way: the caller ignores an
+    /// output ID it no longer holds. [`Mqtt::inflight`] drops by one once it is gone.
+    pub fn abandon(&self, output_id: &str) {
+        let mut q = self.inner.lock();
+        if !q.pubs.remove_queued(output_id) && !q.abandoned.iter().any(|id| id == output_id) {
+            q.abandoned.push(output_id.to_owned());
+        }
+    }
+
     /// Once the acks queued so far are written, drop the connection and connect again at
     /// once, keeping the session: the broker then re-sends every message we have not
     /// acknowledged (MQTT 3.1.1 re-sends only on a new connection). For inputs the agent let
@@ -636,6 +655,14 @@ impl Link {
         match self {
             Link::V311(m) => m.rest(),
             Link::V5(m) => m.rest(),
+        }
+    }
+
+    /// [`Mqtt::abandon`] or [`Mqtt5::abandon`].
+    pub fn abandon(&self, output_id: &str) {
+        match self {
+            Link::V311(m) => m.abandon(output_id),
+            Link::V5(m) => m.abandon(output_id),
         }
     }
 

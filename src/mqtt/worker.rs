@@ -18,7 +18,7 @@ use rumqttc::{
 };
 
 use super::backoff::Reconnects;
-use super::binding::Sent;
+use super::binding::{Handed, Sent};
 use super::sys::SysWatch;
 use super::{AckToken, Event, Incoming, Inner, Queues, Sink};
 use crate::config::MqttConfig;
@@ -97,6 +97,10 @@ impl Worker {
         let pump = tokio::spawn(pump_task(self.client.clone(), self.inner.clone()));
         let mut turn_ended = Instant::now();
         while !self.stopping() {
+            if !self.connected {
+                // Before a connect attempt: what the caller gave up is not re-sent on it.
+                self.apply_abandons();
+            }
             let polled = tokio::select! {
                 // Only at shutdown, and to drop the connection for a reconnect, do we abandon
                 // a poll half way: the connection's state no longer matters, and rumqttc
@@ -396,6 +400,47 @@ impl Worker {
         self.flush().await;
     }
 
+    /// Takes the publishes the caller gave up ([`super::Mqtt::abandon`]) out of our binding
+    /// and out of rumqttc's queue for the next connection. Only while the connection is
+    /// down: rumqttc's cleanup has then moved everything unacknowledged into that queue
+    /// (`EventLoop::pending`), the written ones under their packet ids, the others with 0 in
+    /// the order of our unbound FIFO.
+    fn apply_abandons(&mut self) {
+        let mut q = self.inner.lock();
+        for id in std::mem::take(&mut q.abandoned) {
+            if q.pubs.remove_queued(&id) {
+                continue;
+            }
+            let Some(handed) = q.pubs.remove_handed(&id) else {
+                continue; // acknowledged meanwhile
+            };
+            let pending = &mut self.eventloop.pending;
+            let at = match handed {
+                Handed::Bound(pkid) => pending
+                    .iter()
+                    .position(|r| matches!(r, Request::Publish(p) if p.pkid == pkid)),
+                Handed::Unbound(n) => pending
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, r)| matches!(r, Request::Publish(p) if p.pkid == 0))
+                    .nth(n)
+                    .map(|(at, _)| at),
+                Handed::Collided => {
+                    self.eventloop.state.collision = None;
+                    None
+                }
+            };
+            if let Some(at) = at {
+                pending.remove(at);
+            }
+            info!(
+                "{}: gave up output {} for good, as asked: it is not sent again",
+                self.reconnects.endpoint(),
+                crate::text::Shown(&id)
+            );
+        }
+    }
+
     /// After rumqttc's cleanup, every publish it took without a packet id sits in its
     /// retransmission queue with pkid 0 (or is the parked collision), and our unbound FIFO
     /// must hold exactly those. A mismatch is a bug that would shift the binding.
@@ -556,7 +601,8 @@ impl Worker {
         loop {
             tokio::select! {
                 _ = &mut deadline => {
-                    warn!("DISCONNECT to {} not written within {DISCONNECT_GRACE:?}", self.reconnects.endpoint());
+                    let endpoint = self.reconnects.endpoint();
+                    warn!("DISCONNECT to {endpoint} not written within {DISCONNECT_GRACE:?}");
                     return;
                 }
                 polled = self.eventloop.poll() => match polled {
@@ -804,6 +850,7 @@ mod tests {
         }
         Queues {
             pubs,
+            abandoned: Vec::new(),
             acks: VecDeque::new(),
             live: Some(1),
             channel_acks: 0,

@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use crate::support::{self, Broker};
-use cairn::mqtt::{Event, Mqtt};
+use cairn::mqtt::{Event, Mqtt, Protocol};
 
 #[test]
 fn a_publish_the_broker_drops_us_for_is_named_and_retried_at_the_backoffs_pace() {
@@ -67,4 +67,85 @@ fn a_publish_the_broker_drops_us_for_is_named_and_retried_at_the_backoffs_pace()
         let up_for = up_for.expect("a connection was up");
         assert!(up_for < Duration::from_secs(1), "{drops:?}");
     }
+}
+
+/// The next event of the link (unwrapped; the input connection's are skipped), each within
+/// 10 s.
+fn link_event(rx: &cairn::mqtt::Events) -> Event {
+    loop {
+        match rx.recv_timeout(Duration::from_secs(10)) {
+            Ok(Event::Uplink(e)) => return *e,
+            Ok(_) => {}
+            Err(e) => panic!("no event within 10 s: {e}"),
+        }
+    }
+}
+
+/// What the layer above does with a publish the broker keeps refusing by dropping the
+/// connection: it gives it up ([`cairn::mqtt::Link::abandon`]), and the connection comes back
+/// for good, the others flowing.
+fn a_publish_given_up_is_never_sent_again_and_the_connection_stays_up(protocol: Protocol) {
+    let local = Broker::start();
+    let central = Broker::start();
+    let (input, link, rx) = Mqtt::start_with_link(
+        &support::mqtt_config(local.port(), "cairn-in"),
+        vec!["in/#".into()],
+        &support::mqtt_config(central.port(), "cairn-stuck"),
+        protocol,
+        10,
+    )
+    .unwrap();
+    link.publish("bad".into(), "r/\u{FFFF}", b"1".to_vec(), false)
+        .unwrap();
+    link.publish("good".into(), "r/b", b"2".to_vec(), false)
+        .unwrap();
+    // The rule of the layer above: the same output first among the unacknowledged at three
+    // short-lived connections in a row.
+    let mut strikes = 0;
+    let mut acked = Vec::new();
+    while strikes < 3 {
+        match link_event(&rx) {
+            Event::Disconnected {
+                unacked, up_for, ..
+            } if up_for.is_some_and(|d| d < cairn::mqtt::STABLE_AFTER) => {
+                let front = unacked.first().map(String::as_str);
+                strikes = if front == Some("bad") { strikes + 1 } else { 0 };
+            }
+            Event::PubAcked { output_id } => acked.push(output_id),
+            Event::PubRefused { output_id, .. } => panic!("{output_id} refused, not dropped"),
+            _ => {}
+        }
+    }
+    link.abandon("bad");
+    // Back for good: connected, and not dropped again.
+    while !matches!(link_event(&rx), Event::Connected { .. }) {}
+    link.publish("after".into(), "r/c", b"3".to_vec(), false)
+        .unwrap();
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_millis(1500) {
+        if let Ok(Event::Uplink(e)) = rx.recv_timeout(Duration::from_millis(100)) {
+            match *e {
+                Event::PubAcked { output_id } => acked.push(output_id),
+                Event::Disconnected {
+                    reason, unacked, ..
+                } => panic!("dropped again: {reason}, {unacked:?}"),
+                _ => {}
+            }
+        }
+    }
+    acked.sort();
+    assert_eq!(acked, ["after", "good"]);
+    assert_eq!(link.inflight(), 0, "nothing left: the given-up one is gone");
+    link.shutdown();
+    input.shutdown();
+}
+
+#[test]
+fn a_publish_given_up_is_never_sent_again_and_the_connection_stays_up_over_3_1_1() {
+    a_publish_given_up_is_never_sent_again_and_the_connection_stays_up(Protocol::V311);
+}
+
+#[test]
+fn a_publish_given_up_is_never_sent_again_and_the_connection_stays_up_over_mqtt5() {
+    a_publish_given_up_is_never_sent_again_and_the_connection_stays_up(Protocol::V5);
 }

@@ -84,6 +84,9 @@ pub(crate) struct Inner {
 
 pub(crate) struct Queues {
     pubs: Publishes,
+    /// Output IDs given up by the caller ([`Mqtt5::abandon`]) while handed to rumqttc:
+    /// dropped when the next connection queues everything again.
+    abandoned: Vec<String>,
     /// A connection is up (its CONNACK accepted) and `limits` are its.
     live: bool,
     limits: Limits,
@@ -204,6 +207,7 @@ impl Mqtt5 {
         let inner = Arc::new(Inner {
             queues: Mutex::new(Queues {
                 pubs: Publishes::default(),
+                abandoned: Vec::new(),
                 live: false,
                 limits: Limits::ours(publish_inflight),
                 stopped: false,
@@ -259,6 +263,17 @@ impl Mqtt5 {
         drop(q);
         self.inner.wake.notify_one();
         Ok(())
+    }
+
+    /// Gives up a publish for good (the caller set it aside as a dead letter for this
+    /// destination). Queued, it goes at once; handed to rumqttc, it goes when the next
+    /// connection queues every unacknowledged publish again, so it is never re-sent. No
+    /// outcome event follows for it, except one already on its way.
+    pub fn abandon(&self, output_id: &str) {
+        let mut q = self.inner.lock();
+        if !q.pubs.remove_queued(output_id) && !q.abandoned.iter().any(|id| id == output_id) {
+            q.abandoned.push(output_id.to_owned());
+        }
     }
 
     /// Publishes accepted and without an outcome yet (queued, on the wire, or queued again

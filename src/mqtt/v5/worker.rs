@@ -182,7 +182,17 @@ impl Worker {
                 // Clean start: rumqttc has just dropped everything it held for the last
                 // connection, but not a parked collision.
                 self.eventloop.state.collision = None;
-                q.pubs.on_session_lost()
+                let requeued = q.pubs.on_session_lost();
+                // Everything is queued again: what the caller gave up goes now.
+                for id in std::mem::take(&mut q.abandoned) {
+                    if q.pubs.remove_queued(&id) {
+                        info!(
+                            "gave up output {} for good, as asked",
+                            crate::text::Shown(&id)
+                        );
+                    }
+                }
+                requeued
             }
         };
         self.connected = true;
@@ -382,6 +392,7 @@ mod tests {
         }
         Queues {
             pubs,
+            abandoned: Vec::new(),
             live: true,
             limits: Limits {
                 window,
