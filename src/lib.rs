@@ -47,7 +47,9 @@
 //!   number of times, then set aside.
 //! - [`clock`]: the time of receipt stamped on new records, monotonic across clock steps;
 //!   the only place the wall clock is read.
-//! - [`mqtt`]: the rumqttc facade: manual acks, packet-id binding, reconnect backoff, TLS.
+//! - [`mqtt`]: the rumqttc facade: manual acks, packet-id binding, reconnect backoff (reset
+//!   only after a connection stayed up), TLS; the broker's own count of dropped messages
+//!   (`mqtt/sys.rs`); MQTT 5 result connections whose PUBACK can refuse (`mqtt/v5/`).
 //! - [`agent`]: one event loop (`agent/mod.rs`, the one `impl Agent`, at most 12 fields)
 //!   over parts it owns and hands the IO they need, carrying out what they return; no part
 //!   imports the loop. `agent/ingest.rs` (group commit, ack order, held input and

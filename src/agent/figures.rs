@@ -1,5 +1,6 @@
 //! The loop's figures copied into [`Metrics`] for `/metrics`, the `STATUS=` line, the
-//! watchdog, dead-letter journal lines, and the watch on sled's files. Metrics are written here and only read by the server thread, so
+//! watchdog, dead-letter journal lines, the broker's own count of dropped messages, and the
+//! watch on sled's files. Metrics are written here and only read by the server thread, so
 //! one scrape sees one consistent moment.
 
 use std::sync::Arc;
@@ -8,6 +9,7 @@ use std::time::{Duration, Instant};
 use crate::log::Log;
 use crate::metrics::Metrics;
 use crate::model::Record;
+use crate::mqtt::{BrokerDrops, DropTally};
 use crate::notify::Heartbeat;
 use crate::processor::Processor;
 use crate::store::CheckpointInfo;
@@ -50,6 +52,10 @@ pub(crate) struct Figures {
     /// long savepoint write.
     pub(crate) heartbeat: Heartbeat,
     dead_letter_log: crate::logging::RateLimit,
+    /// The broker's count of dropped messages (issue 26): the last total, and at most one
+    /// journal line a minute about a rise.
+    broker_drops: DropTally,
+    broker_drops_log: crate::logging::RateLimit,
 }
 
 /// What the figures are copied from: the loop's parts, read-only, and the schedule (its
@@ -72,6 +78,59 @@ impl Figures {
             trim: Trim::new(now),
             heartbeat: Heartbeat::from_env(),
             dead_letter_log: crate::logging::RateLimit::new(10, Duration::from_secs(60)),
+            broker_drops: DropTally::default(),
+            broker_drops_log: crate::logging::RateLimit::new(1, Duration::from_secs(60)),
+        }
+    }
+
+    /// What the broker says of the messages it dropped instead of queueing or delivering
+    /// them (`$SYS/broker/publish/messages/dropped`, issue 26): a sender was told they were
+    /// delivered, and an input among them never reaches the log. The figure goes to
+    /// `/metrics` and `status`; a rise, and a count already above zero when the agent first
+    /// sees it (drops while the agent was away are the usual case), to the journal, naming
+    /// the fix. The count is the broker's, for every client: it cannot say which were ours.
+    pub(crate) fn broker_drops(&mut self, now: Instant, d: BrokerDrops) {
+        match d {
+            BrokerDrops::Total(total) => {
+                self.metrics.update(|f| {
+                    f.broker_dropped = Some(total);
+                    f.broker_dropped_available = true;
+                });
+                let rise = match self.broker_drops.increase(total) {
+                    Some(more) => more,
+                    None => total, // the first figure: everything since the broker started
+                };
+                if rise > 0 {
+                    self.broker_drops_log
+                        .warn(now, "broker drops", "rises of the count", || {
+                            format!(
+                                "broker: it dropped {rise} more message(s) instead of queueing or \
+                                 delivering them ({total} since it started, for all its clients): \
+                                 their senders were told they were delivered, and inputs among \
+                                 them never reach Cairn. Apply the queue settings of \
+                                 config/mosquitto.conf (max_queued_messages, max_queued_bytes) \
+                                 to the broker and restart it"
+                            )
+                        });
+                }
+            }
+            BrokerDrops::Available { version } => {
+                self.metrics.update(|f| f.broker_dropped_available = true);
+                log::info!(
+                    "broker: watching its count of dropped messages ($SYS, {})",
+                    crate::text::Shown(&version)
+                );
+            }
+            BrokerDrops::Unavailable { reason } => {
+                self.metrics.update(|f| f.broker_dropped_available = false);
+                log::warn!(
+                    "broker: its count of dropped messages cannot be watched ({}): messages it \
+                     drops before they reach Cairn would go unseen. With mosquitto, let the \
+                     agent's user read $SYS/broker/publish/messages/dropped (config/mosquitto.acl \
+                     does) and keep sys_interval above 0",
+                    crate::text::Shown(&reason)
+                );
+            }
         }
     }
 

@@ -273,6 +273,12 @@ impl Agent {
                 self.results
                     .on_uplink_event(*ev, &self.proc, &self.cfg.outbox, at)?
             }
+            // Issue 29: outcomes only an MQTT 5 sink gives; the sinks wire them.
+            Event::PubRefused { .. } | Event::TooLarge { .. } => {}
+            Event::BrokerDrops(d) => {
+                let now = self.now();
+                self.figures.broker_drops(now, d);
+            }
             Event::Connected { session_present } => {
                 log::info!(
                     "mqtt: connected to {}:{} (session present: {session_present})",
@@ -281,7 +287,7 @@ impl Agent {
                 );
                 self.results.input_link(true);
             }
-            Event::Disconnected { reason } => {
+            Event::Disconnected { reason, .. } => {
                 if self.results.input_link(false) {
                     self.ingest.counts.reconnects += 1;
                 }

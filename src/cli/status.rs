@@ -270,6 +270,9 @@ fn human(v: &Value) -> String {
             }
         )),
     }
+    if let Some(line) = broker_drops_line(&v["broker_dropped"]) {
+        lines.push(line);
+    }
     let l = &v["log"];
     if !l.is_null() {
         lines.push(format!(
@@ -335,6 +338,25 @@ fn human(v: &Value) -> String {
     lines.join("\n")
 }
 
+/// The broker's own count of the messages it dropped instead of queueing or delivering them
+/// (issue 26), from a running agent: senders were told they were delivered.
+fn broker_drops_line(d: &Value) -> Option<String> {
+    if !d.is_object() {
+        return None; // no running agent, or one from before the count was watched
+    }
+    Some(match (d["available"].as_bool(), d["total"].as_u64()) {
+        (Some(true), Some(0)) => "broker      dropped no messages since it started".into(),
+        (Some(true), Some(n)) => format!(
+            "broker      dropped {n} messages since it started (for all its clients; senders \
+             were told they were delivered): apply the queue settings of config/mosquitto.conf"
+        ),
+        (Some(true), None) => "broker      its count of dropped messages: none yet".into(),
+        _ => "broker      its count of dropped messages is not available (the agent cannot read \
+              $SYS/broker/publish/messages/dropped: see the journal)"
+            .into(),
+    })
+}
+
 /// The uplink and the outbox as its queue (issue 13): connected or not and for how long,
 /// bytes, oldest entry, drain rate and the time left to drain.
 fn queue_lines(v: &Value) -> Vec<String> {
@@ -383,6 +405,21 @@ fn queue_lines(v: &Value) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_brokers_drops_are_shown_and_so_is_a_count_that_cannot_be_watched() {
+        let line = |v: Value| broker_drops_line(&v);
+        assert_eq!(line(Value::Null), None, "no running agent: no line");
+        let seen = line(json!({"available": true, "total": 15028})).unwrap();
+        assert!(seen.contains("dropped 15028 messages") && seen.contains("config/mosquitto.conf"));
+        assert!(
+            line(json!({"available": true, "total": 0}))
+                .unwrap()
+                .contains("no messages")
+        );
+        let hidden = line(json!({"available": false, "total": null})).unwrap();
+        assert!(hidden.contains("not available"), "{hidden}");
+    }
 
     #[test]
     fn the_running_agents_dormant_pipelines_are_listed_apart_from_the_configured_ones() {

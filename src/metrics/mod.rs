@@ -139,6 +139,12 @@ pub struct Figures {
     pub published_early: u64,
     pub reconnects: u64,
     pub connected: bool,
+    /// The input broker's own count of messages it dropped since it started (mosquitto's
+    /// `$SYS/broker/publish/messages/dropped`, issue 26), as last reported; `None` until a
+    /// value came.
+    pub broker_dropped: Option<u64>,
+    /// Whether the broker lets us watch that count (`$SYS` on and readable).
+    pub broker_dropped_available: bool,
     pub backpressure: bool,
     /// Records logged and not processed yet: processing waits while the outbox is full.
     pub records_behind: u64,
@@ -344,6 +350,25 @@ mod tests {
             assert!(text.contains(&format!("# HELP {name} ")), "{name}");
             assert!(name.starts_with("cairn_"), "{name}");
         }
+    }
+
+    #[test]
+    fn the_brokers_dropped_count_is_a_sample_only_once_known() {
+        let mut f = Figures::default();
+        let samples = parse(&render_figures(&f, 1000));
+        let get = |s: &[Sample], n: &str| s.iter().find(|s| s.name == n).map(|s| s.value);
+        assert_eq!(get(&samples, "cairn_broker_dropped_messages"), None);
+        assert_eq!(get(&samples, "cairn_broker_dropped_available"), Some(0.0));
+        f.broker_dropped = Some(2000);
+        f.broker_dropped_available = true;
+        let samples = parse(&render_figures(&f, 1000));
+        assert_eq!(get(&samples, "cairn_broker_dropped_messages"), Some(2000.0));
+        assert_eq!(get(&samples, "cairn_broker_dropped_available"), Some(1.0));
+        let status = status_json(&families(&f, 1000));
+        assert_eq!(
+            status["broker_dropped"],
+            serde_json::json!({"available": true, "total": 2000})
+        );
     }
 
     #[test]

@@ -248,6 +248,24 @@ fn ingest(o: &mut Out, f: &Figures) {
         "1 while connected to the broker.",
         b(f.connected),
     );
+    // A gauge, not a counter: the broker's total starts again from 0 when it restarts.
+    o.family(
+        "cairn_broker_dropped_messages",
+        GAUGE,
+        "Messages the input broker dropped since it started instead of queueing or delivering \
+         them (mosquitto's $SYS/broker/publish/messages/dropped, all clients), as it last \
+         reported; no sample until it has.",
+    )
+    .extend(
+        f.broker_dropped
+            .map(|n| sample("cairn_broker_dropped_messages", &[], n as f64)),
+    );
+    o.one(
+        "cairn_broker_dropped_available",
+        GAUGE,
+        "1 while the input broker publishes its dropped-message count and lets the agent read it.",
+        b(f.broker_dropped_available),
+    );
     o.one(
         "cairn_backpressure",
         GAUGE,

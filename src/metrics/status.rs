@@ -102,6 +102,8 @@ pub fn status_json(families: &[Family]) -> Value {
         "connected": one("cairn_mqtt_connected"),
         "metrics_listener": {"up": one("cairn_metrics_listener_up"),
                              "bind_failures": one("cairn_metrics_bind_failures_total")},
+        "broker_dropped": {"available": one("cairn_broker_dropped_available") == json!(1),
+                           "total": one("cairn_broker_dropped_messages")},
         "metrics": flat(&samples),
     })
 }

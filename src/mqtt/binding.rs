@@ -30,6 +30,18 @@ pub(crate) struct OutPublish {
     pub retain: bool,
 }
 
+/// Where a publish given up by the caller was inside rumqttc ([`Publishes::remove_handed`]):
+/// what must go from rumqttc's retransmission queue with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Handed {
+    /// Written under this packet id.
+    Bound(u16),
+    /// The `n`th (from 0) of the publishes handed to rumqttc without a packet id yet.
+    Unbound(usize),
+    /// rumqttc's parked collision.
+    Collided,
+}
+
 /// What an `Outgoing::Publish(pkid)` meant.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Sent {
@@ -78,6 +90,47 @@ impl Publishes {
     /// The next publish to hand to rumqttc, if any.
     pub(crate) fn next_to_hand(&self) -> Option<&OutPublish> {
         self.to_send.front()
+    }
+
+    /// Takes [`Self::next_to_hand`] out for good: it will not be sent (too large for the
+    /// broker, or ruled out by its CONNACK), and the caller hears so.
+    pub(crate) fn take_next(&mut self) -> Option<OutPublish> {
+        self.to_send.pop_front()
+    }
+
+    /// Forgets a publish not handed to rumqttc yet; whether it was there.
+    pub(crate) fn remove_queued(&mut self, output_id: &str) -> bool {
+        let at = self.to_send.iter().position(|p| p.output_id == output_id);
+        at.and_then(|at| self.to_send.remove(at)).is_some()
+    }
+
+    /// Forgets a publish handed to rumqttc; where it was, so that the caller takes it out of
+    /// rumqttc too (only while the connection is down: then rumqttc holds it in its queue
+    /// for the next one). `None` if it is not there (acknowledged meanwhile, or queued).
+    pub(crate) fn remove_handed(&mut self, output_id: &str) -> Option<Handed> {
+        let bound = self.bound.iter().find(|(_, p)| p.output_id == output_id);
+        if let Some(pkid) = bound.map(|(pkid, _)| *pkid) {
+            self.bound.remove(&pkid);
+            return Some(Handed::Bound(pkid));
+        }
+        if let Some(n) = self.unbound.iter().position(|p| p.output_id == output_id) {
+            self.unbound.remove(n);
+            return Some(Handed::Unbound(n));
+        }
+        if self
+            .collided
+            .as_ref()
+            .is_some_and(|(_, p)| p.output_id == output_id)
+        {
+            self.collided = None;
+            return Some(Handed::Collided);
+        }
+        None
+    }
+
+    /// Publishes handed to rumqttc and not acknowledged (written or about to be).
+    pub(crate) fn handed_len(&self) -> usize {
+        self.len() - self.to_send.len()
     }
 
     /// rumqttc accepted [`Self::next_to_hand`] into its request channel.
@@ -136,6 +189,14 @@ impl Publishes {
             self.to_send.push_front(p);
         }
         n
+    }
+
+    /// Output IDs of the publishes written to the broker and not acknowledged, oldest
+    /// first (in [`Self::accept`] order).
+    pub(crate) fn unacked(&self) -> Vec<String> {
+        let mut written: Vec<&OutPublish> = self.bound.values().collect();
+        written.sort_by_key(|p| p.seq);
+        written.into_iter().map(|p| p.output_id.clone()).collect()
     }
 
     /// Publishes inside rumqttc that were never given a pkid (for a consistency check).
@@ -208,6 +269,44 @@ mod tests {
         hand_all(&mut p);
         assert_eq!(p.on_outgoing(1), Sent::Bound("o1".into()));
         assert_eq!(p.on_puback(10), None, "the old pkid means nothing any more");
+    }
+
+    #[test]
+    fn unacked_lists_what_was_written_and_not_acknowledged_oldest_first() {
+        let mut p = with(4);
+        for _ in 0..3 {
+            p.handed();
+        }
+        // Packet ids say nothing of the order: they wrap.
+        assert_eq!(p.on_outgoing(9), Sent::Bound("o0".into()));
+        assert_eq!(p.on_outgoing(1), Sent::Bound("o1".into()));
+        assert_eq!(p.on_outgoing(5), Sent::Bound("o2".into()));
+        assert_eq!(p.unacked(), ["o0", "o1", "o2"]);
+        assert_eq!(p.on_puback(1).as_deref(), Some("o1"));
+        // o3 is accepted but not written: not in the list.
+        assert_eq!(p.unacked(), ["o0", "o2"]);
+        p.on_session_lost();
+        assert!(p.unacked().is_empty(), "queued again, not written yet");
+    }
+
+    #[test]
+    fn a_publish_given_up_is_found_wherever_it_waits_and_forgotten() {
+        let mut p = with(5);
+        for _ in 0..4 {
+            p.handed();
+        }
+        assert_eq!(p.on_outgoing(7), Sent::Bound("o0".into()));
+        // o0 written, o1..o3 handed without a packet id, o4 queued.
+        assert!(p.remove_queued("o4"));
+        assert!(!p.remove_queued("o4"));
+        assert_eq!(p.remove_handed("o0"), Some(Handed::Bound(7)));
+        assert_eq!(p.remove_handed("o2"), Some(Handed::Unbound(1)));
+        assert_eq!(p.remove_handed("o2"), None);
+        assert_eq!(p.len(), 2);
+        // The binding goes on with the others, in order.
+        assert_eq!(p.on_outgoing(8), Sent::Bound("o1".into()));
+        assert_eq!(p.on_outgoing(9), Sent::Bound("o3".into()));
+        assert_eq!(p.on_puback(7), None, "its packet id names nothing now");
     }
 
     #[test]

@@ -25,7 +25,8 @@ use super::Event;
 pub struct Want {
     /// Received messages, [`Event::Message`].
     pub messages: usize,
-    /// Publish acknowledgements, [`Event::PubAcked`] of either connection.
+    /// Publish outcomes, [`Event::PubAcked`] (and an MQTT 5 connection's
+    /// [`Event::PubRefused`] and [`Event::TooLarge`]) of either connection.
     pub acks: usize,
 }
 
@@ -75,12 +76,12 @@ enum Kind {
 fn kind(e: &Event) -> Kind {
     match e {
         Event::Message(_) => Kind::Message,
-        Event::PubAcked { .. } => Kind::Ack,
+        Event::PubAcked { .. } | Event::PubRefused { .. } | Event::TooLarge { .. } => Kind::Ack,
         Event::Uplink(inner) => match **inner {
-            Event::PubAcked { .. } => Kind::Ack,
+            Event::PubAcked { .. } | Event::PubRefused { .. } | Event::TooLarge { .. } => Kind::Ack,
             _ => Kind::Other,
         },
-        Event::Connected { .. } | Event::Disconnected { .. } => Kind::Other,
+        Event::Connected { .. } | Event::Disconnected { .. } | Event::BrokerDrops(_) => Kind::Other,
     }
 }
 

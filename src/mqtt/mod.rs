@@ -2,6 +2,14 @@
 //! single-threaded agent loop: received messages and publish acknowledgements come out of one
 //! bounded queue, [`Events`]; [`Mqtt::ack`] and [`Mqtt::publish`] never block.
 //!
+//! Two protocols: the input connection, and the 3.1.1 result connections, are [`Mqtt`]
+//! (this file and `worker.rs`); an MQTT 5 result connection is [`Mqtt5`] (`v5/`), whose
+//! PUBACK can refuse ([`Event::PubRefused`]). [`Link`] is either, for a result connection
+//! chosen by [`Protocol`] ([`Mqtt::start_with_link`]). Files: `binding.rs` (packet ids to
+//! output IDs, both protocols), `backoff.rs` (reconnects, both), `events.rs` (the queue),
+//! `options.rs` (settings, credentials, TLS), `sys.rs` (the broker's count of dropped
+//! messages).
+//!
 //! # Guarantees
 //!
 //! - **No message is acknowledged behind the caller's back.** Manual acks: a PUBACK goes out
@@ -16,9 +24,16 @@
 //!   and retransmissions do not consume the binding FIFO (see `binding.rs`). If the broker lost
 //!   our session, the unacknowledged publishes are re-sent here, in order; a restart loses them
 //!   all, which is why the outbox re-sends everything it still holds.
+//! - **The broker's own losses are visible.** The connection that subscribes to inputs also
+//!   watches mosquitto's count of the messages it dropped (`$SYS`, `sys.rs`) and reports
+//!   every value, or why it cannot, as [`Event::BrokerDrops`]; those messages are never
+//!   inputs.
 //! - **Nothing blocks forever and nothing spins.** [`Mqtt::publish`] refuses when
 //!   `publish_inflight` publishes are unacknowledged ([`MqttError::InflightFull`]); the agent
-//!   waits for a `PubAcked`. Reconnects use bounded, jittered exponential backoff.
+//!   waits for a `PubAcked`. Reconnects use bounded, jittered exponential backoff, which
+//!   starts again from its minimum only after a connection stayed up for [`STABLE_AFTER`]
+//!   (`backoff.rs`): a broker that drops us right after each CONNACK is retried ever more
+//!   slowly, not 13 times a second.
 //!
 //! # Mechanism
 //!
@@ -52,9 +67,12 @@
 //! `max(channel_capacity, publish_inflight + ingest_batch + 16)`, so in steady state neither
 //! publishes nor acks wait for room.
 
+mod backoff;
 mod binding;
 mod events;
 mod options;
+mod sys;
+mod v5;
 mod worker;
 
 use std::collections::VecDeque;
@@ -63,12 +81,19 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::TrySendError;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use rumqttc::AsyncClient;
 
 use crate::config::MqttConfig;
+pub use backoff::STABLE_AFTER;
 use binding::Publishes;
 pub use events::{Events, Want};
+pub use sys::{BrokerDrops, DropTally, WAIT as SYS_WAIT};
+pub use v5::Mqtt5;
+
+/// Step while the caller's event channel is full ([`Sink::hand_over`]).
+const EVENT_FULL_WAIT: Duration = Duration::from_millis(1);
 
 /// Room in rumqttc's request channel beyond one full publish window and one ingest batch of
 /// acks (subscribe, disconnect, a few retries).
@@ -148,14 +173,60 @@ pub enum Event {
     },
     /// The connection is down, or the first attempt failed. Once per state change, not per
     /// retry; the reason of the latest failure is also logged.
+    ///
+    /// What the layer above needs to find a publish the broker refuses by dropping the
+    /// connection (mosquitto does, for a topic it takes as malformed: issue 27): the broker
+    /// handles our publishes in order and drops us at the one it refuses, so that one is the
+    /// oldest of `unacked`, on a connection that was up only briefly (`up_for` well under
+    /// [`STABLE_AFTER`]: the refusal comes one round trip after the CONNACK, when the
+    /// unacknowledged publishes are re-sent). The same output ID at the front of `unacked` of
+    /// several such drops in a row, and no other cause, is the sign. The connection itself
+    /// keeps re-sending it, with the backoff growing to `reconnect_max` (and, MQTT 5 re-sending
+    /// in order, holding back everything after it), until the caller gives it up with
+    /// [`Mqtt::abandon`] (or [`Link::abandon`]): nothing here gives up on a publish by itself.
     Disconnected {
         reason: String,
+        /// Output IDs of our publishes written on the connection that ended (or re-sent on
+        /// it) and not acknowledged, oldest first. Empty when no connection was up (a failed
+        /// connect attempt), and when we dropped it on purpose (`Mqtt::reconnect`): then it
+        /// was not the broker's doing. They are still ours: each is re-sent on the next
+        /// connection and still ends in one outcome event.
+        unacked: Vec<String>,
+        /// How long the connection that ended was up; `None` when none was.
+        up_for: Option<Duration>,
     },
     Message(Incoming),
-    /// The broker acknowledged the publish with this output ID.
+    /// The broker acknowledged the publish with this output ID (MQTT 5: with a reason code
+    /// of 0x00 success or 0x10 no matching subscribers).
     PubAcked {
         output_id: String,
     },
+    /// MQTT 5 only ([`Mqtt5`]): the broker refused the publish with this output ID, its
+    /// PUBACK carrying a reason code of 0x80 or more (0x87 not authorized: an ACL), or its
+    /// CONNACK ruled it out so that it was not sent (0x9A retain not supported, 0x9B QoS not
+    /// supported). Not delivered and not settled: the result stays the caller's, to re-send
+    /// with backoff (the connection has forgotten it) or to set aside.
+    PubRefused {
+        output_id: String,
+        /// The MQTT 5 reason code.
+        code: u8,
+        /// Its name in the MQTT 5 specification, for a journal line.
+        reason: &'static str,
+    },
+    /// MQTT 5 only ([`Mqtt5`]): the result with this output ID makes a PUBLISH of `size`
+    /// bytes, over the broker's Maximum Packet Size `max` (from its CONNACK). Never sent
+    /// (sent, the broker would close the connection, and the re-send on the next one would
+    /// loop): answered at once and forgotten. A dead letter for this destination; it cannot
+    /// succeed while the broker keeps that maximum.
+    TooLarge {
+        output_id: String,
+        size: usize,
+        max: u32,
+    },
+    /// The input connection's watch of the broker's own count of dropped messages (`sys.rs`):
+    /// every value of mosquitto's `$SYS/broker/publish/messages/dropped`, or why it cannot be
+    /// watched. Only on a connection that subscribes to inputs; never an input itself.
+    BrokerDrops(BrokerDrops),
     /// An event of the uplink connection of [`Mqtt::start_with_uplink`] (never itself an
     /// `Uplink`): both connections feed one channel, so the caller waits on one receiver and
     /// neither connection's events wait behind the other's.
@@ -164,6 +235,7 @@ pub enum Event {
 
 /// Where a connection's thread hands its events: the caller's channel, each event wrapped
 /// in [`Event::Uplink`] for the uplink connection.
+#[derive(Clone)]
 pub(crate) struct Sink {
     tx: events::Sender,
     uplink: bool,
@@ -197,6 +269,41 @@ impl Sink {
     pub(crate) fn send_some(&self, batch: &mut VecDeque<Event>) -> Result<(), ()> {
         self.tx.send_some(batch, |e| self.wrap(e))
     }
+
+    /// Queue one event from a task other than the connection's event loop, waiting while
+    /// the caller's queue is full; `Err` when the caller's receiver is gone.
+    pub(crate) async fn deliver(&self, mut event: Event) -> Result<(), ()> {
+        loop {
+            match self.try_send(event) {
+                Ok(()) => return Ok(()),
+                Err(TrySendError::Disconnected(_)) => return Err(()),
+                Err(TrySendError::Full(back)) => {
+                    event = back;
+                    tokio::time::sleep(EVENT_FULL_WAIT).await;
+                }
+            }
+        }
+    }
+
+    /// Hands `batch` to the caller in order, under one lock as far as there is room, waiting
+    /// while its queue is full: that is the backpressure, the connection's thread stops
+    /// reading from the broker meanwhile. Gives up when `stop` is set (the rest goes with
+    /// the caller's queue) and sets it when the caller's receiver is gone. Leaves `batch`
+    /// empty.
+    pub(crate) async fn hand_over(&self, batch: &mut VecDeque<Event>, stop: &AtomicBool) {
+        while !batch.is_empty() {
+            if self.send_some(batch).is_err() {
+                log::debug!("event receiver dropped: stopping the connection's thread");
+                stop.store(true, Ordering::SeqCst);
+                break;
+            }
+            if batch.is_empty() || stop.load(Ordering::SeqCst) {
+                break;
+            }
+            tokio::time::sleep(EVENT_FULL_WAIT).await;
+        }
+        batch.clear();
+    }
 }
 
 /// State shared between the caller and the MQTT thread.
@@ -218,6 +325,9 @@ struct Inner {
 
 struct Queues {
     pubs: Publishes,
+    /// Output IDs given up by the caller ([`Mqtt::abandon`]) that rumqttc may still hold:
+    /// taken out of it when the connection is next down.
+    abandoned: Vec<String>,
     acks: VecDeque<AckToken>,
     /// Epoch of the live connection, `None` while down.
     live: Option<u64>,
@@ -286,6 +396,34 @@ impl Mqtt {
         Ok((input, up, events_rx))
     }
 
+    /// As [`Mqtt::start_with_uplink`], the result connection speaking `protocol`: the
+    /// input connection, the result connection ([`Link`]) and the one event channel, the
+    /// result connection's events wrapped in [`Event::Uplink`]. An MQTT 5 link adds
+    /// [`Event::PubRefused`] and [`Event::TooLarge`] to the outcomes.
+    pub fn start_with_link(
+        cfg: &MqttConfig,
+        subscriptions: Vec<String>,
+        link: &MqttConfig,
+        protocol: Protocol,
+        publish_inflight: u16,
+    ) -> Result<(Mqtt, Link, Events), MqttError> {
+        let (events_tx, events_rx) = events::queue(cfg.channel_capacity);
+        let up = Sink {
+            tx: events_tx.clone(),
+            uplink: true,
+        };
+        let up = match protocol {
+            Protocol::V311 => Link::V311(Mqtt::start_on(link, Vec::new(), publish_inflight, up)?),
+            Protocol::V5 => Link::V5(Mqtt5::start_on(link, publish_inflight, up)?),
+        };
+        let sink = Sink {
+            tx: events_tx,
+            uplink: false,
+        };
+        let input = Mqtt::start_on(cfg, subscriptions, publish_inflight, sink)?;
+        Ok((input, up, events_rx))
+    }
+
     fn start_on(
         cfg: &MqttConfig,
         subscriptions: Vec<String>,
@@ -306,6 +444,7 @@ impl Mqtt {
         let inner = Arc::new(Inner {
             queues: Mutex::new(Queues {
                 pubs: Publishes::default(),
+                abandoned: Vec::new(),
                 acks: VecDeque::new(),
                 live: None,
                 channel_acks: 0,
@@ -324,8 +463,17 @@ impl Mqtt {
             .build()
             .map_err(MqttError::Start)?;
         let name = if events.uplink { "uplink" } else { "mqtt" };
-        let worker =
-            worker::Worker::new(cfg, eventloop, client, inner.clone(), events, subscriptions);
+        // The connection that reads inputs also watches the broker's drops of them.
+        let watch_sys = !subscriptions.is_empty();
+        let worker = worker::Worker::new(
+            cfg,
+            eventloop,
+            client,
+            inner.clone(),
+            events,
+            subscriptions,
+            watch_sys,
+        );
         let thread = std::thread::Builder::new()
             .name(name.into())
             .spawn(move || {
@@ -405,6 +553,20 @@ impl Mqtt {
         Ok(())
     }
 
+    /// Gives up a publish for good: the caller has set it aside (a dead letter for this
+    /// destination, say a publish the broker keeps refusing by dropping the connection: see
+    /// [`Event::Disconnected`]). Queued, it goes at once; handed to rumqttc (written, or
+    /// waiting in its queue for the next connection), it goes the next time the connection
+    /// is down, before the next connect attempt, so it is never sent again. No outcome
+    /// event follows for it, except a PUBACK already on its way: the caller ignores an
+    /// output ID it no longer holds. [`Mqtt::inflight`] drops by one once it is gone.
+    pub fn abandon(&self, output_id: &str) {
+        let mut q = self.inner.lock();
+        if !q.pubs.remove_queued(output_id) && !q.abandoned.iter().any(|id| id == output_id) {
+            q.abandoned.push(output_id.to_owned());
+        }
+    }
+
     /// Once the acks queued so far are written, drop the connection and connect again at
     /// once, keeping the session: the broker then re-sends every message we have not
     /// acknowledged (MQTT 3.1.1 re-sends only on a new connection). For inputs the agent let
@@ -445,6 +607,86 @@ impl Drop for Mqtt {
             && thread.join().is_err()
         {
             log::error!("the MQTT thread panicked");
+        }
+    }
+}
+
+/// Which MQTT a result connection speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    /// MQTT 3.1.1: a PUBACK cannot refuse (a broker's ACL acknowledges and drops).
+    V311,
+    /// MQTT 5: a PUBACK carries a reason code ([`Event::PubRefused`]).
+    V5,
+}
+
+/// A publish-only result connection of either protocol, with the one API the agent uses
+/// for its uplink. Its events come as [`Event::Uplink`].
+pub enum Link {
+    V311(Mqtt),
+    V5(Mqtt5),
+}
+
+impl Link {
+    /// [`Mqtt::publish`] or [`Mqtt5::publish`].
+    pub fn publish(
+        &self,
+        output_id: String,
+        topic: &str,
+        payload: Vec<u8>,
+        retain: bool,
+    ) -> Result<(), MqttError> {
+        match self {
+            Link::V311(m) => m.publish(output_id, topic, payload, retain),
+            Link::V5(m) => m.publish(output_id, topic, payload, retain),
+        }
+    }
+
+    /// Publishes without an outcome yet.
+    pub fn inflight(&self) -> usize {
+        match self {
+            Link::V311(m) => m.inflight(),
+            Link::V5(m) => m.inflight(),
+        }
+    }
+
+    /// The caller is idle: give back the thread's allocation cache.
+    pub fn rest(&self) {
+        match self {
+            Link::V311(m) => m.rest(),
+            Link::V5(m) => m.rest(),
+        }
+    }
+
+    /// [`Mqtt::abandon`] or [`Mqtt5::abandon`].
+    pub fn abandon(&self, output_id: &str) {
+        match self {
+            Link::V311(m) => m.abandon(output_id),
+            Link::V5(m) => m.abandon(output_id),
+        }
+    }
+
+    /// Acknowledge a message that came on the link anyway (a 3.1.1 session kept from a
+    /// config that subscribed on it). An MQTT 5 link never hands one out.
+    pub fn ack(&self, token: AckToken) -> Result<(), MqttError> {
+        match self {
+            Link::V311(m) => m.ack(token),
+            Link::V5(_) => Ok(()),
+        }
+    }
+
+    pub fn protocol(&self) -> Protocol {
+        match self {
+            Link::V311(_) => Protocol::V311,
+            Link::V5(_) => Protocol::V5,
+        }
+    }
+
+    /// Disconnects and joins the connection's thread.
+    pub fn shutdown(self) {
+        match self {
+            Link::V311(m) => m.shutdown(),
+            Link::V5(m) => m.shutdown(),
         }
     }
 }

@@ -7,8 +7,8 @@
 //! that would survive into the next connection unaccounted for.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use log::{debug, error, info, warn};
@@ -17,18 +17,16 @@ use rumqttc::{
     QoS, Request, SubscribeFilter, SubscribeReasonCode,
 };
 
-use super::binding::Sent;
+use super::backoff::Reconnects;
+use super::binding::{Handed, Sent};
+use super::sys::SysWatch;
 use super::{AckToken, Event, Incoming, Inner, Queues, Sink};
 use crate::config::MqttConfig;
 
-/// Floor for the reconnect backoff, so that a zero in the config cannot make a tight loop.
-const BACKOFF_FLOOR: Duration = Duration::from_millis(10);
 /// How long shutdown waits for DISCONNECT to be written.
 const DISCONNECT_GRACE: Duration = Duration::from_secs(1);
 /// How long a clean shutdown waits for the broker to close the connection after DISCONNECT.
 const LINGER_GRACE: Duration = Duration::from_millis(500);
-/// Step while the caller's event channel is full.
-const EVENT_FULL_WAIT: Duration = Duration::from_millis(1);
 /// How long the thread rests after a turn that read from the broker, before it reads again:
 /// what arrives meanwhile is then read in one burst, with one wake-up, not one each (see
 /// [`pause_after`]).
@@ -50,24 +48,19 @@ pub(crate) struct Worker {
     inner: Arc<Inner>,
     events: Sink,
     filters: Vec<String>,
-    endpoint: String,
-    backoff_min: Duration,
-    backoff_max: Duration,
-    backoff: Duration,
-    rng: u64,
+    /// Backoff, one `Disconnected` per down period, the journal lines of failures.
+    reconnects: Reconnects,
     /// Epoch of the current (or last) connection; 0 never names one.
     epoch: u64,
     connected: bool,
-    ever_connected: bool,
-    /// Set once `Disconnected` was emitted for the current down period.
-    down_announced: bool,
-    last_reason: Option<String>,
-    /// Failed connect attempts since the connection was last up.
-    attempts: u32,
     /// Events for the caller, handed over together by [`Self::flush`].
     batch: VecDeque<Event>,
     /// Acks or publishes being written by [`Self::write_all`] (kept for its allocation).
     packets: Vec<Packet>,
+    /// The broker's count of dropped messages, watched on the input connection (`sys.rs`);
+    /// shared with the timer tasks of [`sys_timer`].
+    sys: Option<Arc<Mutex<SysWatch>>>,
+    subs: SubRequests,
 }
 
 impl Worker {
@@ -78,27 +71,25 @@ impl Worker {
         inner: Arc<Inner>,
         events: Sink,
         filters: Vec<String>,
+        watch_sys: bool,
     ) -> Worker {
-        let backoff_min = cfg.reconnect_min.max(BACKOFF_FLOOR);
         Worker {
             eventloop,
             client,
             inner,
             events,
             filters,
-            endpoint: format!("{}:{} as {:?}", cfg.host, cfg.port, cfg.client_id),
-            backoff_min,
-            backoff_max: cfg.reconnect_max.max(backoff_min),
-            backoff: backoff_min,
-            rng: seed(),
+            reconnects: Reconnects::new(
+                format!("{}:{} as {:?}", cfg.host, cfg.port, cfg.client_id),
+                cfg.reconnect_min,
+                cfg.reconnect_max,
+            ),
             epoch: 0,
             connected: false,
-            ever_connected: false,
-            down_announced: false,
-            last_reason: None,
-            attempts: 0,
             batch: VecDeque::with_capacity(MAX_BATCH),
             packets: Vec::new(),
+            sys: watch_sys.then(Default::default),
+            subs: SubRequests::default(),
         }
     }
 
@@ -106,6 +97,10 @@ impl Worker {
         let pump = tokio::spawn(pump_task(self.client.clone(), self.inner.clone()));
         let mut turn_ended = Instant::now();
         while !self.stopping() {
+            if !self.connected {
+                // Before a connect attempt: what the caller gave up is not re-sent on it.
+                self.apply_abandons();
+            }
             let polled = tokio::select! {
                 // Only at shutdown, and to drop the connection for a reconnect, do we abandon
                 // a poll half way: the connection's state no longer matters, and rumqttc
@@ -163,6 +158,18 @@ impl Worker {
     fn on_event(&mut self, event: rumqttc::Event, stale: bool) {
         match event {
             rumqttc::Event::Incoming(Packet::ConnAck(ack)) => self.on_connack(ack.session_present),
+            rumqttc::Event::Incoming(Packet::Publish(p))
+                if self.sys.is_some() && SysWatch::takes(&p.topic, p.qos == QoS::AtMostOnce) =>
+            {
+                // The broker's `$SYS`, for the watch (`sys.rs`): never an input.
+                let reports = match &self.sys {
+                    Some(watch) => lock(watch).on_message(&p.topic, &p.payload),
+                    None => Vec::new(),
+                };
+                for report in reports {
+                    self.emit(Event::BrokerDrops(report));
+                }
+            }
             rumqttc::Event::Incoming(Packet::Publish(p)) => {
                 let qos = match p.qos {
                     QoS::AtMostOnce => 0,
@@ -193,16 +200,30 @@ impl Worker {
                     None => error!("PUBACK for packet id {} that names no publish", ack.pkid),
                 }
             }
-            rumqttc::Event::Incoming(Packet::SubAck(ack)) => {
-                for (filter, code) in self.filters.iter().zip(&ack.return_codes) {
-                    if *code == SubscribeReasonCode::Failure {
-                        error!(
-                            "broker {} refused the subscription {filter:?}",
-                            self.endpoint
-                        );
+            rumqttc::Event::Incoming(Packet::SubAck(ack)) => match self.subs.acked(ack.pkid) {
+                Some(SubKind::Inputs) | None => {
+                    for (filter, code) in self.filters.iter().zip(&ack.return_codes) {
+                        if *code == SubscribeReasonCode::Failure {
+                            error!(
+                                "broker {} refused the subscription {filter:?}",
+                                self.reconnects.endpoint()
+                            );
+                        }
                     }
                 }
-            }
+                Some(SubKind::Sys) => {
+                    let refused = SysWatch::filters()
+                        .into_iter()
+                        .zip(&ack.return_codes)
+                        .find(|(_, code)| **code == SubscribeReasonCode::Failure)
+                        .map(|(filter, _)| filter);
+                    let report = self.sys.as_ref().and_then(|w| lock(w).suback(refused));
+                    if let Some(report) = report {
+                        self.emit(Event::BrokerDrops(report));
+                    }
+                }
+            },
+            rumqttc::Event::Outgoing(Outgoing::Subscribe(pkid)) => self.subs.sent(pkid),
             rumqttc::Event::Outgoing(Outgoing::Publish(pkid)) => {
                 let sent = self.inner.lock().pubs.on_outgoing(pkid);
                 match sent {
@@ -238,6 +259,8 @@ impl Worker {
             if session_present {
                 0
             } else {
+                // rumqttc dropped the requests it kept for the old session, SUBSCRIBEs too.
+                self.subs.session_lost();
                 // rumqttc has just cleared its retransmission queue, but not a parked
                 // collision, which would then wait for an ack that never comes.
                 self.eventloop.state.collision = None;
@@ -247,85 +270,92 @@ impl Worker {
         if requeued > 0 {
             warn!(
                 "broker {} had no session for us: re-sending {requeued} unacknowledged publishes",
-                self.endpoint
+                self.reconnects.endpoint()
             );
         }
         // Also on this process's first connection even if the broker kept our session: the
         // config may name filters that session never subscribed to (a new pipeline, a changed
         // topic), and re-subscribing an existing filter changes nothing for the broker. (It
         // does re-send retained messages on those topics; dedup by event ID drops them.)
-        if (!session_present || !self.ever_connected) && !self.filters.is_empty() {
+        if (!session_present || !self.reconnects.ever_connected()) && !self.filters.is_empty() {
             let filters = self
                 .filters
                 .iter()
                 .map(|f| SubscribeFilter::new(f.clone(), QoS::AtLeastOnce));
             // The request channel is empty here: the pump adds nothing while disconnected and
             // rumqttc drained it when the previous connection failed.
-            if let Err(e) = self.client.try_subscribe_many(filters) {
-                error!("cannot queue SUBSCRIBE to {}: {e}", self.endpoint);
+            match self.client.try_subscribe_many(filters) {
+                Ok(()) => self.subs.asked(SubKind::Inputs),
+                Err(e) => error!(
+                    "cannot queue SUBSCRIBE to {}: {e}",
+                    self.reconnects.endpoint()
+                ),
             }
         }
-        if self.ever_connected || self.attempts > 0 {
-            info!(
-                "connected to {} again after {} attempt(s) (session present: {session_present})",
-                self.endpoint,
-                self.attempts + 1
-            );
-        } else {
-            info!(
-                "connected to {} (session present: {session_present})",
-                self.endpoint
-            );
-        }
-        self.ever_connected = true;
-        self.down_announced = false;
-        self.last_reason = None;
-        self.attempts = 0;
-        self.backoff = self.backoff_min;
+        self.watch_sys();
+        let again = self.reconnects.up(Instant::now());
+        info!(
+            "connected to {}{again} (session present: {session_present})",
+            self.reconnects.endpoint()
+        );
         self.emit(Event::Connected { session_present });
     }
 
     async fn on_error(&mut self, e: ConnectionError) {
         let reason = describe(&e);
-        if self.connected {
-            self.connection_gone();
-            warn!(
-                "lost connection to {}: {reason}; reconnecting with backoff {:?}..{:?}",
-                self.endpoint, self.backoff_min, self.backoff_max
-            );
+        let (up_for, unacked) = if self.connected {
+            let up_for = self.connection_gone();
+            (up_for, self.inner.lock().pubs.unacked())
         } else {
-            self.attempts += 1;
-            if self.last_reason.as_deref() == Some(reason.as_str()) {
-                debug!(
-                    "connect attempt {} to {} failed: {reason}",
-                    self.attempts, self.endpoint
-                );
-            } else if matches!(e, ConnectionError::ConnectionRefused(_)) {
-                error!("{reason} ({}); retrying with backoff", self.endpoint);
-            } else {
-                warn!(
-                    "cannot connect to {}: {reason}; retrying with backoff",
-                    self.endpoint
-                );
-            }
-        }
-        self.last_reason = Some(reason.clone());
-        if !self.down_announced {
-            self.down_announced = true;
-            self.emit(Event::Disconnected { reason });
+            (None, Vec::new())
+        };
+        let refused = matches!(e, ConnectionError::ConnectionRefused(_));
+        if self.reconnects.failed(&reason, up_for, refused) {
+            self.emit(Event::Disconnected {
+                reason,
+                unacked,
+                up_for,
+            });
         }
         self.flush().await;
-        let delay = self.next_delay();
+        let delay = self.reconnects.next_delay();
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}
             _ = self.inner.stop_wake.notified() => {}
         }
     }
 
+    /// On every connection: subscribe (again) to the broker's `$SYS` count of dropped
+    /// messages, and call it unavailable if nothing comes ([`super::sys::WAIT`]). Again on every
+    /// connection, not only when the session was lost: `$SYS` values are QoS 0, not queued
+    /// for us while we were away, and a new subscription brings the retained ones.
+    fn watch_sys(&mut self) {
+        let Some(watch) = &self.sys else { return };
+        let filters =
+            SysWatch::filters().map(|f| SubscribeFilter::new(f.to_owned(), QoS::AtMostOnce));
+        if let Err(e) = self.client.try_subscribe_many(filters) {
+            error!(
+                "cannot queue SUBSCRIBE to $SYS on {}: {e}",
+                self.reconnects.endpoint()
+            );
+            return;
+        }
+        self.subs.asked(SubKind::Sys);
+        lock(watch).subscribed(self.epoch, Instant::now());
+        tokio::spawn(sys_timer(watch.clone(), self.events.clone(), self.epoch));
+    }
+
     /// The live connection is gone (rumqttc has cleaned up): no ack goes out on it any more,
-    /// and what rumqttc buffered from it is taken now.
-    fn connection_gone(&mut self) {
+    /// and what rumqttc buffered from it is taken now. Returns how long it was up.
+    fn connection_gone(&mut self) -> Option<Duration> {
         self.connected = false;
+        if let Some(watch) = &self.sys {
+            lock(watch).down();
+        }
+        // SUBSCRIBEs written on it are never answered; those not written are in rumqttc's
+        // queue for the next connection, first.
+        self.subs.connection_gone();
+        let up_for = self.reconnects.lost(Instant::now());
         // Synchronously after rumqttc's cleanup: see the module comment.
         self.inner.lock().live = None;
         // rumqttc would hand us these after the next CONNACK, mixed up with the new
@@ -336,6 +366,7 @@ impl Worker {
             self.on_event(event, true);
         }
         self.check_unbound();
+        up_for
     }
 
     /// [`super::Mqtt::reconnect`] was asked for: once the queued acks are written, drop the
@@ -353,17 +384,61 @@ impl Worker {
         }
         self.inner.reconnect.store(false, Ordering::SeqCst);
         self.eventloop.clean();
-        self.connection_gone();
+        let up_for = self.connection_gone();
         info!(
             "dropped the connection to {} so that the broker re-sends what we have not \
              acknowledged; connecting again",
-            self.endpoint
+            self.reconnects.endpoint()
         );
-        self.down_announced = true;
+        self.reconnects.announced();
         self.emit(Event::Disconnected {
             reason: "reconnecting for redelivery".into(),
+            // Our doing, not the broker's: nothing here was refused.
+            unacked: Vec::new(),
+            up_for,
         });
         self.flush().await;
+    }
+
+    /// Takes the publishes the caller gave up ([`super::Mqtt::abandon`]) out of our binding
+    /// and out of rumqttc's queue for the next connection. Only while the connection is
+    /// down: rumqttc's cleanup has then moved everything unacknowledged into that queue
+    /// (`EventLoop::pending`), the written ones under their packet ids, the others with 0 in
+    /// the order of our unbound FIFO.
+    fn apply_abandons(&mut self) {
+        let mut q = self.inner.lock();
+        for id in std::mem::take(&mut q.abandoned) {
+            if q.pubs.remove_queued(&id) {
+                continue;
+            }
+            let Some(handed) = q.pubs.remove_handed(&id) else {
+                continue; // acknowledged meanwhile
+            };
+            let pending = &mut self.eventloop.pending;
+            let at = match handed {
+                Handed::Bound(pkid) => pending
+                    .iter()
+                    .position(|r| matches!(r, Request::Publish(p) if p.pkid == pkid)),
+                Handed::Unbound(n) => pending
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, r)| matches!(r, Request::Publish(p) if p.pkid == 0))
+                    .nth(n)
+                    .map(|(at, _)| at),
+                Handed::Collided => {
+                    self.eventloop.state.collision = None;
+                    None
+                }
+            };
+            if let Some(at) = at {
+                pending.remove(at);
+            }
+            info!(
+                "{}: gave up output {} for good, as asked: it is not sent again",
+                self.reconnects.endpoint(),
+                crate::text::Shown(&id)
+            );
+        }
     }
 
     /// After rumqttc's cleanup, every publish it took without a packet id sits in its
@@ -381,17 +456,6 @@ impl Worker {
         if in_rumqttc != ours {
             error!("bug: {ours} publishes await a packet id, rumqttc holds {in_rumqttc}");
         }
-    }
-
-    /// Equal jitter: a uniform delay in `[b/2, b]`, then `b` doubles up to the maximum.
-    fn next_delay(&mut self) -> Duration {
-        let base = self.backoff;
-        self.backoff = (base * 2).min(self.backoff_max);
-        self.rng ^= self.rng << 13;
-        self.rng ^= self.rng >> 7;
-        self.rng ^= self.rng << 17;
-        let frac = (self.rng % 1024) as f64 / 1024.0;
-        base.mul_f64(0.5 + 0.5 * frac)
     }
 
     /// Writes every queued ack of the live connection straight to the socket, one flush for
@@ -503,18 +567,9 @@ impl Worker {
     /// room, waiting while its queue is full (that is the backpressure: we stop reading from
     /// the broker). Gives up at shutdown.
     async fn flush(&mut self) {
-        while !self.batch.is_empty() {
-            if self.events.send_some(&mut self.batch).is_err() {
-                debug!("event receiver dropped: stopping the MQTT thread");
-                self.inner.stop.store(true, Ordering::SeqCst);
-                break;
-            }
-            if self.batch.is_empty() || self.stopping() {
-                break; // at shutdown the rest is dropped with the caller's queue
-            }
-            tokio::time::sleep(EVENT_FULL_WAIT).await;
-        }
-        self.batch.clear();
+        self.events
+            .hand_over(&mut self.batch, &self.inner.stop)
+            .await;
     }
 
     /// After DISCONNECT is written, wait (briefly) for the broker to close the connection.
@@ -546,13 +601,14 @@ impl Worker {
         loop {
             tokio::select! {
                 _ = &mut deadline => {
-                    warn!("DISCONNECT to {} not written within {DISCONNECT_GRACE:?}", self.endpoint);
+                    let endpoint = self.reconnects.endpoint();
+                    warn!("DISCONNECT to {endpoint} not written within {DISCONNECT_GRACE:?}");
                     return;
                 }
                 polled = self.eventloop.poll() => match polled {
                     Ok(rumqttc::Event::Outgoing(Outgoing::Disconnect)) => {
                         self.linger().await;
-                        info!("disconnected from {}", self.endpoint);
+                        info!("disconnected from {}", self.reconnects.endpoint());
                         return;
                     }
                     Ok(rumqttc::Event::Incoming(Packet::PubAck(ack))) => {
@@ -569,6 +625,78 @@ impl Worker {
                 },
             }
         }
+    }
+}
+
+/// [`super::sys::WAIT`] after subscribing on connection `epoch`: reports the count unavailable if
+/// no `$SYS` message came meanwhile. A task of its own, because the worker only wakes for
+/// rumqttc (a poll is never abandoned half way, see [`Worker::run`]); it sends straight to
+/// the caller, after the watch has decided under its lock, so its report is never out of
+/// order with the worker's.
+async fn sys_timer(watch: Arc<Mutex<SysWatch>>, events: Sink, epoch: u64) {
+    let Some(deadline) = lock(&watch).deadline() else {
+        return;
+    };
+    tokio::time::sleep_until(deadline.into()).await;
+    // Tokio's timer rounds to its own millisecond ticks and was seen to wake a fraction of
+    // a millisecond before `Instant::now()` reached the deadline: it is the deadline here.
+    let now = Instant::now().max(deadline);
+    let Some(report) = lock(&watch).tick(epoch, now) else {
+        return;
+    };
+    // A receiver that is gone needs no report.
+    let _ = events.deliver(Event::BrokerDrops(report)).await;
+}
+
+fn lock(watch: &Mutex<SysWatch>) -> MutexGuard<'_, SysWatch> {
+    // The watch is a few plain fields, whole after any panic.
+    watch.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What each SUBSCRIBE we asked for was for, to read its SUBACK: asked in order, given a
+/// packet id in that order (`Outgoing::Subscribe`), answered by packet id.
+#[derive(Debug, Default)]
+struct SubRequests {
+    /// Asked (in rumqttc's request channel or its queue for the next connection), no packet
+    /// id yet; front = oldest.
+    asked: VecDeque<SubKind>,
+    /// Written, awaiting their SUBACK.
+    sent: Vec<(u16, SubKind)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SubKind {
+    /// The pipelines' filters.
+    Inputs,
+    /// The broker's `$SYS` count of dropped messages.
+    Sys,
+}
+
+impl SubRequests {
+    fn asked(&mut self, kind: SubKind) {
+        self.asked.push_back(kind);
+    }
+
+    fn sent(&mut self, pkid: u16) {
+        if let Some(kind) = self.asked.pop_front() {
+            self.sent.retain(|(p, _)| *p != pkid);
+            self.sent.push((pkid, kind));
+        }
+    }
+
+    fn acked(&mut self, pkid: u16) -> Option<SubKind> {
+        let at = self.sent.iter().position(|(p, _)| *p == pkid)?;
+        Some(self.sent.swap_remove(at).1)
+    }
+
+    /// The connection is gone: written SUBSCRIBEs get no answer.
+    fn connection_gone(&mut self) {
+        self.sent.clear();
+    }
+
+    /// The broker kept no session: rumqttc dropped the requests it held for it.
+    fn session_lost(&mut self) {
+        self.asked.clear();
     }
 }
 
@@ -710,12 +838,6 @@ fn describe(e: &ConnectionError) -> String {
     }
 }
 
-/// Jitter only has to differ between agents restarting together, not be unpredictable.
-fn seed() -> u64 {
-    let nanos = crate::clock::system_wall_ns() as u64;
-    (nanos ^ (u64::from(std::process::id()) << 32)) | 1
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -728,6 +850,7 @@ mod tests {
         }
         Queues {
             pubs,
+            abandoned: Vec::new(),
             acks: VecDeque::new(),
             live: Some(1),
             channel_acks: 0,
@@ -809,6 +932,33 @@ mod tests {
         assert_eq!(q.pubs.next_to_hand().map(|p| p.topic.as_str()), Some("t/3"));
         q.pubs.on_await_ack(1);
         assert_eq!(q.pubs.unbound_len(), 1);
+    }
+
+    #[test]
+    fn each_suback_is_read_as_the_subscribe_it_answers_across_reconnects() {
+        let mut subs = SubRequests::default();
+        subs.asked(SubKind::Inputs);
+        subs.asked(SubKind::Sys);
+        subs.sent(1);
+        subs.sent(2);
+        assert_eq!(subs.acked(2), Some(SubKind::Sys));
+        assert_eq!(subs.acked(2), None, "answered once");
+        // Lost before its SUBACK: never answered. One asked and not sent yet goes out
+        // first on the next connection (rumqttc's queue for it), before the new ones.
+        subs.asked(SubKind::Sys);
+        subs.connection_gone();
+        assert_eq!(subs.acked(1), None);
+        subs.asked(SubKind::Inputs);
+        subs.sent(7);
+        subs.sent(8);
+        assert_eq!(subs.acked(7), Some(SubKind::Sys));
+        assert_eq!(subs.acked(8), Some(SubKind::Inputs));
+        // A broker without our session: rumqttc dropped what it kept for it.
+        subs.asked(SubKind::Inputs);
+        subs.session_lost();
+        subs.asked(SubKind::Sys);
+        subs.sent(3);
+        assert_eq!(subs.acked(3), Some(SubKind::Sys));
     }
 
     #[test]

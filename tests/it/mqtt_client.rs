@@ -14,20 +14,7 @@ use cairn::mqtt::{Event, Events, Incoming, Mqtt, MqttError};
 const STEP: Duration = Duration::from_secs(10);
 
 fn config(port: u16, client_id: &str) -> MqttConfig {
-    support::init_log();
-    MqttConfig {
-        host: "127.0.0.1".into(),
-        port,
-        client_id: client_id.into(),
-        keep_alive: Duration::from_secs(5),
-        username: None,
-        password_file: None,
-        tls: None,
-        ingest_batch: 20,
-        reconnect_min: Duration::from_millis(50),
-        reconnect_max: Duration::from_millis(400),
-        channel_capacity: 256,
-    }
+    support::mqtt_config(port, client_id)
 }
 
 /// The next event that `want` accepts; other events are skipped. Panics after `timeout`.
@@ -259,7 +246,7 @@ fn reconnects_with_backoff_after_a_broker_kill_and_the_subscription_survives() {
     std::thread::sleep(Duration::from_millis(2200));
     broker.kill();
     let reason = expect(&rx, STEP, |e| match e {
-        Event::Disconnected { reason } => Some(reason),
+        Event::Disconnected { reason, .. } => Some(reason),
         _ => None,
     });
     assert!(!reason.is_empty());
@@ -342,7 +329,7 @@ fn a_bad_password_is_a_clear_error_and_not_a_tight_loop() {
     cfg.password_file = Some(file);
     let (mqtt, rx) = Mqtt::start(&cfg, vec![], 10).unwrap();
     let reason = expect(&rx, STEP, |e| match e {
-        Event::Disconnected { reason } => Some(reason),
+        Event::Disconnected { reason, .. } => Some(reason),
         Event::Connected { .. } => panic!("connected with a wrong password"),
         _ => None,
     });
@@ -401,6 +388,8 @@ fn tls_with_a_private_ca_connects_and_carries_messages() {
                 acked = true;
             }
             Event::Message(m) => got = Some(m),
+            // The input connection's watch of the broker's drops (tests/it/mqtt_sys.rs).
+            Event::BrokerDrops(_) => {}
             other => panic!("unexpected {other:?}"),
         }
     }

@@ -94,20 +94,7 @@ fn scripted_broker(listener: TcpListener, seen: Sender<Seen>) {
 }
 
 fn config(port: u16) -> MqttConfig {
-    support::init_log();
-    MqttConfig {
-        host: "127.0.0.1".into(),
-        port,
-        client_id: "cairn-flow".into(),
-        keep_alive: Duration::from_secs(5),
-        username: None,
-        password_file: None,
-        tls: None,
-        ingest_batch: 20,
-        reconnect_min: Duration::from_millis(50),
-        reconnect_max: Duration::from_millis(400),
-        channel_capacity: 256,
-    }
+    support::mqtt_config(port, "cairn-flow")
 }
 
 fn next(seen: &Receiver<Seen>, deadline: Instant) -> Option<Seen> {

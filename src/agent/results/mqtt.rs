@@ -311,7 +311,11 @@ impl MqttSink {
             return Ok(());
         };
         match ev {
-            Event::PubAcked { .. } | Event::Uplink(_) => {}
+            Event::PubAcked { .. }
+            | Event::Uplink(_)
+            | Event::BrokerDrops(_)
+            | Event::PubRefused { .. }
+            | Event::TooLarge { .. } => {}
             Event::Connected { session_present } => {
                 log::info!(
                     "uplink: connected to {} (session present: {session_present}); {entries} \
@@ -327,7 +331,7 @@ impl MqttSink {
                 }
                 self.cursor.connected();
             }
-            Event::Disconnected { reason } => {
+            Event::Disconnected { reason, .. } => {
                 if u.link.lost(wall) {
                     log::warn!(
                         "uplink: lost {}: {reason}; results wait in the outbox ({entries} now, \

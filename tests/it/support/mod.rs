@@ -73,6 +73,26 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// Settings of a connection made by `cairn::mqtt` directly (no agent) to a test broker:
+/// fast reconnects (50 ms to 400 ms), a 5 s keep-alive (the shortest rumqttc's MQTT 5 client
+/// takes), anonymous, plain TCP. Logging goes to the test harness.
+pub fn mqtt_config(port: u16, client_id: &str) -> cairn::config::MqttConfig {
+    init_log();
+    cairn::config::MqttConfig {
+        host: "127.0.0.1".into(),
+        port,
+        client_id: client_id.into(),
+        keep_alive: Duration::from_secs(5),
+        username: None,
+        password_file: None,
+        tls: None,
+        ingest_batch: 20,
+        reconnect_min: Duration::from_millis(50),
+        reconnect_max: Duration::from_millis(400),
+        channel_capacity: 256,
+    }
+}
+
 /// Finds a tool on PATH or in the sbin directories (mosquitto lives in /usr/sbin).
 fn find_tool(name: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();
