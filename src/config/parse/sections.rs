@@ -292,7 +292,7 @@ impl Validator {
                     || {
                         format!(
                             "must be between 1MiB and 16GiB, found {}: the dedup ledger's index \
-                             takes 7 to 14 bytes per event ID in the window",
+                             takes about 4.5 bytes per event ID in the window",
                             format_size(n)
                         )
                     },
