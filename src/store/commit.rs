@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use sled::Transactional;
 
-use super::ledger::{self, Added};
+use super::ledger::{self, Added, NewChunk};
 use super::outbox;
 use super::{
     BACKFILL_KEY, CHECKPOINT_HISTORY, CheckpointInfo, DEAD_PRUNE_MAX, DEAD_STATS_KEY,
@@ -16,17 +16,6 @@ use super::{
     pkey_dead,
 };
 use crate::pipeline::engine::{Batch, Checkpoint, DeadLetter, Output, Progress};
-
-/// A ledger chunk a commit adds.
-struct NewChunk {
-    pipeline: String,
-    suffix: ledger::Suffix,
-    max_seen: u64,
-    /// Bytes of its key and value.
-    bytes: u64,
-    /// [`ledger::id_hash`] of each entry.
-    hashes: Vec<u64>,
-}
 
 /// A ledger group a commit drops: every entry in it has expired.
 struct Dropped {
@@ -304,28 +293,24 @@ impl Store {
     fn update_ledger(&self, mem: &mut Mem, lw: LedgerWrites) -> Result<(), StoreError> {
         let bound = self.bounds.ledger_index_bytes();
         let mut freed = BTreeSet::new();
+        let mut removals = Vec::new();
         for d in lw.dropped {
-            mem.ledgers.drop_oldest(d.pid, d.seq, &d.hashes);
+            mem.ledgers
+                .drop_oldest(d.pid, d.seq, &d.hashes, &mut removals);
             freed.insert(d.pipeline);
         }
+        mem.ledgers.remove_entries(&removals);
         // Room freed by expiry goes first to groups the bound left out of the index.
         for p in freed {
             self.promote(mem, &p, bound)?;
         }
-        let mut full = mem.ledgers.unindexed_chunks() > 0;
-        for c in lw.added {
-            let added =
-                mem.ledgers
-                    .add_chunk(&c.pipeline, c.suffix, c.max_seen, c.bytes, &c.hashes, bound);
-            if added == Added::Unindexed && !full {
-                full = true;
-                log::warn!(
-                    "store: the dedup ledger index reached storage.ledger_index_max ({bound} \
-                     bytes): new chunks of pipeline {} are not indexed, and every lookup reads \
-                     them (exact, but slower); raise the bound or shorten dedup_window",
-                    crate::text::Shown(&c.pipeline)
-                );
-            }
+        let full = mem.ledgers.unindexed_chunks() > 0;
+        if mem.ledgers.add_chunks(&lw.added, bound) == Added::Unindexed && !full {
+            log::warn!(
+                "store: the dedup ledger index reached storage.ledger_index_max ({bound} \
+                 bytes): new ledger chunks are not indexed, and every lookup reads them \
+                 (exact, but slower); raise the bound or shorten dedup_window"
+            );
         }
         Ok(())
     }

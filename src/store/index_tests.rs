@@ -40,7 +40,7 @@ fn check(ix: &PagedIndex) {
     for (p, page) in ix.pages.iter().enumerate() {
         assert!(page.first < page.end);
         for b in page.first as usize..page.end as usize {
-            assert_eq!(ix.page_of[b] as usize, p, "bucket {b}");
+            assert_eq!(ix.dir[b].0 as usize, p, "bucket {b}");
             let (_, lo, hi) = ix.range(b);
             assert!(lo <= hi && hi <= page.slots.len());
             assert!(
@@ -48,7 +48,7 @@ fn check(ix: &PagedIndex) {
                 "bucket {b} sorted"
             );
         }
-        assert_eq!(ix.start[page.first as usize], 0);
+        assert_eq!(ix.dir[page.first as usize].1, 0);
         assert!(page.slots.len() <= PAGE_MAX || page.end - page.first == 1);
         assert_eq!(page.slots.capacity() % STEP, 0, "capacity in whole steps");
         total += page.slots.len();
@@ -59,6 +59,11 @@ fn check(ix: &PagedIndex) {
     assert!(covered.windows(2).all(|w| w[0].1 == w[1].0), "runs meet");
     assert_eq!(covered.last().unwrap().1 as usize, BUCKETS);
     assert_eq!(total, ix.len);
+    let capacity: usize = ix.pages.iter().map(|p| p.slots.capacity()).sum();
+    assert_eq!(
+        capacity, ix.capacity,
+        "the capacity count follows the pages"
+    );
 }
 
 #[test]
@@ -180,6 +185,8 @@ enum Op {
     Query(u64),
     /// Insert a batch, after asking `bytes_to_hold` what it would take.
     Many(Vec<u64>, u16),
+    /// Remove a batch.
+    RemoveMany(Vec<(u64, u16)>),
 }
 
 /// Hashes from a small set of buckets and rests (so that equal ones are common), with
@@ -194,6 +201,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (hash(), 0u16..4).prop_map(|(x, t)| Op::Remove(x, t)),
         3 => hash().prop_map(Op::Query),
         1 => (proptest::collection::vec(hash(), 0..40), 0u16..4).prop_map(|(v, t)| Op::Many(v, t)),
+        1 => proptest::collection::vec((hash(), 0u16..4), 0..40).prop_map(Op::RemoveMany),
     ]
 }
 
@@ -236,11 +244,29 @@ proptest! {
                 }
                 Op::Many(xs, t) => {
                     let bound = ix.bytes_to_hold(&xs).unwrap();
+                    // One at a time or all at once: the same multiset.
+                    if t % 2 == 0 {
+                        for &x in &xs {
+                            ix.insert(x, t);
+                        }
+                    } else {
+                        let items: Vec<(u64, u16)> = xs.iter().map(|&x| (x, t)).collect();
+                        ix.insert_many(&items);
+                    }
                     for &x in &xs {
-                        ix.insert(x, t);
                         *model.entry(model_key(x, t)).or_default() += 1;
                     }
                     prop_assert!(ix.memory_bytes() <= bound, "{} > {bound}", ix.memory_bytes());
+                }
+                Op::RemoveMany(items) => {
+                    let mut want = 0;
+                    for &(x, t) in &items {
+                        if let Some(n) = model.get_mut(&model_key(x, t)).filter(|n| **n > 0) {
+                            *n -= 1;
+                            want += 1;
+                        }
+                    }
+                    prop_assert_eq!(ix.remove_many(&items), want);
                 }
             }
             check(&ix);

@@ -280,6 +280,16 @@ impl Ledger {
     }
 }
 
+/// A chunk to add to the ledger: its pipeline, key suffix, greatest record time, the bytes of
+/// its key and value in the tree, and its entries' [`id_hash`]es.
+pub(crate) struct NewChunk {
+    pub pipeline: String,
+    pub suffix: Suffix,
+    pub max_seen: u64,
+    pub bytes: u64,
+    pub hashes: Vec<u64>,
+}
+
 /// Group `seq` of pipeline `pid`: who owns a tag.
 type Owner = (u32, u64);
 
@@ -404,10 +414,8 @@ impl Ledgers {
         out.dedup();
     }
 
-    /// Add a chunk of `pipeline`: its key suffix, greatest record time, entries, the bytes
-    /// of its key and value in the tree, and its entries' [`id_hash`]es. It joins the
-    /// newest group if that has room and is indexed (or not) as the chunk would be; else it
-    /// starts a group. Indexed if that keeps the index within `bound` bytes.
+    /// Add one chunk (see [`Ledgers::add_chunks`]).
+    #[cfg(test)]
     pub(crate) fn add_chunk(
         &mut self,
         pipeline: &str,
@@ -417,8 +425,54 @@ impl Ledgers {
         hashes: &[u64],
         bound: usize,
     ) -> Added {
-        let pid = self.pid_or_add(pipeline);
-        let entries = hashes.len() as u64;
+        let c = NewChunk {
+            pipeline: pipeline.to_string(),
+            suffix,
+            max_seen,
+            bytes,
+            hashes: hashes.to_vec(),
+        };
+        self.add_chunks(std::slice::from_ref(&c), bound)
+    }
+
+    /// Add chunks, each sorting after its pipeline's older ones. If the index can hold all
+    /// their entries within `bound` bytes they go in with one batched insert; else one
+    /// chunk at a time, each indexed if it still fits. Returns `Unindexed` if any was left
+    /// out (see the module docs).
+    pub(crate) fn add_chunks(&mut self, chunks: &[NewChunk], bound: usize) -> Added {
+        let all: Vec<u64> = chunks
+            .iter()
+            .flat_map(|c| c.hashes.iter().copied())
+            .collect();
+        let mut inserts = Vec::with_capacity(all.len());
+        if self.index.bytes_to_hold(&all).is_some_and(|b| b <= bound) {
+            for c in chunks {
+                self.place(c, true, &mut inserts);
+            }
+            self.index.insert_many(&inserts);
+            return Added::Indexed;
+        }
+        let mut added = Added::Indexed;
+        for c in chunks {
+            let fits = self
+                .index
+                .bytes_to_hold(&c.hashes)
+                .is_some_and(|b| b <= bound);
+            inserts.clear();
+            if self.place(c, fits, &mut inserts) == Added::Unindexed {
+                added = Added::Unindexed;
+            }
+            self.index.insert_many(&inserts);
+        }
+        added
+    }
+
+    /// Put a chunk into a group: the newest if that has room and is indexed (or not) as the
+    /// chunk will be (`fits`), else a new one. The entries to index go into `inserts`.
+    fn place(&mut self, c: &NewChunk, fits: bool, inserts: &mut Vec<(u64, u16)>) -> Added {
+        let pid = self.pid_or_add(&c.pipeline);
+        let (suffix, bytes, max_seen) = (c.suffix, c.bytes, c.max_seen);
+        let entries = c.hashes.len() as u64;
         let l = &mut self.ledgers[pid as usize];
         l.entries += entries;
         l.bytes = l.bytes.saturating_add(bytes);
@@ -427,7 +481,11 @@ impl Ledgers {
         // does not happen; if it ever did, the group grows past its size, and its tag covers
         // the chunk even past the bound: slower, or over the bound, never a wrong answer.
         let after = l.groups.partition_point(|g| g.first <= suffix);
-        if after < l.groups.len() {
+        let joins = after < l.groups.len()
+            || l.groups.back().is_some_and(|g| {
+                g.bytes.saturating_add(bytes) <= GROUP_BYTES && g.tag.is_some() == fits
+            });
+        if joins {
             let i = after.saturating_sub(1);
             let g = &mut l.groups[i];
             if after == 0 {
@@ -437,55 +495,32 @@ impl Ledgers {
             g.bytes = g.bytes.saturating_add(bytes);
             g.entries += entries;
             g.chunks += 1;
-            if let Some(tag) = g.tag {
-                for &h in hashes {
-                    self.index.insert(h, tag);
+            return match g.tag {
+                Some(tag) => {
+                    inserts.extend(c.hashes.iter().map(|&h| (h, tag)));
+                    Added::Indexed
                 }
-                return Added::Indexed;
-            }
+                None => Added::Unindexed,
+            };
+        }
+        let seq = l.first_seq + l.groups.len() as u64;
+        l.groups.push_back(Group {
+            first: suffix,
+            max_seen,
+            bytes,
+            entries,
+            chunks: 1,
+            tag: None,
+        });
+        if !fits {
+            l.unindexed.insert(seq);
             return Added::Unindexed;
         }
-        let fits = self.index.bytes_to_hold(hashes).is_some_and(|b| b <= bound);
-        let joins = l.groups.back().is_some_and(|g| {
-            g.bytes.saturating_add(bytes) <= GROUP_BYTES && g.tag.is_some() == fits
-        });
-        if joins {
-            let g = l.groups.back_mut().expect("joins the newest group");
-            g.max_seen = g.max_seen.max(max_seen);
-            g.bytes += bytes;
-            g.entries += entries;
-            g.chunks += 1;
-            if let Some(tag) = g.tag {
-                for &h in hashes {
-                    self.index.insert(h, tag);
-                }
-            }
-        } else {
-            let seq = l.first_seq + l.groups.len() as u64;
-            l.groups.push_back(Group {
-                first: suffix,
-                max_seen,
-                bytes,
-                entries,
-                chunks: 1,
-                tag: None,
-            });
-            if fits {
-                let tag = self.take_tag((pid, seq));
-                for &h in hashes {
-                    self.index.insert(h, tag);
-                }
-                let l = &mut self.ledgers[pid as usize];
-                l.groups.back_mut().expect("just pushed").tag = Some(tag);
-            } else {
-                self.ledgers[pid as usize].unindexed.insert(seq);
-            }
-        }
-        if fits {
-            Added::Indexed
-        } else {
-            Added::Unindexed
-        }
+        let tag = self.take_tag((pid, seq));
+        inserts.extend(c.hashes.iter().map(|&h| (h, tag)));
+        let l = &mut self.ledgers[pid as usize];
+        l.groups.back_mut().expect("just pushed").tag = Some(tag);
+        Added::Indexed
     }
 
     /// A tag for a new indexed group: one no other indexed group has, while there is one.
@@ -543,8 +578,15 @@ impl Ledgers {
     }
 
     /// Drop the oldest group of `pid`, which must be `seq`, whose chunks' entries have these
-    /// hashes (read from the tree before its chunks were deleted).
-    pub(crate) fn drop_oldest(&mut self, pid: u32, seq: u64, hashes: &[u64]) {
+    /// hashes (read from the tree before its chunks were deleted). Its index entries go
+    /// into `removals`, for [`Ledgers::remove_entries`].
+    pub(crate) fn drop_oldest(
+        &mut self,
+        pid: u32,
+        seq: u64,
+        hashes: &[u64],
+        removals: &mut Vec<(u64, u16)>,
+    ) {
         let l = &mut self.ledgers[pid as usize];
         assert_eq!(seq, l.first_seq, "ledger groups expire oldest first");
         let g = l.groups.pop_front().expect("the group to drop");
@@ -554,18 +596,24 @@ impl Ledgers {
         debug_assert_eq!(g.entries, hashes.len() as u64, "every entry is dropped");
         match g.tag {
             Some(tag) => {
-                // An entry of another group with the same 32 bits and tag is the same entry,
-                // so which one goes does not matter.
-                for &h in hashes {
-                    let found = self.index.remove(h, tag);
-                    debug_assert!(found, "every entry of an indexed group is indexed");
-                }
+                removals.extend(hashes.iter().map(|&h| (h, tag)));
                 self.release_tag(tag, (pid, seq));
             }
             None => {
                 l.unindexed.remove(&seq);
             }
         }
+    }
+
+    /// Take the entries of dropped groups out of the index, all at once. An entry of another
+    /// group with the same bits and tag is the same entry, so which one goes does not matter.
+    pub(crate) fn remove_entries(&mut self, removals: &[(u64, u16)]) {
+        let found = self.index.remove_many(removals);
+        debug_assert_eq!(
+            found,
+            removals.len(),
+            "every entry of an indexed group is indexed"
+        );
     }
 
     /// Up to `limit` unindexed groups of `pid`, oldest first.
@@ -582,9 +630,8 @@ impl Ledgers {
             return false;
         }
         let tag = self.take_tag((pid, seq));
-        for &h in hashes {
-            self.index.insert(h, tag);
-        }
+        let inserts: Vec<(u64, u16)> = hashes.iter().map(|&h| (h, tag)).collect();
+        self.index.insert_many(&inserts);
         let l = &mut self.ledgers[pid as usize];
         let i = (seq - l.first_seq) as usize;
         l.groups[i].tag = Some(tag);
@@ -725,7 +772,9 @@ mod tests {
             );
         }
         for i in 0..n {
-            l.drop_oldest(pid, i, &chunk_hashes(&h, "p", &chunk(i)));
+            let mut removals = Vec::new();
+            l.drop_oldest(pid, i, &chunk_hashes(&h, "p", &chunk(i)), &mut removals);
+            l.remove_entries(&removals);
             assert!(!found(&l, i).contains(&i));
             for j in i + 1..n {
                 assert!(found(&l, j).contains(&j), "E{j} after dropping {i}");

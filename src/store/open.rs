@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// Ledger entries loaded into the index at a time.
+const LOAD_BATCH: usize = 1 << 16;
+
 impl Store {
     /// Open (or create) the store in `dir` with the default [`StoreBounds`]. See the module
     /// docs for the fsyncs it does.
@@ -82,7 +85,9 @@ impl Store {
     /// is read once, its entries hashed, none decoded into strings.
     pub(super) fn load_ledger(&self, mem: &mut Mem) -> Result<(), StoreError> {
         let bound = self.bounds.ledger_index_bytes();
-        let mut hashes = Vec::new();
+        // Chunks go in a batch at a time, sorted into the index together.
+        let mut batch: Vec<ledger::NewChunk> = Vec::new();
+        let mut pending = 0;
         for (n, kv) in self.dedup.iter().enumerate() {
             release_while_walking(n);
             let (k, v) = kv?;
@@ -90,16 +95,26 @@ impl Store {
             let suffix: ledger::Suffix = suffix
                 .try_into()
                 .map_err(|_| StoreError::Corrupt("a ledger key of another length".into()))?;
-            hashes.clear();
+            let mut hashes = Vec::new();
             let (max_seen, _) = ledger::scan_chunk(&v, |id, _| {
                 hashes.push(ledger::id_hash(&self.hasher, &p, id));
                 true
             })
             .map_err(|_| bad_chunk())?;
-            let bytes = (k.len() + v.len()) as u64;
-            mem.ledgers
-                .add_chunk(&p, suffix, max_seen, bytes, &hashes, bound);
+            pending += hashes.len();
+            batch.push(ledger::NewChunk {
+                pipeline: p,
+                suffix,
+                max_seen,
+                bytes: (k.len() + v.len()) as u64,
+                hashes,
+            });
+            if pending >= LOAD_BATCH {
+                mem.ledgers.add_chunks(&batch, bound);
+                (batch, pending) = (Vec::new(), 0);
+            }
         }
+        mem.ledgers.add_chunks(&batch, bound);
         let unindexed = mem.ledgers.unindexed_chunks();
         if unindexed > 0 {
             log::warn!(
