@@ -87,6 +87,9 @@ pub struct Batch {
     /// in whole chunks, so some live on a little longer; dedup decisions never depend on
     /// when an entry is forgotten, only on its recorded time.
     pub dedup_expired_at_or_before: Vec<(String, u64)>,
+    /// Every configured pipeline's dedup window (ms): the store records them, so that the
+    /// ledger of a pipeline no longer configured still expires by its own window.
+    pub dedup_windows: Vec<(String, u64)>,
     pub outputs: Vec<(u64, Output)>,
     pub dead_letters: Vec<DeadLetter>,
     /// Records applied into this batch.
@@ -748,6 +751,9 @@ impl Engine {
     pub fn take_checkpoint(&mut self) -> Checkpoint {
         self.flush_upserts();
         for (p, spec) in self.specs.iter().enumerate() {
+            self.batch
+                .dedup_windows
+                .push((spec.name.clone(), spec.dedup_window_ms));
             // Expired: `now - seen >= window`, and the pipeline's clock never goes back (a
             // backfill's clock stays below the log clock, which it then joins).
             let now = match self.progress.pipelines[p].backfill {

@@ -3,27 +3,37 @@
 //! write batch (checking each value's bound), run the transaction, then bring the in-memory
 //! ledger index and outbox up to what the trees now hold, and fsync.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::sync::Arc;
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use sled::Transactional;
 
-use super::ledger::{self, Chunk};
+use super::ledger::{self, Added, NewChunk};
 use super::outbox;
 use super::{
     BACKFILL_KEY, CHECKPOINT_HISTORY, CheckpointInfo, DEAD_PRUNE_MAX, DEAD_STATS_KEY,
-    DeadLetterStats, FORMAT_KEY, Mem, PROGRESS_KEY, PROMOTE_MAX, STORE_FORMAT, Store, StoreError,
-    backfill_record, bounded, dead_letter_value, decode, encode, index_room, io_err, pkey,
+    DeadLetterStats, FORMAT_KEY, LEDGER_WINDOWS_KEY, Mem, PROGRESS_KEY, PROMOTE_MAX, STORE_FORMAT,
+    Store, StoreError, backfill_record, bounded, dead_letter_value, decode, encode, io_err, pkey,
     pkey_dead,
 };
 use crate::model::{DeadLetter, Output, Progress};
 use crate::pipeline::engine::{Batch, Checkpoint};
 
-/// Ledger chunks a commit drops: (pipeline, key suffix, chunk).
-type ChunkChanges = Vec<(String, Vec<u8>, Chunk)>;
+/// A ledger group a commit drops: every entry in it has expired.
+struct Dropped {
+    pipeline: String,
+    pid: u32,
+    seq: u64,
+    hashes: Vec<u64>,
+}
 
-/// Ledger chunks a commit adds: (pipeline, key suffix, chunk, bytes of its key and value).
-type ChunksAdded = Vec<(String, Vec<u8>, Chunk, u64)>;
+/// The ledger's part of a commit.
+struct LedgerWrites {
+    batch: sled::Batch,
+    added: Vec<NewChunk>,
+    dropped: Vec<Dropped>,
+    /// The dedup windows to record, if they changed (see `LEDGER_WINDOWS_KEY`).
+    windows: Option<(BTreeMap<String, u64>, Vec<u8>)>,
+}
 
 /// Every tree's writes for one checkpoint, built before the transaction.
 struct Writes {
@@ -37,6 +47,8 @@ struct Writes {
     backfill: Vec<u8>,
     /// `None` when the counts did not change.
     dead_stats: Option<Vec<u8>>,
+    /// `None` when the dedup windows did not change.
+    windows: Option<Vec<u8>>,
 }
 
 impl Store {
@@ -76,7 +88,7 @@ impl Store {
         let state = state_batch(b)?;
         let mut mem = self.lock();
         let mem = &mut *mem;
-        let (dedup, added, dropped) = self.ledger_batch(mem, b, cp.progress.checkpoint_id)?;
+        let mut lw = self.ledger_batch(mem, cp)?;
         let out_chunks = outbox_chunks(mem, b);
         let (outbox, out_bytes) = outbox_batch(&out_chunks)?;
         let (dead, dead_stats) = self.dead_letter_batch(&b.dead_letters, &cp.progress, mem.dead)?;
@@ -90,10 +102,10 @@ impl Store {
             committed_at_ms,
         };
         let checkpoints = checkpoints_batch(&info)?;
-        let progress = progress_with_ledger_sizes(mem, &cp.progress, &added, &dropped);
+        let progress = progress_with_ledger_sizes(mem, &cp.progress, &lw);
         let writes = Writes {
             state,
-            dedup,
+            dedup: std::mem::take(&mut lw.batch),
             outbox,
             dead,
             checkpoints,
@@ -102,51 +114,144 @@ impl Store {
             dead_stats: (dead_stats != mem.dead)
                 .then(|| bounded("meta", DEAD_STATS_KEY, encode(&dead_stats)))
                 .transpose()?,
+            windows: lw.windows.as_ref().map(|(_, v)| v.clone()),
         };
         self.transaction(&writes)?;
         mem.dead = dead_stats;
-        self.update_memory(mem, added, dropped, out_chunks, out_bytes)?;
+        if let Some((windows, _)) = lw.windows.take() {
+            mem.windows = windows;
+        }
+        self.update_ledger(mem, lw)?;
+        self.update_outbox(mem, out_chunks, out_bytes)?;
         Ok(info)
     }
 
-    /// The ledger: this checkpoint's entries as new chunks, wholly expired chunks out.
-    fn ledger_batch(
-        &self,
-        mem: &mut Mem,
-        b: &Batch,
-        checkpoint_id: u64,
-    ) -> Result<(sled::Batch, ChunksAdded, ChunkChanges), StoreError> {
-        let mut by_pipeline: HashMap<&str, Vec<(String, u64)>> = HashMap::new();
+    /// The ledger: this checkpoint's entries as new chunks, wholly expired groups of chunks
+    /// out (for every pipeline with a ledger: a configured one by the cutoff the engine
+    /// gives, a dormant one by its recorded window on its own clock), and the windows.
+    fn ledger_batch(&self, mem: &mut Mem, cp: &Checkpoint) -> Result<LedgerWrites, StoreError> {
+        let b = &cp.batch;
+        let mut by_pipeline: BTreeMap<&str, Vec<(String, u64)>> = BTreeMap::new();
         for ((p, id), seen) in &b.dedup {
             by_pipeline
                 .entry(p.as_str())
                 .or_default()
                 .push((id.clone(), *seen));
         }
-        let mut dedup = sled::Batch::default();
-        let mut added: ChunksAdded = Vec::new();
+        let mut batch = sled::Batch::default();
+        let mut added = Vec::new();
+        let mut new_chunks: BTreeMap<&str, usize> = BTreeMap::new();
         for (p, entries) in by_pipeline {
-            for (suffix, chunk) in ledger::make_chunks(entries, checkpoint_id) {
+            for (suffix, chunk) in ledger::make_chunks(entries, cp.progress.checkpoint_id) {
                 let key = pkey(p, &suffix);
                 let value = bounded("dedup", &key, encode(&chunk))?;
                 let bytes = (key.len() + value.len()) as u64;
-                dedup.insert(key, value);
-                added.push((p.to_string(), suffix, chunk, bytes));
+                batch.insert(key, value);
+                *new_chunks.entry(p).or_default() += 1;
+                added.push(NewChunk {
+                    pipeline: p.to_string(),
+                    suffix,
+                    max_seen: chunk.max_seen_ms,
+                    bytes,
+                    hashes: chunk
+                        .entries
+                        .iter()
+                        .map(|(id, _)| ledger::id_hash(&self.hasher, p, id.as_bytes()))
+                        .collect(),
+                });
             }
         }
-        let mut dropped: ChunkChanges = Vec::new();
-        for (p, cutoff) in &b.dedup_expired_at_or_before {
-            let Some(l) = mem.ledgers.get(p) else {
+        let configured: BTreeSet<&str> = (b.dedup_windows.iter())
+            .chain(&b.dedup_expired_at_or_before)
+            .map(|(p, _)| p.as_str())
+            .collect();
+        let mut cutoffs = b.dedup_expired_at_or_before.clone();
+        cutoffs.extend(self.dormant_cutoffs(mem, &cp.progress, &configured));
+        let mut dropped = Vec::new();
+        for (p, cutoff) in &cutoffs {
+            let Some(pid) = mem.ledgers.pid(p) else {
                 continue;
             };
-            for suffix in l.expired(*cutoff, ledger::EXPIRE_CHUNKS_MAX) {
-                let key = pkey(p, &suffix);
-                let chunk = self.ledger_chunk(&mut mem.chunks, &key)?;
-                dedup.remove(key);
-                dropped.push((p.clone(), suffix, Chunk::clone(&chunk)));
+            // At least as many groups as this checkpoint may start, so that the ledger keeps
+            // up with any rate; bounded by the checkpoint's size.
+            let limit =
+                ledger::EXPIRE_GROUPS_MAX + new_chunks.get(p.as_str()).copied().unwrap_or(0);
+            for seq in mem.ledgers.expired(pid, *cutoff, limit) {
+                let (keys, hashes) = self.ledger_group_hashes(&mem.ledgers, p, pid, seq)?;
+                for k in keys {
+                    batch.remove(k);
+                }
+                dropped.push(Dropped {
+                    pipeline: p.clone(),
+                    pid,
+                    seq,
+                    hashes,
+                });
             }
         }
-        Ok((dedup, added, dropped))
+        let mut windows = mem.windows.clone();
+        windows.extend(b.dedup_windows.iter().cloned());
+        windows.retain(|p, _| {
+            configured.contains(p.as_str()) || mem.ledgers.get(p).is_some_and(|l| l.entries() > 0)
+        });
+        let windows = if windows == mem.windows {
+            None
+        } else {
+            let list: Vec<(&String, &u64)> = windows.iter().collect();
+            let v = bounded("meta", LEDGER_WINDOWS_KEY, encode(&list))?;
+            Some((windows, v))
+        };
+        Ok(LedgerWrites {
+            batch,
+            added,
+            dropped,
+            windows,
+        })
+    }
+
+    /// Cutoffs for the ledgers of pipelines the engine did not name (dormant: stored, no
+    /// longer configured): their recorded window, measured on their own clock (the log
+    /// clock, or their backfill's, which a configured pipeline would use). A pipeline whose
+    /// window was never recorded (a store from a build before the record) keeps its ledger,
+    /// and the journal says so once.
+    fn dormant_cutoffs(
+        &self,
+        mem: &mut Mem,
+        progress: &Progress,
+        configured: &BTreeSet<&str>,
+    ) -> Vec<(String, u64)> {
+        let mut cutoffs = Vec::new();
+        let mut unknown = Vec::new();
+        for (name, _) in mem.ledgers.named() {
+            if configured.contains(name) {
+                continue;
+            }
+            let Some(&window) = mem.windows.get(name) else {
+                unknown.push(name.to_string());
+                continue;
+            };
+            let clock = progress
+                .pipelines
+                .iter()
+                .find(|pp| pp.name == name)
+                .and_then(|pp| pp.backfill)
+                .map_or(progress.log_clock_ms, |b| b.clock_ms);
+            if let Some(cutoff) = clock.checked_sub(window) {
+                cutoffs.push((name.to_string(), cutoff));
+            }
+        }
+        for name in unknown {
+            if mem.warned_windows.insert(name.clone()) {
+                log::warn!(
+                    "store: pipeline {} is not configured and its dedup window was never \
+                     recorded (a store from an older cairn): its dedup ledger is kept until it \
+                     is configured again or dropped with `cairn run --reset-pipeline {}`",
+                    crate::text::Shown(&name),
+                    crate::text::Shown(&name)
+                );
+            }
+        }
+        cutoffs
     }
 
     /// All trees in one sled transaction: a checkpoint is wholly visible or not at all.
@@ -173,6 +278,9 @@ impl Store {
                 if let Some(v) = &w.dead_stats {
                     tx[0].insert(DEAD_STATS_KEY, v.as_slice())?;
                 }
+                if let Some(v) = &w.windows {
+                    tx[0].insert(LEDGER_WINDOWS_KEY, v.as_slice())?;
+                }
                 Ok::<(), sled::transaction::ConflictableTransactionError<()>>(())
             })
             .map_err(|e| match e {
@@ -181,46 +289,46 @@ impl Store {
             })
     }
 
-    /// After the transaction: the ledger index and the outbox in memory follow the trees.
-    fn update_memory(
+    /// After the transaction: the ledger's groups and index follow the tree (durable after
+    /// the fsync that follows; if that fails the process stops, and this memory with it).
+    fn update_ledger(&self, mem: &mut Mem, lw: LedgerWrites) -> Result<(), StoreError> {
+        let bound = self.bounds.ledger_index_bytes();
+        let mut freed = BTreeSet::new();
+        let mut removals = Vec::new();
+        for d in lw.dropped {
+            mem.ledgers
+                .drop_oldest(d.pid, d.seq, &d.hashes, &mut removals);
+            freed.insert(d.pipeline);
+        }
+        mem.ledgers.remove_entries(&removals);
+        // Room freed by expiry goes first to groups the bound left out of the index.
+        for p in freed {
+            self.promote(mem, &p, bound)?;
+        }
+        let full = mem.ledgers.unindexed_chunks() > 0;
+        if mem.ledgers.add_chunks(&lw.added, bound) == Added::Unindexed && !full {
+            log::warn!(
+                "store: the dedup ledger index reached storage.ledger_index_max ({bound} \
+                 bytes): new ledger chunks are not indexed, and every lookup reads them \
+                 (exact, but slower); raise the bound or shorten dedup_window"
+            );
+        }
+        Ok(())
+    }
+
+    /// After the transaction: the outbox in memory follows the tree.
+    fn update_outbox(
         &self,
         mem: &mut Mem,
-        added: ChunksAdded,
-        dropped: ChunkChanges,
         out_chunks: Vec<(u64, Vec<(u64, Output)>)>,
         out_bytes: Vec<u64>,
     ) -> Result<(), StoreError> {
-        // The trees hold it now (durable after the fsync that follows; if that fails the
-        // process stops, and this memory with it).
-        let bound = self.bounds.ledger_index_max_bytes;
-        let mut freed = BTreeSet::new();
-        for (p, suffix, chunk) in dropped {
-            mem.chunks.forget(&pkey(&p, &suffix));
-            if let Some(l) = mem.ledgers.get_mut(&p) {
-                l.remove_chunk(&self.hasher, &suffix, &chunk);
-            }
-            freed.insert(p);
-        }
-        // Room freed by expiry goes first to chunks the bound left out of the index.
-        for p in freed {
-            self.promote(mem, &p)?;
-        }
-        for (p, suffix, chunk, bytes) in added {
-            let room = index_room(&mem.ledgers, &p, bound);
-            let l = mem.ledgers.entry(p.clone()).or_default();
-            let was_full = l.unindexed_len() > 0;
-            if !l.add_chunk(&self.hasher, suffix.clone(), &chunk, bytes, room) && !was_full {
-                log::warn!(
-                    "store: the dedup ledger index reached storage.ledger_index_max ({bound} \
-                     bytes): new chunks of pipeline {p} are not indexed, and every lookup reads \
-                     them (exact, but slower); raise the bound or shorten dedup_window"
-                );
-            }
-            mem.chunks.put(pkey(&p, &suffix), Arc::new(chunk));
-        }
         let mut emptied = Vec::new();
         for ((first, entries), bytes) in out_chunks.into_iter().zip(out_bytes) {
-            emptied.extend(mem.outbox.add_chunk(first, Arc::new(entries), bytes));
+            emptied.extend(
+                mem.outbox
+                    .add_chunk(first, std::sync::Arc::new(entries), bytes),
+            );
         }
         // Chunks whose every entry a newer upsert superseded. Not fsynced, like deletions on
         // PUBACK: after a crash loading marks the same entries superseded again.
@@ -302,29 +410,20 @@ impl Store {
         Ok((batch, stats))
     }
 
-    /// Index again, oldest first, the chunks of `pipeline` that the memory bound left out,
+    /// Index again, oldest first, the groups of `pipeline` that the memory bound left out,
     /// as far as the room expiry freed allows.
-    fn promote(&self, mem: &mut Mem, pipeline: &str) -> Result<(), StoreError> {
-        let bound = self.bounds.ledger_index_max_bytes;
-        let Some(l) = mem.ledgers.get(pipeline) else {
+    fn promote(&self, mem: &mut Mem, pipeline: &str, bound: usize) -> Result<(), StoreError> {
+        let Some(pid) = mem.ledgers.pid(pipeline) else {
             return Ok(());
         };
-        if l.unindexed_len() == 0 {
-            return Ok(());
-        }
-        for suffix in l.unindexed(PROMOTE_MAX) {
-            let chunk = self.ledger_chunk(&mut mem.chunks, &pkey(pipeline, &suffix))?;
-            let room = index_room(&mem.ledgers, pipeline, bound);
-            let Some(l) = mem.ledgers.get_mut(pipeline) else {
-                break;
-            };
-            if !l.promote(&self.hasher, &suffix, &chunk, room) {
+        for seq in mem.ledgers.unindexed(pid, PROMOTE_MAX) {
+            let (_, hashes) = self.ledger_group_hashes(&mem.ledgers, pipeline, pid, seq)?;
+            if !mem.ledgers.promote(pid, seq, &hashes, bound) {
                 break;
             }
-            if l.unindexed_len() == 0 {
+            if mem.ledgers.unindexed_chunks() == 0 {
                 log::info!(
-                    "store: the dedup ledger index of pipeline {pipeline} is within \
-                     storage.ledger_index_max again"
+                    "store: the dedup ledger index is within storage.ledger_index_max again"
                 );
             }
         }
@@ -387,24 +486,15 @@ fn checkpoints_batch(info: &CheckpointInfo) -> Result<sled::Batch, StoreError> {
 }
 
 /// The progress record, with the ledger sizes this checkpoint leaves recorded with it.
-fn progress_with_ledger_sizes(
-    mem: &Mem,
-    progress: &Progress,
-    added: &ChunksAdded,
-    dropped: &ChunkChanges,
-) -> Progress {
+fn progress_with_ledger_sizes(mem: &Mem, progress: &Progress, lw: &LedgerWrites) -> Progress {
     let mut progress = progress.clone();
     for pp in &mut progress.pipelines {
         let mut n = mem.ledgers.get(&pp.name).map_or(0, |l| l.entries());
-        for (p, _, c, _) in added {
-            if *p == pp.name {
-                n += c.entries.len() as u64;
-            }
+        for c in lw.added.iter().filter(|c| c.pipeline == pp.name) {
+            n += c.hashes.len() as u64;
         }
-        for (p, _, c) in dropped {
-            if *p == pp.name {
-                n -= c.entries.len() as u64;
-            }
+        for d in lw.dropped.iter().filter(|d| d.pipeline == pp.name) {
+            n -= d.hashes.len() as u64;
         }
         pp.dedup_entries = n;
     }

@@ -1,232 +1,174 @@
-//! An in-memory fingerprint index kept in front of the sled dedup ledger.
+//! The in-memory index in front of the sled dedup ledger: 4 bytes per event ID.
 //!
 //! # What it is for
 //!
-//! Deciding whether an event ID was already recorded should not cost a sled read per event.
-//! The index holds one small entry per ledger entry: a fingerprint of the caller's 64-bit hash
-//! of the ID, and a 16-bit tag the caller chooses. It is a filter:
+//! Deciding whether an event ID was already recorded must not cost a sled read per event.
+//! The index holds one 32-bit entry per ledger entry: 16 bits of the caller's 64-bit hash
+//! of the ID (after the `d` that pick its bucket, 16 at the default bound) and a 16-bit
+//! tag the caller chooses (the ledger: the group of chunks the ID is in). It is a filter:
 //!
-//! - a **miss** (no entry) proves that the ID was never recorded: no ledger read at all;
-//! - a **hit** only says *where* to look: the ledger tags each entry with the tag of the
-//!   chunk it is in, and confirms against that chunk.
+//! - a **miss** (no entry with the ID's `d + 16` bits) proves the ID was never recorded:
+//!   no ledger read at all, the common case;
+//! - a **hit** only says *where* to look: the ledger confirms in the chunks the tag names.
 //!
-//! A first version tagged entries with their coarse record time (1.024 s units), and a hit
-//! had to read every chunk of that second: with small checkpoints that was dozens of chunks
-//! per duplicate, and the 1,000-cut soak (debug build, checkpoints of 300 records) stalled
-//! on redelivered backlogs. The tests still exercise the table through that time-shaped view.
+//! Two IDs can share those bits, so a hit may be false: one read, never a wrong decision.
+//! With `n` entries a lookup of an unrecorded ID meets a spurious entry with probability
+//! `n / 2^(d+16)`: at the default bound 0.023% at one million entries, 0.23% at ten million.
 //!
-//! Two IDs can share a fingerprint, so a hit may be false. A false positive costs one ledger
-//! read, never a wrong decision. With `n` entries, a lookup of an unrecorded ID finds a spurious
-//! entry with probability about `n / 2^31` (about 0.05% at one million entries).
+//! It is a multiset: every insert adds an entry (two IDs may share their 32 bits, and one ID
+//! may be in the ledger twice); a remove takes out one equal entry.
 //!
-//! It is a multi-map: every insert adds an entry, because two IDs may share a fingerprint and
-//! one ID may be in the ledger twice (accepted again after its entry expired). A remove takes
-//! out one entry.
-//!
-//! # Layout
-//!
-//! An open-addressing table of 6-byte slots (all zeros = empty), linear probing, deletion by
-//! backward shift (no tombstones), growing when the load would exceed 7/8: doubling while the
-//! table is small, by a quarter from [`GROW_BY_QUARTER_FROM`] slots on (see *Memory*). Each
-//! used slot holds three `u16`:
+//! # Layout: a radix directory over sorted pages
 //!
 //! ```text
-//! ┌─────────────────┬─────────────────┬─────────────────────────────┐
-//! │ fp, high half   │ fp, low half    │ tag (the ledger: its chunk) │
-//! └─────────────────┴─────────────────┴─────────────────────────────┘
-//!   fp: top 32 bits of the hash, lowest bit forced to 1
+//!  hash:  │ bucket: d bits │ rest: 16 bits │ (unused) │
+//!  entry: │ rest: 16 bits  │ tag: 16 bits  │            sorted within its bucket
+//!
+//!  buckets 0 .. 2^d - 1  ──▶  pages: Vec<u32>, each holding the entries of a run of
+//!                             consecutive buckets, bucket after bucket
 //! ```
 //!
-//! Forcing the lowest bit of `fp` to 1 makes a used slot never all zeros, so zeros can mean
-//! "empty".
+//! The bucket is implicit (the page and the offset it sits at say it), so an entry stores
+//! only the 16 bits after it: `d + 16` bits of the hash for 16 stored. The directory has a
+//! bucket per KiB of the memory bound ([`dir_bits_for`]: `d` = 16 at the default 64 MiB),
+//! so it is 1/128 of the bound, and at the bound a bucket holds ~250 entries whatever the
+//! bound is. Within a bucket entries are
+//! sorted, so a lookup finds its place by interpolation (the bits are uniform) and a step or
+//! two; at ten million entries a bucket holds ~150 of them, two or three cache lines.
 //!
-//! # Why buckets come from `fp` alone
-//!
-//! The full hash is not kept, only `fp`. The home bucket of an entry in a table of `n` slots
-//! is `fp * n / 2^32` (multiply and shift: for a power of two `n`, the top `log2(n)` bits of
-//! `fp`), so when the table grows each slot can be re-placed from the slot alone, whatever
-//! the new size. The caller's hash must therefore be well mixed in its top bits.
+//! Why not an open-addressing table of (fingerprint, tag) as before (issue 33): a table that
+//! grows must be able to re-place its entries without their keys, so each slot kept 32 bits
+//! of fingerprint from which its position could be computed again, and with the load kept
+//! between 7/10 and 7/8 that was 6.9 to 8.6 bytes per entry; 64 MiB held ~7 million IDs. A
+//! page here never moves an entry to another bucket: a full page splits at a bucket
+//! boundary (copying half a page), and the directory never changes size. So nothing needs
+//! more bits than a lookup does, there is no load factor, and no growth step copies more
+//! than one page.
 //!
 //! # Memory
 //!
-//! 6 bytes per slot; removals never shrink the table. Slots were 8 bytes with a 32-bit tag
-//! until the index was the largest single item of the agent's RSS at rest (issue 16): 16
-//! bits of tag name one chunk among 65,536, more than a million-entry window needs, and the
-//! ledger shares tags past that (slower hits, never a wrong answer). Doubling kept the load
-//! between 7/16 and 7/8 and held the old and the new table together while it grew: a
-//! million entries took 16 MiB of 8-byte slots, and 24 MiB while it doubled. From
-//! [`GROW_BY_QUARTER_FROM`] slots on a table grows by a quarter instead, so the load stays
-//! between 7/10 and 7/8 (8.6 down to 6.9 bytes per entry). Past [`SPLIT_AT_SLOTS`] slots
-//! the ledger splits its index into [`SHARDS`] tables ([`ShardedIndex`]), so only a
-//! sixteenth is held twice while it grows: 980k entries take 6.8 MiB (9.1 with 8-byte
-//! slots). The cost is more re-placing (each entry moves about five times over a table's
-//! life instead of twice) and a higher average load for lookups (unrecorded IDs probe a few
-//! more slots, within one or two cache lines).
+//! The directory (a page number and a start offset per bucket: 512 KiB at the default
+//! bound) is allocated at the first insert. Pages start as empty runs of [`PAGE_BUCKETS`]
+//! buckets and split past [`PAGE_MAX`] entries; a page's capacity grows and shrinks in
+//! steps of [`STEP`] entries, so at most a step per page is slack. At ten million entries:
+//! 40 MB of entries, ~1 MB of slack, 0.5 MB of directory, ~0.4 MB of page headers: 4.2
+//! bytes per entry (measured: `benches/ledger.rs`).
+//! [`PagedIndex::bytes_to_hold`] says, before any insert, what inserting some hashes would
+//! take at most, so that the ledger keeps the index within `ledger_index_max`.
 
 use std::fmt;
 
-/// The time-shaped wrappers the tests use keep record times in units of `1 << COARSE_SHIFT`
-/// ms: `coarse = seen_ms >> 10`.
-#[cfg(test)]
-pub(crate) const COARSE_SHIFT: u32 = 10;
+/// Fewest and most bits of the hash that pick a bucket (see [`dir_bits_for`]).
+const DIR_BITS_MIN: u32 = 10;
+const DIR_BITS_MAX: u32 = 24;
+/// Bits of the hash an entry keeps after its bucket's (fewer in unit tests, so that false
+/// hits are common there and every test exercises the confirming read).
+pub(crate) const REST_BITS: u32 = if cfg!(test) { 5 } else { 16 };
+/// Buckets of each page at the first insert: an insert moves the start of every later
+/// bucket in its page, so a page never spans more.
+const PAGE_BUCKETS: usize = if cfg!(test) { 4 } else { 256 };
+/// A page of more entries than this splits (if it spans more than one bucket).
+const PAGE_MAX: usize = if cfg!(test) { 12 } else { 512 };
+/// A page's capacity grows and shrinks in steps of this many entries.
+const STEP: usize = if cfg!(test) { 2 } else { 16 };
+/// Page headers added at a time when a split needs one more.
+const PAGES_STEP: usize = 64;
+/// Most entries the index holds (a bucket's start offset is a `u32`).
+const MAX_ENTRIES: usize = 1 << 31;
 
-/// One slot: `fp` in two halves, then the tag; six bytes, no padding (see *Memory*).
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-struct Slot([u16; 3]);
+/// One page: the entries of buckets `first..end`, bucket by bucket, sorted within each.
+struct Page {
+    first: u32,
+    end: u32,
+    slots: Vec<u32>,
+}
 
-/// The value of an empty slot. A used slot is never all zeros: its `fp` has its lowest bit
-/// set.
-const EMPTY: Slot = Slot([0; 3]);
+/// Bits of the hash that pick a bucket for an index bounded to `bound` bytes: a bucket per
+/// KiB of the bound (a 1/128 of it in directory), 2^16 at the default 64 MiB, from 2^10 to
+/// 2^24. At the bound, ~250 entries share a bucket whatever the bound, and a lookup of an
+/// unrecorded ID meets a spurious entry with probability ~250 / 2^16 = 0.4%; below it, less.
+/// Four in unit tests with a bound under 1 MiB, so that buckets fill and pages split on a
+/// few hundred entries (larger ones keep this rule: their tests hold many entries).
+pub(crate) fn dir_bits_for(bound: usize) -> u32 {
+    if cfg!(test) && bound < 1 << 20 {
+        return 4;
+    }
+    (bound / 1024)
+        .max(1)
+        .ilog2()
+        .clamp(DIR_BITS_MIN, DIR_BITS_MAX)
+}
 
-/// The smallest table, in slots (a power of two).
-const MIN_SLOTS: usize = 16;
-
-/// The largest table, in slots.
-const MAX_SLOTS: usize = 1 << 31;
-
-/// From this many slots on, the table grows by a quarter instead of doubling (see *Memory*).
-const GROW_BY_QUARTER_FROM: usize = 1 << 12;
-
-/// A compact multi-map from hash fingerprints to coarse record times (see the module docs).
-pub(crate) struct FingerprintIndex {
-    /// A multiple of 8, at least [`MIN_SLOTS`], at most [`MAX_SLOTS`]; [`EMPTY`] or a packed
-    /// `(fp, tag)`.
-    slots: Vec<Slot>,
-    /// Used slots.
+/// A multiset of (32 bits of a hash, 16-bit tag) pairs (see the module docs).
+pub(crate) struct PagedIndex {
+    /// Bits of the hash that pick the bucket.
+    dir_bits: u32,
+    /// Bucket → (its page, where its entries start in the page): one cache line says both
+    /// where a bucket starts and where it ends. Empty until the first insert.
+    dir: Vec<(u32, u32)>,
+    pages: Vec<Page>,
     len: usize,
+    /// Slots of capacity of all pages together (kept, not summed: the bound is checked for
+    /// every chunk).
+    capacity: usize,
 }
 
-/// The fingerprint of a caller's hash: its top 32 bits, lowest bit forced to 1.
-fn fingerprint(hash: u64) -> u32 {
-    ((hash >> 32) as u32) | 1
+/// The bucket of `hash` (its top `dir_bits`) and the entry it makes with `tag`. The rest
+/// sits in the entry's high half, so entries sort by rest first and one rest's entries lie
+/// together.
+fn entry(dir_bits: u32, hash: u64, tag: u16) -> (usize, u32) {
+    let bucket = (hash >> (64 - dir_bits)) as usize;
+    let rest = ((hash >> (64 - dir_bits - REST_BITS)) as u32) & ((1 << REST_BITS) - 1);
+    (bucket, (rest << 16) | u32::from(tag))
 }
 
-/// `seen_ms` in coarse units, saturated to `u16::MAX`.
-#[cfg(test)]
-fn coarse(seen_ms: u64) -> u16 {
-    u16::try_from(seen_ms >> COARSE_SHIFT).unwrap_or(u16::MAX)
+/// Capacity for `len` entries: `len` rounded up to a whole step.
+fn stepped(len: usize) -> usize {
+    len.div_ceil(STEP) * STEP
 }
 
-/// A used slot.
-fn pack(fp: u32, tag: u16) -> Slot {
-    Slot([(fp >> 16) as u16, fp as u16, tag])
-}
-
-/// The `fp` half of a slot.
-fn slot_fp(slot: Slot) -> u32 {
-    (u32::from(slot.0[0]) << 16) | u32::from(slot.0[1])
-}
-
-/// The tag of a slot (the tests' coarse time).
-fn slot_coarse(slot: Slot) -> u16 {
-    slot.0[2]
-}
-
-/// The record times `[lo_ms, hi_ms]` that map to `coarse`.
-#[cfg(test)]
-fn time_range(coarse: u16) -> (u64, u64) {
-    let lo = u64::from(coarse) << COARSE_SHIFT;
-    if coarse == u16::MAX {
-        (lo, u64::MAX)
-    } else {
-        (lo, lo + ((1 << COARSE_SHIFT) - 1))
+/// The first position in `s` (sorted) whose entry is at least `key`. The entries' rests are
+/// uniform, so the position `key` would have in an even spread is a step or two from it;
+/// a long walk (never, for random hashes) gives way to a binary search.
+fn lower_bound(s: &[u32], key: u32) -> usize {
+    let n = s.len();
+    let rest = (key >> 16) as usize;
+    let mut i = ((rest * n) >> REST_BITS).min(n);
+    for _ in 0..16 {
+        if i > 0 && s[i - 1] >= key {
+            i -= 1;
+        } else if i < n && s[i] < key {
+            i += 1;
+        } else {
+            return i;
+        }
     }
+    s.partition_point(|&e| e < key)
 }
 
-/// The most entries a table of `slots` slots may hold (7/8 of it; `slots` is a multiple of 8,
-/// and dividing first cannot overflow).
-fn max_len(slots: usize) -> usize {
-    slots / 8 * 7
-}
-
-/// The home bucket of `fp` in a table of `slots` slots: `fp * slots / 2^32` (for a power of
-/// two, the top `log2(slots)` bits of `fp`).
-fn home(fp: u32, slots: usize) -> usize {
-    ((u64::from(fp) * slots as u64) >> 32) as usize
-}
-
-/// The slot after `i` in a table of `n` slots, wrapping at the end.
-fn next(i: usize, n: usize) -> usize {
-    if i + 1 == n { 0 } else { i + 1 }
-}
-
-/// How many steps forward (cyclically) `to` lies from `from` in a table of `n` slots.
-fn distance(from: usize, to: usize, n: usize) -> usize {
-    if to >= from { to - from } else { n - from + to }
-}
-
-/// Puts `slot` in the first empty slot at or after its home bucket, wrapping at the end.
-/// The table must have an empty slot.
-fn place(slots: &mut [Slot], slot: Slot) {
-    let n = slots.len();
-    let mut i = home(slot_fp(slot), n);
-    while slots[i] != EMPTY {
-        i = next(i, n);
-    }
-    slots[i] = slot;
-}
-
-/// The size a table of `slots` slots grows to (a multiple of 8), or `None` at [`MAX_SLOTS`].
-fn grown(slots: usize) -> Option<usize> {
-    if slots >= MAX_SLOTS {
-        return None;
-    }
-    let bigger = if slots < GROW_BY_QUARTER_FROM {
-        slots * 2
-    } else {
-        slots + slots / 32 * 8
-    };
-    Some(bigger.min(MAX_SLOTS))
-}
-
-/// The first size of the growth sequence from [`MIN_SLOTS`] that holds `entries`, or `None`
-/// past [`MAX_SLOTS`].
-fn slots_for(entries: usize) -> Option<usize> {
-    let mut slots = MIN_SLOTS;
-    while max_len(slots) < entries {
-        slots = grown(slots)?;
-    }
-    Some(slots)
-}
-
-/// The size a table of `slots` slots grows to; panics at [`MAX_SLOTS`].
-fn must_grow(slots: usize) -> usize {
-    grown(slots).unwrap_or_else(|| panic!("FingerprintIndex: more than {} entries", max_len(slots)))
-}
-
-impl FingerprintIndex {
-    /// An empty index of 16 slots.
-    pub fn new() -> Self {
-        Self {
-            slots: vec![EMPTY; MIN_SLOTS],
+impl PagedIndex {
+    /// An empty index whose buckets are picked by `dir_bits` bits of the hash (see
+    /// [`dir_bits_for`]). It allocates nothing until the first insert.
+    pub fn new(dir_bits: u32) -> Self {
+        PagedIndex {
+            dir_bits,
+            dir: Vec::new(),
+            pages: Vec::new(),
             len: 0,
+            capacity: 0,
         }
     }
 
-    /// An empty index that holds `entries` entries without growing: the first size of the
-    /// growth sequence from 16 slots of which 7/8 is at least `entries`.
-    ///
-    /// # Panics
-    ///
-    /// If that would take more than 2^31 slots.
-    #[cfg(test)]
-    pub fn with_capacity(entries: usize) -> Self {
-        let slots = slots_for(entries).unwrap_or_else(|| must_grow(MAX_SLOTS));
-        Self {
-            slots: vec![EMPTY; slots],
-            len: 0,
-        }
+    fn buckets(&self) -> usize {
+        1 << self.dir_bits
     }
 
-    /// An empty index of `slots` slots (a multiple of 8, at least 16): the tests' way to a
-    /// table whose size is no power of two while it is still small.
-    #[cfg(test)]
-    pub(crate) fn with_slots(slots: usize) -> Self {
-        assert!(slots % 8 == 0 && (MIN_SLOTS..=MAX_SLOTS).contains(&slots));
-        Self {
-            slots: vec![EMPTY; slots],
-            len: 0,
-        }
+    fn initial_pages(&self) -> usize {
+        self.buckets().div_ceil(PAGE_BUCKETS)
+    }
+
+    fn entry(&self, hash: u64, tag: u16) -> (usize, u32) {
+        entry(self.dir_bits, hash, tag)
     }
 
     /// The number of entries.
@@ -235,292 +177,373 @@ impl FingerprintIndex {
         self.len
     }
 
-    /// Whether there are no entries.
-    #[cfg(test)]
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
+    /// Allocate the directory and the initial pages.
+    fn allocate(&mut self) {
+        let buckets = self.buckets();
+        self.dir = (0..buckets)
+            .map(|b| ((b / PAGE_BUCKETS) as u32, 0))
+            .collect();
+        self.pages = (0..self.initial_pages())
+            .map(|p| Page {
+                first: (p * PAGE_BUCKETS) as u32,
+                end: ((p + 1) * PAGE_BUCKETS).min(buckets) as u32,
+                slots: Vec::new(),
+            })
+            .collect();
     }
 
-    /// Removes every entry and shrinks the table back to 16 slots, releasing its memory.
-    #[cfg(test)]
-    pub fn clear(&mut self) {
-        self.slots = vec![EMPTY; MIN_SLOTS];
-        self.len = 0;
+    /// Bytes of the directory and the initial page headers: what the first insert allocates.
+    fn base_bytes(&self) -> usize {
+        self.buckets() * size_of::<(u32, u32)>() + self.initial_pages() * size_of::<Page>()
     }
 
-    /// Add one entry: the fingerprint of `hash` and a caller's `tag` (the ledger uses the
-    /// number of the chunk the entry is in). Adds it even if an equal one is there already;
-    /// grows the table first if the load would exceed 7/8.
+    /// Page, start and end of `bucket`'s entries.
+    fn range(&self, bucket: usize) -> (usize, usize, usize) {
+        let (p, lo) = self.dir[bucket];
+        let hi = match self.dir.get(bucket + 1) {
+            Some(&(q, next)) if q == p => next as usize,
+            _ => self.pages[p as usize].slots.len(),
+        };
+        (p as usize, lo as usize, hi)
+    }
+
+    /// Set page `p`'s capacity to `cap` slots (at least its length), keeping the count.
+    fn set_capacity(&mut self, p: usize, cap: usize) {
+        let slots = &mut self.pages[p].slots;
+        let before = slots.capacity();
+        if cap > before {
+            slots.reserve_exact(cap - slots.len());
+        } else if cap < before {
+            slots.shrink_to(cap);
+        }
+        self.capacity = self.capacity + slots.capacity() - before;
+    }
+
+    /// The tags of every entry whose 32 bits equal `hash`'s, pushed into `out` (cleared
+    /// first), in ascending order (repeats kept).
+    pub(crate) fn tags(&self, hash: u64, out: &mut Vec<u16>) {
+        out.clear();
+        if self.len == 0 {
+            return;
+        }
+        let (bucket, key) = self.entry(hash, 0);
+        let (p, lo, hi) = self.range(bucket);
+        let s = &self.pages[p].slots[lo..hi];
+        let rest = key >> 16;
+        out.extend(
+            s[lower_bound(s, key)..]
+                .iter()
+                .take_while(|&&e| e >> 16 == rest)
+                .map(|&e| e as u16),
+        );
+    }
+
+    /// Add one entry. Adds it even if an equal one is there already.
     ///
     /// # Panics
     ///
-    /// If the table is at 2^31 slots and full.
-    pub(crate) fn insert_tag(&mut self, hash: u64, tag: u16) {
-        if self.len + 1 > max_len(self.slots.len()) {
-            self.grow();
+    /// Past 2^31 entries ([`PagedIndex::bytes_to_hold`] says `None` before that).
+    #[cfg(test)]
+    pub(crate) fn insert(&mut self, hash: u64, tag: u16) {
+        assert!(self.len < MAX_ENTRIES, "PagedIndex: more than 2^31 entries");
+        if self.pages.is_empty() {
+            self.allocate();
         }
-        place(&mut self.slots, pack(fingerprint(hash), tag));
+        let (bucket, e) = self.entry(hash, tag);
+        let (p, lo, hi) = self.range(bucket);
+        let at = lo + lower_bound(&self.pages[p].slots[lo..hi], e);
+        if self.pages[p].slots.len() == self.pages[p].slots.capacity() {
+            self.set_capacity(p, self.pages[p].slots.len() + STEP);
+        }
+        let page = &mut self.pages[p];
+        page.slots.insert(at, e);
+        for d in &mut self.dir[bucket + 1..page.end as usize] {
+            d.1 += 1;
+        }
         self.len += 1;
+        self.split_while_full(p);
     }
 
-    /// The tags of every entry whose fingerprint equals `hash`'s, pushed into `out` (cleared
-    /// first). The order is unspecified.
-    pub(crate) fn tags(&self, hash: u64, out: &mut Vec<u16>) {
-        out.clear();
-        let fp = fingerprint(hash);
-        let n = self.slots.len();
-        let mut i = home(fp, n);
-        // Every entry lies in the run of used slots that starts at its home bucket, so the
-        // first empty slot ends the search. There is one: the load is at most 7/8.
-        loop {
-            let slot = self.slots[i];
-            if slot == EMPTY {
-                return;
-            }
-            if slot_fp(slot) == fp {
-                out.push(slot_coarse(slot));
-            }
-            i = next(i, n);
+    /// Add many entries at once: sorted first, then merged page by page, each page touched
+    /// once. A checkpoint's thousands of inserts then walk the directory and the pages in
+    /// order instead of jumping to a cold cache line for each (issue 33: at ten million
+    /// entries, one at a time cost ~1 µs per event more than at a hundred thousand).
+    pub(crate) fn insert_many(&mut self, items: &[(u64, u16)]) {
+        if items.is_empty() {
+            return;
+        }
+        assert!(
+            self.len + items.len() <= MAX_ENTRIES,
+            "PagedIndex: more than 2^31 entries"
+        );
+        if self.pages.is_empty() {
+            self.allocate();
+        }
+        let mut es: Vec<(usize, u32)> = items.iter().map(|&(h, t)| self.entry(h, t)).collect();
+        es.sort_unstable();
+        let mut i = 0;
+        let mut touched = Vec::new();
+        while i < es.len() {
+            let p = self.dir[es[i].0].0 as usize;
+            let end = self.pages[p].end as usize;
+            let j = i + es[i..].partition_point(|e| e.0 < end);
+            self.merge_into(p, &es[i..j]);
+            touched.push(p);
+            i = j;
+        }
+        self.len += es.len();
+        for p in touched {
+            self.split_while_full(p);
         }
     }
 
-    /// Add one entry with the coarse time of `seen_ms` as its tag (the tests' view).
-    #[cfg(test)]
-    pub fn insert(&mut self, hash: u64, seen_ms: u64) {
-        self.insert_tag(hash, coarse(seen_ms));
-    }
-
-    /// The record-time ranges of the entries matching `hash` (the tests' view).
-    #[cfg(test)]
-    pub(crate) fn candidates(&self, hash: u64, out: &mut Vec<(u64, u64)>) {
-        let mut tags = Vec::new();
-        self.tags(hash, &mut tags);
-        out.clear();
-        out.extend(tags.into_iter().map(time_range));
-    }
-
-    /// Remove one entry equal to (hash's fp, seen_ms's coarse) (the tests' view).
-    #[cfg(test)]
-    pub fn remove(&mut self, hash: u64, seen_ms: u64) -> bool {
-        self.remove_tag(hash, coarse(seen_ms))
-    }
-
-    /// Remove ONE entry equal to (hash's fp, tag). Returns whether one was found.
-    pub(crate) fn remove_tag(&mut self, hash: u64, tag: u16) -> bool {
-        let target = pack(fingerprint(hash), tag);
-        let n = self.slots.len();
-        let mut i = home(slot_fp(target), n);
-        loop {
-            match self.slots[i] {
-                EMPTY => return false,
-                slot if slot == target => break,
-                _ => i = next(i, n),
-            }
+    /// Merge `new` (sorted by bucket and entry, all in page `p`'s buckets) into page `p`,
+    /// from the back, bucket by bucket, so that every entry moves at most once.
+    fn merge_into(&mut self, p: usize, new: &[(usize, u32)]) {
+        let (first, end) = (self.pages[p].first as usize, self.pages[p].end as usize);
+        let old_len = self.pages[p].slots.len();
+        let new_len = old_len + new.len();
+        if new_len > self.pages[p].slots.capacity() {
+            self.set_capacity(p, stepped(new_len));
         }
-        // Backward shift: walk the rest of the run after the hole. An entry moves into the hole
-        // only if the hole lies on its probe path, cyclically in [home, j): its distance from
-        // its home is at least the hole's distance behind it. Otherwise (its home is after the
-        // hole, possibly across the end of the array) it stays, and the walk goes on.
-        let mut hole = i;
-        let mut j = next(i, n);
-        loop {
-            let slot = self.slots[j];
-            if slot == EMPTY {
-                break;
+        let slots = &mut self.pages[p].slots;
+        slots.resize(new_len, 0);
+        let (mut w, mut k, mut r_end) = (new_len, new.len(), old_len);
+        for b in (first..end).rev() {
+            if k == 0 {
+                break; // the buckets below keep their places
             }
-            let from_home = distance(home(slot_fp(slot), n), j, n);
-            let from_hole = distance(hole, j, n);
-            if from_home >= from_hole {
-                self.slots[hole] = slot;
-                hole = j;
+            let lo = self.dir[b].1 as usize;
+            let kb = new[..k].partition_point(|e| e.0 < b);
+            let (mut r, mut n) = (r_end, k);
+            while n > kb {
+                if r > lo && slots[r - 1] > new[n - 1].1 {
+                    r -= 1;
+                    w -= 1;
+                    slots[w] = slots[r];
+                } else {
+                    n -= 1;
+                    w -= 1;
+                    slots[w] = new[n].1;
+                }
             }
-            j = next(j, n);
+            // The rest of this bucket's old entries move by what lies below them.
+            let shift = w - r;
+            if shift > 0 {
+                slots.copy_within(lo..r, lo + shift);
+            }
+            w = lo + shift;
+            self.dir[b].1 = w as u32;
+            r_end = lo;
+            k = kb;
         }
-        self.slots[hole] = EMPTY;
+    }
+
+    /// Remove ONE entry equal to (hash's 32 bits, tag). Returns whether one was found.
+    #[cfg(test)]
+    pub(crate) fn remove(&mut self, hash: u64, tag: u16) -> bool {
+        if self.len == 0 {
+            return false;
+        }
+        let (bucket, e) = self.entry(hash, tag);
+        let (p, lo, hi) = self.range(bucket);
+        let page = &mut self.pages[p];
+        let at = lo + lower_bound(&page.slots[lo..hi], e);
+        if at == hi || page.slots[at] != e {
+            return false;
+        }
+        page.slots.remove(at);
+        for d in &mut self.dir[bucket + 1..page.end as usize] {
+            d.1 -= 1;
+        }
         self.len -= 1;
+        self.give_back(p);
         true
     }
 
-    /// Bytes held by the table (slots * 6), for the footprint figures.
-    pub(crate) fn memory_bytes(&self) -> usize {
-        self.slots.len() * size_of::<Slot>()
-    }
-
-    /// Bytes the table would hold after `extra` more inserts (it grows until 7/8 of it holds
-    /// them), or `None` if no table of at most 2^31 slots can. The ledger asks before
-    /// it indexes a chunk, so that the index stays within its memory bound and never reaches
-    /// the panic in [`FingerprintIndex::insert_tag`].
-    pub(crate) fn bytes_to_hold(&self, extra: usize) -> Option<usize> {
-        let want = self.len.checked_add(extra)?;
-        let mut slots = self.slots.len();
-        while max_len(slots) < want {
-            slots = grown(slots)?;
+    /// Remove one equal entry for each item (sorted first, then page by page, as
+    /// [`PagedIndex::insert_many`]). Returns how many were found.
+    pub(crate) fn remove_many(&mut self, items: &[(u64, u16)]) -> usize {
+        if self.len == 0 || items.is_empty() {
+            return 0;
         }
-        slots.checked_mul(size_of::<Slot>())
-    }
-
-    /// Grows the table one step, re-placing every entry from its slot alone.
-    fn grow(&mut self) {
-        let bigger = must_grow(self.slots.len());
-        let old = std::mem::replace(&mut self.slots, vec![EMPTY; bigger]);
-        for slot in old.into_iter().filter(|&s| s != EMPTY) {
-            place(&mut self.slots, slot);
+        let mut es: Vec<(usize, u32)> = items.iter().map(|&(h, t)| self.entry(h, t)).collect();
+        es.sort_unstable();
+        let mut removed = 0;
+        let mut i = 0;
+        while i < es.len() {
+            let p = self.dir[es[i].0].0 as usize;
+            let end = self.pages[p].end as usize;
+            let j = i + es[i..].partition_point(|e| e.0 < end);
+            removed += self.compact(p, &es[i..j]);
+            self.give_back(p);
+            i = j;
         }
-    }
-}
-
-/// The ledger's index: one [`FingerprintIndex`] while it is small, [`SHARDS`] of them once
-/// it would grow past [`SPLIT_AT_SLOTS`]. An entry's shard is named by bits 1 to 4 of its
-/// fingerprint (bit 0 is always 1; a home bucket comes from the top bits), so the split
-/// re-places slots without their hashes.
-///
-/// Why shards: a table grows by re-placing every entry into a larger one, and for that
-/// moment both are held. One table of a million entries held 7.3 + 9.1 MiB while it grew,
-/// at the agent's peak RSS (issue 16); a shard holds a sixteenth of that. The load and the
-/// bytes per entry are those of a single table.
-pub(crate) struct ShardedIndex {
-    /// One table, or [`SHARDS`].
-    shards: Vec<FingerprintIndex>,
-}
-
-/// Tables of a split [`ShardedIndex`] (a power of two).
-pub(crate) const SHARDS: usize = 16;
-
-/// A [`ShardedIndex`] splits when its one table would grow beyond this many slots (384 KiB).
-const SPLIT_AT_SLOTS: usize = 1 << 16;
-
-/// The shard of `fp` among `shards` (1 or [`SHARDS`]).
-fn shard_of(fp: u32, shards: usize) -> usize {
-    ((fp >> 1) as usize) & (shards - 1)
-}
-
-impl ShardedIndex {
-    fn shard(&self, hash: u64) -> usize {
-        shard_of(fingerprint(hash), self.shards.len())
+        self.len -= removed;
+        removed
     }
 
-    /// The entries of all shards.
-    #[cfg(test)]
-    pub fn len(&self) -> usize {
-        self.shards.iter().map(|t| t.len).sum()
-    }
-
-    /// Whether it is split into [`SHARDS`] tables.
-    #[cfg(test)]
-    pub(crate) fn is_split(&self) -> bool {
-        self.shards.len() == SHARDS
-    }
-
-    /// See [`FingerprintIndex::insert_tag`].
-    pub(crate) fn insert_tag(&mut self, hash: u64, tag: u16) {
-        if self.shards.len() == 1
-            && self.shards[0]
-                .bytes_to_hold(1)
-                .is_none_or(|b| b > SPLIT_AT_SLOTS * size_of::<Slot>())
-        {
-            self.split();
-        }
-        let i = self.shard(hash);
-        self.shards[i].insert_tag(hash, tag);
-    }
-
-    /// Entries per shard of a split index, for the slots of one table.
-    fn counts(one: &FingerprintIndex) -> [usize; SHARDS] {
-        let mut counts = [0; SHARDS];
-        for &s in one.slots.iter().filter(|&&s| s != EMPTY) {
-            counts[shard_of(slot_fp(s), SHARDS)] += 1;
-        }
-        counts
-    }
-
-    /// One table becomes [`SHARDS`], each sized for its entries.
-    fn split(&mut self) {
-        let one = self.shards.pop().expect("one table");
-        let counts = Self::counts(&one);
-        self.shards = counts
-            .iter()
-            .map(|&c| FingerprintIndex {
-                slots: vec![EMPTY; slots_for(c).expect("a shard holds less than the table")],
-                len: 0,
-            })
-            .collect();
-        for s in one.slots.into_iter().filter(|&s| s != EMPTY) {
-            let t = &mut self.shards[shard_of(slot_fp(s), SHARDS)];
-            place(&mut t.slots, s);
-            t.len += 1;
-        }
-    }
-
-    /// See [`FingerprintIndex::tags`].
-    pub(crate) fn tags(&self, hash: u64, out: &mut Vec<u16>) {
-        self.shards[self.shard(hash)].tags(hash, out);
-    }
-
-    /// See [`FingerprintIndex::remove_tag`].
-    pub(crate) fn remove_tag(&mut self, hash: u64, tag: u16) -> bool {
-        let i = self.shard(hash);
-        self.shards[i].remove_tag(hash, tag)
-    }
-
-    /// Bytes held by all shards.
-    pub(crate) fn memory_bytes(&self) -> usize {
-        self.shards.iter().map(FingerprintIndex::memory_bytes).sum()
-    }
-
-    /// Bytes the index would hold after inserting entries with these hashes, or `None` if a
-    /// table could not hold its share (see [`FingerprintIndex::bytes_to_hold`]).
-    pub(crate) fn bytes_to_hold(&self, hashes: &[u64]) -> Option<usize> {
-        let mut counts = if let [one] = self.shards.as_slice() {
-            // Inserts split the table exactly when it would grow past the split size.
-            let unsplit = one.bytes_to_hold(hashes.len())?;
-            if unsplit <= SPLIT_AT_SLOTS * size_of::<Slot>() {
-                return Some(unsplit);
+    /// Take one equal entry of page `p` out for each of `gone` (sorted, in its buckets),
+    /// closing the gaps from the first bucket concerned on. Returns how many it found.
+    fn compact(&mut self, p: usize, gone: &[(usize, u32)]) -> usize {
+        let end = self.pages[p].end as usize;
+        let first = gone[0].0;
+        let old_len = self.pages[p].slots.len();
+        let mut w = self.dir[first].1 as usize;
+        let mut q = 0;
+        let mut found = 0;
+        for b in first..end {
+            let lo = self.dir[b].1 as usize;
+            let hi = match self.dir.get(b + 1) {
+                Some(&(pp, next)) if pp as usize == p => next as usize,
+                _ => old_len,
+            };
+            self.dir[b].1 = w as u32;
+            let slots = &mut self.pages[p].slots;
+            for r in lo..hi {
+                let e = slots[r];
+                while q < gone.len() && (gone[q].0, gone[q].1) < (b, e) {
+                    q += 1; // not there
+                }
+                if q < gone.len() && gone[q] == (b, e) {
+                    q += 1;
+                    found += 1;
+                } else {
+                    slots[w] = e;
+                    w += 1;
+                }
             }
-            Self::counts(one)
-        } else {
-            self.shards
-                .iter()
-                .map(|t| t.len)
-                .collect::<Vec<_>>()
-                .try_into()
-                .ok()?
-        };
-        for &h in hashes {
-            counts[shard_of(fingerprint(h), SHARDS)] += 1;
         }
-        counts.iter().try_fold(0usize, |sum, &c| {
-            sum.checked_add(slots_for(c)?.checked_mul(size_of::<Slot>())?)
-        })
+        self.pages[p].slots.truncate(w);
+        found
     }
-}
 
-impl Default for ShardedIndex {
-    fn default() -> Self {
-        ShardedIndex {
-            shards: vec![FingerprintIndex::new()],
+    /// Give memory back as a window shrinks, with a step of room left so that an insert
+    /// after a remove does not reallocate at once.
+    fn give_back(&mut self, p: usize) {
+        let slots = &self.pages[p].slots;
+        if slots.capacity() >= slots.len() + 3 * STEP {
+            self.set_capacity(p, stepped(slots.len()) + STEP);
         }
     }
-}
 
-impl fmt::Debug for ShardedIndex {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_list().entries(&self.shards).finish()
+    /// Split page `p`, and the pages split off it, until each holds at most [`PAGE_MAX`]
+    /// entries or a single bucket.
+    fn split_while_full(&mut self, p: usize) {
+        let mut todo = vec![p];
+        while let Some(p) = todo.pop() {
+            let page = &self.pages[p];
+            if page.slots.len() > PAGE_MAX && page.end - page.first > 1 {
+                let q = self.split(p);
+                todo.extend([p, q]);
+            }
+        }
+    }
+
+    /// Split page `p` at the bucket boundary nearest its middle: the buckets from there on
+    /// move to a new page, whose number it returns. Both keep capacity for their entries
+    /// only (rounded to a step).
+    fn split(&mut self, p: usize) -> usize {
+        let (first, end) = (self.pages[p].first as usize, self.pages[p].end as usize);
+        let half = self.pages[p].slots.len() / 2;
+        let mid = (first + 1..end)
+            .min_by_key(|&b| (self.dir[b].1 as usize).abs_diff(half))
+            .expect("a page of two buckets or more");
+        let cut = self.dir[mid].1 as usize;
+        let len = self.pages[p].slots.len();
+        let mut tail = Vec::with_capacity(stepped(len - cut));
+        tail.extend_from_slice(&self.pages[p].slots[cut..]);
+        self.capacity += tail.capacity();
+        self.pages[p].slots.truncate(cut);
+        self.set_capacity(p, stepped(cut));
+        self.pages[p].end = mid as u32;
+        let q = self.pages.len();
+        for d in &mut self.dir[mid..end] {
+            *d = (q as u32, d.1 - cut as u32);
+        }
+        if self.pages.len() == self.pages.capacity() {
+            self.pages.reserve_exact(PAGES_STEP);
+        }
+        self.pages.push(Page {
+            first: mid as u32,
+            end: end as u32,
+            slots: tail,
+        });
+        q
+    }
+
+    /// Bytes held: the directory, the page headers and every page's capacity.
+    pub(crate) fn memory_bytes(&self) -> usize {
+        self.dir.capacity() * size_of::<(u32, u32)>()
+            + self.pages.capacity() * size_of::<Page>()
+            + self.capacity * size_of::<u32>()
+    }
+
+    /// At most the bytes the index would hold after inserting entries with these hashes, or
+    /// `None` past 2^31 entries. The ledger asks before it indexes chunks, so that the
+    /// index stays within its memory bound. Exact for each page's capacity; a page that may
+    /// split adds a header and two steps, and the header array its growth.
+    pub(crate) fn bytes_to_hold(&self, hashes: &[u64]) -> Option<usize> {
+        if self.len.checked_add(hashes.len())? > MAX_ENTRIES {
+            return None;
+        }
+        if hashes.is_empty() {
+            return Some(self.memory_bytes());
+        }
+        let mut bytes = self.memory_bytes();
+        if self.pages.is_empty() {
+            // A new directory: its pages are all empty.
+            bytes += self.base_bytes();
+            let mut per_page = vec![0usize; self.initial_pages()];
+            for &h in hashes {
+                per_page[self.entry(h, 0).0 / PAGE_BUCKETS] += 1;
+            }
+            let mut splits = 0;
+            for n in per_page {
+                bytes += stepped(n) * size_of::<u32>();
+                if n > PAGE_MAX {
+                    splits += n / (PAGE_MAX / 2);
+                }
+            }
+            return Some(bytes + self.split_bytes(splits));
+        }
+        let mut pages: Vec<u32> = hashes
+            .iter()
+            .map(|&h| self.dir[self.entry(h, 0).0].0)
+            .collect();
+        pages.sort_unstable();
+        let mut splits = 0;
+        for run in pages.chunk_by(|a, b| a == b) {
+            let slots = &self.pages[run[0] as usize].slots;
+            let len = slots.len() + run.len();
+            if len > slots.capacity() {
+                bytes += (stepped(len) - slots.capacity()) * size_of::<u32>();
+            }
+            if len > PAGE_MAX {
+                splits += len / (PAGE_MAX / 2);
+            }
+        }
+        Some(bytes + self.split_bytes(splits))
+    }
+
+    /// What `splits` page splits may add: a header and two steps each (each half keeps a
+    /// step of slack at most), and the growth of the header array.
+    fn split_bytes(&self, splits: usize) -> usize {
+        if splits == 0 {
+            return 0;
+        }
+        splits * (size_of::<Page>() + 2 * STEP * size_of::<u32>())
+            + (splits + PAGES_STEP) * size_of::<Page>()
     }
 }
 
-impl Default for FingerprintIndex {
-    /// Same as [`FingerprintIndex::new`].
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl fmt::Debug for FingerprintIndex {
-    /// The counts only, not the slots.
+impl fmt::Debug for PagedIndex {
+    /// The counts only, not the entries.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("FingerprintIndex")
+        f.debug_struct("PagedIndex")
             .field("len", &self.len)
-            .field("slots", &self.slots.len())
+            .field("pages", &self.pages.len())
+            .field("bytes", &self.memory_bytes())
             .finish()
     }
 }

@@ -1,5 +1,6 @@
-//! A few decoded chunks kept for reuse, most recently used first. Both the ledger and the
-//! outbox keep one: a linear scan over a handful of entries is cheaper than any map.
+//! A few decoded chunks kept for reuse, most recently used first. The outbox keeps one (the
+//! ledger reads its chunks without decoding them): a linear scan over a handful of entries
+//! is cheaper than any map.
 
 pub(crate) struct Lru<K, V> {
     capacity: usize,
@@ -43,6 +44,7 @@ impl<K: PartialEq, V: Clone> Lru<K, V> {
         self.entries.retain(|(k, _)| k.borrow() != key);
     }
 
+    #[cfg(test)]
     pub fn clear(&mut self) {
         self.entries.clear();
     }

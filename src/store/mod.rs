@@ -18,11 +18,15 @@
 //! - Outbox deletions (on PUBACK) are not fsynced: losing one in a crash only re-sends
 //!   entries with the same IDs, which consumers drop.
 //! - A dedup lookup answers exactly what a per-ID ledger would
-//!   (`store::tests::ledger_model::the_chunked_ledger_answers_like_a_map`): the in-memory index only
-//!   decides where to look (see [`ledger`]).
-//! - The ledger stays about one dedup window long: each checkpoint drops the chunks whose
-//!   entries have all expired
-//!   (`store::tests::expired_ledger_chunks_are_dropped_so_the_ledger_stays_bounded`).
+//!   (`store::tests::ledger_model::the_chunked_ledger_answers_like_a_map`,
+//!   `store::tests::ledger_oracle`): the in-memory index only decides where to look, and
+//!   costs about 4 bytes per ID (see [`ledger`]).
+//! - The ledger stays about one dedup window long, a dormant pipeline's by its own window:
+//!   each checkpoint drops the chunks whose entries have all expired, at least as many
+//!   groups of them as it adds
+//!   (`store::tests::expired_ledger_chunks_are_dropped_so_the_ledger_stays_bounded`,
+//!   `store::tests::expiry_keeps_up_with_full_checkpoints`,
+//!   `store::tests::a_dormant_pipelines_ledger_expires_by_its_own_window`).
 //!
 //! # Why the extra fsyncs (DESIGN §4)
 //!
@@ -48,8 +52,9 @@
 //!   replay prunes the same ones), then as many as keep at most `max_entries`. How many went,
 //!   by cause, is counted in `meta` with the commit that pruned them ([`DeadLetterStats`]).
 //!   Nothing processing decides reads the dead-letter tree.
-//! - The in-memory ledger index: at most `ledger_index_max` bytes; beyond it chunks stay
-//!   unindexed and lookups read them, slower but exact (see [`ledger`]).
+//! - The in-memory ledger index: at most `ledger_index_max` bytes (about 4.4 bytes per ID:
+//!   the default holds ~15 million); beyond it chunks stay unindexed and lookups read them,
+//!   slower but exact (see [`ledger`]).
 //!
 //! # Layout (store format 3)
 //!
@@ -57,7 +62,7 @@
 //! contain NUL). `state`: p·skey → KeyState; `dedup`: p·min_seen·checkpoint·part → a chunk
 //! of ledger entries ([`ledger`]); `outbox`: first_seq → a chunk of outputs ([`outbox`]);
 //! `dead`: offset·p → DeadLetter; `meta`: `progress` → Progress, `format` → 3,
-//! `dead_letters` → [`DeadLetterStats`];
+//! `dead_letters` → [`DeadLetterStats`], `ledger_windows` → each pipeline's dedup window;
 //! `checkpoints`: id → CheckpointInfo (the newest [`CHECKPOINT_HISTORY`]).
 //!
 //! Format 3 is format 2 with a `generation` in each pipeline's progress (and the progress of
@@ -70,9 +75,8 @@
 //! an ID index): about seven sled writes per event, the largest cost of processing
 //! (issue 7's profile). Format 2 writes one value per chunk of a few hundred.
 
-use std::collections::HashMap;
 use std::fs;
-use std::hash::{BuildHasher, RandomState};
+use std::hash::RandomState;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -95,6 +99,10 @@ const DEAD_STATS_KEY: &[u8] = b"dead_letters";
 /// The cursors of backfilling pipelines, `Vec<(name, Backfill)>`: written with the
 /// progress record in the same transaction, kept apart so its layout stays unchanged.
 const BACKFILL_KEY: &[u8] = b"backfill";
+/// Each pipeline's dedup window, `Vec<(name, window_ms)>`, as last configured: a pipeline no
+/// longer configured keeps expiring its ledger by it (see [`ledger`]). Kept apart from the
+/// progress record so that its layout stays unchanged; older builds ignore it.
+const LEDGER_WINDOWS_KEY: &[u8] = b"ledger_windows";
 
 // The bounds on one stored entry live in `model`, where the engine and config validation
 // that make the values check them too: MAX_ENTRY_BYTES (7 KiB, key plus value, outside
@@ -137,7 +145,7 @@ pub const PROGRESS_MAX_BYTES: usize = MAX_META_BYTES;
 /// Most dead letters pruned by age in one commit beyond those the batch adds (bounds the
 /// transaction; the rest go at the next commits).
 pub(crate) const DEAD_PRUNE_MAX: usize = 1024;
-/// Most unindexed ledger chunks indexed again in one commit, per pipeline.
+/// Most unindexed ledger groups indexed again in one commit, per pipeline.
 const PROMOTE_MAX: usize = 16;
 
 /// Limits the store applies by itself (config `[dead_letters]` and
@@ -200,7 +208,7 @@ mod v2;
 pub use copy::StoreCopy;
 mod lru;
 mod outbox;
-use ledger::{Chunk, ChunkCache, Ledger};
+use ledger::Ledgers;
 use outbox::OutboxMem;
 
 mod savepoint;
@@ -299,24 +307,38 @@ pub struct Store {
 }
 
 struct Mem {
-    ledgers: HashMap<String, Ledger>,
-    chunks: ChunkCache,
+    ledgers: Ledgers,
     outbox: OutboxMem,
     /// Reused by lookups.
     tags: Vec<u16>,
+    groups: Vec<u64>,
     /// As of the last commit (the `meta` record).
     dead: DeadLetterStats,
+    /// Each pipeline's dedup window, as last configured (the `meta` record
+    /// [`LEDGER_WINDOWS_KEY`]): what a dormant pipeline's ledger expires by.
+    windows: std::collections::BTreeMap<String, u64>,
+    /// Dormant pipelines whose window is unknown, already named in the journal.
+    warned_windows: std::collections::BTreeSet<String>,
 }
 
-impl Default for Mem {
-    fn default() -> Self {
+impl Mem {
+    fn new(bounds: &StoreBounds) -> Mem {
         Mem {
-            ledgers: HashMap::new(),
-            chunks: ChunkCache::new(ledger::CACHE_CHUNKS),
+            ledgers: Ledgers::new(bounds.ledger_index_bytes()),
             outbox: OutboxMem::default(),
             tags: Vec::new(),
+            groups: Vec::new(),
             dead: DeadLetterStats::default(),
+            windows: Default::default(),
+            warned_windows: Default::default(),
         }
+    }
+}
+
+impl StoreBounds {
+    /// `ledger_index_max_bytes` as a size in memory.
+    fn ledger_index_bytes(&self) -> usize {
+        usize::try_from(self.ledger_index_max_bytes).unwrap_or(usize::MAX)
     }
 }
 
@@ -380,16 +402,15 @@ fn dead_letter_value(key: &[u8], d: &DeadLetter) -> Vec<u8> {
     encode(&d.clone().fitted(key.len()))
 }
 
-/// Bytes the ledger index of `pipeline` may grow to: the bound less what the others hold.
-fn index_room(ledgers: &HashMap<String, Ledger>, pipeline: &str, bound: u64) -> usize {
-    let others: usize = ledgers
-        .iter()
-        .filter(|(p, _)| p.as_str() != pipeline)
-        .map(|(_, l)| l.index.memory_bytes())
-        .sum();
-    usize::try_from(bound)
-        .unwrap_or(usize::MAX)
-        .saturating_sub(others)
+/// The first key after every key of `pipeline` (they all start `pipeline 0x00`).
+fn pipeline_end(pipeline: &str) -> Vec<u8> {
+    let mut end = pkey(pipeline, &[]);
+    *end.last_mut().expect("pkey ends in 0") = 1;
+    end
+}
+
+fn bad_chunk() -> StoreError {
+    StoreError::Corrupt("undecodable ledger chunk".into())
 }
 
 fn u64_of(bytes: &[u8]) -> Result<u64, StoreError> {
@@ -467,18 +488,45 @@ impl Store {
         Ok(c)
     }
 
-    /// A ledger chunk, from the cache or the tree.
-    fn ledger_chunk(&self, cache: &mut ChunkCache, key: &[u8]) -> Result<Arc<Chunk>, StoreError> {
-        if let Some(c) = cache.get(key) {
-            return Ok(c);
+    /// The chunks of group `seq` of `pipeline` (number `pid`): one range scan of the tree.
+    fn ledger_group(
+        &self,
+        ledgers: &Ledgers,
+        pipeline: &str,
+        pid: u32,
+        seq: u64,
+    ) -> Result<sled::Iter, StoreError> {
+        let (first, next) = ledgers
+            .group_range(pid, seq)
+            .ok_or_else(|| StoreError::Corrupt("a ledger group in memory is missing".into()))?;
+        let hi = match next {
+            Some(n) => pkey(pipeline, &n),
+            None => pipeline_end(pipeline),
+        };
+        Ok(self.dedup.range(pkey(pipeline, &first)..hi))
+    }
+
+    /// The keys of group `seq`'s chunks and the [`ledger::id_hash`]es of their entries:
+    /// what dropping the group, or indexing it again, needs.
+    fn ledger_group_hashes(
+        &self,
+        ledgers: &Ledgers,
+        pipeline: &str,
+        pid: u32,
+        seq: u64,
+    ) -> Result<(Vec<sled::IVec>, Vec<u64>), StoreError> {
+        let mut keys = Vec::new();
+        let mut hashes = Vec::new();
+        for kv in self.ledger_group(ledgers, pipeline, pid, seq)? {
+            let (k, v) = kv?;
+            ledger::scan_chunk(&v, |id, _| {
+                hashes.push(ledger::id_hash(&self.hasher, pipeline, id));
+                true
+            })
+            .map_err(|_| bad_chunk())?;
+            keys.push(k);
         }
-        let v = self
-            .dedup
-            .get(key)?
-            .ok_or_else(|| StoreError::Corrupt("a ledger chunk in the index is missing".into()))?;
-        let c = Arc::new(decode::<Chunk>("ledger chunk", &v)?);
-        cache.put(key.to_vec(), c.clone());
-        Ok(c)
+        Ok((keys, hashes))
     }
 
     /// `flush()` and then the real fsync that `flush()` alone does not give.
@@ -599,10 +647,13 @@ impl Store {
                 sled::transaction::TransactionError::Abort(()) => unreachable!("never aborts"),
             })?;
         let mut mem = self.lock();
-        for pipeline in pipelines {
-            mem.ledgers.remove(*pipeline);
+        // One index serves every pipeline, and dropping a pipeline's entries from it needs
+        // their hashes, which are in the chunks just deleted: build it again from the tree.
+        // A reset is an operator's request at start, rare; a walk is the simple way.
+        if pipelines.iter().any(|p| mem.ledgers.get(p).is_some()) {
+            mem.ledgers = Ledgers::new(self.bounds.ledger_index_bytes());
+            self.load_ledger(&mut mem)?;
         }
-        mem.chunks.clear();
         drop(mem);
         self.sync()
     }

@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// Ledger entries loaded into the index at a time.
+const LOAD_BATCH: usize = 1 << 16;
+
 impl Store {
     /// Open (or create) the store in `dir` with the default [`StoreBounds`]. See the module
     /// docs for the fsyncs it does.
@@ -40,7 +43,7 @@ impl Store {
             outbox: t("outbox")?,
             dead: t("dead")?,
             checkpoints: t("checkpoints")?,
-            mem: Mutex::default(),
+            mem: Mutex::new(Mem::new(&bounds)),
             hasher: RandomState::new(),
             bounds,
             chunks_deleted: Default::default(),
@@ -78,33 +81,59 @@ impl Store {
         Ok(())
     }
 
-    /// Rebuild the in-memory ledger index and outbox bookkeeping from the trees.
-    fn load(&self) -> Result<(), StoreError> {
-        let mut mem = self.lock();
-        let bound = self.bounds.ledger_index_max_bytes;
+    /// Rebuild the ledger's groups and index from the tree (see [`ledger`]): every chunk
+    /// is read once, its entries hashed, none decoded into strings.
+    pub(super) fn load_ledger(&self, mem: &mut Mem) -> Result<(), StoreError> {
+        let bound = self.bounds.ledger_index_bytes();
+        // Chunks go in a batch at a time, sorted into the index together.
+        let mut batch: Vec<ledger::NewChunk> = Vec::new();
+        let mut pending = 0;
         for (n, kv) in self.dedup.iter().enumerate() {
             release_while_walking(n);
             let (k, v) = kv?;
             let (p, suffix) = split_pkey(&k)?;
-            let chunk: Chunk = decode("ledger chunk", &v)?;
-            let room = index_room(&mem.ledgers, &p, bound);
-            mem.ledgers.entry(p).or_default().add_chunk(
-                &self.hasher,
-                suffix.to_vec(),
-                &chunk,
-                (k.len() + v.len()) as u64,
-                room,
+            let suffix: ledger::Suffix = suffix
+                .try_into()
+                .map_err(|_| StoreError::Corrupt("a ledger key of another length".into()))?;
+            let mut hashes = Vec::new();
+            let (max_seen, _) = ledger::scan_chunk(&v, |id, _| {
+                hashes.push(ledger::id_hash(&self.hasher, &p, id));
+                true
+            })
+            .map_err(|_| bad_chunk())?;
+            pending += hashes.len();
+            batch.push(ledger::NewChunk {
+                pipeline: p,
+                suffix,
+                max_seen,
+                bytes: (k.len() + v.len()) as u64,
+                hashes,
+            });
+            if pending >= LOAD_BATCH {
+                mem.ledgers.add_chunks(&batch, bound);
+                (batch, pending) = (Vec::new(), 0);
+            }
+        }
+        mem.ledgers.add_chunks(&batch, bound);
+        let unindexed = mem.ledgers.unindexed_chunks();
+        if unindexed > 0 {
+            log::warn!(
+                "store: the dedup ledger index is at storage.ledger_index_max ({bound} bytes): \
+                 {unindexed} chunks are not indexed, and every lookup reads them (exact, but \
+                 slower); raise the bound or shorten dedup_window"
             );
         }
-        for (p, l) in &mem.ledgers {
-            if l.unindexed_len() > 0 {
-                log::warn!(
-                    "store: the dedup ledger index is at storage.ledger_index_max ({bound} \
-                     bytes): {} chunks of pipeline {p} are not indexed, and every lookup reads \
-                     them (exact, but slower); raise the bound or shorten dedup_window",
-                    l.unindexed_len()
-                );
-            }
+        Ok(())
+    }
+
+    /// Rebuild the in-memory ledger index and outbox bookkeeping from the trees.
+    fn load(&self) -> Result<(), StoreError> {
+        let mut mem = self.lock();
+        self.load_ledger(&mut mem)?;
+        if let Some(v) = self.meta.get(LEDGER_WINDOWS_KEY)? {
+            mem.windows = decode::<Vec<(String, u64)>>("ledger windows", &v)?
+                .into_iter()
+                .collect();
         }
         mem.dead = match self.meta.get(DEAD_STATS_KEY)? {
             Some(v) => decode("dead-letter counts", &v)?,

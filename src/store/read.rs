@@ -14,22 +14,14 @@ impl Store {
         let mem = self.lock();
         BoundFigures {
             dead_letters: mem.dead,
-            ledger_index_bytes: mem
-                .ledgers
-                .values()
-                .map(|l| l.index.memory_bytes() as u64)
-                .sum(),
-            ledger_unindexed_chunks: mem.ledgers.values().map(|l| l.unindexed_len() as u64).sum(),
+            ledger_index_bytes: mem.ledgers.index_bytes() as u64,
+            ledger_unindexed_chunks: mem.ledgers.unindexed_chunks(),
         }
     }
 
     /// Bytes the in-memory ledger index holds (for the footprint figures).
     pub fn ledger_index_bytes(&self) -> usize {
-        self.lock()
-            .ledgers
-            .values()
-            .map(|l| l.index.memory_bytes())
-            .sum()
+        self.lock().ledgers.index_bytes()
     }
 
     /// Names of the pipelines that have state or ledger entries in the store, whether or not
@@ -131,7 +123,7 @@ impl Store {
         it.flat_map(|r| {
             let chunk = r.map_err(StoreError::from).and_then(|(k, v)| {
                 let (p, _) = split_pkey(&k)?;
-                Ok((p, decode::<Chunk>("ledger chunk", &v)?))
+                Ok((p, decode::<ledger::Chunk>("ledger chunk", &v)?))
             });
             let items: Vec<Result<(String, String, u64), StoreError>> = match chunk {
                 Ok((p, c)) => c
@@ -187,17 +179,23 @@ impl ReadState for Store {
     fn dedup(&self, pipeline: &str, event_id: &str) -> Result<Option<u64>, ReadError> {
         let mut mem = self.lock();
         let mem = &mut *mem;
-        let Some(l) = mem.ledgers.get(pipeline) else {
+        let Some(pid) = mem.ledgers.pid(pipeline) else {
             return Ok(None);
         };
-        let hash = self.hasher.hash_one(event_id.as_bytes());
+        let hash = ledger::id_hash(&self.hasher, pipeline, event_id.as_bytes());
+        mem.ledgers
+            .candidates(pid, hash, &mut mem.tags, &mut mem.groups);
+        // An ID accepted again after its entry expired is in two groups: the newest counts.
         let mut best = None;
-        for suffix in l.chunks_for(hash, &mut mem.tags) {
-            let chunk = self
-                .ledger_chunk(&mut mem.chunks, &pkey(pipeline, &suffix))
+        for &seq in &mem.groups {
+            let chunks = self
+                .ledger_group(&mem.ledgers, pipeline, pid, seq)
                 .map_err(read_err)?;
-            if let Some(seen) = chunk.get(event_id) {
-                best = best.max(Some(seen));
+            for kv in chunks {
+                let (_, v) = kv.map_err(|e| read_err(e.into()))?;
+                let seen = ledger::chunk_get(&v, event_id.as_bytes())
+                    .map_err(|_| read_err(bad_chunk()))?;
+                best = best.max(seen);
             }
         }
         Ok(best)

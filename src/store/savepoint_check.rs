@@ -25,7 +25,7 @@ use std::io::{BufReader, Read};
 use std::path::Path;
 
 use super::super::{
-    BACKFILL_KEY, CheckpointInfo, Chunk, DEAD_STATS_KEY, DeadLetterStats, FORMAT_KEY,
+    BACKFILL_KEY, CheckpointInfo, DEAD_STATS_KEY, DeadLetterStats, FORMAT_KEY, LEDGER_WINDOWS_KEY,
     MAX_ENTRY_BYTES, MAX_META_BYTES, PROGRESS_KEY, STORE_FORMAT, STORE_FORMAT_V2, StoreError,
     decode, io_err, split_pkey, u64_of, v2,
 };
@@ -186,6 +186,9 @@ fn check_entry(tree: usize, k: &[u8], v: &[u8], meta: &mut Meta) -> Result<(), S
             DEAD_STATS_KEY => {
                 decode::<DeadLetterStats>("dead-letter counts", v)?;
             }
+            LEDGER_WINDOWS_KEY => {
+                decode::<Vec<(String, u64)>>("ledger windows", v)?;
+            }
             // A record a later build of this format adds is left to it.
             _ => {}
         },
@@ -195,7 +198,7 @@ fn check_entry(tree: usize, k: &[u8], v: &[u8], meta: &mut Meta) -> Result<(), S
         }
         2 => {
             split_pkey(k)?;
-            decode::<Chunk>("ledger chunk", v)?;
+            decode::<super::super::ledger::Chunk>("ledger chunk", v)?;
         }
         3 => {
             u64_of(k)?;

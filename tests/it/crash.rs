@@ -230,11 +230,11 @@ emit = "upsert"
 /// The agent under test: the shared wrapper with the crash harness's config (fast
 /// reconnects, 1 MiB segments, checkpoints every 30 ms or 300 records), its data in
 /// `data_dir` (under the power-cut mount when there is one).
-fn crash_agent(data_dir: &Path, port: u16) -> CairnProcess {
+fn crash_agent(data_dir: &Path, port: u16, storage: &str) -> CairnProcess {
     let mut cfg = AgentConfig::new(port, &format!("{PIPELINES}{}", rich::PIPELINE));
     cfg.client_id = unique_id("crash").replace('-', "_");
     cfg.mqtt = "keep_alive = \"5s\"\nreconnect_min = \"20ms\"\nreconnect_max = \"200ms\"\n".into();
-    cfg.storage = "cache_size = \"4MiB\"\n".into();
+    cfg.storage = format!("cache_size = \"4MiB\"\n{storage}");
     cfg.data_dir = Some(data_dir.to_path_buf());
     cfg.log = "segment_size = \"1MiB\"\nmax_size = \"256MiB\"\nretention = \"0s\"\n\
                commit_interval = \"2ms\"\nmax_payload = \"16KiB\"\n"
@@ -319,6 +319,11 @@ struct Harness {
 
 impl Harness {
     fn new(seed: u64, powercut: bool, extra_failpoints: &str) -> Harness {
+        Harness::with_storage(seed, powercut, extra_failpoints, "")
+    }
+
+    /// [`Harness::new`] with more `[storage]` keys.
+    fn with_storage(seed: u64, powercut: bool, extra_failpoints: &str, storage: &str) -> Harness {
         let broker = Broker::start();
         let dir = tempfile::tempdir().unwrap();
         let cut = powercut.then(PowerCut::mount);
@@ -326,7 +331,7 @@ impl Harness {
             Some(c) => c.mount.join("data"),
             None => dir.path().join("data"),
         };
-        let agent = crash_agent(&data, broker.port());
+        let agent = crash_agent(&data, broker.port(), storage);
         let outputs = Collector::start(broker.port(), "#");
         // The broker queues for the agent only once its persistent session has subscribed:
         // start it once and wait for that before anything is published.
@@ -785,6 +790,77 @@ fn power_cuts_at_random_moments_and_at_failpoints_lose_nothing_acknowledged() {
         panic!("after {cuts} power cuts the agent deviates from the oracle:\n{e}");
     }
     report(if soak { "soak" } else { "power cuts" }, &h);
+}
+
+/// Issue 33: kills while the dedup ledger holds more IDs than the index of old could hold at
+/// the bound. At `ledger_index_max = "1MiB"` the old fingerprint table (6 bytes a slot at a
+/// load of 7/10 to 7/8) held ~150,000 IDs and left the rest to be read by every lookup; the
+/// ledger here starts with 200,000 (written into the store before the first run, IDs the
+/// stream never sends, received now), all indexed, and the stream's own duplicates and
+/// redeliveries are judged against it across kills and failpoints.
+#[test]
+fn kills_with_the_ledger_past_what_the_old_index_held_lose_and_double_count_nothing() {
+    let mut h = Harness::with_storage(seed() ^ 0x33, false, "", "ledger_index_max = \"1MiB\"\n");
+    preload_ledger(&h.agent.data_dir().join("store"), "sums", 200_000);
+    let mut rng = Rng(seed() ^ 0x3333);
+    for i in 0..8u64 {
+        let stop = if i % 2 == 0 {
+            Stop::KillAfter(50 + rng.below(300))
+        } else {
+            let fp = [
+                "checkpoint.before_commit",
+                "checkpoint.before_fsync",
+                "ingest.after_puback",
+                "publish.acked_before_checkpoint",
+            ][(i as usize / 2) % 4];
+            Stop::Failpoint(fp, 1 + rng.below(3))
+        };
+        h.cycle(150 + rng.below(150) as usize, stop, "");
+    }
+    if let Err(e) = h.verify() {
+        panic!("with the ledger past the old index the agent deviates from the oracle:\n{e}");
+    }
+    let journal = h.agent.stderr();
+    assert!(
+        !journal.contains("are not indexed"),
+        "the 1 MiB bound left ledger chunks out of the index:\n{}",
+        h.agent.stderr_tail(20)
+    );
+    let store = cairn::store::Store::open(
+        &h.agent.data_dir().join("store"),
+        4 << 20,
+        cairn::fsio::real(),
+    )
+    .expect("open the store");
+    let held = store.dedup_entries(Some("sums")).count();
+    assert!(held > 200_000, "the ledger holds {held} entries of sums");
+    report("kills past the old ledger index", &h);
+}
+
+/// Write `n` ledger entries of `pipeline` into the store at `path` as one checkpoint that
+/// changes nothing else: IDs `pre-N`, accepted now.
+fn preload_ledger(path: &Path, pipeline: &str, n: u64) {
+    use cairn::pipeline::engine::{Batch, Checkpoint};
+    let store = cairn::store::Store::open(path, 4 << 20, cairn::fsio::real()).expect("open");
+    let mut progress = store.progress().expect("progress");
+    assert!(
+        progress.pipelines.iter().any(|p| p.name == pipeline),
+        "the first run records {pipeline}"
+    );
+    progress.checkpoint_id += 1;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let mut batch = Batch::default();
+    for i in 0..n {
+        batch
+            .dedup
+            .insert((pipeline.to_string(), format!("pre-{i}")), now - n + i);
+    }
+    store
+        .commit(&Checkpoint { progress, batch }, now)
+        .expect("commit the preloaded ledger");
 }
 
 #[test]
