@@ -28,6 +28,7 @@ type ChunksAdded = Vec<(String, Vec<u8>, Chunk, u64)>;
 /// Every tree's writes for one checkpoint, built before the transaction.
 struct Writes {
     state: sled::Batch,
+    sparkplug: sled::Batch,
     dedup: sled::Batch,
     outbox: sled::Batch,
     dead: sled::Batch,
@@ -74,6 +75,7 @@ impl Store {
         );
         let b = &cp.batch;
         let state = state_batch(b)?;
+        let sparkplug = sparkplug_batch(b)?;
         let mut mem = self.lock();
         let mem = &mut *mem;
         let (dedup, added, dropped) = self.ledger_batch(mem, b, cp.progress.checkpoint_id)?;
@@ -93,6 +95,7 @@ impl Store {
         let progress = progress_with_ledger_sizes(mem, &cp.progress, &added, &dropped);
         let writes = Writes {
             state,
+            sparkplug,
             dedup,
             outbox,
             dead,
@@ -158,10 +161,12 @@ impl Store {
             &self.outbox,
             &self.dead,
             &self.checkpoints,
+            &self.sparkplug,
         ];
         trees[..]
             .transaction(|tx| {
                 tx[1].apply_batch(&w.state)?;
+                tx[6].apply_batch(&w.sparkplug)?;
                 tx[2].apply_batch(&w.dedup)?;
                 tx[3].apply_batch(&w.outbox)?;
                 tx[4].apply_batch(&w.dead)?;
@@ -346,6 +351,23 @@ fn state_batch(b: &Batch) -> Result<sled::Batch, StoreError> {
         }
     }
     Ok(state)
+}
+
+/// The Sparkplug session entries' writes (each bounded by the session module's limits on
+/// names and IDs, checked again here like every value).
+fn sparkplug_batch(b: &Batch) -> Result<sled::Batch, StoreError> {
+    let mut batch = sled::Batch::default();
+    for ((p, k), v) in &b.sparkplug {
+        let key = pkey(p, k);
+        match v {
+            Some(e) => {
+                let value = bounded("sparkplug", &key, encode(e))?;
+                batch.insert(key, value);
+            }
+            None => batch.remove(key),
+        }
+    }
+    Ok(batch)
 }
 
 /// The outbox: IDs already waiting are not inserted again (invariant 6).

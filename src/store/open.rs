@@ -40,6 +40,7 @@ impl Store {
             outbox: t("outbox")?,
             dead: t("dead")?,
             checkpoints: t("checkpoints")?,
+            sparkplug: t("sparkplug")?,
             mem: Mutex::default(),
             hasher: RandomState::new(),
             bounds,

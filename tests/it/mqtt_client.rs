@@ -27,6 +27,7 @@ fn config(port: u16, client_id: &str) -> MqttConfig {
         reconnect_min: Duration::from_millis(50),
         reconnect_max: Duration::from_millis(400),
         channel_capacity: 256,
+        will: None,
     }
 }
 

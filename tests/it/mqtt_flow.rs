@@ -107,6 +107,7 @@ fn config(port: u16) -> MqttConfig {
         reconnect_min: Duration::from_millis(50),
         reconnect_max: Duration::from_millis(400),
         channel_capacity: 256,
+        will: None,
     }
 }
 
