@@ -31,6 +31,12 @@ use crate::model::{DEAD_LETTER_KEY_ROOM, MAX_ENTRY_BYTES, Record};
 /// Longest payload prefix kept in a dead letter.
 pub(crate) const DEAD_LETTER_PAYLOAD_MAX: usize = 1024;
 
+/// How many windows back a new twa window looks for the value in effect at its start (and
+/// forward, to hand a changed end value on): a metric that reports by exception may be
+/// silent for many windows. Each step is one state lookup, made only when a window is new
+/// or an older window's end value changes.
+pub(crate) const TWA_LOOKBACK_WINDOWS: usize = 32;
+
 /// Most Sparkplug notices kept for the live loop between two takes (more are dropped: they
 /// only ask for rebirths, which are rate limited anyway).
 pub const NOTICES_MAX: usize = 1024;
@@ -547,10 +553,12 @@ impl Engine {
     }
 
     /// For a twa pipeline with tumbling windows: each window of `slots` whose value at its
-    /// end changes from `old` to its new state hands that value to the next window of the
-    /// key, if that one has state: its carried-in value (a store-and-forward value that
-    /// lands in an earlier window after the later one began). One step is enough: a
-    /// window's own end value comes from its own points, never from its carry.
+    /// end changes from `old` to its new state hands that value to the key's next window
+    /// that has state (within [`TWA_LOOKBACK_WINDOWS`], never beyond the newest window an
+    /// event reached): its carried-in value (a store-and-forward value that lands in an
+    /// earlier window after a later one began). One step is enough: a window's own end
+    /// value comes from its own points, never from its carry. In-order live values are in
+    /// the newest window, so they look nowhere.
     fn carry_on<R: ReadState>(
         &self,
         base: &R,
@@ -577,20 +585,27 @@ impl Engine {
             {
                 continue;
             }
-            let Some(next) = start_of(&slot.skey).checked_add(w.size_ms) else {
-                continue;
-            };
-            if slots.iter().any(|s| start_of(&s.skey) == next) {
-                continue;
-            }
-            let Ok(next_slot) = self.slot_for(p, key, Some(next)) else {
-                continue;
-            };
-            let Some(st) = self.state_get(base, &spec.name, &next_slot.skey)? else {
-                continue;
-            };
-            if let Some(st) = st.with_twa(|t| Some(t.with_carry(end))) {
-                out.push((next_slot, st));
+            let newest = self.progress.pipelines[p].max_event_time_ms;
+            let newest = newest - newest % w.size_ms.max(1);
+            let mut next = start_of(&slot.skey);
+            for _ in 0..TWA_LOOKBACK_WINDOWS {
+                match next.checked_add(w.size_ms) {
+                    Some(n) if n <= newest => next = n,
+                    _ => break,
+                }
+                if slots.iter().any(|s| start_of(&s.skey) == next) {
+                    break;
+                }
+                let Ok(next_slot) = self.slot_for(p, key, Some(next)) else {
+                    break;
+                };
+                let Some(st) = self.state_get(base, &spec.name, &next_slot.skey)? else {
+                    continue;
+                };
+                if let Some(st) = st.with_twa(|t| Some(t.with_carry(end))) {
+                    out.push((next_slot, st));
+                }
+                break;
             }
         }
         Ok(out)
@@ -784,21 +799,28 @@ impl Engine {
         let span = Some((start, start.saturating_add(w.size_ms)));
         if let Some((t, v)) = given.prior {
             if t < start {
-                return Ok((span, Some(v)));
+                return Ok((span, v));
             }
         }
-        let Some(before) = start
-            .checked_sub(w.size_ms)
-            .filter(|_| w.slide_ms.is_none())
-        else {
+        if w.slide_ms.is_some() {
             return Ok((span, None));
-        };
-        let mut prev = before.to_be_bytes().to_vec();
-        prev.extend_from_slice(&skey[8..]);
-        let carry = self
-            .state_get(base, &spec.name, &prev)?
-            .and_then(|s| s.twa().and_then(super::value::Twa::end_value));
-        Ok((span, carry))
+        }
+        // The nearest earlier window of the key that still has state (a metric silent for a
+        // while has none in between), not below the windows already closed and dropped.
+        let floor = self.progress.pipelines[p].evicted_below;
+        let mut before = start;
+        for _ in 0..TWA_LOOKBACK_WINDOWS {
+            match before.checked_sub(w.size_ms) {
+                Some(b) if b >= floor => before = b,
+                _ => break,
+            }
+            let mut prev = before.to_be_bytes().to_vec();
+            prev.extend_from_slice(&skey[8..]);
+            if let Some(st) = self.state_get(base, &spec.name, &prev)? {
+                return Ok((span, st.twa().and_then(super::value::Twa::end_value)));
+            }
+        }
+        Ok((span, None))
     }
 
     /// Drop windows the watermark has closed: no event can change them any more. With
@@ -982,9 +1004,10 @@ type TwaStart = (Option<(u64, u64)>, Option<f64>);
 pub(crate) struct Given {
     /// A store-and-forward value: it never moves `last`.
     pub historical: bool,
-    /// The metric's latest value before this one, `(time, value)`: what a twa window that
-    /// starts after it carries in.
-    pub prior: Option<(u64, f64)>,
+    /// The metric's latest point before this one, `(time, value)`, `None` as the value
+    /// when it was dead (or null) from that time: what a twa window that starts after it
+    /// carries in.
+    pub prior: Option<(u64, Option<f64>)>,
 }
 
 /// What became of one event of a record.

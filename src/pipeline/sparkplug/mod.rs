@@ -165,3 +165,44 @@ pub(crate) fn event_id(
 
 #[cfg(test)]
 mod tests;
+
+/// The topic of a host's STATE (Sparkplug 3.0: `spBv1.0/STATE/<host_id>`).
+pub fn state_topic(host_id: &str) -> String {
+    format!("{NAMESPACE}/STATE/{host_id}")
+}
+
+/// A host's STATE payload: JSON `{"online":..,"timestamp":..}`, where the timestamp of the
+/// online STATE is the one in the will registered at connect (spec 3.0).
+pub fn state_payload(online: bool, timestamp_ms: u64) -> Vec<u8> {
+    serde_json::json!({"online": online, "timestamp": timestamp_ms})
+        .to_string()
+        .into_bytes()
+}
+
+/// Whether `payload` says `online: false` (a STATE message, maybe a host's will).
+pub fn state_says_offline(payload: &[u8]) -> bool {
+    serde_json::from_slice::<serde_json::Value>(payload)
+        .is_ok_and(|v| v.get("online") == Some(&serde_json::Value::Bool(false)))
+}
+
+/// The NCMD that asks an edge node to publish its BIRTHs again: topic and payload (a
+/// `Node Control/Rebirth` metric, Boolean true, stamped `now_ms`).
+pub fn rebirth_request(group: &str, edge_node: &str, now_ms: u64) -> (String, Vec<u8>) {
+    use prost::Message;
+    let payload = Payload {
+        timestamp: Some(now_ms),
+        metrics: vec![Metric {
+            name: Some("Node Control/Rebirth".into()),
+            timestamp: Some(now_ms),
+            datatype: Some(proto::datatype::BOOLEAN),
+            value: Some(Value::Boolean(true)),
+            ..Default::default()
+        }],
+        seq: None,
+        uuid: None,
+    };
+    (
+        format!("{NAMESPACE}/{group}/NCMD/{edge_node}"),
+        payload.encode_to_vec(),
+    )
+}

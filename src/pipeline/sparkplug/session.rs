@@ -22,7 +22,9 @@
 //!
 //! - NBIRTH opens a node session: its `bdSeq` metric names it, its `seq` restarts the count,
 //!   its metrics (name, alias, type, current value) replace every table of the node; device
-//!   sessions end with it (their metrics are stale until their DBIRTH).
+//!   sessions end with it (their DATA is refused until their DBIRTH). A BIRTH restates
+//!   current values and cuts nothing (a rebirth is no gap in the data); each metric keeps
+//!   its last point across it, so a new session knows whether the value before it had died.
 //! - DBIRTH opens a device session of a live node; NDATA and DDATA need a live session, and
 //!   resolve each metric by alias (or name) through the BIRTH's tables.
 //! - `seq` counts 0..=255 per node and wraps; a message more than one ahead is a gap (lost
@@ -92,7 +94,7 @@ pub struct AliasEntry {
 pub struct MetricEntry {
     pub datatype: u32,
     pub alias: Option<u64>,
-    /// The sample with the greatest time so far in its session: `(time, Some(value))`, or
+    /// The point with the greatest time so far (kept across BIRTHs): `(time, Some(value))`, or
     /// `(time, None)` once a death or a null made it stale at `time`.
     pub last: Option<(u64, Option<f64>)>,
 }
@@ -134,8 +136,9 @@ pub(crate) struct Sample {
     /// The number, `None` for a null (no value from `time_ms` on), or why it is refused.
     pub value: Result<Option<Num>, Refusal>,
     pub historical: bool,
-    /// The metric's latest sample before this one in its session, if it had a value.
-    pub prior: Option<(u64, f64)>,
+    /// The metric's latest point before this one: a value, or `None` when it was dead (or
+    /// null) from that time on.
+    pub prior: Option<(u64, Option<f64>)>,
     /// `bdSeq` of the node session and `seq` of the message (for the event ID).
     pub bd_seq: u64,
     pub seq: Option<u8>,
@@ -304,29 +307,47 @@ impl<E: Entries> Node<'_, E> {
         Ok(())
     }
 
-    /// Forget the tables of `device` (or of the whole node): its metric and alias entries.
-    fn forget(&mut self, device: Option<&str>) -> Result<(), ReadError> {
+    /// Before a BIRTH of `device` (or, with `None`, of the node) replaces its tables:
+    /// forget its aliases (an NBIRTH: every alias and device entry of the node), and the
+    /// metric entries of the metrics the BIRTH does not name. Those it names keep their last
+    /// point, so a new session knows whether the value before it was dead. Returns how many
+    /// device metric entries an NBIRTH leaves stored (stale until their DBIRTH).
+    fn forget(&mut self, device: Option<&str>, birth: &Payload) -> Result<u32, ReadError> {
+        let named: std::collections::HashSet<&str> = birth
+            .metrics
+            .iter()
+            .filter_map(|m| m.name.as_deref())
+            .collect();
         let prefix = match device {
             Some(d) => device_metrics_prefix(&self.prefix, d),
             None => with(&self.prefix, b'M', &[]),
         };
+        let mut kept = 0u32;
         for key in self.e.keys(&prefix)? {
-            if let Some(Entry::Metric(m)) = self.e.get(&key)? {
+            let Some((dev, name)) = split_metric_key(&self.prefix, &key) else {
+                self.e.put(key, None);
+                continue;
+            };
+            if let (Some(Entry::Metric(m)), Some(_)) = (self.e.get(&key)?, device) {
                 if let Some(a) = m.alias {
                     self.set_alias(a, None);
                 }
             }
-            self.e.put(key, None);
+            let ours = device.unwrap_or("") == dev;
+            if ours && !named.contains(name.as_str()) {
+                self.e.put(key, None);
+            } else if !ours {
+                kept += 1;
+            }
         }
         if device.is_none() {
-            // Aliases of metrics no entry names any more (none, normally), and devices.
             for tag in [b'A', b'D'] {
                 for key in self.e.keys(&with(&self.prefix, tag, &[]))? {
                     self.e.put(key, None);
                 }
             }
         }
-        Ok(())
+        Ok(kept)
     }
 }
 
@@ -365,18 +386,17 @@ pub(crate) fn step<E: Entries>(
                 )
             })?;
             let named = payload.metrics.len() as u32;
-            if named > MAX_METRICS_PER_NODE {
-                return Err(too_many(named));
+            // Device metrics stay stored (stale, with their last points) until their DBIRTH.
+            let kept = node.forget(None, payload).map_err(read)?;
+            let total = named.saturating_add(kept);
+            if total > MAX_METRICS_PER_NODE {
+                return Err(too_many(total));
             }
-            if node.node().map_err(read)?.is_some_and(|n| n.alive) {
-                node.end(None, sent_at, &mut out.cuts).map_err(read)?;
-            }
-            node.forget(None).map_err(read)?;
             node.set_node(NodeEntry {
                 bd_seq,
                 seq,
                 alive: true,
-                metrics: named,
+                metrics: total,
             });
             birth(
                 &mut node, "", payload, sent_at, bd_seq, seq, wanted, &mut out,
@@ -398,14 +418,9 @@ pub(crate) fn step<E: Entries>(
             let named = payload.metrics.len() as u32;
             let total = (n.metrics - before.min(n.metrics)).saturating_add(named);
             if total > MAX_METRICS_PER_NODE {
-                node.set_node(n);
                 return Err(too_many(total));
             }
-            if old.is_some_and(|d| d.alive) {
-                node.end(Some(device), sent_at, &mut out.cuts)
-                    .map_err(read)?;
-            }
-            node.forget(Some(device)).map_err(read)?;
+            node.forget(Some(device), payload).map_err(read)?;
             n.metrics = total;
             let bd_seq = n.bd_seq;
             node.set_node(n);
@@ -562,10 +577,11 @@ fn birth<E: Entries>(
                 }),
             );
         }
+        let last = node.metric(device, name)?.and_then(|e| e.last);
         let mut entry = MetricEntry {
             datatype,
             alias: m.alias,
-            last: None,
+            last,
         };
         if !bookkeeping(name) && wanted(name) {
             sample(device, name, &mut entry, m, sent_at, bd_seq, seq, out);
@@ -651,10 +667,7 @@ fn sample(
     } else {
         number(entry.datatype, m.value.as_ref()).map(Some)
     };
-    let prior = match entry.last {
-        Some((t, Some(v))) => Some((t, v)),
-        _ => None,
-    };
+    let prior = entry.last;
     if let Ok(v) = &value {
         if entry.last.is_none_or(|(t, _)| time_ms >= t) {
             entry.last = Some((time_ms, v.map(Num::as_f64)));
