@@ -118,8 +118,8 @@ impl Host {
             return false;
         }
         if let Some(Some(online)) = self.inflight.remove(output_id) {
-            self.figures.host_online = online;
-            if online {
+            let was = std::mem::replace(&mut self.figures.host_online, online);
+            if online && !was {
                 log::info!(
                     "sparkplug: the broker holds this host's STATE as online ({})",
                     self.state.as_ref().map_or("", |s| s.0.as_str())
