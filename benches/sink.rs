@@ -42,6 +42,7 @@ fn config(port: u16, client_id: &str) -> MqttConfig {
         reconnect_min: Duration::from_millis(50),
         reconnect_max: Duration::from_millis(500),
         channel_capacity: 1024,
+        will: None,
     }
 }
 

@@ -29,8 +29,11 @@
 //!   `PipelineProgress`, `Counters`, `Output`, `DeadLetter`), and the bounds on one stored
 //!   entry that the engine, config validation and the store all check.
 //! - [`pipeline`]: pipeline definitions, payload parsing, `where` filters, dedup, aggregates
-//!   (with a deterministic quantile sketch), tumbling and hopping windows, output IDs; the
-//!   [`pipeline::engine::Engine`] and an in-memory reference store.
+//!   (with a deterministic quantile sketch and a time-weighted average), tumbling and hopping
+//!   windows, output IDs; the [`pipeline::engine::Engine`] and an in-memory reference store.
+//!   `pipeline/sparkplug/`: Sparkplug B in (issue 31): the protobuf schema and the one
+//!   decode entry point, edge node sessions (stored in the store's `sparkplug` tree, in the
+//!   same checkpoint), and the engine's room where one record becomes many events.
 //! - [`log`]: the segmented, CRC-framed replay log: group commit, torn-tail recovery,
 //!   corruption detection and repair, retention.
 //! - [`store`]: the sled checkpoint store (`store/commit.rs` the one transaction,
@@ -62,7 +65,8 @@
 //!   checkpoint's fsync on its own thread; retention, savepoints and checkpoints waiting
 //!   for disk room in `mod.rs`); `agent/figures.rs` (`/metrics`, `STATUS=`, the watchdog);
 //!   `agent/start.rs` (recovery); SIGHUP carries out `config::reload`'s plan;
-//!   `agent/memory.rs` (heap trimming).
+//!   `agent/memory.rs` (heap trimming); `agent/host.rs` (Cairn as a Sparkplug host: STATE
+//!   with its will, rebirth requests, never from replay).
 //! - [`config`]: TOML → validated [`config::Config`], every problem with file and line;
 //!   every key's default, range, reload behaviour and reason once, in `config/keys.rs`
 //!   (validation, `validate`'s summary, `docs/configuration.md` and the SIGHUP plan of

@@ -637,6 +637,13 @@ impl Processor {
     pub fn pending_results(&self) -> usize {
         self.engine.pending_results()
     }
+
+    /// What Sparkplug sessions reported since the last call (see [`Engine::take_notices`]):
+    /// the live loop acts on them; after the replay at start they are dropped, since a
+    /// rebirth request is sent only for what the live loop saw.
+    pub fn take_notices(&mut self) -> Vec<crate::pipeline::sparkplug::Notice> {
+        self.engine.take_notices()
+    }
 }
 
 /// The lowest of `live` and the backfill cursors of the configured pipelines.

@@ -32,12 +32,15 @@
 //! - `keeper/`: when a checkpoint is due, its fsync beside the loop, retention, savepoints,
 //!   checkpoints waiting for disk room.
 //! - `figures`: `/metrics`, the `STATUS=` line and the watchdog, dead-letter lines.
+//! - `host`: Cairn as a Sparkplug B host: its STATE (will, online, offline before a clean
+//!   stop) and rebirth requests for what the live loop's processing reported.
 //! - `start`: recovery (the start plan is the processor's, `processor/plan.rs`);
 //!   SIGHUP carries out `config::reload`'s plan (`Agent::reload`); `memory`: heap
 //!   trimming; `error`: [`AgentError`].
 
 mod error;
 mod figures;
+mod host;
 mod ingest;
 mod keeper;
 mod memory;
@@ -62,6 +65,7 @@ use crate::processor::Processor;
 pub use error::AgentError;
 use error::failpoint;
 use figures::{Figures, View};
+use host::Host;
 use ingest::Ingest;
 use keeper::{CHECKPOINT_BYTES_PER_WRITE, Keeper, Relief, Schedule};
 use results::Results;
@@ -103,6 +107,8 @@ pub struct Agent {
     work: Work,
     keeper: Keeper,
     figures: Figures,
+    /// Sparkplug B: STATE and rebirth requests.
+    host: Host,
     /// The box's clocks, passed in so tests can step them.
     clock: Box<dyn Clock>,
 }
@@ -131,8 +137,11 @@ impl Agent {
         clock: Box<dyn Clock>,
     ) -> Result<Agent, AgentError> {
         let dir = cfg.storage.data_dir.clone();
-        let s = start::recover(&cfg, &sync, reset, clock.as_ref())
+        let mut s = start::recover(&cfg, &sync, reset, clock.as_ref())
             .map_err(|e| e.explain_disk_full(&dir))?;
+        // What the replay at start reported was reported (or not) by the run that saw it
+        // live: rebirth requests are for the live loop's.
+        drop(s.proc.take_notices());
         Ok(Agent {
             cfg,
             log: s.log,
@@ -144,6 +153,7 @@ impl Agent {
             work: s.work,
             keeper: s.keeper,
             figures: s.figures,
+            host: s.host,
             clock,
         })
     }
@@ -262,12 +272,17 @@ impl Agent {
     fn on_event(&mut self, ev: Event) -> Result<(), AgentError> {
         match ev {
             Event::Message(m) => {
+                self.host.saw(&m.topic, &m.payload, &self.mqtt);
                 if let Some(m) = self.ingest.arrive(m) {
                     self.ingest
                         .append(&mut self.log, m, &self.cfg, self.clock.as_ref())?;
                 }
             }
-            Event::PubAcked { output_id } => self.results.acked(&output_id, &self.proc)?,
+            Event::PubAcked { output_id } => {
+                if !self.host.acked(&output_id) {
+                    self.results.acked(&output_id, &self.proc)?
+                }
+            }
             Event::Uplink(ev) => {
                 let at = (self.clock.wall_ms(), self.now());
                 self.results
@@ -286,11 +301,13 @@ impl Agent {
                     self.cfg.mqtt.port
                 );
                 self.results.input_link(true);
+                self.host.link(true, &self.mqtt);
             }
             Event::Disconnected { reason, .. } => {
                 if self.results.input_link(false) {
                     self.ingest.counts.reconnects += 1;
                 }
+                self.host.link(false, &self.mqtt);
                 // Acks still queued for that connection are dropped by the MQTT module; the
                 // broker redelivers those messages (DUP=1) and dedup by event ID drops them.
                 log::warn!("mqtt: disconnected: {reason}");
@@ -343,7 +360,17 @@ impl Agent {
         }
         let now = self.now();
         self.keeper.schedule.applied(now);
+        self.sparkplug_notices();
         Ok(())
+    }
+
+    /// What Sparkplug sessions reported while the live loop processed: to the host part.
+    fn sparkplug_notices(&mut self) {
+        let notices = self.proc.take_notices();
+        if !notices.is_empty() {
+            let (now, wall_ms) = (self.now(), self.clock.wall_ms());
+            self.host.notices(notices, &self.mqtt, now, wall_ms);
+        }
     }
 
     /// One slice of the log, if the `work` part's rule says so; then publish what it gave,
@@ -362,6 +389,7 @@ impl Agent {
         )?;
         if took.taken > 0 {
             self.keeper.schedule.applied(now);
+            self.sparkplug_notices();
         }
         match took.kind {
             Next::Backfill => {
@@ -517,6 +545,9 @@ impl Agent {
         self.relieve_backpressure()?;
         self.ingest.redeliver_let_go(&self.mqtt, now);
         self.publish()?;
+        self.host.tick(&self.mqtt);
+        let sparkplug = self.host.figures.clone();
+        self.figures.metrics.update(|f| f.sparkplug = sparkplug);
         let view = View {
             log: &self.log,
             proc: &self.proc,
@@ -603,13 +634,15 @@ impl Agent {
     fn drain(mut self, shutdown: &Shutdown) -> Result<(), AgentError> {
         crate::notify::stopping();
         crate::notify::status("stopping: draining");
+        // First, so that edge nodes with this Primary Host start buffering at once.
+        self.host.stop(&self.mqtt);
         log::info!(
             "shutdown: draining (log commit, checkpoint, outbox for up to {:?})",
             self.cfg.outbox.drain_timeout
         );
         self.tick(true)?;
         let deadline = self.now() + self.cfg.outbox.drain_timeout;
-        while !self.results.idle() || self.results.unsent(&self.proc)? {
+        while !self.results.idle() || self.results.unsent(&self.proc)? || !self.host.settled() {
             if shutdown.requested() >= 2 || self.now() >= deadline {
                 break;
             }
@@ -620,6 +653,7 @@ impl Agent {
                 Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
             }
             self.publish()?;
+            self.host.tick(&self.mqtt);
             let now = self.now();
             self.figures
                 .heartbeat

@@ -27,6 +27,7 @@ use crate::store::Store;
 
 use super::error::AgentError;
 use super::figures::Figures;
+use super::host::Host;
 use super::ingest::{Ingest, log_clock_note};
 use super::keeper::{Keeper, Schedule, note_savepoint_files};
 use super::memory::{TRIM_INTERVAL, return_free_memory};
@@ -45,6 +46,7 @@ pub(crate) struct Started {
     pub(crate) work: Work,
     pub(crate) keeper: Keeper,
     pub(crate) figures: Figures,
+    pub(crate) host: Host,
 }
 
 /// Recover and connect (see the module docs).
@@ -123,7 +125,8 @@ pub(crate) fn recover(
         .transpose()?
         .map(|(s, _)| s)
         .unwrap_or(0);
-    let (mqtt, sink, events) = subscribe(cfg, first_seq)?;
+    let host = Host::new(&cfg.sparkplug, clock.wall_ms());
+    let (mqtt, sink, events) = subscribe(cfg, first_seq, &host)?;
     let now = clock.monotonic();
     Ok(Started {
         log,
@@ -135,6 +138,7 @@ pub(crate) fn recover(
         work: Work::new(stats.held.is_some(), now),
         keeper: Keeper::new(schedule, fsync, sync.clone()),
         figures: Figures::new(metrics, now),
+        host,
     })
 }
 
@@ -296,25 +300,32 @@ fn start_metrics(
     Ok(metrics)
 }
 
-/// Connect, subscribed to every pipeline's topic filters (each once); and to the uplink
-/// broker, publish-only, if there is one. `first_seq`: where the results' cursor starts.
-fn subscribe(cfg: &Config, first_seq: u64) -> Result<(Mqtt, MqttSink, Events), AgentError> {
+/// Connect, subscribed to every pipeline's topic filters (each once) and, as a Sparkplug
+/// Primary Host, to its own STATE with its will registered; and to the uplink broker,
+/// publish-only, if there is one. `first_seq`: where the results' cursor starts.
+fn subscribe(
+    cfg: &Config,
+    first_seq: u64,
+    host: &Host,
+) -> Result<(Mqtt, MqttSink, Events), AgentError> {
     let mut filters: Vec<String> = cfg
         .pipelines
         .iter()
         .flat_map(|p| p.topics.clone())
+        .chain(host.subscription())
         .collect();
     filters.sort();
     filters.dedup();
     let inflight = cfg.outbox.inflight;
+    let mut input = cfg.mqtt.clone();
+    input.will = host.will();
     Ok(match &cfg.uplink {
         None => {
-            let (mqtt, events) = Mqtt::start(&cfg.mqtt, filters, inflight)?;
+            let (mqtt, events) = Mqtt::start(&input, filters, inflight)?;
             (mqtt, MqttSink::new(first_seq, None), events)
         }
         Some(u) => {
-            let (mqtt, up, events) =
-                Mqtt::start_with_uplink(&cfg.mqtt, filters, &u.mqtt, inflight)?;
+            let (mqtt, up, events) = Mqtt::start_with_uplink(&input, filters, &u.mqtt, inflight)?;
             (mqtt, MqttSink::new(first_seq, Some((u, up))), events)
         }
     })

@@ -204,6 +204,7 @@ pub(crate) fn field_text(f: &Field) -> String {
         Field::Pointer(p) => p.clone(),
         Field::Index(i) => i.to_string(),
         Field::Topic(i) => format!("topic[{i}]"),
+        Field::Sparkplug(part) => part.name().to_string(),
         Field::Template(parts) => parts
             .iter()
             .map(|part| match part {
@@ -685,6 +686,27 @@ pub static KEYS: &[Key] = &[
         WHY_RECONNECT_MAX,
         Get::Config(|c| uplink(c, |m| dur(m.reconnect_max)))
     ),
+    // [sparkplug]
+    key!(
+        "sparkplug.host_id",
+        Def::Unset,
+        Range::Text(
+            "1 to 256 bytes, one topic level: no + / # or code point a receiver may refuse"
+        ),
+        "name",
+        Reload::Restart,
+        "act as the Sparkplug Primary Host of this ID: publish spBv1.0/STATE/<host_id> (online once the log is ready; offline as the will and before a clean stop), so edge nodes that name it buffer while Cairn is down",
+        Get::Config(|c| c.sparkplug.host_id.as_ref().map(|h| q(h)))
+    ),
+    key!(
+        "sparkplug.rebirth",
+        Def::Bool(false),
+        Range::Choices(&["true", "false"]),
+        "flag",
+        Reload::Restart,
+        "answer a seq gap, an unknown metric or DATA without a session with an NCMD Node Control/Rebirth (at most one per node every 10s); off by default, since it writes to the plant",
+        Get::Config(|c| Some(c.sparkplug.rebirth.to_string()))
+    ),
     // [[pipeline]]
     key!(
         "pipeline.name",
@@ -707,13 +729,14 @@ pub static KEYS: &[Key] = &[
     key!(
         "pipeline.format",
         Def::Text("json"),
-        Range::Choices(&["json", "delimited"]),
+        Range::Choices(&["json", "delimited", "sparkplug_b"]),
         "format",
         Reload::Definition,
-        "JSON payloads read by JSON pointer; delimited text by position",
+        "JSON payloads read by JSON pointer; delimited text by position; Sparkplug B protobuf, each metric value an event",
         Get::Pipeline(|p| Some(q(match p.format {
             Format::Json => "json",
             Format::Delimited { .. } => "delimited",
+            Format::SparkplugB => "sparkplug_b",
         })))
     ),
     key!(
@@ -725,7 +748,7 @@ pub static KEYS: &[Key] = &[
         "the text between fields, as in E2/A/35000",
         Get::Pipeline(|p| match &p.format {
             Format::Delimited { separator } => Some(q(separator)),
-            Format::Json => None,
+            Format::Json | Format::SparkplugB => None,
         })
     ),
     key!(
@@ -735,7 +758,8 @@ pub static KEYS: &[Key] = &[
         "field",
         Reload::Definition,
         "events are deduplicated by it (broker redeliveries and repeated publishes)",
-        Get::Pipeline(|p| Some(q(&field_text(&p.event_id))))
+        // Sparkplug B builds it from each metric's identity (`pipeline::sparkplug`).
+        Get::Pipeline(|p| (p.format != Format::SparkplugB).then(|| q(&field_text(&p.event_id))))
     ),
     key!(
         "pipeline.key",
@@ -767,7 +791,9 @@ pub static KEYS: &[Key] = &[
     key!(
         "pipeline.aggregate",
         Def::Required,
-        Range::Text("sum, count, min, max, avg, last, stddev, variance, pNN; or a list of 1 to 32"),
+        Range::Text(
+            "sum, count, min, max, avg, last, stddev, variance, twa (sparkplug_b), pNN; or a list of 1 to 32"
+        ),
         "aggregate",
         Reload::Definition,
         "a list gives one result with `values`, one per name",
@@ -887,6 +913,15 @@ pub static KEYS: &[Key] = &[
         Reload::Restart,
         "event IDs live in the dedup ledger; the bound keeps its values far below sled's blob threshold (a 200 KB ID once made an unfsynced blob file)",
         Get::Pipeline(|p| Some(p.max_id_len.to_string()))
+    ),
+    key!(
+        "pipeline.metrics",
+        Def::Unset,
+        Range::Text("1 to 1000 metric names; sparkplug_b only"),
+        "names",
+        Reload::Restart,
+        "only these metrics are aggregated; every metric when not set (then a value that is not a number is a dead letter)",
+        Get::Pipeline(|p| p.metrics.as_ref().map(|m| list(m)))
     ),
     key!(
         "pipeline.max_future",

@@ -87,6 +87,7 @@ fn every_key_the_parser_accepts_is_in_the_table_and_no_other() {
             "uplink.tls",
             "client_id = \"up\"\ntls = { zzz_unknown = 1 }",
         ),
+        ("sparkplug", "sparkplug", "zzz_unknown = 1"),
         ("pipeline", "pipeline", "zzz_unknown = 1"),
         (
             "pipeline",

@@ -35,7 +35,21 @@ pub struct Config {
     pub dead_letters: DeadLettersConfig,
     /// `[uplink]`: where results go when they do not go to `[mqtt]`'s broker.
     pub uplink: Option<UplinkConfig>,
+    /// `[sparkplug]`: Cairn as a Sparkplug host (issue 31).
+    pub sparkplug: SparkplugConfig,
     pub pipelines: Vec<PipelineSpec>,
+}
+
+/// `[sparkplug]`: how Cairn acts as a Sparkplug B host application towards edge nodes.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SparkplugConfig {
+    /// Act as the Primary Host Application of this ID: publish `spBv1.0/STATE/<host_id>`
+    /// (online once the log is ready, offline by will and before a clean stop), so edge
+    /// nodes configured with it buffer while Cairn is down.
+    pub host_id: Option<String>,
+    /// Answer a seq gap, an unknown metric or DATA without a session with an NCMD
+    /// `Node Control/Rebirth` (rate limited).
+    pub rebirth: bool,
 }
 
 /// `[dead_letters]`: how many and how old the stored dead letters may be; the oldest beyond
@@ -78,6 +92,17 @@ pub struct MqttConfig {
     pub reconnect_max: Duration,
     /// Capacity of rumqttc's request channel and of our event channel.
     pub channel_capacity: usize,
+    /// The will registered at connect: not a config key; the agent sets it on the input
+    /// connection when it is a Sparkplug Primary Host (`[sparkplug] host_id`).
+    pub will: Option<Will>,
+}
+
+/// An MQTT will: published by the broker, QoS 1 and retained, when the connection ends
+/// without a DISCONNECT.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Will {
+    pub topic: String,
+    pub payload: Vec<u8>,
 }
 
 /// `[uplink]`: a second, publish-only connection to a central broker; results go there

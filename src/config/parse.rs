@@ -32,7 +32,7 @@ use toml_edit::{DocumentMut, ImDocument, Table};
 
 use super::{
     CheckpointConfig, Config, DeadLettersConfig, LogConfig, LoggingConfig, MetricsConfig,
-    MqttConfig, OutboxConfig, SavepointConfig, StorageConfig, TlsConfig,
+    MqttConfig, OutboxConfig, SavepointConfig, SparkplugConfig, StorageConfig, TlsConfig,
 };
 use crate::pipeline::expr::Expr;
 use crate::pipeline::field::{Field, Format, TemplatePart};
@@ -200,7 +200,7 @@ fn duration_ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
-const AGGREGATE_NAMES: &str = "one of sum, count, min, max, avg, last, stddev, variance, or a percentile such as p50, p95, p99.9";
+const AGGREGATE_NAMES: &str = "one of sum, count, min, max, avg, last, stddev, variance, twa, or a percentile such as p50, p95, p99.9";
 
 /// Most aggregates in one list: each is a field of every result.
 const MAX_AGGREGATES: usize = 32;
@@ -421,6 +421,7 @@ impl Validator {
         let logging = self.logging(raw.logging.unwrap_or_default());
         let dead_letters = self.dead_letters(raw.dead_letters.unwrap_or_default());
         let uplink = self.uplink(raw.uplink, mqtt.as_ref());
+        let sparkplug = self.sparkplug(raw.sparkplug.unwrap_or_default());
         let pipelines = self.pipelines(raw.pipeline);
         Some(Config {
             source: path.to_path_buf(),
@@ -434,6 +435,7 @@ impl Validator {
             logging: logging?,
             dead_letters: dead_letters?,
             uplink: uplink?,
+            sparkplug: sparkplug?,
             pipelines: pipelines?,
         })
     }

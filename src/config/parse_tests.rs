@@ -192,6 +192,7 @@ fn a_minimal_config_gets_safe_default_limits() {
             max_keys: 1_000_000,
             max_id_len: 256,
             max_future_ms: 600_000,
+            metrics: None,
             filter: None,
         }]
     );
@@ -792,7 +793,7 @@ fn delimited_pipelines_read_fields_by_position() {
         &only(&text),
         "pipeline[0].format",
         line_of(&text, "format"),
-        "expected \"json\" or \"delimited\"",
+        "expected \"json\", \"delimited\" or \"sparkplug_b\"",
     );
 }
 
@@ -1247,5 +1248,120 @@ fn too_many_pipelines_for_the_progress_record_are_refused() {
         p[0].message.contains("progress record") && p[0].message.contains("fewer pipelines"),
         "{}",
         p[0].message
+    );
+}
+
+/// A Sparkplug B pipeline and `[sparkplug]`, as issue 31 writes them.
+const SPARKPLUG: &str = r#"[mqtt]
+client_id = "box-1"
+
+[storage]
+data_dir = "/var/lib/cairn"
+
+[sparkplug]
+host_id = "cairn-box17"
+rebirth = true
+
+[[pipeline]]
+name = "line1"
+topics = ["spBv1.0/plant1/#"]
+format = "sparkplug_b"
+metrics = ["Temperature", "Pressure"]
+key = "{edge_node}/{device}/{metric}"
+aggregate = ["twa", "min", "max", "count"]
+window = { size = "1m" }
+output_topic = "line1/{key}"
+"#;
+
+#[test]
+fn a_sparkplug_pipeline_and_host_load_as_the_issue_writes_them() {
+    let cfg = parse(SPARKPLUG).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(cfg.sparkplug.host_id.as_deref(), Some("cairn-box17"));
+    assert!(cfg.sparkplug.rebirth);
+    let p = &cfg.pipelines[0];
+    assert_eq!(p.format, Format::SparkplugB);
+    assert_eq!(
+        p.metrics.as_deref(),
+        Some(&["Temperature".to_string(), "Pressure".to_string()][..])
+    );
+    assert!(p.aggregate.all().contains(&Aggregate::Twa));
+    assert_eq!(p.value, None);
+    // Without the section: no host, no rebirth requests.
+    let plain = SPARKPLUG.replace(
+        "[sparkplug]\nhost_id = \"cairn-box17\"\nrebirth = true\n",
+        "",
+    );
+    assert_eq!(parse(&plain).unwrap().sparkplug, SparkplugConfig::default());
+}
+
+#[test]
+fn sparkplug_mistakes_are_problems_at_their_line() {
+    let case = |from: &str, to: &str, key: &str, needle: &str, has: &str| {
+        let text = SPARKPLUG.replace(from, to);
+        assert_problem(&only(&text), key, line_of(&text, needle), has);
+    };
+    case(
+        "host_id = \"cairn-box17\"",
+        "host_id = \"cairn/box17\"",
+        "sparkplug.host_id",
+        "host_id",
+        "one topic level",
+    );
+    case(
+        "host_id = \"cairn-box17\"",
+        "host_id = \"\"",
+        "sparkplug.host_id",
+        "host_id",
+        "1 to 256 bytes",
+    );
+    case(
+        "key = \"{edge_node}/{device}/{metric}\"",
+        "key = \"{edge_node}/{sensor}\"",
+        "pipeline[0].key",
+        "key =",
+        "not a Sparkplug part",
+    );
+    case(
+        "key = \"{edge_node}/{device}/{metric}\"",
+        "key = \"{edge_node}/{device}/{metric}\"\nvalue = \"/v\"",
+        "pipeline[0].value",
+        "value =",
+        "not used with format = \"sparkplug_b\"",
+    );
+    case(
+        "metrics = [\"Temperature\", \"Pressure\"]",
+        "metrics = [\"Temperature\", \"Temperature\"]",
+        "pipeline[0].metrics[1]",
+        "metrics =",
+        "listed twice",
+    );
+    case(
+        "window = { size = \"1m\" }",
+        "window = { size = \"1m\", slide = \"30s\" }",
+        "pipeline[0].window.slide",
+        "window =",
+        "twa takes tumbling windows",
+    );
+    case(
+        "rebirth = true",
+        "rebirth = \"yes\"",
+        "sparkplug.rebirth",
+        "rebirth",
+        "wrong type",
+    );
+    // twa and metrics are Sparkplug B's.
+    let text = with_pipeline("metrics = [\"a\"]");
+    assert_problem(
+        &only(&text),
+        "pipeline[0].metrics",
+        line_of(&text, "metrics"),
+        "only applies to format = \"sparkplug_b\"",
+    );
+    let text = MINIMAL.replace("aggregate = \"sum\"", "aggregate = \"twa\"");
+    assert_problem(
+        &only(&text),
+        "pipeline[0].aggregate",
+        line_of(&text, "aggregate"),
+        "it needs format = \"sparkplug_b\"",
     );
 }

@@ -238,6 +238,8 @@ mod tests {
                 "[dead_letters]\nmax_entries = 5",
             ),
             ("dead_letters.max_age", "[dead_letters]\nmax_age = \"1h\""),
+            ("sparkplug.host_id", "[sparkplug]\nhost_id = \"cairn-1\""),
+            ("sparkplug.rebirth", "[sparkplug]\nrebirth = true"),
         ];
         // The uplink: from none to one changes every key it has a value for.
         let uplink = "[uplink]\nclient_id = \"up\"";

@@ -210,6 +210,24 @@ pub struct Figures {
     pub metrics_listener_up: bool,
     /// Binds that failed since start.
     pub metrics_bind_failures: u64,
+    /// Sparkplug B sessions and the host (issue 31).
+    pub sparkplug: SparkplugFigures,
+}
+
+/// What Sparkplug sessions reported to the live loop, and what the host did (counters since
+/// start).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SparkplugFigures {
+    /// `seq` jumps: messages of an edge node lost (QoS 0).
+    pub seq_gaps: u64,
+    /// Metrics (by alias or name) no BIRTH of the session named.
+    pub unknown_metrics: u64,
+    /// DATA or DBIRTH of a node or device with no live session.
+    pub no_session: u64,
+    /// NCMD `Node Control/Rebirth` requests sent (`[sparkplug] rebirth`).
+    pub rebirths_sent: u64,
+    /// With `[sparkplug] host_id`: 1 while the broker holds our STATE as online.
+    pub host_online: bool,
 }
 
 /// The shared figures, plus the server's address, stop flag and connections.

@@ -166,6 +166,7 @@ pub fn families(f: &Figures, now_ms: u64) -> Vec<Family> {
     savepoints(&mut o, f, now_ms);
     uplink::families(&mut o, f, now_ms);
     listener(&mut o, f);
+    sparkplug(&mut o, f);
     o.0
 }
 
@@ -586,6 +587,41 @@ fn savepoints(o: &mut Out, f: &Figures, now_ms: u64) {
 
 /// The metrics listener itself: a scrape that reads these found it bound, so `up` is 1 here;
 /// the failures say how long another process held the port.
+/// Sparkplug B sessions and the host (issue 31).
+fn sparkplug(o: &mut Out, f: &Figures) {
+    let s = &f.sparkplug;
+    o.one(
+        "cairn_sparkplug_seq_gaps_total",
+        COUNTER,
+        "Sparkplug seq jumps seen live: messages of an edge node were lost (QoS 0).",
+        s.seq_gaps as f64,
+    );
+    o.one(
+        "cairn_sparkplug_unknown_metrics_total",
+        COUNTER,
+        "Sparkplug metric values whose alias or name no BIRTH of the session named.",
+        s.unknown_metrics as f64,
+    );
+    o.one(
+        "cairn_sparkplug_no_session_total",
+        COUNTER,
+        "Sparkplug DATA or DBIRTH messages of a node or device with no live session.",
+        s.no_session as f64,
+    );
+    o.one(
+        "cairn_sparkplug_rebirths_sent_total",
+        COUNTER,
+        "NCMD Node Control/Rebirth requests sent to edge nodes ([sparkplug] rebirth).",
+        s.rebirths_sent as f64,
+    );
+    o.one(
+        "cairn_sparkplug_host_online",
+        GAUGE,
+        "1 while the broker holds this host's Sparkplug STATE as online ([sparkplug] host_id).",
+        b(s.host_online),
+    );
+}
+
 fn listener(o: &mut Out, f: &Figures) {
     o.one(
         "cairn_metrics_listener_up",

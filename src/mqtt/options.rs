@@ -34,6 +34,16 @@ pub(crate) fn build(cfg: &MqttConfig, publish_inflight: u16) -> Result<MqttOptio
     if let Some(tls) = &cfg.tls {
         opts.set_transport(Transport::tls_with_config(tls_config(tls)?));
     }
+    // A Sparkplug Primary Host's death certificate (issue 31, `agent/host.rs`).
+    if let Some(will) = &cfg.will {
+        let w = rumqttc::LastWill::new(
+            will.topic.clone(),
+            will.payload.clone(),
+            rumqttc::QoS::AtLeastOnce,
+            true,
+        );
+        opts.set_last_will(w);
+    }
     Ok(opts)
 }
 

@@ -13,17 +13,33 @@
 use std::collections::BTreeMap;
 
 use super::bound::{KeyBytes, result_bytes};
+use super::field::Format;
 use super::num::Num;
 use super::parse::{Parsed, parse};
 use super::refusal::Refusal;
-use super::spec::{Emit, PipelineSpec};
+use super::sparkplug::session::{Entry, Notice};
+use super::spec::{Aggregate, Emit, PipelineSpec};
 use super::topic::{check_publish_topic, escape_key, matches, render};
-use super::value::KeyState;
+use super::value::{Extra, KeyState};
+
+/// The Sparkplug B room of the engine: one record, many events (`sparkplug/records.rs`).
+#[path = "sparkplug/records.rs"]
+mod sparkplug_records;
 use crate::model::{Backfill, DeadLetter, Output, PipelineProgress, Progress};
 use crate::model::{DEAD_LETTER_KEY_ROOM, MAX_ENTRY_BYTES, Record};
 
 /// Longest payload prefix kept in a dead letter.
 pub(crate) const DEAD_LETTER_PAYLOAD_MAX: usize = 1024;
+
+/// How many windows back a new twa window looks for the value in effect at its start (and
+/// forward, to hand a changed end value on): a metric that reports by exception may be
+/// silent for many windows. Each step is one state lookup, made only when a window is new
+/// or an older window's end value changes.
+pub(crate) const TWA_LOOKBACK_WINDOWS: usize = 32;
+
+/// Most Sparkplug notices kept for the live loop between two takes (more are dropped: they
+/// only ask for rebirths, which are rate limited anyway).
+pub const NOTICES_MAX: usize = 1024;
 
 /// A failure to read the checkpointed state (an I/O or corruption error in the store).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -38,6 +54,10 @@ pub trait ReadState {
     fn dedup(&self, pipeline: &str, event_id: &str) -> Result<Option<u64>, ReadError>;
     /// State keys of a windowed pipeline whose window start lies in `[from, to)`.
     fn window_keys(&self, pipeline: &str, from: u64, to: u64) -> Result<Vec<Vec<u8>>, ReadError>;
+    /// A Sparkplug session entry of `pipeline` (see [`super::sparkplug::session`]).
+    fn sparkplug(&self, pipeline: &str, key: &[u8]) -> Result<Option<Entry>, ReadError>;
+    /// The keys of `pipeline`'s Sparkplug entries that start with `prefix`, in order.
+    fn sparkplug_keys(&self, pipeline: &str, prefix: &[u8]) -> Result<Vec<Vec<u8>>, ReadError>;
 }
 
 impl PipelineProgress {
@@ -94,6 +114,8 @@ pub struct Batch {
     pub dead_letters: Vec<DeadLetter>,
     /// Records applied into this batch.
     pub records: u64,
+    /// Sparkplug session entries: (pipeline, key) → entry; `None` deletes.
+    pub sparkplug: BTreeMap<(String, Vec<u8>), Option<Entry>>,
 }
 
 /// A complete checkpoint: the progress after it, and the writes that reach it.
@@ -158,6 +180,9 @@ pub struct Engine {
     /// Upsert mode: the latest state of each key touched since the last checkpoint, with
     /// its output topic.
     touched: BTreeMap<(usize, Vec<u8>), (KeyState, String)>,
+    /// What Sparkplug sessions had to say since the live loop last took them (see
+    /// [`Engine::take_notices`]); not part of any checkpoint.
+    notices: Vec<Notice>,
 }
 
 impl Engine {
@@ -182,7 +207,16 @@ impl Engine {
             progress,
             batch: Batch::default(),
             touched: BTreeMap::new(),
+            notices: Vec::new(),
         }
+    }
+
+    /// What Sparkplug sessions reported (seq gaps, unknown metrics, DATA without a session)
+    /// since the last call, for the live loop to count, log and answer; at most
+    /// [`NOTICES_MAX`] wait (replay's are dropped by the caller: a rebirth request is sent
+    /// only by the live loop).
+    pub fn take_notices(&mut self) -> Vec<Notice> {
+        std::mem::take(&mut self.notices)
     }
 
     pub fn progress(&self) -> &Progress {
@@ -194,9 +228,10 @@ impl Engine {
         self.batch.records
     }
 
-    /// State keys the next checkpoint writes (or deletes), over all pipelines.
+    /// State keys the next checkpoint writes (or deletes), over all pipelines, Sparkplug
+    /// session entries included.
     pub fn pending_keys(&self) -> u64 {
-        self.batch.state.len() as u64
+        (self.batch.state.len() + self.batch.sparkplug.len()) as u64
     }
 
     /// Apply one log record to every pipeline whose topic filter matches it. The record must
@@ -412,6 +447,9 @@ impl Engine {
         p: usize,
         rec: &Record,
     ) -> Result<Outcome, ReadError> {
+        if self.specs[p].format == Format::SparkplugB {
+            return self.apply_sparkplug(base, p, rec);
+        }
         let spec = &self.specs[p];
         let ev = match parse(spec, &rec.topic, &rec.payload) {
             Ok(None) => {
@@ -425,6 +463,25 @@ impl Engine {
             Ok(ev) => ev,
             Err(r) => return self.dead(base, p, rec, r),
         };
+        match self.apply_event(base, p, rec, ev, Given::default())? {
+            EventOutcome::Applied { key, version } => Ok(Outcome::Applied { key, version }),
+            EventOutcome::Duplicate => Ok(Outcome::Duplicate),
+            EventOutcome::Refused(r) => self.dead(base, p, rec, r),
+        }
+    }
+
+    /// One event (of a record that may hold many): dedup, the windows it lands in, their next
+    /// states, and what is emitted. A refusal changes nothing; the caller makes it a dead
+    /// letter.
+    fn apply_event<R: ReadState>(
+        &mut self,
+        base: &R,
+        p: usize,
+        rec: &Record,
+        ev: Parsed,
+        given: Given,
+    ) -> Result<EventOutcome, ReadError> {
+        let spec = &self.specs[p];
         let now = self.clock(p);
         let name = spec.name.clone();
 
@@ -433,26 +490,29 @@ impl Engine {
         if let Some(seen_ms) = seen {
             if now.saturating_sub(seen_ms) < spec.dedup_window_ms {
                 self.progress.pipelines[p].counters.duplicates += 1;
-                return Ok(Outcome::Duplicate);
+                return Ok(EventOutcome::Duplicate);
             }
         }
 
         let (time_ms, slots) = match self.slots(p, &ev, rec) {
             Ok(s) => s,
-            Err(r) => return self.dead(base, p, rec, r),
+            Err(r) => return Ok(EventOutcome::Refused(r)),
         };
         // Every window the event lands in takes it, or none does.
         let mut states = Vec::with_capacity(slots.len());
         let mut new_keys = 0u64;
         for slot in &slots {
-            match self.next_state(base, p, &slot.skey, time_ms, ev.value, new_keys)? {
+            let at = (time_ms, ev.value, &given);
+            match self.next_state(base, p, &slot.skey, at, new_keys)? {
                 Ok((st, new_key)) => {
                     new_keys += u64::from(new_key);
                     states.push(st);
                 }
-                Err(r) => return self.dead(base, p, rec, r),
+                Err(r) => return Ok(EventOutcome::Refused(r)),
             }
         }
+        // A twa window whose value at its end changed hands it to the next one.
+        let carried = self.carry_on(base, p, &ev.key, &slots, &states)?;
 
         // Accepted: remember the ID, store the states, emit.
         let pp = &mut self.progress.pipelines[p];
@@ -462,28 +522,96 @@ impl Engine {
         self.remember(&name, ev.event_id.clone(), now);
         let mut version = 0;
         for (slot, new) in slots.into_iter().zip(states) {
-            let pp = &mut self.progress.pipelines[p];
-            pp.max_version = pp.max_version.max(new.version);
             version = new.version;
-            self.batch
-                .state
-                .insert((name.clone(), slot.skey.clone()), Some(new.clone()));
-            match self.specs[p].emit {
-                Emit::Changelog => self.emit(p, &slot.skey, &new, slot.topic),
-                Emit::Upsert => {
-                    self.touched.insert((p, slot.skey), (new, slot.topic));
-                }
-                // Emitted once, when the watermark closes the window (`evict_closed`).
-                Emit::Final => {}
-            }
+            self.store_state(p, slot, new);
+        }
+        for (slot, new) in carried {
+            self.store_state(p, slot, new);
         }
         if self.specs[p].window.is_some() {
             self.evict_closed(base, p)?;
         }
-        Ok(Outcome::Applied {
+        Ok(EventOutcome::Applied {
             key: ev.key,
             version,
         })
+    }
+
+    /// Write one key's (or window's) new state and emit it as the pipeline's mode says.
+    fn store_state(&mut self, p: usize, slot: Slot, new: KeyState) {
+        let name = self.specs[p].name.clone();
+        let pp = &mut self.progress.pipelines[p];
+        pp.max_version = pp.max_version.max(new.version);
+        self.batch
+            .state
+            .insert((name, slot.skey.clone()), Some(new.clone()));
+        match self.specs[p].emit {
+            Emit::Changelog => self.emit(p, &slot.skey, &new, slot.topic),
+            Emit::Upsert => {
+                self.touched.insert((p, slot.skey), (new, slot.topic));
+            }
+            // Emitted once, when the watermark closes the window (`evict_closed`).
+            Emit::Final => {}
+        }
+    }
+
+    /// For a twa pipeline with tumbling windows: each window of `slots` whose value at its
+    /// end changes from `old` to its new state hands that value to the key's next window
+    /// that has state (within [`TWA_LOOKBACK_WINDOWS`], never beyond the newest window an
+    /// event reached): its carried-in value (a store-and-forward value that lands in an
+    /// earlier window after a later one began). One step is enough: a window's own end
+    /// value comes from its own points, never from its carry. In-order live values are in
+    /// the newest window, so they look nowhere.
+    fn carry_on<R: ReadState>(
+        &self,
+        base: &R,
+        p: usize,
+        key: &str,
+        slots: &[Slot],
+        states: &[KeyState],
+    ) -> Result<Vec<(Slot, KeyState)>, ReadError> {
+        let spec = &self.specs[p];
+        let Some(w) = spec.window.filter(|w| w.slide_ms.is_none()) else {
+            return Ok(Vec::new());
+        };
+        let mut out = Vec::new();
+        for (slot, new) in slots.iter().zip(states) {
+            let Some(end) = new.twa().map(super::value::Twa::end_value) else {
+                continue;
+            };
+            let old = self.state_get(base, &spec.name, &slot.skey)?;
+            if old
+                .as_ref()
+                .and_then(KeyState::twa)
+                .map(super::value::Twa::end_value)
+                == Some(end)
+            {
+                continue;
+            }
+            let newest = self.progress.pipelines[p].max_event_time_ms;
+            let newest = newest - newest % w.size_ms.max(1);
+            let mut next = start_of(&slot.skey);
+            for _ in 0..TWA_LOOKBACK_WINDOWS {
+                match next.checked_add(w.size_ms) {
+                    Some(n) if n <= newest => next = n,
+                    _ => break,
+                }
+                if slots.iter().any(|s| start_of(&s.skey) == next) {
+                    break;
+                }
+                let Ok(next_slot) = self.slot_for(p, key, Some(next)) else {
+                    break;
+                };
+                let Some(st) = self.state_get(base, &spec.name, &next_slot.skey)? else {
+                    continue;
+                };
+                if let Some(st) = st.with_twa(|t| Some(t.with_carry(end))) {
+                    out.push((next_slot, st));
+                }
+                break;
+            }
+        }
+        Ok(out)
     }
 
     /// Where an event goes: its time, and for each window that covers it and is still open
@@ -509,34 +637,7 @@ impl Engine {
                 t
             }
         };
-        let escaped = escape_key(&ev.key);
-        let key_bytes = KeyBytes::of(&ev.key, &escaped);
-        let slot = |start: Option<u64>| -> Result<Slot, Refusal> {
-            let mut skey = Vec::with_capacity(8 + ev.key.len());
-            if let Some(start) = start {
-                skey.extend_from_slice(&start.to_be_bytes());
-            }
-            skey.extend_from_slice(ev.key.as_bytes());
-            let topic = render(&spec.output_topic, &escaped, start);
-            check_publish_topic(&topic)?;
-            // Decided from the key and the topic alone, before any state changes, so replay
-            // decides the same; a result the store would refuse would fail every checkpoint,
-            // replay's included (issue 26).
-            let bytes = result_bytes(spec, topic.len(), key_bytes);
-            if bytes > MAX_ENTRY_BYTES {
-                return Err(Refusal {
-                    reason: "result_too_large",
-                    detail: format!(
-                        "a result for this key would take up to {bytes} bytes in the store, \
-                         which holds at most {MAX_ENTRY_BYTES} per entry (a key of {} bytes, a \
-                         topic of {}): lower max_key_len or shorten output_topic",
-                        ev.key.len(),
-                        topic.len()
-                    ),
-                });
-            }
-            Ok(Slot { skey, topic })
-        };
+        let slot = |start: Option<u64>| self.slot_for(p, &ev.key, start);
         let Some(w) = spec.window else {
             return Ok((time_ms, vec![slot(None)?]));
         };
@@ -586,6 +687,38 @@ impl Engine {
         Ok((time_ms, slots))
     }
 
+    /// The state key and output topic of `key` in the window starting at `start` (`None`
+    /// unwindowed), or why no result of it could be stored or published.
+    fn slot_for(&self, p: usize, key: &str, start: Option<u64>) -> Result<Slot, Refusal> {
+        let spec = &self.specs[p];
+        let escaped = escape_key(key);
+        let key_bytes = KeyBytes::of(key, &escaped);
+        let mut skey = Vec::with_capacity(8 + key.len());
+        if let Some(start) = start {
+            skey.extend_from_slice(&start.to_be_bytes());
+        }
+        skey.extend_from_slice(key.as_bytes());
+        let topic = render(&spec.output_topic, &escaped, start);
+        check_publish_topic(&topic)?;
+        // Decided from the key and the topic alone, before any state changes, so replay
+        // decides the same; a result the store would refuse would fail every checkpoint,
+        // replay's included (issue 26).
+        let bytes = result_bytes(spec, topic.len(), key_bytes);
+        if bytes > MAX_ENTRY_BYTES {
+            return Err(Refusal {
+                reason: "result_too_large",
+                detail: format!(
+                    "a result for this key would take up to {bytes} bytes in the store, \
+                     which holds at most {MAX_ENTRY_BYTES} per entry (a key of {} bytes, a \
+                     topic of {}): lower max_key_len or shorten output_topic",
+                    key.len(),
+                    topic.len()
+                ),
+            });
+        }
+        Ok(Slot { skey, topic })
+    }
+
     /// The state after applying `value` to the state at `skey`, and whether the key is new;
     /// or why the event cannot be applied (a new key beyond `max_keys`, counting
     /// `pending_new` keys this event already adds; an overflow).
@@ -594,12 +727,15 @@ impl Engine {
         base: &R,
         p: usize,
         skey: &[u8],
-        time_ms: u64,
-        value: Num,
+        (time_ms, value, given): (u64, Num, &Given),
         pending_new: u64,
     ) -> Result<Result<(KeyState, bool), Refusal>, ReadError> {
         let spec = &self.specs[p];
         let pp = &self.progress.pipelines[p];
+        let mut extra = Extra {
+            historical: given.historical,
+            ..Extra::default()
+        };
         let overflow = || Refusal {
             reason: "overflow",
             detail: format!(
@@ -613,24 +749,81 @@ impl Engine {
                 detail: format!("{} keys held, the limit is {}", pp.keys, spec.max_keys),
             }),
             None => {
-                let mut first = KeyState::first(&spec.aggregate, value, time_ms);
-                match first.version.checked_add(pp.version_base) {
-                    Some(v) => {
-                        first.version = v;
-                        Ok((first, true))
-                    }
-                    None => Err(overflow()),
+                if spec.aggregate.all().contains(&Aggregate::Twa) {
+                    (extra.span, extra.carry) = self.twa_start(base, p, skey, given)?;
+                }
+                match KeyState::first_with(&spec.aggregate, value, time_ms, &extra) {
+                    Ok(mut first) => match first.version.checked_add(pp.version_base) {
+                        Some(v) => {
+                            first.version = v;
+                            Ok((first, true))
+                        }
+                        None => Err(overflow()),
+                    },
+                    Err(_) => Err(overflow()),
                 }
             }
             Some(old) => old
-                .apply(value, time_ms)
+                .apply_with(value, time_ms, &extra)
                 .map(|s| (s, false))
-                .map_err(|_| overflow()),
+                .map_err(|_| match old.twa().and_then(|t| t.folded) {
+                    Some(f) if time_ms < f.to => Refusal {
+                        reason: "twa_folded",
+                        detail: format!(
+                            "time {time_ms} is before {}, where this window's time-weighted \
+                             average already folded its older points into a sum",
+                            f.to
+                        ),
+                    },
+                    _ => overflow(),
+                }),
         }
         .and_then(|(st, new_key)| {
             check_state_size(&spec.name, skey, &st)?;
             Ok((st, new_key))
         }))
+    }
+
+    /// A new twa state's window and the value carried into it: the metric's latest value
+    /// before the window's start if the input says it (a Sparkplug session keeps it), else
+    /// the value at the end of the window before, if that one has state.
+    fn twa_start<R: ReadState>(
+        &self,
+        base: &R,
+        p: usize,
+        skey: &[u8],
+        given: &Given,
+    ) -> Result<TwaStart, ReadError> {
+        let spec = &self.specs[p];
+        let Some(w) = spec.window else {
+            return Ok((None, None));
+        };
+        let start = start_of(skey);
+        let span = Some((start, start.saturating_add(w.size_ms)));
+        if let Some((t, v)) = given.prior {
+            if t < start {
+                return Ok((span, v));
+            }
+        }
+        if w.slide_ms.is_some() {
+            return Ok((span, None));
+        }
+        // The nearest earlier window of the key that still has state (a metric silent for a
+        // while has none in between), not below the windows already closed and dropped.
+        let floor = self.progress.pipelines[p].evicted_below;
+        let mut before = start;
+        for _ in 0..TWA_LOOKBACK_WINDOWS {
+            match before.checked_sub(w.size_ms) {
+                Some(b) if b >= floor => before = b,
+                _ => break,
+            }
+            let mut prev = before.to_be_bytes().to_vec();
+            prev.extend_from_slice(&skey[8..]);
+            if let Some(st) = self.state_get(base, &spec.name, &prev)? {
+                return Ok((span, st.twa().and_then(super::value::Twa::end_value)));
+            }
+        }
+        Ok((span, None))
     }
 
     /// Drop windows the watermark has closed: no event can change them any more. With
@@ -806,6 +999,29 @@ impl Engine {
             pp.dedup_entries = count(&pp.name);
         }
     }
+}
+
+/// A new twa state's window `[start, end)` (`None` unwindowed) and its carried-in value.
+type TwaStart = (Option<(u64, u64)>, Option<f64>);
+
+/// What an input gives an event beyond its parsed fields (a Sparkplug metric value gives
+/// both; a JSON event neither).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Given {
+    /// A store-and-forward value: it never moves `last`.
+    pub historical: bool,
+    /// The metric's latest point before this one, `(time, value)`, `None` as the value
+    /// when it was dead (or null) from that time: what a twa window that starts after it
+    /// carries in.
+    pub prior: Option<(u64, Option<f64>)>,
+}
+
+/// What became of one event of a record.
+#[derive(Debug)]
+enum EventOutcome {
+    Applied { key: String, version: u64 },
+    Duplicate,
+    Refused(Refusal),
 }
 
 /// Where an accepted event lands (one of possibly several windows).

@@ -106,6 +106,7 @@ fn write_field(f: &mut fmt::Formatter<'_>, field: &Field) -> fmt::Result {
         Field::Pointer(p) => write!(f, "{{{p}}}"),
         Field::Index(i) => write!(f, "{{{i}}}"),
         Field::Topic(i) => write!(f, "topic[{i}]"),
+        Field::Sparkplug(part) => write!(f, "{{{}}}", part.name()),
         Field::Template(parts) => {
             for part in parts {
                 match part {
@@ -113,6 +114,9 @@ fn write_field(f: &mut fmt::Formatter<'_>, field: &Field) -> fmt::Result {
                     TemplatePart::Field(Field::Pointer(p)) => write!(f, "{{{p}}}")?,
                     TemplatePart::Field(Field::Index(i)) => write!(f, "{{{i}}}")?,
                     TemplatePart::Field(Field::Topic(i)) => write!(f, "{{topic[{i}]}}")?,
+                    TemplatePart::Field(Field::Sparkplug(part)) => {
+                        write!(f, "{{{}}}", part.name())?
+                    }
                     // Field::parse never nests templates.
                     TemplatePart::Field(inner @ Field::Template(_)) => write_field(f, inner)?,
                 }

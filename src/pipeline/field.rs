@@ -11,6 +11,31 @@ pub enum Format {
     Json,
     /// Text split on `separator` (e.g. `E2/A/35000` with `/`); fields by position `"0"`, `"1"`.
     Delimited { separator: String },
+    /// Sparkplug B protobuf (`sparkplug_b`): each metric value is an event; keys are
+    /// templates over the topic's IDs and the metric's name ([`SparkplugPart`]).
+    SparkplugB,
+}
+
+/// What a Sparkplug B key template can name (`{group}`, `{edge_node}`, `{device}`,
+/// `{metric}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SparkplugPart {
+    Group,
+    EdgeNode,
+    /// "" for a metric of the edge node itself.
+    Device,
+    Metric,
+}
+
+impl SparkplugPart {
+    pub fn name(self) -> &'static str {
+        match self {
+            SparkplugPart::Group => "group",
+            SparkplugPart::EdgeNode => "edge_node",
+            SparkplugPart::Device => "device",
+            SparkplugPart::Metric => "metric",
+        }
+    }
 }
 
 /// One part of an event-ID template such as `{/device}-{/seq}`.
@@ -31,12 +56,20 @@ pub enum Field {
     Template(Vec<TemplatePart>),
     /// A level of the input's topic, counted from 0: `topic[1]` of `plant/m7/temp` is `m7`.
     Topic(usize),
+    /// A part of a Sparkplug B metric's identity (format `sparkplug_b`, in templates only).
+    Sparkplug(SparkplugPart),
 }
 
 impl Field {
     /// Parse a field reference for the given format: a JSON pointer (`/a/b`), a position
     /// (`"2"`, delimited only), or a template containing `{...}` parts.
     pub fn parse(text: &str, format: &Format) -> Result<Field, String> {
+        if *format == Format::SparkplugB && !text.contains('{') {
+            return Err(format!(
+                "`{text}`: with format = \"sparkplug_b\" a key is a template over {{group}}, \
+                 {{edge_node}}, {{device}} and {{metric}}, e.g. \"{{edge_node}}/{{device}}/{{metric}}\""
+            ));
+        }
         if text.contains('{') || text.contains('}') {
             return parse_template(text, format);
         }
@@ -45,6 +78,24 @@ impl Field {
 }
 
 fn parse_simple(text: &str, format: &Format) -> Result<Field, String> {
+    if *format == Format::SparkplugB {
+        let parts = [
+            SparkplugPart::Group,
+            SparkplugPart::EdgeNode,
+            SparkplugPart::Device,
+            SparkplugPart::Metric,
+        ];
+        return parts
+            .into_iter()
+            .find(|p| p.name() == text)
+            .map(Field::Sparkplug)
+            .ok_or_else(|| {
+                format!(
+                    "`{{{text}}}` is not a Sparkplug part: expected {{group}}, {{edge_node}}, \
+                     {{device}} or {{metric}}"
+                )
+            });
+    }
     if let Some(inner) = text.strip_prefix("topic[") {
         return inner
             .strip_suffix(']')
@@ -75,6 +126,7 @@ fn parse_simple(text: &str, format: &Format) -> Result<Field, String> {
             }
             Ok(Field::Pointer(text.to_string()))
         }
+        Format::SparkplugB => unreachable!("handled above"),
         Format::Delimited { .. } => text.parse::<usize>().map(Field::Index).map_err(|_| {
             format!(
                 "`{text}` is not a field position: delimited fields are numbered from 0, e.g. \"1\""
@@ -144,6 +196,25 @@ mod tests {
         assert!(Field::parse("{/a", &Format::Json).is_err());
         assert!(Field::parse("a}", &Format::Json).is_err());
         assert!(Field::parse("plain{}", &Format::Json).is_err());
+    }
+
+    #[test]
+    fn sparkplug_keys_are_templates_over_the_metric_identity() {
+        let f = Format::SparkplugB;
+        assert_eq!(
+            Field::parse("{edge_node}/{device}/{metric}", &f),
+            Ok(Field::Template(vec![
+                TemplatePart::Field(Field::Sparkplug(SparkplugPart::EdgeNode)),
+                TemplatePart::Literal("/".into()),
+                TemplatePart::Field(Field::Sparkplug(SparkplugPart::Device)),
+                TemplatePart::Literal("/".into()),
+                TemplatePart::Field(Field::Sparkplug(SparkplugPart::Metric)),
+            ]))
+        );
+        assert!(Field::parse("metric", &f).is_err());
+        assert!(Field::parse("{/metric}", &f).is_err());
+        assert!(Field::parse("{topic[1]}", &f).is_err());
+        assert!(Field::parse("{group}", &f).is_ok());
     }
 
     #[test]

@@ -499,6 +499,7 @@ mod tests {
                 Field::Pointer(p) => p.clone(),
                 Field::Index(i) => i.to_string(),
                 Field::Topic(i) => format!("topic[{i}]"),
+                Field::Sparkplug(part) => part.name().into(),
                 Field::Template(_) => "template".into(),
             };
             fields

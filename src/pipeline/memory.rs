@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 
 use super::engine::{Checkpoint, ReadError, ReadState};
+use super::sparkplug::session::Entry;
 use super::value::KeyState;
 use crate::model::{DeadLetter, Output, Progress};
 
@@ -15,6 +16,7 @@ pub struct MemState {
     pub dedup: BTreeMap<(String, String), u64>,
     pub outbox: BTreeMap<u64, Output>,
     pub dead: BTreeMap<(u64, String), DeadLetter>,
+    pub sparkplug: BTreeMap<(String, Vec<u8>), Entry>,
 }
 
 impl MemState {
@@ -35,6 +37,12 @@ impl MemState {
             if !self.outbox.values().any(|x| x.id == o.id) {
                 self.outbox.insert(*seq, o.clone());
             }
+        }
+        for ((p, k), v) in &cp.batch.sparkplug {
+            match v {
+                Some(e) => self.sparkplug.insert((p.clone(), k.clone()), e.clone()),
+                None => self.sparkplug.remove(&(p.clone(), k.clone())),
+            };
         }
         for d in &cp.batch.dead_letters {
             self.dead.insert((d.offset, d.pipeline.clone()), d.clone());
@@ -67,6 +75,22 @@ impl ReadState for MemState {
         Ok(self
             .state
             .range(lo..hi)
+            .map(|((_, k), _)| k.clone())
+            .collect())
+    }
+
+    fn sparkplug(&self, pipeline: &str, key: &[u8]) -> Result<Option<Entry>, ReadError> {
+        Ok(self
+            .sparkplug
+            .get(&(pipeline.to_string(), key.to_vec()))
+            .cloned())
+    }
+
+    fn sparkplug_keys(&self, pipeline: &str, prefix: &[u8]) -> Result<Vec<Vec<u8>>, ReadError> {
+        Ok(self
+            .sparkplug
+            .range((pipeline.to_string(), prefix.to_vec())..)
+            .take_while(|((p, k), _)| p == pipeline && k.starts_with(prefix))
             .map(|((_, k), _)| k.clone())
             .collect())
     }

@@ -65,6 +65,13 @@ pub fn parse(spec: &PipelineSpec, topic: &str, payload: &[u8]) -> Result<Option<
                 .split(separator.as_str())
                 .collect(),
         ),
+        // The engine reads these through `sparkplug`, never here.
+        Format::SparkplugB => {
+            return Err(refuse(
+                "not_sparkplug",
+                "a Sparkplug B payload read as text",
+            ));
+        }
     };
     let doc = Src { doc, topic };
     if let Some(filter) = &spec.filter {
@@ -330,6 +337,7 @@ fn describe(field: &Field) -> String {
         Field::Index(i) => format!("field {i}"),
         Field::Template(_) => "template field".into(),
         Field::Topic(i) => format!("topic[{i}]"),
+        Field::Sparkplug(part) => format!("{{{}}}", part.name()),
     }
 }
 

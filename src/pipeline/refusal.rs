@@ -3,7 +3,7 @@
 
 /// Why a payload was refused. `reason` is a stable, greppable word; `detail` says more.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Refusal {
+pub struct Refusal {
     pub reason: &'static str,
     pub detail: String,
 }

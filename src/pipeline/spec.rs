@@ -19,6 +19,9 @@ pub enum Aggregate {
     Variance,
     /// The quantile `permille / 1000` (1..=999), from a [`super::sketch::Sketch`].
     Percentile(u16),
+    /// Time-weighted average: each value weighted by how long it held (see
+    /// [`super::value::Twa`]). New variants go last: lists of aggregates are stored.
+    Twa,
 }
 
 impl Aggregate {
@@ -33,6 +36,7 @@ impl Aggregate {
             Aggregate::Last => "last".into(),
             Aggregate::Stddev => "stddev".into(),
             Aggregate::Variance => "variance".into(),
+            Aggregate::Twa => "twa".into(),
             Aggregate::Percentile(q) if q % 10 == 0 => format!("p{}", q / 10),
             Aggregate::Percentile(q) => format!("p{}.{}", q / 10, q % 10),
         }
@@ -49,6 +53,7 @@ impl Aggregate {
             Aggregate::Last,
             Aggregate::Stddev,
             Aggregate::Variance,
+            Aggregate::Twa,
         ];
         if let Some(a) = fixed.into_iter().find(|a| a.name() == text) {
             return Some(a);
@@ -187,6 +192,10 @@ pub struct PipelineSpec {
     /// Most distinct keys (per window when windowed) held in state; an event for a new key
     /// beyond it is a dead letter with reason `key_limit`.
     pub max_keys: u64,
+    /// Sparkplug B only: the metrics aggregated, by name; `None` takes every metric. Like
+    /// `where`, a filter on inputs, not part of the definition.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics: Option<Vec<String>>,
     /// Longest event ID accepted, in bytes; longer IDs are dead letters (`id_too_long`).
     /// IDs are held in the dedup ledger, so this bounds every ledger value.
     pub max_id_len: usize,
@@ -203,7 +212,7 @@ mod tests {
     #[test]
     fn aggregate_names_round_trip() {
         for name in [
-            "sum", "count", "stddev", "variance", "p50", "p95", "p99.9", "p0.1", "p1",
+            "sum", "count", "stddev", "variance", "twa", "p50", "p95", "p99.9", "p0.1", "p1",
         ] {
             assert_eq!(Aggregate::parse(name).unwrap().name(), name);
         }

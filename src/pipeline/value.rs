@@ -6,6 +6,10 @@
 //! `f64`; once a key's sum or average has seen one, that key's aggregate is floating point
 //! from then on. Floats must be finite and below 2^53 in magnitude, so an integer never
 //! silently loses precision by passing through a float.
+//!
+//! `twa`, the time-weighted average, is the one aggregate that needs more than each value
+//! and its time: the window it is in and the value in effect when that window began (see
+//! [`Twa`]); the engine hands them over in an [`Extra`].
 
 use std::cmp::Ordering;
 
@@ -39,6 +43,199 @@ pub enum Agg {
     /// A list of aggregates in one result: each running value kept once, however many of the
     /// listed aggregates read it (`avg` and `sum` share the sum, all `pNN` one sketch).
     Multi(Box<Multi>),
+    /// `twa` alone.
+    Twa(Box<Twa>),
+    /// A list that includes `twa`: the list's running values, and the twa's.
+    MultiTwa(Box<Multi>, Box<Twa>),
+}
+
+/// What a value brings besides its number and its event time.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct Extra {
+    /// A store-and-forward value (Sparkplug `is_historical`): it goes into its window like
+    /// any other, but never moves `last`, which is the current value.
+    pub historical: bool,
+    /// `twa`: the window `[start, end)` the state covers (`None` unwindowed), and the value
+    /// in effect at its start, carried from before it, if one is known.
+    pub span: Option<(u64, u64)>,
+    pub carry: Option<f64>,
+}
+
+/// Most points a [`Twa`] keeps apart before it folds the older half into a sum: each is
+/// ~20 bytes in the store, and a state must fit one entry (`MAX_ENTRY_BYTES`) beside its key.
+pub(crate) const TWA_POINTS_MAX: usize = 128;
+
+/// A time-weighted average over a stair-step function: each value holds from its time until
+/// the next point's, and the average is the integral of the steps over the time they cover,
+/// divided by that time.
+///
+/// - **Windowed**: the steps run from the window's start to its end. Before the first point
+///   the value carried from before the window holds (if one is known: see the engine); the
+///   last point holds until the end, as report by exception means (a value is sent only when
+///   it changes). So the result of a closed window is exact; while the window is open, an
+///   upsert assumes the latest value holds to its end.
+/// - **Unwindowed**: the steps run from the first point to the latest, which weighs nothing
+///   yet; with a single point the average is that point's value.
+/// - A point without a value (a death of the metric's session, or a null) ends the step
+///   before it: no interval runs across a death, and the time it covers is not counted.
+/// - Points are kept sorted by time (a late or store-and-forward value goes where its time
+///   puts it). At [`TWA_POINTS_MAX`] the older half is folded into a sum; a value older than
+///   the folded part is then refused (`twa_folded`) rather than approximated.
+///
+/// Bounded: at most [`TWA_POINTS_MAX`] points and a fixed part.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Twa {
+    /// `[start, end)` of the window; `None` unwindowed.
+    pub span: Option<(u64, u64)>,
+    /// The value in effect at the window's start.
+    pub carry: Option<f64>,
+    pub folded: Option<Folded>,
+    /// `(time, value)`, sorted by time, ties in arrival order; `None`: no value from then.
+    pub points: Vec<(u64, Option<f64>)>,
+}
+
+/// The points before `to`, folded: their integral and covered time from `from` (the first
+/// point's time), and the value in effect at `to`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Folded {
+    pub from: u64,
+    pub to: u64,
+    pub area: f64,
+    pub covered: u64,
+    pub value: Option<f64>,
+}
+
+/// Integral and covered time of the steps `points` make from `(at, value)` up to `until`
+/// (or up to the last point): each step from one point's time to the next.
+fn steps(
+    mut at: u64,
+    mut value: Option<f64>,
+    points: &[(u64, Option<f64>)],
+    until: Option<u64>,
+) -> (f64, u64, u64, Option<f64>) {
+    let (mut area, mut covered) = (0.0, 0u64);
+    let mut add = |v: Option<f64>, a: u64, b: u64| {
+        if let (Some(v), true) = (v, b > a) {
+            area += v * (b - a) as f64;
+            covered = covered.saturating_add(b - a);
+        }
+    };
+    for &(t, v) in points {
+        add(value, at, t);
+        at = at.max(t);
+        value = v;
+    }
+    if let Some(end) = until {
+        add(value, at, end);
+        at = at.max(end);
+    }
+    (area, covered, at, value)
+}
+
+impl Twa {
+    fn new(extra: &Extra) -> Twa {
+        Twa {
+            span: extra.span,
+            carry: extra.span.and(extra.carry),
+            folded: None,
+            points: Vec::new(),
+        }
+    }
+
+    /// Where the steps begin, and the value in effect there.
+    fn origin(&self) -> (u64, Option<f64>) {
+        match self.span {
+            Some((start, _)) => (start, self.carry),
+            None => {
+                let first = self.folded.map(|f| f.from);
+                (
+                    first.or(self.points.first().map(|p| p.0)).unwrap_or(0),
+                    None,
+                )
+            }
+        }
+    }
+
+    /// With one more point (a value, or `None`: no value from `t`); `None` when `t` is older
+    /// than the folded part.
+    pub(crate) fn insert(&self, t: u64, v: Option<f64>) -> Option<Twa> {
+        if self.folded.is_some_and(|f| t < f.to) {
+            return None;
+        }
+        let mut next = self.clone();
+        let at = next.points.partition_point(|p| p.0 <= t);
+        next.points.insert(at, (t, v));
+        if next.points.len() > TWA_POINTS_MAX {
+            next.fold(TWA_POINTS_MAX / 2);
+        }
+        Some(next)
+    }
+
+    /// Fold the first `n` points into the sum (up to the time of the point after them).
+    fn fold(&mut self, n: usize) {
+        let to = self.points[n].0;
+        let (at, value, from, area0, covered0) = match self.folded {
+            Some(f) => (f.to, f.value, f.from, f.area, f.covered),
+            None => (self.points[0].0, None, self.points[0].0, 0.0, 0),
+        };
+        let (area, covered, _, value) = steps(at, value, &self.points[..n], Some(to));
+        self.folded = Some(Folded {
+            from,
+            to,
+            area: area0 + area,
+            covered: covered0.saturating_add(covered),
+            value,
+        });
+        self.points.drain(..n);
+    }
+
+    /// The integral of the steps and the time they cover.
+    fn totals(&self) -> (f64, u64) {
+        let (mut at, mut value) = self.origin();
+        let (mut area, mut covered) = (0.0, 0u64);
+        if let Some(f) = self.folded {
+            let (a, c, _, _) = steps(at, value, &[], Some(f.from));
+            area = a + f.area;
+            covered = c.saturating_add(f.covered);
+            (at, value) = (f.to, f.value);
+        }
+        let (a, c, _, _) = steps(at, value, &self.points, self.span.map(|s| s.1));
+        (area + a, covered.saturating_add(c))
+    }
+
+    /// The average, or `None` when no time is covered by a value (and, unwindowed, no
+    /// point has one).
+    pub(crate) fn average(&self) -> Option<f64> {
+        let (area, covered) = self.totals();
+        if covered > 0 {
+            return Some(area / covered as f64);
+        }
+        match self.span {
+            Some(_) => None,
+            None => self.points.last().and_then(|p| p.1),
+        }
+    }
+
+    /// The value in effect at the end: what the next window carries in.
+    pub(crate) fn end_value(&self) -> Option<f64> {
+        match self.points.last() {
+            Some(p) => p.1,
+            None => self.folded.map_or(self.carry, |f| f.value),
+        }
+    }
+
+    /// With the value carried in at the start replaced.
+    pub(crate) fn with_carry(&self, carry: Option<f64>) -> Twa {
+        Twa {
+            carry: self.span.and(carry),
+            ..self.clone()
+        }
+    }
+
+    fn stored_bound(&self) -> usize {
+        // span, carry, folded, the list's length, then each point: a time and an optional f64.
+        22 + 10 + 48 + 5 + self.points.len() * 20
+    }
 }
 
 /// Mean and sum of squared deviations, updated with Welford's method: numerically stable,
@@ -114,9 +311,10 @@ fn max_of(a: Num, b: Num) -> Num {
     }
 }
 
-/// `Last`: the greater event time wins; on a tie the newer event.
-fn last_of(old: (Num, u64), value: Num, time_ms: u64) -> (Num, u64) {
-    if time_ms >= old.1 {
+/// `Last`: the greater event time wins; on a tie the newer event. A historical value never
+/// replaces it.
+fn last_of(old: (Num, u64), value: Num, time_ms: u64, extra: &Extra) -> (Num, u64) {
+    if time_ms >= old.1 && !extra.historical {
         (value, time_ms)
     } else {
         old
@@ -130,6 +328,23 @@ fn float(f: f64) -> serde_json::Value {
 impl KeyState {
     /// The state after the first event of a key.
     pub fn first(spec: &AggregateSpec, value: Num, time_ms: u64) -> KeyState {
+        KeyState::first_with(spec, value, time_ms, &Extra::default())
+            .expect("a first point is never older than a fold")
+    }
+
+    /// [`KeyState::first`], with what else the value brings.
+    pub(crate) fn first_with(
+        spec: &AggregateSpec,
+        value: Num,
+        time_ms: u64,
+        extra: &Extra,
+    ) -> Result<KeyState, Overflow> {
+        let twa = || {
+            Twa::new(extra)
+                .insert(time_ms, Some(value.as_f64()))
+                .map(Box::new)
+                .ok_or(Overflow)
+        };
         let agg = match spec {
             AggregateSpec::One(a) => match *a {
                 Aggregate::Sum => Agg::Sum(value),
@@ -144,11 +359,12 @@ impl KeyState {
                     permille,
                     sketch: Sketch::of(value.as_f64()),
                 },
+                Aggregate::Twa => Agg::Twa(twa()?),
             },
             AggregateSpec::List(list) => {
                 let has = |f: fn(&Aggregate) -> bool| list.iter().any(f);
                 let if_has = |f: fn(&Aggregate) -> bool, v: Num| has(f).then_some(v);
-                Agg::Multi(Box::new(Multi {
+                let multi = Box::new(Multi {
                     aggregates: list.clone(),
                     sum: if_has(|a| matches!(a, Aggregate::Sum | Aggregate::Avg), value),
                     min: if_has(|a| *a == Aggregate::Min, value),
@@ -158,21 +374,59 @@ impl KeyState {
                         .then(|| Moments::of(value)),
                     sketch: has(|a| matches!(a, Aggregate::Percentile(_)))
                         .then(|| Sketch::of(value.as_f64())),
-                }))
+                });
+                if has(|a| *a == Aggregate::Twa) {
+                    Agg::MultiTwa(multi, twa()?)
+                } else {
+                    Agg::Multi(multi)
+                }
             }
         };
-        KeyState {
+        Ok(KeyState {
             version: 1,
             count: 1,
             agg,
-        }
+        })
     }
 
     /// The state after one more event. Pure; refuses overflow of the sum, the count, the
     /// version, the moments or a sketch bucket rather than wrapping or panicking.
     pub fn apply(&self, value: Num, time_ms: u64) -> Result<KeyState, Overflow> {
+        self.apply_with(value, time_ms, &Extra::default())
+    }
+
+    /// [`KeyState::apply`], with what else the value brings. A twa point older than its
+    /// folded part is refused as an overflow is (the engine says which).
+    pub(crate) fn apply_with(
+        &self,
+        value: Num,
+        time_ms: u64,
+        extra: &Extra,
+    ) -> Result<KeyState, Overflow> {
         let count = self.count.checked_add(1).ok_or(Overflow)?;
         let add = |s: Num| s.checked_add(value).ok_or(Overflow);
+        let twa = |t: &Twa| {
+            t.insert(time_ms, Some(value.as_f64()))
+                .map(Box::new)
+                .ok_or(Overflow)
+        };
+        let multi = |m: &Multi| -> Result<Box<Multi>, Overflow> {
+            Ok(Box::new(Multi {
+                aggregates: m.aggregates.clone(),
+                sum: m.sum.map(add).transpose()?,
+                min: m.min.map(|x| min_of(x, value)),
+                max: m.max.map(|x| max_of(x, value)),
+                last: m.last.map(|l| last_of(l, value, time_ms, extra)),
+                moments: match m.moments {
+                    Some(mo) => Some(mo.push(value, count).ok_or(Overflow)?),
+                    None => None,
+                },
+                sketch: match &m.sketch {
+                    Some(s) => Some(s.insert(value.as_f64()).ok_or(Overflow)?),
+                    None => None,
+                },
+            }))
+        };
         let agg = match &self.agg {
             Agg::Sum(s) => Agg::Sum(add(*s)?),
             Agg::Avg(s) => Agg::Avg(add(*s)?),
@@ -183,7 +437,7 @@ impl KeyState {
                 value: v,
                 time_ms: t,
             } => {
-                let (value, time_ms) = last_of((*v, *t), value, time_ms);
+                let (value, time_ms) = last_of((*v, *t), value, time_ms, extra);
                 Agg::Last { value, time_ms }
             }
             Agg::Variance(m) => Agg::Variance(m.push(value, count).ok_or(Overflow)?),
@@ -192,21 +446,9 @@ impl KeyState {
                 permille: *permille,
                 sketch: sketch.insert(value.as_f64()).ok_or(Overflow)?,
             },
-            Agg::Multi(m) => Agg::Multi(Box::new(Multi {
-                aggregates: m.aggregates.clone(),
-                sum: m.sum.map(add).transpose()?,
-                min: m.min.map(|x| min_of(x, value)),
-                max: m.max.map(|x| max_of(x, value)),
-                last: m.last.map(|l| last_of(l, value, time_ms)),
-                moments: match m.moments {
-                    Some(mo) => Some(mo.push(value, count).ok_or(Overflow)?),
-                    None => None,
-                },
-                sketch: match &m.sketch {
-                    Some(s) => Some(s.insert(value.as_f64()).ok_or(Overflow)?),
-                    None => None,
-                },
-            })),
+            Agg::Multi(m) => Agg::Multi(multi(m)?),
+            Agg::Twa(t) => Agg::Twa(twa(t)?),
+            Agg::MultiTwa(m, t) => Agg::MultiTwa(multi(m)?, twa(t)?),
         };
         Ok(KeyState {
             version: self.version.checked_add(1).ok_or(Overflow)?,
@@ -215,10 +457,41 @@ impl KeyState {
         })
     }
 
+    /// The twa part of this state, if it has one.
+    pub(crate) fn twa(&self) -> Option<&Twa> {
+        match &self.agg {
+            Agg::Twa(t) | Agg::MultiTwa(_, t) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// This state with its twa replaced (a cut, a new carry): a new version with the same
+    /// count. `None` when it has no twa or nothing changed.
+    pub(crate) fn with_twa(&self, f: impl FnOnce(&Twa) -> Option<Twa>) -> Option<KeyState> {
+        let new = f(self.twa()?)?;
+        if Some(&new) == self.twa() {
+            return None;
+        }
+        let agg = match &self.agg {
+            Agg::Twa(_) => Agg::Twa(Box::new(new)),
+            Agg::MultiTwa(m, _) => Agg::MultiTwa(m.clone(), Box::new(new)),
+            _ => return None,
+        };
+        Some(KeyState {
+            version: self.version.checked_add(1)?,
+            count: self.count,
+            agg,
+        })
+    }
+
     /// The value a consumer sees: one number, or for a list an object with one entry per
     /// listed aggregate (`{"min": .., "p95": ..}`).
     pub fn value_json(&self) -> serde_json::Value {
         let n = self.count;
+        let twa_json = |t: Option<&Twa>| {
+            t.and_then(Twa::average)
+                .map_or(serde_json::Value::Null, float)
+        };
         match &self.agg {
             Agg::Sum(v) | Agg::Min(v) | Agg::Max(v) | Agg::Last { value: v, .. } => v.to_json(),
             Agg::Count => serde_json::Value::from(n),
@@ -226,7 +499,9 @@ impl KeyState {
             Agg::Variance(m) => float(m.variance(n)),
             Agg::Stddev(m) => float(m.variance(n).sqrt()),
             Agg::Percentile { permille, sketch } => quantile_json(sketch, *permille),
-            Agg::Multi(m) => {
+            Agg::Twa(t) => twa_json(Some(t)),
+            Agg::Multi(m) | Agg::MultiTwa(m, _) => {
+                let twa = self.twa();
                 let mut out = serde_json::Map::new();
                 for a in &m.aggregates {
                     let v = match *a {
@@ -248,6 +523,7 @@ impl KeyState {
                             .sketch
                             .as_ref()
                             .map_or(serde_json::Value::Null, |s| quantile_json(s, q)),
+                        Aggregate::Twa => twa_json(twa),
                     };
                     out.insert(a.name(), v);
                 }
@@ -263,8 +539,13 @@ impl KeyState {
     pub(crate) fn stored_bound(&self) -> usize {
         let sketch = |s: &Sketch| 3 + s.buckets() * 15;
         // version and count, the variant
+        let multi = |m: &Multi| {
+            4 + m.aggregates.len() * 4 + 3 * 12 + 22 + 17 + 1 + m.sketch.as_ref().map_or(0, sketch)
+        };
         21 + match &self.agg {
             Agg::Percentile { sketch: s, .. } => 3 + sketch(s),
+            Agg::Twa(t) => t.stored_bound(),
+            Agg::MultiTwa(m, t) => multi(m) + t.stored_bound(),
             Agg::Multi(m) => {
                 // the list (a variant and a u16 each), three numbers, `last`, the moments
                 4 + m.aggregates.len() * 4
@@ -281,7 +562,7 @@ impl KeyState {
 
     /// Whether the output carries `values` (a list of aggregates) instead of `value`.
     pub(crate) fn is_multi(&self) -> bool {
-        matches!(self.agg, Agg::Multi(_))
+        matches!(self.agg, Agg::Multi(_) | Agg::MultiTwa(..))
     }
 }
 
@@ -405,6 +686,87 @@ mod tests {
         assert!(bytes < 4 * 1024, "{bytes} bytes");
         let back: KeyState = postcard::from_bytes(&postcard::to_stdvec(&s).unwrap()).unwrap();
         assert_eq!(back, s);
+    }
+
+    /// The window [1000, 2000): 4 carried in until 1100, then 10 until 1400, 2 until 1500,
+    /// no value (a death) until 1700, 6 to the end. By hand: 4*100 + 10*300 + 2*100 + 6*300
+    /// = 5400 over 800 ms covered = 6.75, exactly.
+    #[test]
+    fn twa_is_the_stair_step_integral_over_the_covered_time() {
+        let extra = Extra {
+            historical: false,
+            span: Some((1000, 2000)),
+            carry: Some(4.0),
+        };
+        let spec = AggregateSpec::One(Aggregate::Twa);
+        let s = KeyState::first_with(&spec, Num::Int(10), 1100, &extra).unwrap();
+        // Out of order on purpose: the 6 arrives before the 2 and the death.
+        let s = s.apply_with(Num::Int(6), 1700, &extra).unwrap();
+        let s = s.apply_with(Num::Int(2), 1400, &extra).unwrap();
+        let s = s.with_twa(|t| t.insert(1500, None)).unwrap();
+        assert_eq!(s.value_json(), serde_json::json!(6.75));
+        assert_eq!(
+            (s.count, s.version),
+            (3, 4),
+            "a cut is a version, not an event"
+        );
+        assert_eq!(s.twa().unwrap().end_value(), Some(6.0));
+        // Without a carried value, the steps start at the first point: 5400 - 400 over 700.
+        let s = s.with_twa(|t| Some(t.with_carry(None))).unwrap();
+        let v = s.value_json().as_f64().unwrap();
+        assert_eq!(v, 5000.0 / 700.0);
+    }
+
+    #[test]
+    fn twa_unwindowed_runs_from_the_first_to_the_latest_point() {
+        let spec = AggregateSpec::List(vec![Aggregate::Twa, Aggregate::Count]);
+        let s = KeyState::first(&spec, Num::Int(3), 100);
+        assert_eq!(s.value_json(), serde_json::json!({"twa": 3.0, "count": 1}));
+        let s = s.apply(Num::Float(1.5), 400).unwrap();
+        let s = s.apply(Num::Int(100), 500).unwrap();
+        // 3 for 300 ms, 1.5 for 100 ms; the latest point weighs nothing yet.
+        assert_eq!(
+            s.value_json()["twa"],
+            serde_json::json!((900.0 + 150.0) / 400.0)
+        );
+    }
+
+    #[test]
+    fn twa_folds_its_older_points_and_stays_exact_and_bounded() {
+        let extra = Extra {
+            historical: false,
+            span: Some((0, 1_000_000)),
+            carry: None,
+        };
+        let spec = AggregateSpec::One(Aggregate::Twa);
+        let mut s = KeyState::first_with(&spec, Num::Int(0), 0, &extra).unwrap();
+        // Values 0, 1, 2, ... each held 1000 ms; the last (999) holds to the end.
+        for i in 1..1000i64 {
+            s = s.apply_with(Num::Int(i), i as u64 * 1000, &extra).unwrap();
+            assert!(s.twa().unwrap().points.len() <= TWA_POINTS_MAX);
+        }
+        let want = (0..1000).map(|i| i as f64 * 1000.0).sum::<f64>() / 1_000_000.0;
+        assert_eq!(s.value_json(), serde_json::json!(want));
+        let bytes = postcard::to_stdvec(&s).unwrap().len();
+        assert!(bytes <= s.stored_bound() && bytes < 4096, "{bytes}");
+        // A point older than the folded part is refused, not approximated.
+        let folded = s.twa().unwrap().folded.unwrap();
+        assert!(s.apply_with(Num::Int(1), folded.to - 1, &extra).is_err());
+        assert!(s.apply_with(Num::Int(1), folded.to, &extra).is_ok());
+    }
+
+    #[test]
+    fn a_historical_value_never_moves_last() {
+        let spec = AggregateSpec::List(vec![Aggregate::Last, Aggregate::Max]);
+        let s = KeyState::first(&spec, Num::Int(5), 100);
+        let old = Extra {
+            historical: true,
+            ..Extra::default()
+        };
+        let s = s.apply_with(Num::Int(9), 200, &old).unwrap();
+        assert_eq!(s.value_json(), serde_json::json!({"last": 5, "max": 9}));
+        let s = s.apply(Num::Int(7), 300).unwrap();
+        assert_eq!(s.value_json(), serde_json::json!({"last": 7, "max": 9}));
     }
 
     #[test]

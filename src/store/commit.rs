@@ -38,6 +38,7 @@ struct LedgerWrites {
 /// Every tree's writes for one checkpoint, built before the transaction.
 struct Writes {
     state: sled::Batch,
+    sparkplug: sled::Batch,
     dedup: sled::Batch,
     outbox: sled::Batch,
     dead: sled::Batch,
@@ -86,6 +87,7 @@ impl Store {
         );
         let b = &cp.batch;
         let state = state_batch(b)?;
+        let sparkplug = sparkplug_batch(b)?;
         let mut mem = self.lock();
         let mem = &mut *mem;
         let mut lw = self.ledger_batch(mem, cp)?;
@@ -105,6 +107,7 @@ impl Store {
         let progress = progress_with_ledger_sizes(mem, &cp.progress, &lw);
         let writes = Writes {
             state,
+            sparkplug,
             dedup: std::mem::take(&mut lw.batch),
             outbox,
             dead,
@@ -263,10 +266,12 @@ impl Store {
             &self.outbox,
             &self.dead,
             &self.checkpoints,
+            &self.sparkplug,
         ];
         trees[..]
             .transaction(|tx| {
                 tx[1].apply_batch(&w.state)?;
+                tx[6].apply_batch(&w.sparkplug)?;
                 tx[2].apply_batch(&w.dedup)?;
                 tx[3].apply_batch(&w.outbox)?;
                 tx[4].apply_batch(&w.dead)?;
@@ -445,6 +450,23 @@ fn state_batch(b: &Batch) -> Result<sled::Batch, StoreError> {
         }
     }
     Ok(state)
+}
+
+/// The Sparkplug session entries' writes (each bounded by the session module's limits on
+/// names and IDs, checked again here like every value).
+fn sparkplug_batch(b: &Batch) -> Result<sled::Batch, StoreError> {
+    let mut batch = sled::Batch::default();
+    for ((p, k), v) in &b.sparkplug {
+        let key = pkey(p, k);
+        match v {
+            Some(e) => {
+                let value = bounded("sparkplug", &key, encode(e))?;
+                batch.insert(key, value);
+            }
+            None => batch.remove(key),
+        }
+    }
+    Ok(batch)
 }
 
 /// The outbox: IDs already waiting are not inserted again (invariant 6).

@@ -61,7 +61,8 @@
 //! One tree per kind; pipeline-scoped keys start with `pipeline_name 0x00` (names cannot
 //! contain NUL). `state`: p·skey → KeyState; `dedup`: p·min_seen·checkpoint·part → a chunk
 //! of ledger entries ([`ledger`]); `outbox`: first_seq → a chunk of outputs ([`outbox`]);
-//! `dead`: offset·p → DeadLetter; `meta`: `progress` → Progress, `format` → 3,
+//! `dead`: offset·p → DeadLetter; `sparkplug`: p·key → a Sparkplug session entry (issue 31);
+//! `meta`: `progress` → Progress, `format` → 3,
 //! `dead_letters` → [`DeadLetterStats`], `ledger_windows` → each pipeline's dedup window;
 //! `checkpoints`: id → CheckpointInfo (the newest [`CHECKPOINT_HISTORY`]).
 //!
@@ -295,6 +296,10 @@ pub struct Store {
     outbox: sled::Tree,
     dead: sled::Tree,
     checkpoints: sled::Tree,
+    /// Sparkplug B sessions of each pipeline (`pipeline 0x00 key` → an entry of
+    /// [`crate::pipeline::sparkplug::session`]). A tree added after format 3 without a
+    /// format change: a store that lacks it simply has no sessions.
+    sparkplug: sled::Tree,
     /// What is kept in memory beside the trees, rebuilt from them at open. A mutex, not a
     /// `RefCell`, so that the store stays `Sync`; only the agent's thread takes it.
     mem: Mutex<Mem>,
@@ -612,7 +617,7 @@ impl Syncer {
 }
 
 impl Store {
-    /// Forget the state and dedup ledgers of `pipelines` (reset, or dropped because no
+    /// Forget the state, dedup ledgers and Sparkplug sessions of `pipelines` (reset, or dropped because no
     /// longer configured) and record `progress`, all in one transaction followed by the
     /// fsync, like a checkpoint: after a crash either all of it happened or none. With no
     /// pipelines it only records `progress` (new pipelines and their generations).
@@ -621,10 +626,15 @@ impl Store {
         pipelines: &[&str],
         progress: &Progress,
     ) -> Result<(), StoreError> {
-        let mut batches = [sled::Batch::default(), sled::Batch::default()];
+        let mut batches = [
+            sled::Batch::default(),
+            sled::Batch::default(),
+            sled::Batch::default(),
+        ];
         for pipeline in pipelines {
             let prefix = pkey(pipeline, &[]);
-            for (i, tree) in [&self.state, &self.dedup].into_iter().enumerate() {
+            let trees = [&self.state, &self.dedup, &self.sparkplug];
+            for (i, tree) in trees.into_iter().enumerate() {
                 for k in tree.scan_prefix(&prefix).keys() {
                     batches[i].remove(k?);
                 }
@@ -632,11 +642,12 @@ impl Store {
         }
         let backfill = backfill_record(progress)?;
         let progress = encode(progress);
-        let trees = [&self.meta, &self.state, &self.dedup];
+        let trees = [&self.meta, &self.state, &self.dedup, &self.sparkplug];
         trees[..]
             .transaction(|tx| {
                 tx[1].apply_batch(&batches[0])?;
                 tx[2].apply_batch(&batches[1])?;
+                tx[3].apply_batch(&batches[2])?;
                 tx[0].insert(PROGRESS_KEY, progress.as_slice())?;
                 tx[0].insert(BACKFILL_KEY, backfill.as_slice())?;
                 tx[0].insert(FORMAT_KEY, &STORE_FORMAT.to_be_bytes())?;

@@ -43,6 +43,7 @@ impl Store {
             outbox: t("outbox")?,
             dead: t("dead")?,
             checkpoints: t("checkpoints")?,
+            sparkplug: t("sparkplug")?,
             mem: Mutex::new(Mem::new(&bounds)),
             hasher: RandomState::new(),
             bounds,

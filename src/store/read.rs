@@ -29,7 +29,7 @@ impl Store {
     /// can hold state whose pipeline it forgot). One seek per pipeline, not a scan.
     pub fn pipelines_with_data(&self) -> Result<Vec<String>, StoreError> {
         let mut names = std::collections::BTreeSet::new();
-        for tree in [&self.state, &self.dedup] {
+        for tree in [&self.state, &self.dedup, &self.sparkplug] {
             let mut from = Vec::new();
             while let Some(kv) = tree.range(from.as_slice()..).next() {
                 let (k, _) = kv?;
@@ -165,6 +165,32 @@ fn read_err(e: StoreError) -> ReadError {
 }
 
 impl ReadState for Store {
+    fn sparkplug(
+        &self,
+        pipeline: &str,
+        key: &[u8],
+    ) -> Result<Option<crate::pipeline::sparkplug::session::Entry>, ReadError> {
+        match self
+            .sparkplug
+            .get(pkey(pipeline, key))
+            .map_err(|e| read_err(e.into()))?
+        {
+            None => Ok(None),
+            Some(v) => decode("Sparkplug session entry", &v)
+                .map(Some)
+                .map_err(read_err),
+        }
+    }
+
+    fn sparkplug_keys(&self, pipeline: &str, prefix: &[u8]) -> Result<Vec<Vec<u8>>, ReadError> {
+        let at = pkey(pipeline, &[]).len();
+        self.sparkplug
+            .scan_prefix(pkey(pipeline, prefix))
+            .keys()
+            .map(|k| k.map(|k| k[at..].to_vec()).map_err(|e| read_err(e.into())))
+            .collect()
+    }
+
     fn state(&self, pipeline: &str, skey: &[u8]) -> Result<Option<KeyState>, ReadError> {
         match self
             .state

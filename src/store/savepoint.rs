@@ -5,7 +5,7 @@
 //! # Guarantees
 //!
 //! - **A savepoint is exactly one checkpoint.** [`Store::write_savepoint`] copies every
-//!   checkpoint tree (`meta`, `state`, `dedup`, `outbox`, `dead`, `checkpoints`). It is consistent because nothing commits while it runs: the agent calls
+//!   checkpoint tree (`meta`, `state`, `dedup`, `outbox`, `dead`, `checkpoints`, `sparkplug`). It is consistent because nothing commits while it runs: the agent calls
 //!   it on its own thread between two checkpoints (the same thread that commits and deletes
 //!   outbox entries), and `cairn savepoint create` holds the store lock, so no agent runs.
 //!   The progress record is read before and after the copy and must not have changed (an
@@ -87,7 +87,16 @@ const TMP_PREFIX: &str = ".savepoint-";
 mod check;
 
 /// The checkpoint trees, in file order; an entry's tree byte is the index here.
-pub(crate) const TREES: [&str; 6] = ["meta", "state", "dedup", "outbox", "dead", "checkpoints"];
+/// `sparkplug` came last (issue 31), so savepoints written before it read unchanged.
+pub(crate) const TREES: [&str; 7] = [
+    "meta",
+    "state",
+    "dedup",
+    "outbox",
+    "dead",
+    "checkpoints",
+    "sparkplug",
+];
 
 /// What a savepoint file's header says, plus where it is and how big.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -225,7 +234,7 @@ impl<W: Write> Write for CrcWriter<W> {
 }
 
 impl Store {
-    pub(super) fn trees(&self) -> [&sled::Tree; 6] {
+    pub(super) fn trees(&self) -> [&sled::Tree; 7] {
         [
             &self.meta,
             &self.state,
@@ -233,6 +242,7 @@ impl Store {
             &self.outbox,
             &self.dead,
             &self.checkpoints,
+            &self.sparkplug,
         ]
     }
 
@@ -253,7 +263,14 @@ impl Store {
             ledgers.fold(mem.outbox.bytes(), u64::saturating_add)
         };
         let mut total = counted;
-        for tree in [&self.meta, &self.state, &self.dead, &self.checkpoints] {
+        let trees = [
+            &self.meta,
+            &self.state,
+            &self.dead,
+            &self.checkpoints,
+            &self.sparkplug,
+        ];
+        for tree in trees {
             for (i, kv) in tree.iter().enumerate() {
                 let (k, v) = kv?;
                 total = total.saturating_add((k.len() + v.len()) as u64);

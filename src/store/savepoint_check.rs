@@ -212,9 +212,13 @@ fn check_entry(tree: usize, k: &[u8], v: &[u8], meta: &mut Meta) -> Result<(), S
             }
             decode::<DeadLetter>("dead letter", v)?;
         }
-        _ => {
+        5 => {
             u64_of(k)?;
             decode::<CheckpointInfo>("checkpoint record", v)?;
+        }
+        _ => {
+            split_pkey(k)?;
+            decode::<crate::pipeline::sparkplug::session::Entry>("Sparkplug session entry", v)?;
         }
     }
     Ok(())

@@ -1162,3 +1162,90 @@ fn a_savepoint_write_reports_its_progress_so_the_watchdog_can_be_fed() {
     );
     assert!(reports.windows(2).all(|w| w[0] < w[1]), "{reports:?}");
 }
+
+/// Issue 31: Sparkplug sessions are committed with the checkpoint, read back after a
+/// reopen (a DATA resolves with no BIRTH seen in this run), go into a savepoint and come
+/// back from it, and go with a pipeline reset.
+#[test]
+fn sparkplug_sessions_are_checkpointed_savepointed_and_reset_with_their_pipeline() {
+    use crate::pipeline::engine::Outcome;
+    use crate::pipeline::sparkplug::proto::{Metric, Payload, Value, datatype};
+    use prost::Message;
+    let spec = crate::config::pipeline_from_toml(
+        "name = \"line1\"\ntopics = [\"spBv1.0/#\"]\nformat = \"sparkplug_b\"\n\
+         key = \"{edge_node}/{metric}\"\naggregate = \"sum\"\noutput_topic = \"o/{key}\"",
+    )
+    .unwrap();
+    let msg = |offset: u64, topic: &str, seq: u64, metric: Metric| Record {
+        offset,
+        received_at_ms: 1000 + offset,
+        topic: topic.into(),
+        payload: Payload {
+            timestamp: Some(1000),
+            metrics: vec![metric],
+            seq: Some(seq),
+            uuid: None,
+        }
+        .encode_to_vec(),
+        qos: 1,
+        retain: false,
+    };
+    let metric = |name: Option<&str>, v: u64, ts: u64| Metric {
+        name: name.map(String::from),
+        alias: Some(5),
+        timestamp: Some(ts),
+        datatype: Some(datatype::INT64),
+        value: Some(Value::Long(v)),
+        ..Default::default()
+    };
+    let mut birth = msg(0, "spBv1.0/g/NBIRTH/n1", 0, metric(Some("Level"), 3, 1000));
+    let mut p = Payload::decode(birth.payload.as_slice()).unwrap();
+    p.metrics.push(Metric {
+        name: Some("bdSeq".into()),
+        value: Some(Value::Long(0)),
+        ..Default::default()
+    });
+    birth.payload = p.encode_to_vec();
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let store = Store::open(&path, 1 << 20, fsio::real()).unwrap();
+    let mut engine = Engine::new(vec![spec.clone()], store.progress().unwrap());
+    engine.apply(&store, &birth).unwrap();
+    store.commit(&engine.take_checkpoint(), 0).unwrap();
+    drop(store);
+
+    let store = Store::open(&path, 1 << 20, fsio::real()).unwrap();
+    let mut engine = Engine::new(vec![spec.clone()], store.progress().unwrap());
+    let data = msg(1, "spBv1.0/g/NDATA/n1", 1, metric(None, 4, 2000));
+    let out = engine.apply(&store, &data).unwrap();
+    assert!(
+        matches!(&out[..], [Outcome::Applied { key, .. }] if key == "n1/Level"),
+        "{out:?}"
+    );
+    store.commit(&engine.take_checkpoint(), 0).unwrap();
+    let sessions = store.sparkplug.len();
+    assert_eq!(sessions, 4, "node, alias, metric, bdSeq's metric");
+
+    let info = store
+        .write_savepoint(&dir.path().join("sp"), &fsio::real())
+        .unwrap();
+    assert!(info.entries > sessions as u64);
+    drop(store);
+    let restored = dir.path().join("restored");
+    restore_savepoint(&info.path, &restored, 1 << 20, fsio::real()).unwrap();
+    let store = Store::open(&restored, 1 << 20, fsio::real()).unwrap();
+    assert_eq!(store.sparkplug.len(), sessions);
+    let mut engine = Engine::new(vec![spec], store.progress().unwrap());
+    let data = msg(2, "spBv1.0/g/NDATA/n1", 2, metric(None, 5, 3000));
+    assert!(matches!(
+        engine.apply(&store, &data).unwrap()[..],
+        [Outcome::Applied { .. }]
+    ));
+    assert_eq!(store.pipelines_with_data().unwrap(), ["line1"]);
+
+    store
+        .reset_pipelines(&["line1"], &store.progress().unwrap())
+        .unwrap();
+    assert_eq!(store.sparkplug.len(), 0);
+}

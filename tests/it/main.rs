@@ -36,6 +36,7 @@ mod reload;
 mod retention;
 mod savepoint;
 mod snippet;
+mod sparkplug;
 mod start_plan;
 mod status;
 mod uplink;

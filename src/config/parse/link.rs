@@ -79,6 +79,7 @@ impl Validator {
             reconnect_min: Duration::from_millis(reconnect_min?),
             reconnect_max: Duration::from_millis(reconnect_max?),
             channel_capacity: 0,
+            will: None,
         })
     }
 }

@@ -138,6 +138,7 @@ impl Validator {
             aggregate.as_ref(),
         );
         let window = self.pipeline_window(&p, r.window);
+        let metrics = self.sparkplug_pipeline(&p, format.as_ref(), &aggregate, &window, r.metrics);
         let dedup_window_ms = self.dedup_window(&p, r.dedup_window);
         let output_topic = self.output_topic(&p, r.output_topic, &window);
         let emit = self.emit(&p, r.emit.as_deref(), &window);
@@ -166,6 +167,7 @@ impl Validator {
             max_keys: u64::try_from(limits.max_keys?).ok()?,
             max_id_len: usize::try_from(limits.max_id_len?).ok()?,
             max_future_ms: limits.max_future_ms?,
+            metrics: metrics?,
         };
         self.results_fit(&p, &spec).then_some(spec)
     }
@@ -295,6 +297,14 @@ impl Validator {
                 );
                 None
             }
+            ("sparkplug_b", None) => Some(Format::SparkplugB),
+            ("sparkplug_b", Some(_)) => {
+                self.problem(
+                    &format!("{p}.separator"),
+                    "only applies to format = \"delimited\"; remove it for Sparkplug B",
+                );
+                None
+            }
             ("delimited", separator) => {
                 let separator = separator.unwrap_or_else(|| "/".to_string());
                 if separator.is_empty() {
@@ -310,7 +320,10 @@ impl Validator {
             (other, _) => {
                 self.problem(
                     &format!("{p}.format"),
-                    format!("`{other}` is not a format: expected \"json\" or \"delimited\""),
+                    format!(
+                        "`{other}` is not a format: expected \"json\", \"delimited\" or \
+                         \"sparkplug_b\""
+                    ),
                 );
                 None
             }
@@ -369,6 +382,77 @@ impl Validator {
         }
     }
 
+    /// What only Sparkplug B pipelines have, and what they may not have (issue 31): the
+    /// `metrics` list (returned), and `twa`, which needs the sessions' last values and
+    /// tumbling windows (a window's carried-in value is the one before its start).
+    fn sparkplug_pipeline(
+        &mut self,
+        p: &str,
+        format: Option<&Format>,
+        aggregate: &Option<AggregateSpec>,
+        window: &Option<Option<WindowSpec>>,
+        metrics: Option<Vec<String>>,
+    ) -> Option<Option<Vec<String>>> {
+        use crate::pipeline::sparkplug::session::MAX_NAME_BYTES;
+        let sparkplug = format == Some(&Format::SparkplugB);
+        let twa = aggregate
+            .as_ref()
+            .is_some_and(|a| a.all().contains(&Aggregate::Twa));
+        let mut ok = true;
+        if twa && format.is_some() && !sparkplug {
+            self.problem(
+                &format!("{p}.aggregate"),
+                "twa weighs each value by how long it held, from the value before each \
+                 window: it needs format = \"sparkplug_b\", whose sessions keep that value",
+            );
+            ok = false;
+        }
+        if twa && matches!(window, Some(Some(w)) if w.slide_ms.is_some()) {
+            self.problem(
+                &format!("{p}.window.slide"),
+                "twa takes tumbling windows (or none): a window's carried-in value is the \
+                 one before its start",
+            );
+            ok = false;
+        }
+        let Some(list) = metrics else {
+            return ok.then_some(None);
+        };
+        let key = format!("{p}.metrics");
+        if format.is_some() && !sparkplug {
+            self.problem(&key, "only applies to format = \"sparkplug_b\"");
+            return None;
+        }
+        if list.is_empty() || list.len() > MAX_METRICS_LISTED {
+            self.problem(
+                &key,
+                format!(
+                    "must list 1 to {MAX_METRICS_LISTED} metric names, found {}; leave it out \
+                     to take every metric",
+                    list.len()
+                ),
+            );
+            return None;
+        }
+        for (j, m) in list.iter().enumerate() {
+            let at = format!("{key}[{j}]");
+            if m.is_empty() || m.len() > MAX_NAME_BYTES {
+                self.problem(
+                    &at,
+                    format!(
+                        "a metric name is 1 to {MAX_NAME_BYTES} bytes, found {}",
+                        m.len()
+                    ),
+                );
+                ok = false;
+            } else if list[..j].contains(m) {
+                self.problem(&at, format!("`{m}` is listed twice"));
+                ok = false;
+            }
+        }
+        ok.then_some(Some(list))
+    }
+
     /// One field, read with the pipeline's format; without a valid format it is skipped.
     /// `Some(None)`: absent; `None`: rejected (or unreadable without a format).
     fn field(
@@ -419,6 +503,9 @@ impl Validator {
         format: Option<&Format>,
         aggregate: Option<&AggregateSpec>,
     ) -> Fields {
+        if format == Some(&Format::SparkplugB) {
+            return self.sparkplug_fields(p, raw);
+        }
         let event_id_present = raw.event_id.is_some();
         let key_present = raw.key.is_some();
         let value_present = raw.value.is_some();
@@ -464,6 +551,58 @@ impl Validator {
             key,
             value,
             event_time,
+        }
+    }
+
+    /// A Sparkplug B pipeline's fields: the key template alone. The event ID, the value and
+    /// the event time come from each metric (`pipeline::sparkplug`), so naming them is a
+    /// mistake worth a problem. The event ID is left an empty template: never read.
+    fn sparkplug_fields(&mut self, p: &str, raw: RawFields) -> Fields {
+        let why = [
+            (
+                "event_id",
+                raw.event_id.is_some(),
+                "a metric value's event ID is built from its node, device, bdSeq, seq, name \
+                 and timestamp",
+            ),
+            (
+                "value",
+                raw.value.is_some(),
+                "the value is the metric's number",
+            ),
+            (
+                "event_time",
+                raw.event_time.is_some(),
+                "the event time is the metric's timestamp",
+            ),
+        ];
+        let mut ok = true;
+        for (name, present, why) in why {
+            if present {
+                self.problem(
+                    &format!("{p}.{name}"),
+                    format!("not used with format = \"sparkplug_b\" ({why}): remove it"),
+                );
+                ok = false;
+            }
+        }
+        let key = match raw.key {
+            None => {
+                self.missing(
+                    &format!("{p}.key"),
+                    "a template over {group}, {edge_node}, {device} and {metric}, e.g. \
+                     \"{edge_node}/{device}/{metric}\"",
+                );
+                None
+            }
+            some => self.field(p, "key", some, Some(&Format::SparkplugB)),
+        };
+        let done = ok.then_some(());
+        Fields {
+            event_id: done.map(|()| Some(Field::Template(Vec::new()))),
+            key,
+            value: done.map(|()| None),
+            event_time: done.map(|()| None),
         }
     }
 
@@ -596,6 +735,10 @@ impl Validator {
         }
     }
 }
+
+/// Most metric names a Sparkplug B pipeline's `metrics` may list: the list is part of the
+/// pipeline as `pipelines.json` keeps it, and each record checks it.
+const MAX_METRICS_LISTED: usize = 1000;
 
 /// A pipeline's field texts, before they are read with its format.
 struct RawFields {

@@ -15,7 +15,15 @@ pub(super) struct RawConfig {
     pub(super) logging: Option<RawLogging>,
     pub(super) dead_letters: Option<RawDeadLetters>,
     pub(super) uplink: Option<RawUplink>,
+    pub(super) sparkplug: Option<RawSparkplug>,
     pub(super) pipeline: Option<Vec<RawPipeline>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawSparkplug {
+    pub(super) host_id: Option<String>,
+    pub(super) rebirth: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -143,6 +151,7 @@ pub(super) struct RawPipeline {
     pub(super) max_keys: Option<i64>,
     pub(super) max_id_len: Option<i64>,
     pub(super) max_future: Option<DurationText>,
+    pub(super) metrics: Option<Vec<String>>,
 }
 
 /// `aggregate = "sum"` or `aggregate = ["min", "max"]`.

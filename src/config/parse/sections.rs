@@ -13,6 +13,45 @@ impl Validator {
         })
     }
 
+    /// `[sparkplug]`: a host ID that can be a topic level of `spBv1.0/STATE/<host_id>`.
+    pub(super) fn sparkplug(&mut self, r: RawSparkplug) -> Option<SparkplugConfig> {
+        use crate::pipeline::sparkplug::session::MAX_ID_BYTES;
+        let host_id = match r.host_id {
+            None => Some(None),
+            Some(id) if id.is_empty() || id.len() > MAX_ID_BYTES => {
+                self.problem(
+                    "sparkplug.host_id",
+                    format!("must be 1 to {MAX_ID_BYTES} bytes, found {}", id.len()),
+                );
+                None
+            }
+            Some(id) if id.contains(['+', '/', '#']) => {
+                self.problem(
+                    "sparkplug.host_id",
+                    format!(
+                        "`{id}`: a Sparkplug host ID is one topic level (spBv1.0/STATE/<host_id>), \
+                         without +, / or #"
+                    ),
+                );
+                None
+            }
+            Some(id) => match super::names::refusable(&id) {
+                Some(why) => {
+                    self.problem(
+                        "sparkplug.host_id",
+                        format!("`{}`: {why}", id.escape_debug()),
+                    );
+                    None
+                }
+                None => Some(Some(id)),
+            },
+        };
+        Some(SparkplugConfig {
+            host_id: host_id?,
+            rebirth: r.rebirth.unwrap_or(false),
+        })
+    }
+
     pub(super) fn logging(&mut self, r: RawLogging) -> Option<LoggingConfig> {
         let text = r.level.unwrap_or_else(|| "info".to_string());
         match text.parse::<log::LevelFilter>() {

@@ -90,6 +90,7 @@ pub fn mqtt_config(port: u16, client_id: &str) -> cairn::config::MqttConfig {
         reconnect_min: Duration::from_millis(50),
         reconnect_max: Duration::from_millis(400),
         channel_capacity: 256,
+        will: None,
     }
 }
 
