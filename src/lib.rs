@@ -73,15 +73,19 @@
 //!   `config/reload.rs` read it).
 //! - [`cli`]: the `cairn` command, one file per command in `cli/` (`run`, `validate`,
 //!   `inspect`, `verify`, `status`, `savepoint`), and `cli/failure.rs` for the exit codes
-//!   every command shares.
+//!   every command shares; `cli/progress.rs` draws long commands' progress on a terminal;
+//!   the man pages and completions in `dist/` are generated from it (`cli/generated.rs`).
 //! - [`fsio`]: the durability seam every fsync goes through; [`failpoint`]: crash injection
 //!   (feature `failpoints`); [`disk`]: free-space guard; [`notify`], [`logging`]: systemd
-//!   notify, journal-aware logging; [`text`]: the code points an MQTT receiver may refuse,
+//!   notify, logging (under systemd natively to the journal, each line with its
+//!   `CAIRN_EVENT` and fields: [`event!`], `logging/journal.rs`), and the progress facade
+//!   of long commands (`logging/progress.rs`); [`text`]: the code points an MQTT receiver may refuse,
 //!   and sender-controlled strings escaped for the journal.
 //! - [`metrics`]: the figures, as Prometheus text (`/metrics`) and as the JSON `cairn
 //!   status` reads (`/status.json`), both from one table built from one copy
-//!   (`metrics/render.rs`, `metrics/status.rs`); the bounded loopback server in
-//!   `metrics/server.rs`.
+//!   (`metrics/render.rs`, `metrics/status.rs`); the bounded server in `metrics/server.rs`,
+//!   on the `[metrics] listen` loopback address and always on the data directory's
+//!   `cairn.sock`, where `cairn status` finds a running agent.
 //!
 //! ## Invariants, as absences
 //!
@@ -138,7 +142,7 @@ pub mod disk;
 pub(crate) mod failpoint;
 pub mod fsio;
 pub mod log;
-pub(crate) mod logging;
+pub mod logging;
 pub mod metrics;
 pub mod model;
 pub mod mqtt;

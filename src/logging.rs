@@ -1,6 +1,14 @@
-//! Logging to stderr, shaped for where stderr goes.
+//! Logging, shaped for where it goes.
 //!
-//! - **Under systemd** (stderr is the journal stream named by `$JOURNAL_STREAM`): each line
+//! - **Under systemd, natively** (stderr is the journal stream, see [`stderr_is_journal`],
+//!   and journald's native socket takes our datagrams): each line is one journal entry sent
+//!   over the native protocol (`logging/journal.rs`), with fields beside the message:
+//!   `PRIORITY`, `SYSLOG_IDENTIFIER=cairn`, `CODE_FILE`/`CODE_LINE`, and the line's
+//!   `CAIRN_EVENT` (a stable name per kind of line) with `CAIRN_PIPELINE`, `CAIRN_SINK`,
+//!   `CAIRN_REASON`, `CAIRN_OFFSET`, `CAIRN_KEY` where they apply. So `journalctl -u cairn
+//!   CAIRN_EVENT=dead_letter CAIRN_REASON=late` finds what it says. A line the socket refuses
+//!   goes to stderr as below, so nothing is lost.
+//! - **Under systemd, through stderr** (the journal stream, but no native socket): each line
 //!   starts with its syslog priority, `<3>` error, `<4>` warn, `<6>` info, `<7>` debug and
 //!   trace, so `journalctl -p warning` and the colours work; and a line carries no timestamp
 //!   of its own, since the journal stamps every entry itself (two clocks on one line only
@@ -9,13 +17,171 @@
 //! - **Anywhere else**: the usual human format, `[TIMESTAMP LEVEL target] message`, with an
 //!   RFC 3339 UTC timestamp.
 //!
-//! `RUST_LOG` sets the level in both cases (default `info`).
+//! **The rule for "under systemd"**: `$JOURNAL_STREAM` names the device and inode of the
+//! stream systemd connected to our stderr, and fd 2 is that stream (see
+//! [`stderr_is_journal`]). Then the native socket is tried (`/run/systemd/journal/socket`,
+//! or `$CAIRN_JOURNAL_SOCKET`). `$INVOCATION_ID` alone is not taken as a sign: systemd sets
+//! it for every unit, also one whose stderr it pointed elsewhere on purpose
+//! (`StandardError=file:..`, `systemd-run --pipe` handing us the caller's terminal), and
+//! there the lines belong where stderr goes. And the socket alone is not either: it exists
+//! on every systemd box, also for `cairn verify` typed at a terminal, whose lines belong on
+//! that terminal.
+//!
+//! **Call sites** use [`event!`](crate::event): `crate::event!(warn, "dead_letter", pipeline =
+//! p, reason = r; "dead letter: {}", what)`. The macro puts the event name and the fields on
+//! the `log` record as key-values (the `log` crate's `kv` feature), so levels, `RUST_LOG`
+//! and the stderr formats stay `log`'s and env_logger's; what it adds over writing the
+//! key-values by hand is that the event name is required and comes first, and that a field
+//! outside the fixed set is a compile error, not a silently new journal field.
+//! `tests/it/journal.rs` fails on a `warn!`, `error!` or `info!` in `src/` without an
+//! event name, and `tests/it/docs.rs` on an event name that `docs/` does not list.
+//!
+//! `RUST_LOG` sets the level in every case (default `info`).
 //!
 //! [`RateLimit`] keeps a flood of similar lines (one per dead letter, say) from drowning the
 //! journal, which rate-limits per service and would then drop the lines that matter too.
 
 use std::io::Write;
+use std::path::PathBuf;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
+
+mod journal;
+pub mod progress;
+
+/// A log line with its stable event name and the fields it concerns:
+///
+/// ```ignore
+/// crate::event!(warn, "dead_letter", pipeline = name, reason = why, offset = rec.offset;
+///     "dead letter: offset {} reason {why}", rec.offset);
+/// ```
+///
+/// The level is `error`, `warn`, `info`, `debug` or `trace`; the event name a literal in
+/// `snake_case`; each field one of `pipeline`, `sink`, `key`, `offset` (what the line is
+/// about), `reason` (why: a dead letter's, say) and `suppressed` (the event a "K more" line
+/// stands for), with a value that implements `Display`, sent as the journal field
+/// `CAIRN_<FIELD>`; after the `;`, the message as for `format!`. See the module docs
+/// of `logging` for where the line goes.
+#[macro_export]
+macro_rules! event {
+    ($level:ident, $event:literal $(, $key:ident = $value:expr)* $(,)? ; $($arg:tt)+) => {{
+        $( $crate::__event_field!($key); )*
+        ::log::$level!(event = $event $(, $key:% = $value)* ; $($arg)+)
+    }};
+}
+
+/// The fields [`event!`](crate::event) accepts: any other name fails to compile here.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __event_field {
+    (pipeline) => {};
+    (sink) => {};
+    (reason) => {};
+    (offset) => {};
+    (key) => {};
+    (suppressed) => {};
+}
+
+/// The native journal, when the rule in the module docs says we run under it.
+static JOURNAL: OnceLock<Option<journal::Journal>> = OnceLock::new();
+
+fn native_journal() -> Option<&'static journal::Journal> {
+    JOURNAL
+        .get_or_init(|| {
+            if !stderr_is_journal() {
+                return None;
+            }
+            let path = std::env::var_os("CAIRN_JOURNAL_SOCKET")
+                .filter(|p| !p.is_empty())
+                .map_or_else(|| PathBuf::from(journal::SOCKET), PathBuf::from);
+            journal::Journal::connect(&path).ok()
+        })
+        .as_ref()
+}
+
+/// Send one entry to the journal socket at `socket` (for the test against a real journald:
+/// an entry over the datagram limit takes the memfd way).
+#[doc(hidden)]
+pub fn send_entry(socket: &std::path::Path, fields: &[(&str, &[u8])]) -> std::io::Result<()> {
+    journal::Journal::connect(socket)?.send(fields)
+}
+
+/// env_logger for filtering and for stderr; the native journal in front of it when we run
+/// under one.
+struct Logger {
+    inner: env_logger::Logger,
+    journal: Option<&'static journal::Journal>,
+}
+
+impl log::Log for Logger {
+    fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
+        self.inner.enabled(metadata)
+    }
+
+    fn log(&self, record: &log::Record<'_>) {
+        if !self.inner.matches(record) {
+            return;
+        }
+        if let Some(j) = self.journal
+            && send_native(j, record).is_ok()
+        {
+            return;
+        }
+        // A progress line on the terminal goes first, or the line would follow it on the
+        // same line; the next step draws it again.
+        progress::done();
+        self.inner.log(record)
+    }
+
+    fn flush(&self) {
+        self.inner.flush()
+    }
+}
+
+/// The record's key-values as journal fields (`CAIRN_<KEY>`).
+struct Fields(Vec<(String, String)>);
+
+impl<'kvs> log::kv::VisitSource<'kvs> for Fields {
+    fn visit_pair(
+        &mut self,
+        key: log::kv::Key<'kvs>,
+        value: log::kv::Value<'kvs>,
+    ) -> Result<(), log::kv::Error> {
+        let name = format!("CAIRN_{}", key.as_str().to_ascii_uppercase());
+        if journal::valid_name(&name) {
+            self.0.push((name, value.to_string()));
+        }
+        Ok(())
+    }
+}
+
+/// The journal entry for one record (see the module docs for its fields).
+fn entry_fields(record: &log::Record<'_>) -> Vec<(String, String)> {
+    let mut fields = vec![
+        ("MESSAGE".to_string(), record.args().to_string()),
+        ("PRIORITY".to_string(), priority(record.level()).to_string()),
+        ("SYSLOG_IDENTIFIER".to_string(), "cairn".to_string()),
+    ];
+    if let Some(file) = record.file() {
+        fields.push(("CODE_FILE".to_string(), file.to_string()));
+    }
+    if let Some(line) = record.line() {
+        fields.push(("CODE_LINE".to_string(), line.to_string()));
+    }
+    let mut kv = Fields(Vec::new());
+    let _ = record.key_values().visit(&mut kv);
+    fields.extend(kv.0);
+    fields
+}
+
+fn send_native(j: &journal::Journal, record: &log::Record<'_>) -> std::io::Result<()> {
+    let fields = entry_fields(record);
+    let refs: Vec<(&str, &[u8])> = fields
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.as_bytes()))
+        .collect();
+    j.send(&refs)
+}
 
 /// Install the logger. Calling it twice is harmless (the second call does nothing).
 pub(crate) fn init() {
@@ -52,8 +218,18 @@ pub(crate) fn init() {
             )
         });
     }
-    if b.try_init().is_ok() && !rust_log_set() {
-        log::set_max_level(log::LevelFilter::Info);
+    let inner = b.build();
+    let filter = inner.filter();
+    let logger = Logger {
+        inner,
+        journal: native_journal(),
+    };
+    if log::set_boxed_logger(Box::new(logger)).is_ok() {
+        log::set_max_level(if rust_log_set() {
+            filter
+        } else {
+            log::LevelFilter::Info
+        });
     }
 }
 
@@ -69,13 +245,26 @@ pub(crate) fn set_level(level: log::LevelFilter) {
     }
     if log::max_level() != level {
         log::set_max_level(level);
-        log::info!("log level is now {level}");
+        crate::event!(info, "log_level"; "log level is now {level}");
     }
 }
 
 /// A line that ends the process (`cairn: MESSAGE` on stderr), outside the logger so it shows
-/// even with `RUST_LOG=off`; under the journal each line carries the error priority.
+/// even with `RUST_LOG=off`; under the journal each line carries the error priority (and,
+/// natively, the event name `fatal`).
 pub fn fatal(message: &str) {
+    if let Some(j) = native_journal() {
+        let text = format!("cairn: {message}");
+        let sent = j.send(&[
+            ("MESSAGE", text.as_bytes()),
+            ("PRIORITY", b"3"),
+            ("SYSLOG_IDENTIFIER", b"cairn"),
+            ("CAIRN_EVENT", b"fatal"),
+        ]);
+        if sent.is_ok() {
+            return;
+        }
+    }
     let journal = stderr_is_journal();
     let mut err = std::io::stderr().lock();
     for (i, line) in message.lines().enumerate() {
@@ -176,25 +365,24 @@ impl RateLimit {
     }
 
     /// [`RateLimit::check`], then the warnings it allows: `"{what}: K more {kind} in the last
-    /// interval"` when a count is due, and `line()` when this one may go out. Returns the
-    /// verdict.
+    /// interval"` (event `lines_suppressed`, with `suppressed = event`) when a count is due,
+    /// and `line()`, which logs this line with [`event!`](crate::event) under `event`, when
+    /// this one may go out. Returns the verdict.
     pub fn warn(
         &mut self,
         now: Instant,
+        event: &'static str,
         what: &str,
         kind: &str,
-        line: impl FnOnce() -> String,
+        line: impl FnOnce(),
     ) -> Verdict {
         let v = self.check(now);
         if v.suppressed > 0 {
-            log::warn!(
-                "{what}: {} more {kind} in the last {:?}",
-                v.suppressed,
-                self.interval
-            );
+            crate::event!(warn, "lines_suppressed", suppressed = event;
+                "{what}: {} more {kind} in the last {:?}", v.suppressed, self.interval);
         }
         if v.allowed {
-            log::warn!("{}", line());
+            line();
         }
         v
     }
@@ -210,10 +398,10 @@ mod tests {
         // decided is the verdict.
         let t0 = Instant::now();
         let mut r = RateLimit::new(1, Duration::from_secs(60));
-        let line = || String::from("l");
-        let first = r.warn(t0, "x", "more", line);
-        let rest: Vec<_> = (0..2).map(|_| r.warn(t0, "x", "more", line)).collect();
-        let later = r.warn(t0 + Duration::from_secs(60), "x", "more", line);
+        let line = || {};
+        let first = r.warn(t0, "x", "x", "more", line);
+        let rest: Vec<_> = (0..2).map(|_| r.warn(t0, "x", "x", "more", line)).collect();
+        let later = r.warn(t0 + Duration::from_secs(60), "x", "x", "more", line);
         assert_eq!((first.allowed, first.suppressed), (true, 0));
         assert!(rest.iter().all(|v| !v.allowed), "one line per interval");
         assert_eq!(
@@ -243,6 +431,34 @@ mod tests {
             }
         );
         assert_eq!(rl.check(t0 + Duration::from_secs(11)).suppressed, 0);
+    }
+
+    #[test]
+    fn a_records_event_and_fields_become_cairn_journal_fields_beside_the_message() {
+        let kvs: &[(&str, &str)] = &[
+            ("event", "dead_letter"),
+            ("reason", "late"),
+            ("offset", "7"),
+        ];
+        let args = format_args!("dead letter: offset 7");
+        let record = log::Record::builder()
+            .args(args)
+            .level(log::Level::Warn)
+            .file(Some("src/x.rs"))
+            .line(Some(12))
+            .key_values(&kvs)
+            .build();
+        let fields = entry_fields(&record);
+        let get = |n: &str| fields.iter().find(|(k, _)| k == n).map(|(_, v)| v.as_str());
+        assert_eq!(get("MESSAGE"), Some("dead letter: offset 7"));
+        assert_eq!(get("PRIORITY"), Some("4"));
+        assert_eq!(get("SYSLOG_IDENTIFIER"), Some("cairn"));
+        assert_eq!(get("CODE_FILE"), Some("src/x.rs"));
+        assert_eq!(get("CODE_LINE"), Some("12"));
+        assert_eq!(get("CAIRN_EVENT"), Some("dead_letter"));
+        assert_eq!(get("CAIRN_REASON"), Some("late"));
+        assert_eq!(get("CAIRN_OFFSET"), Some("7"));
+        assert_eq!(get("CAIRN_KEY"), None, "only the fields the line has");
     }
 
     #[test]

@@ -193,7 +193,7 @@ mod tests {
             offset: 7,
             pipeline: "p".repeat(64),
             topic: "t".repeat(topic),
-            reason: "not_a_number".into(),
+            reason: "wrong_type".into(),
             detail: "é".repeat(detail),
             received_at_ms: u64::MAX,
             payload: vec![0xff; 1024],

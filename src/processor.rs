@@ -484,7 +484,7 @@ impl Processor {
                  goes on. This is a bug in Cairn: please report it with this record",
                 e.attempts, e.panic
             );
-            log::error!(
+            crate::event!(error, "quarantine_set_aside", offset = rec.offset;
                 "quarantine: log record {} (topic `{}`) set aside as a dead letter `internal` \
                  after {} failed attempts (last panic: {}); processing goes on. Please report \
                  this bug with the record (`cairn inspect dead-letters`)",
@@ -618,7 +618,7 @@ impl Processor {
             // Settled records are never consulted again; a failed prune only leaves them
             // in the file a little longer (the next checkpoint tries again).
             if let Err(e) = q.prune_below(below) {
-                log::warn!("quarantine: cannot prune {}: {e}", q.path().display());
+                crate::event!(warn, "quarantine_prune_failed"; "quarantine: cannot prune {}: {e}", q.path().display());
             }
         }
     }

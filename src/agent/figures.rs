@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::log::Log;
 use crate::metrics::Metrics;
-use crate::model::Record;
+use crate::model::DeadLetter;
 use crate::mqtt::{BrokerDrops, DropTally};
 use crate::notify::Heartbeat;
 use crate::processor::Processor;
@@ -101,9 +101,13 @@ impl Figures {
                     None => total, // the first figure: everything since the broker started
                 };
                 if rise > 0 {
-                    self.broker_drops_log
-                        .warn(now, "broker drops", "rises of the count", || {
-                            format!(
+                    self.broker_drops_log.warn(
+                        now,
+                        "broker_dropped",
+                        "broker drops",
+                        "rises of the count",
+                        || {
+                            crate::event!(warn, "broker_dropped";
                                 "broker: it dropped {rise} more message(s) instead of queueing or \
                                  delivering them ({total} since it started, for all its clients): \
                                  their senders were told they were delivered, and inputs among \
@@ -111,19 +115,20 @@ impl Figures {
                                  config/mosquitto.conf (max_queued_messages, max_queued_bytes) \
                                  to the broker and restart it"
                             )
-                        });
+                        },
+                    );
                 }
             }
             BrokerDrops::Available { version } => {
                 self.metrics.update(|f| f.broker_dropped_available = true);
-                log::info!(
+                crate::event!(info, "broker_drops_watched";
                     "broker: watching its count of dropped messages ($SYS, {})",
                     crate::text::Shown(&version)
                 );
             }
             BrokerDrops::Unavailable { reason } => {
                 self.metrics.update(|f| f.broker_dropped_available = false);
-                log::warn!(
+                crate::event!(warn, "broker_drops_unwatchable";
                     "broker: its count of dropped messages cannot be watched ({}): messages it \
                      drops before they reach Cairn would go unseen. With mosquitto, let the \
                      agent's user read $SYS/broker/publish/messages/dropped (config/mosquitto.acl \
@@ -136,16 +141,32 @@ impl Figures {
 
     /// One journal line per dead letter, at most 10 per minute; the rest are counted and
     /// reported as suppressed (they are all in the store: `cairn inspect dead-letters`).
-    pub(crate) fn dead_letter(&mut self, now: Instant, rec: &Record, reason: &str) {
+    pub(crate) fn dead_letter(&mut self, now: Instant, d: &DeadLetter) {
         self.dead_letter_log
-            .warn(now, "dead letter", "suppressed", || {
-                format!(
-                    "dead letter: offset {} topic `{}` reason {reason} (see `cairn inspect \
-                     dead-letters`)",
-                    rec.offset,
-                    crate::text::Shown(&rec.topic)
+            .warn(now, "dead_letter", "dead letter", "suppressed", || {
+                crate::event!(warn, "dead_letter", pipeline = d.pipeline, reason = d.reason,
+                    offset = d.offset;
+                    "dead letter: offset {} topic `{}` reason {}, pipeline `{}` (see `cairn \
+                     inspect dead-letters`)",
+                    d.offset,
+                    crate::text::Shown(&d.topic),
+                    d.reason,
+                    crate::text::Shown(&d.pipeline)
                 )
             });
+    }
+
+    /// [`Figures::dead_letter`] for each dead letter of the log records from `from` on that
+    /// `proc` made since its last checkpoint (they are the last of its batch).
+    pub(crate) fn dead_letters_from(&mut self, now: Instant, proc: &Processor, from: u64) {
+        let all = proc.engine().pending_dead_letters();
+        let first = all
+            .iter()
+            .rposition(|d| d.offset < from)
+            .map_or(0, |i| i + 1);
+        for d in &all[first..] {
+            self.dead_letter(now, d);
+        }
     }
 
     /// Copy the loop's figures (every tick, so one scrape sees one consistent moment); the
@@ -160,9 +181,11 @@ impl Figures {
             // the e2e tests fell behind); the files' sizes are what an operator wants anyway.
             let store_bytes = crate::metrics::dir_size_bytes(store.dir());
             let segments = v.log.segments().len() as u64;
+            let resident = crate::metrics::resident_memory_bytes();
             self.metrics.update(|f| {
                 f.store_bytes = store_bytes;
                 f.log_segments = segments;
+                f.resident_memory_bytes = resident;
             });
             self.watch_store(v.proc, v.schedule, store_bytes, v.now)?;
         }
@@ -185,6 +208,7 @@ impl Figures {
             f.backpressure = backpressure;
             f.records_behind = behind;
             f.log_size_bytes = log.size_bytes();
+            f.log_max_bytes = log.options().max_size;
             f.log_first_offset = log.first_offset();
             f.log_next_offset = log.next_offset();
             f.records_unmatched = progress.unmatched;
@@ -212,7 +236,7 @@ impl Figures {
         let live = proc.store().live_bytes()?;
         self.metrics.update(|f| f.store_live_bytes = live);
         if schedule.store_estimated(store_bytes, live, now) {
-            log::warn!(
+            crate::event!(warn, "store_bloated";
                 "store: sled's files take {store_bytes} bytes, more than {STORE_BLOAT_FACTOR}× \
                  the {live} bytes of live data (sled reclaims space lazily). If disk space is \
                  tight: stop the agent, run `cairn savepoint create` and then `cairn savepoint \

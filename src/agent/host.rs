@@ -120,7 +120,7 @@ impl Host {
         if let Some(Some(online)) = self.inflight.remove(output_id) {
             let was = std::mem::replace(&mut self.figures.host_online, online);
             if online && !was {
-                log::info!(
+                crate::event!(info, "sparkplug_host_online";
                     "sparkplug: the broker holds this host's STATE as online ({})",
                     self.state.as_ref().map_or("", |s| s.0.as_str())
                 );
@@ -172,7 +172,8 @@ impl Host {
                 self.inflight.insert(id, Some(online));
             }
             Err(MqttError::InflightFull { .. }) => {} // the next tick tries again
-            Err(e) => log::warn!("sparkplug: cannot publish STATE to {topic}: {e}"),
+            Err(e) => crate::event!(warn, "sparkplug_state_not_sent";
+                "sparkplug: cannot publish STATE to {topic}: {e}"),
         }
     }
 
@@ -219,13 +220,15 @@ impl Host {
                     Ok(()) => {
                         self.inflight.insert(id, None);
                         self.figures.rebirths_sent += 1;
-                        log::warn!("sparkplug: edge node {shown}: {what}; asked it to rebirth");
+                        crate::event!(warn, "sparkplug_rebirth_requested", key = shown;
+                            "sparkplug: edge node {shown}: {what}; asked it to rebirth");
                     }
                     Err(MqttError::InflightFull { .. }) => continue, // the next notice asks
-                    Err(e) => log::warn!("sparkplug: cannot ask {shown} to rebirth: {e}"),
+                    Err(e) => crate::event!(warn, "sparkplug_rebirth_not_sent", key = shown;
+                        "sparkplug: cannot ask {shown} to rebirth: {e}"),
                 }
             } else {
-                log::warn!(
+                crate::event!(warn, "sparkplug_session_notice", key = shown;
                     "sparkplug: edge node {shown}: {what}{}",
                     if self.rebirth {
                         "; not connected, so no rebirth request"

@@ -154,9 +154,9 @@ impl Ingest {
         if self.queue.set_backpressure(on) {
             self.backpressure_off_at = (!on).then_some(now);
             if on {
-                log::warn!("backpressure on: {why}; not acknowledging, the broker queues");
+                crate::event!(warn, "backpressure_on"; "backpressure on: {why}; not acknowledging, the broker queues");
             } else {
-                log::info!("backpressure off: acknowledging again");
+                crate::event!(info, "backpressure_off"; "backpressure off: acknowledging again");
             }
         }
     }
@@ -241,7 +241,7 @@ impl Ingest {
             // The broker re-sends unacknowledged messages only on a new connection. The
             // MQTT thread writes the acks queued before this request first.
             self.counts.held_let_go += let_go;
-            log::info!(
+            crate::event!(info, "held_inputs_let_go";
                 "backpressure ended with {let_go} input(s) let go past the {HELD_LIMIT}-byte bound \
                  of held ones; once it has stayed off for {REDELIVER_SETTLE:?} the agent \
                  reconnects, so that the broker sends them again"
@@ -270,7 +270,7 @@ pub(crate) fn log_clock_note(cfg: &Config, note: &Note) {
         Note::BehindRecorded {
             wall_ms,
             recorded_ms,
-        } => log::warn!(
+        } => crate::event!(warn, "clock_behind";
             "clock: the wall clock ({}) is behind the newest time of receipt already recorded \
              ({}): it was set back, or the box booted with a stale clock. New records are \
              stamped from {} on at the monotonic clock's rate until the wall clock catches up, \
@@ -279,14 +279,14 @@ pub(crate) fn log_clock_note(cfg: &Config, note: &Note) {
             utc_ms(recorded_ms),
             utc_ms(recorded_ms)
         ),
-        Note::SteppedBack { by_ms } => log::warn!(
+        Note::SteppedBack { by_ms } => crate::event!(warn, "clock_stepped_back";
             "clock: the wall clock stepped back by {}; times of receipt go on from the last one \
              at the monotonic clock's rate until it catches up, so windows by time of receipt \
              and the dedup window keep their real pace",
             human_ms(by_ms)
         ),
         Note::CaughtUp => {
-            log::info!(
+            crate::event!(info, "clock_caught_up";
                 "clock: the wall clock caught up with the times of receipt; following it again"
             )
         }
@@ -317,7 +317,7 @@ fn log_clock_forward(cfg: &Config, by_ms: u64, expected_ms: u64, to_ms: u64) {
         })
         .unwrap_or_else(|| "dedup entries age by as much".into());
     let retention = u64::try_from(cfg.log.retention.as_millis()).unwrap_or(u64::MAX);
-    log::warn!(
+    crate::event!(warn, "clock_stepped_forward";
         "clock: the wall clock stepped forwards by {} beyond what the monotonic clock \
          counted since the last record; times of receipt follow it (now {} instead of \
          {}). The dedup window and log retention are measured in time of receipt, so \

@@ -295,7 +295,7 @@ impl Agent {
                 self.figures.broker_drops(now, d);
             }
             Event::Connected { session_present } => {
-                log::info!(
+                crate::event!(info, "input_connected";
                     "mqtt: connected to {}:{} (session present: {session_present})",
                     self.cfg.mqtt.host,
                     self.cfg.mqtt.port
@@ -310,7 +310,7 @@ impl Agent {
                 self.host.link(false, &self.mqtt);
                 // Acks still queued for that connection are dropped by the MQTT module; the
                 // broker redelivers those messages (DUP=1) and dedup by event ID drops them.
-                log::warn!("mqtt: disconnected: {reason}");
+                crate::event!(warn, "input_disconnected"; "mqtt: disconnected: {reason}");
             }
         }
         Ok(())
@@ -352,13 +352,14 @@ impl Agent {
 
     /// Apply one live record.
     fn apply(&mut self, rec: &Record) -> Result<(), AgentError> {
-        for outcome in self.proc.apply(rec)? {
-            if let Outcome::DeadLetter { reason } = outcome {
-                let now = self.now();
-                self.figures.dead_letter(now, rec, reason);
-            }
-        }
+        let outcomes = self.proc.apply(rec)?;
         let now = self.now();
+        if outcomes
+            .iter()
+            .any(|o| matches!(o, Outcome::DeadLetter { .. }))
+        {
+            self.figures.dead_letters_from(now, &self.proc, rec.offset);
+        }
         self.keeper.schedule.applied(now);
         self.sparkplug_notices();
         Ok(())
@@ -379,14 +380,13 @@ impl Agent {
         let now = self.now();
         let hold = self.hold();
         let max = Work::slice_max(self.cfg.checkpoint.max_records);
-        let figures = &mut self.figures;
-        let took = self.work.step(
-            &mut self.proc,
-            &self.log,
-            (max, hold),
-            now,
-            &mut |rec, reason| figures.dead_letter(now, rec, reason),
-        )?;
+        let from = self.proc.next_offset();
+        let took = self
+            .work
+            .step(&mut self.proc, &self.log, (max, hold), now)?;
+        if took.dead_letters {
+            self.figures.dead_letters_from(now, &self.proc, from);
+        }
         if took.taken > 0 {
             self.keeper.schedule.applied(now);
             self.sparkplug_notices();
@@ -443,7 +443,7 @@ impl Agent {
         if let Err(e) = &done {
             self.figures.metrics.update(|f| f.checkpoint_failures += 1);
             // Fatal by design: the engine is now ahead of the store; a restart replays.
-            log::error!(
+            crate::event!(error, "checkpoint_failed";
                 "checkpoint failed: {e}; exiting so that recovery replays from the last checkpoint"
             );
         }
@@ -493,7 +493,7 @@ impl Agent {
         let settled = self.keeper.fsync_done(wait);
         if let Err(e) = &settled {
             self.figures.metrics.update(|f| f.checkpoint_failures += 1);
-            log::error!(
+            crate::event!(error, "checkpoint_failed";
                 "checkpoint failed: {e}; exiting so that recovery replays from the last checkpoint"
             );
         }
@@ -604,7 +604,9 @@ impl Agent {
     fn reload(&mut self) {
         crate::notify::reloading();
         match crate::config::load(&self.cfg.source) {
-            Err(e) => log::error!("reload: {e}; keeping the running configuration"),
+            Err(e) => {
+                crate::event!(error, "reload_failed"; "reload: {e}; keeping the running configuration")
+            }
             Ok(new) => {
                 let plan = crate::config::reload::plan(&self.cfg, &new);
                 plan.apply(&mut self.cfg, &new);
@@ -615,13 +617,13 @@ impl Agent {
                     self.keeper.reschedule_savepoints(&self.cfg, wall_ms, now);
                 }
                 if plan.restart.is_empty() {
-                    log::info!(
+                    crate::event!(info, "reload_applied";
                         "reload: {} ({})",
                         plan.describe(),
                         self.cfg.source.display()
                     );
                 } else {
-                    log::warn!("reload: {}", plan.describe());
+                    crate::event!(warn, "reload_needs_restart"; "reload: {}", plan.describe());
                 }
             }
         }
@@ -636,7 +638,7 @@ impl Agent {
         crate::notify::status("stopping: draining");
         // First, so that edge nodes with this Primary Host start buffering at once.
         self.host.stop(&self.mqtt);
-        log::info!(
+        crate::event!(info, "shutdown_draining";
             "shutdown: draining (log commit, checkpoint, outbox for up to {:?})",
             self.cfg.outbox.drain_timeout
         );
@@ -663,7 +665,7 @@ impl Agent {
         self.settle_fsync(true)?;
         self.proc.store().sync()?;
         let c = &self.results.counts;
-        log::info!(
+        crate::event!(info, "shutdown_done";
             "shutdown: done; {left} outbox entries left for the next start; {} results \
              published before their checkpoint, {} of them acknowledged before it",
             c.published_early,

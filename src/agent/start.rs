@@ -154,7 +154,7 @@ fn open_log(cfg: &Config, sync: &Durability) -> Result<Log, AgentError> {
         sync.clone(),
     )?;
     if rec.torn_bytes_dropped > 0 {
-        log::warn!(
+        crate::event!(warn, "recovery_torn_tail";
             "recovery: dropped torn log tail: {} bytes, {} records (never acknowledged)",
             rec.torn_bytes_dropped,
             rec.torn_records_dropped
@@ -211,7 +211,7 @@ fn replay(
                 trimmed = now;
                 return_free_memory();
             }
-            log::info!(
+            crate::event!(info, "recovery_progress";
                 "recovery: replayed {} records up to offset {}",
                 s.records,
                 s.to
@@ -227,7 +227,7 @@ fn replay(
     if let Some(e) = disk_error {
         return Err(e.into());
     }
-    log::info!(
+    crate::event!(info, "recovery_done";
         "recovery: done in {} ms: log offsets [{}, {}), replayed {} records from offset {}, checkpoint {}",
         clock
             .monotonic()
@@ -240,7 +240,7 @@ fn replay(
         proc.engine().progress().checkpoint_id
     );
     if let Some(why) = &stats.held {
-        log::warn!(
+        crate::event!(warn, "recovery_processing_waits";
             "recovery: processing waits ({why}) at offset {}: the {} records after it stay in \
              the log and are processed from there once results leave",
             proc.next_offset(),
@@ -296,6 +296,15 @@ fn start_metrics(
             .map_err(|e| err(std::io::Error::new(std::io::ErrorKind::InvalidInput, e)))?;
         // Never fails on a held port: the server retries the bind and logs it (issue 27).
         crate::metrics::serve(at, metrics.clone()).map_err(err)?;
+    }
+    // The store is open (and locked): a socket left at the path is a dead agent's.
+    let socket = crate::metrics::local_socket(&cfg.storage.data_dir);
+    if let Err(e) = crate::metrics::serve_local(&socket, metrics.clone()) {
+        crate::event!(warn, "status_socket_failed";
+            "status: cannot serve {}: {e}; the agent goes on, and `cairn status` shows only \
+             what the data directory says (or `[metrics] listen`'s figures, if set)",
+            socket.display()
+        );
     }
     Ok(metrics)
 }

@@ -26,7 +26,7 @@
 use std::time::{Duration, Instant};
 
 use crate::log::Log;
-use crate::model::{Offset, PipelineProgress, Progress, Record};
+use crate::model::{Offset, PipelineProgress, Progress};
 use crate::pipeline::engine::Outcome;
 use crate::processor::{ProcessError, Processor};
 
@@ -54,6 +54,8 @@ pub(crate) enum Next {
 pub(crate) struct Took {
     pub(crate) kind: Next,
     pub(crate) taken: u64,
+    /// A record of a catch-up slice became a dead letter.
+    pub(crate) dead_letters: bool,
 }
 
 pub(crate) struct Work {
@@ -134,37 +136,46 @@ impl Work {
 
     /// Processing waits with work in the log: say so, at most once a minute.
     pub(crate) fn waits(&mut self, why: &str, now: Instant) {
-        self.journal
-            .warn(now, "processing behind the log", "times", || {
-                format!(
+        self.journal.warn(
+            now,
+            "processing_waits",
+            "processing behind the log",
+            "times",
+            || {
+                crate::event!(warn, "processing_waits", reason = why;
                     "processing waits ({why}): input is still logged and acknowledged, and \
                      what waits in the log (live records, backfills) is processed from it \
                      once results leave"
                 )
-            });
+            },
+        );
     }
 
-    /// Take the slice the rule says, if any: up to `max` records. Dead letters go to
-    /// `dead` (for the journal).
+    /// Take the slice the rule says, if any: up to `max` records. Whether a live record
+    /// became a dead letter is in the answer (the caller journals them from the engine).
     pub(crate) fn step(
         &mut self,
         proc: &mut Processor,
         log: &Log,
         (max, hold): (u64, Option<&'static str>),
         now: Instant,
-        dead: &mut dyn FnMut(&Record, &str),
     ) -> Result<Took, ProcessError> {
         let kind = self.next(hold);
+        let mut dead_letters = false;
         let taken = match kind {
             Next::Idle => 0,
             Next::Wait(why) => {
                 self.waits(why, now);
                 0
             }
-            Next::CatchUp => self.catch_up(proc, log, max, now, dead)?,
+            Next::CatchUp => self.catch_up(proc, log, max, now, &mut dead_letters)?,
             Next::Backfill => self.backfill(proc, log, max, now)?,
         };
-        Ok(Took { kind, taken })
+        Ok(Took {
+            kind,
+            taken,
+            dead_letters,
+        })
     }
 
     fn catch_up(
@@ -173,17 +184,15 @@ impl Work {
         log: &Log,
         max: u64,
         now: Instant,
-        dead: &mut dyn FnMut(&Record, &str),
+        dead_letters: &mut bool,
     ) -> Result<u64, ProcessError> {
-        let slice = proc.catch_up(log, max, &mut |rec, outcome| {
-            if let Outcome::DeadLetter { reason } = outcome {
-                dead(rec, reason);
-            }
+        let slice = proc.catch_up(log, max, &mut |_, outcome| {
+            *dead_letters |= matches!(outcome, Outcome::DeadLetter { .. });
         })?;
         if slice.caught_up {
             self.behind = false;
             let waited = self.since.take().map(|t| now.saturating_duration_since(t));
-            log::info!(
+            crate::event!(info, "processing_caught_up";
                 "processing caught up with the log at offset {}{}",
                 proc.next_offset(),
                 waited.map_or(String::new(), |w| format!(
@@ -209,7 +218,7 @@ impl Work {
         let due = self.reported.is_none_or(|t| now >= t + REPORT_INTERVAL);
         if due && !slice.joined {
             self.reported = Some(now);
-            log::info!(
+            crate::event!(info, "backfill_progress", pipeline = slice.pipeline;
                 "backfill: pipeline `{}`: {} records left before it joins live processing",
                 slice.pipeline,
                 slice.left

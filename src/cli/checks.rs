@@ -47,7 +47,7 @@ fn link_warnings(section: &str, m: &MqttConfig, out: &mut Vec<String>) {
              clients in, any local user can connect under client_id `{}`, take over the \
              agent's session and the inputs queued in it, and publish fake inputs or results; \
              give the agent a user of its own (config/mosquitto.conf and mosquitto.acl; \
-             README, \"Before the box goes into service\")",
+             docs/operations.md, \"Before the box goes into service\")",
             Shown(&m.client_id)
         )),
         (Some(_), None) if !is_local(&m.host) => out.push(format!(

@@ -103,6 +103,7 @@ pub(crate) fn run(cfg: &Config, what: Inspect) -> Result<(), Failure> {
         return inspect_log(cfg, from, limit, json);
     }
     let store = open_store_readonly(cfg)?;
+    crate::logging::progress::done();
     match what {
         Inspect::Log { .. } => unreachable!(),
         Inspect::State(f) => state(cfg, &store, &f),

@@ -18,9 +18,12 @@ use crate::config::{self, Config, ConfigError};
 
 mod checks;
 mod failure;
+#[cfg(test)]
+mod generated;
 mod inspect;
 mod output;
 mod owner;
+mod progress;
 mod run;
 mod savepoint;
 mod status;
@@ -31,11 +34,26 @@ pub(crate) use failure::{EXIT_OK, EXIT_USAGE, Failure};
 pub(crate) use inspect::Inspect;
 pub(crate) use savepoint::SavepointCommand;
 
+/// The end of `cairn --help` and of the man page `cairn(1)`.
+const AFTER_HELP: &str = "\
+Exit status: 0 ok, 1 runtime failure, 2 usage or configuration error.
+
+Files: /etc/cairn/cairn.toml (the configuration), /var/lib/cairn (the data directory of the \
+packaged service: log/, store/, savepoints/, and cairn.sock, where a running agent answers \
+`cairn status`).
+
+The journal: under systemd every line carries CAIRN_EVENT and, where they apply, \
+CAIRN_PIPELINE, CAIRN_SINK, CAIRN_REASON, CAIRN_OFFSET, CAIRN_KEY: `journalctl -u cairn \
+CAIRN_EVENT=dead_letter CAIRN_REASON=late`.
+
+Documentation: /usr/share/doc/cairn/ (README.md and docs/).";
+
 #[derive(Parser, Debug)]
 #[command(
     name = "cairn",
     version,
-    about = "Exactly-once MQTT aggregation for edge boxes"
+    about = "Exactly-once MQTT aggregation for edge boxes",
+    after_long_help = AFTER_HELP
 )]
 pub(crate) struct Cli {
     /// Configuration file.
@@ -56,8 +74,9 @@ pub(crate) enum Command {
     /// Run the agent in the foreground until SIGINT/SIGTERM (drains, exits 0); SIGHUP
     /// reloads the safe parts of the config.
     Run {
-        /// Drop this pipeline's stored state and start it empty, in a new generation of
-        /// output IDs (after a change to its definition that would misread the old state).
+        /// Drop this pipeline's stored state, its dedup ledger included (an event ID it saw
+        /// before is applied again), and start it empty, in a new generation of output IDs
+        /// (after a change to its definition that would misread the old state).
         /// For a pipeline no longer configured, delete its stored state for good. Repeatable.
         #[arg(long = "reset-pipeline", value_name = "NAME")]
         reset_pipeline: Vec<String>,
@@ -77,7 +96,8 @@ pub(crate) enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// The running agent's figures (via `[metrics] listen`), or the data directory's.
+    /// The running agent's figures (from its socket in the data directory, or `[metrics]
+    /// listen`), or the data directory's.
     Status {
         #[arg(long)]
         json: bool,
@@ -104,6 +124,7 @@ pub fn main() -> i32 {
     match dispatch(cli) {
         Ok(()) => EXIT_OK,
         Err(f) => {
+            crate::logging::progress::done();
             if !f.message.is_empty() {
                 crate::logging::fatal(&f.message);
             }
@@ -142,6 +163,12 @@ fn dispatch(cli: Cli) -> Result<(), Failure> {
     {
         return Err(Failure::runtime(problem));
     }
+    if matches!(
+        cli.command,
+        Command::Verify { .. } | Command::Savepoint { .. } | Command::Inspect { .. }
+    ) {
+        progress::install_if_terminal();
+    }
     match cli.command {
         Command::Validate => unreachable!(),
         Command::Run { reset_pipeline } => {
@@ -150,7 +177,7 @@ fn dispatch(cli: Cli) -> Result<(), Failure> {
                 .iter()
                 .chain(&checks::security_warnings(&cfg))
             {
-                log::warn!("config: {}", crate::text::Shown(w));
+                crate::event!(warn, "config_warning"; "config: {}", crate::text::Shown(w));
             }
             run::run(cfg, &reset_pipeline)
         }

@@ -125,7 +125,7 @@ pub(crate) fn become_data_dir_owner(cfg: &Config) -> Result<(), Failure> {
             run_as_hint(meta.uid())
         ))
     })?;
-    log::info!(
+    crate::event!(info, "running_as_owner";
         "running as {}, the owner of {shown}, so that what this command writes there stays \
          theirs",
         current_user()

@@ -30,8 +30,8 @@ pub(crate) enum SavepointCommand {
     },
     /// Rebuild the store from a savepoint; the previous store is moved aside, never deleted.
     Restore {
-        /// The savepoint file.
-        #[arg(required_unless_present = "latest", conflicts_with = "latest")]
+        /// The savepoint file (`cairn savepoint list` shows them); or `--latest`.
+        #[arg(conflicts_with = "latest")]
         file: Option<PathBuf>,
         /// The newest savepoint in the data directory (the last taken, whatever its checkpoint ID).
         #[arg(long)]
@@ -91,9 +91,24 @@ fn create(cfg: &Config, json: bool) -> Result<(), Failure> {
     }
     let sync = crate::fsio::real();
     let store = Store::open(&dir, cfg.storage.cache_size, sync.clone()).map_err(store_failure)?;
+    // Drawn at once (the callback comes every few thousand entries).
+    crate::logging::progress::step(
+        "writing the savepoint",
+        0,
+        None,
+        crate::logging::progress::Unit::Entries,
+    );
     let info = store
-        .write_savepoint(&cfg.savepoint_dir(), &sync)
+        .write_savepoint_with(&cfg.savepoint_dir(), &sync, &mut |n| {
+            crate::logging::progress::step(
+                "writing the savepoint",
+                n,
+                None,
+                crate::logging::progress::Unit::Entries,
+            )
+        })
         .map_err(store_failure)?;
+    crate::logging::progress::done();
     store::prune_savepoints(&cfg.savepoint_dir(), cfg.savepoint.keep).map_err(store_failure)?;
     if json {
         line(&info_json(&info).to_string())
@@ -116,7 +131,14 @@ fn list(cfg: &Config, json: bool) -> Result<(), Failure> {
 fn restore(cfg: &Config, file: Option<PathBuf>, latest: bool, json: bool) -> Result<(), Failure> {
     let file = match (file, latest) {
         (Some(f), _) => f,
-        (None, _) => store::list_savepoints(&cfg.savepoint_dir())
+        (None, false) => {
+            return Err(Failure::usage(format!(
+                "savepoint restore needs a savepoint: a FILE (`cairn savepoint list` shows those \
+                 in {}), or --latest for the newest",
+                cfg.savepoint_dir().display()
+            )));
+        }
+        (None, true) => store::list_savepoints(&cfg.savepoint_dir())
             .map_err(store_failure)?
             .pop()
             .map(|i| i.path)
@@ -169,6 +191,7 @@ fn restore(cfg: &Config, file: Option<PathBuf>, latest: bool, json: bool) -> Res
         crate::fsio::real(),
     )
     .map_err(store_failure)?;
+    crate::logging::progress::done();
     if json {
         line(&info_json(&info).to_string())
     } else {

@@ -1,14 +1,18 @@
 //! `cairn status`: how the agent is doing.
 //!
-//! With `[metrics] listen` configured and answering, it shows the running agent's figures
-//! (one `GET /status.json` over loopback: the JSON the agent builds from the same copy of its
-//! figures as `/metrics`, so nothing is parsed back from Prometheus text). Otherwise, or with `--offline`, it reads the data
+//! With an agent running, it shows the agent's figures: one `GET /status.json` (the JSON
+//! the agent builds from the same copy of its figures as `/metrics`, so nothing is parsed
+//! back from Prometheus text) on the data directory's unix socket (`DATA_DIR/cairn.sock`,
+//! always served: nothing to configure, see [`crate::metrics::local_socket`]), or else on
+//! the `[metrics] listen` address. Otherwise, or with `--offline`, it reads the data
 //! directory: the log (read-only scan), the store (only if no agent holds it) and the newest
 //! savepoint. Both forms share the JSON fields `source`, `log`, `checkpoint`, `pipelines`,
-//! `outbox_entries`, `dead_letters` and `savepoint`.
+//! `outbox_entries`, `dead_letters` and `savepoint`. Sizes read as people read them ("0 B of
+//! 1 GiB") in the text; the JSON keeps bytes.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 use serde_json::{Value, json};
@@ -25,19 +29,11 @@ const METRICS_TIMEOUT: Duration = Duration::from_secs(2);
 const MAX_RESPONSE_BYTES: u64 = 1 << 20;
 
 pub(crate) fn run(cfg: &Config, as_json: bool, offline: bool) -> Result<(), Failure> {
-    let online = match (&cfg.metrics.listen, offline) {
-        (Some(addr), false) => match fetch(addr) {
-            Ok(v) => Some((addr.clone(), v)),
-            Err(e) => {
-                log::info!(
-                    "status: the agent's metrics at {addr} do not answer ({}); reading the data \
-                     directory",
-                    Shown(&e)
-                );
-                None
-            }
-        },
-        _ => None,
+    let mut unanswered = Vec::new();
+    let online = if offline {
+        None
+    } else {
+        find_agent(cfg, &mut unanswered)
     };
     let status = match online {
         Some((addr, mut v)) => {
@@ -45,7 +41,7 @@ pub(crate) fn run(cfg: &Config, as_json: bool, offline: bool) -> Result<(), Fail
             split_unconfigured(&mut v, cfg);
             v
         }
-        None => from_data_dir(cfg)?,
+        None => from_data_dir(cfg, &unanswered)?,
     };
     let mut out = std::io::stdout().lock();
     // What the endpoint returns is read as data, not trusted as text: a name or a note with
@@ -63,15 +59,65 @@ pub(crate) fn run(cfg: &Config, as_json: bool, offline: bool) -> Result<(), Fail
     Ok(())
 }
 
-/// `GET /status.json` with bounded time and size.
-fn fetch(addr: &str) -> Result<Value, String> {
+/// The running agent's status: from its socket in the data directory, else from `[metrics]
+/// listen`. What did not answer, and why, goes to `unanswered` (a socket that is not there
+/// is no news: no agent runs).
+fn find_agent(cfg: &Config, unanswered: &mut Vec<String>) -> Option<(String, Value)> {
+    let socket = crate::metrics::local_socket(&cfg.storage.data_dir);
+    let shown = socket.display().to_string();
+    if socket.exists() {
+        match UnixStream::connect(&socket)
+            .map_err(|e| e.to_string())
+            .and_then(|s| fetch(s, "localhost"))
+        {
+            Ok(v) => return Some((shown, v)),
+            Err(e) => unanswered.push(format!("{} did not answer ({})", Shown(&shown), Shown(&e))),
+        }
+    }
+    if let Some(addr) = &cfg.metrics.listen {
+        match fetch_tcp(addr) {
+            Ok(v) => return Some((addr.clone(), v)),
+            Err(e) => unanswered.push(format!("{addr} did not answer ({})", Shown(&e))),
+        }
+    }
+    for u in unanswered.iter() {
+        crate::event!(info, "status_agent_unanswered";
+            "status: the agent's status at {u}; reading the data directory");
+    }
+    None
+}
+
+/// `GET /status.json` on a loopback address, with bounded time and size.
+fn fetch_tcp(addr: &str) -> Result<Value, String> {
     let addr: SocketAddr = addr.parse().map_err(|e| format!("bad address: {e}"))?;
-    let mut s = TcpStream::connect_timeout(&addr, METRICS_TIMEOUT).map_err(|e| e.to_string())?;
-    s.set_read_timeout(Some(METRICS_TIMEOUT))
-        .and_then(|()| s.set_write_timeout(Some(METRICS_TIMEOUT)))
-        .map_err(|e| e.to_string())?;
+    let s = TcpStream::connect_timeout(&addr, METRICS_TIMEOUT).map_err(|e| e.to_string())?;
     // The listener answers only a loopback `Host` (DNS rebinding, issue 27): name the address.
-    let request = format!("GET /status.json HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    fetch(s, &addr.to_string())
+}
+
+/// A stream the status request can go over.
+trait Conn: Read + Write {
+    fn timeouts(&self, d: Duration) -> std::io::Result<()>;
+}
+
+impl Conn for TcpStream {
+    fn timeouts(&self, d: Duration) -> std::io::Result<()> {
+        self.set_read_timeout(Some(d))?;
+        self.set_write_timeout(Some(d))
+    }
+}
+
+impl Conn for UnixStream {
+    fn timeouts(&self, d: Duration) -> std::io::Result<()> {
+        self.set_read_timeout(Some(d))?;
+        self.set_write_timeout(Some(d))
+    }
+}
+
+/// `GET /status.json` over `s`, with bounded time and size.
+fn fetch(mut s: impl Conn, host: &str) -> Result<Value, String> {
+    s.timeouts(METRICS_TIMEOUT).map_err(|e| e.to_string())?;
+    let request = format!("GET /status.json HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
     s.write_all(request.as_bytes()).map_err(|e| e.to_string())?;
     let mut buf = Vec::new();
     s.take(MAX_RESPONSE_BYTES)
@@ -111,7 +157,7 @@ fn split_unconfigured(v: &mut Value, cfg: &Config) {
         .collect();
 }
 
-fn from_data_dir(cfg: &Config) -> Result<Value, Failure> {
+fn from_data_dir(cfg: &Config, unanswered: &[String]) -> Result<Value, Failure> {
     let log_dir = cfg.log_dir();
     let log = if log_dir.is_dir() {
         let r = crate::log::verify_dir(&log_dir).map_err(Failure::runtime)?;
@@ -150,9 +196,20 @@ fn from_data_dir(cfg: &Config) -> Result<Value, Failure> {
         Ok(s) => s,
         Err(StoreError::Locked { .. }) => {
             v["agent_running"] = json!(true);
-            v["note"] = json!(
-                "the agent is running and holds the store; enable `[metrics] listen` to see its figures"
-            );
+            // Its socket answers unless it cannot serve it (see the agent's journal), or this
+            // user may not connect to it.
+            let why = if unanswered.is_empty() {
+                format!(
+                    "its status socket {} is not there",
+                    crate::metrics::local_socket(&cfg.storage.data_dir).display()
+                )
+            } else {
+                unanswered.join("; ")
+            };
+            v["note"] = json!(format!(
+                "the agent is running and holds the store, but {why}: run `cairn status` as \
+                 the data directory's owner (or root), or set `[metrics] listen`"
+            ));
             return Ok(v);
         }
         Err(e) => return Err(Failure::runtime(e)),
@@ -219,6 +276,38 @@ pub(crate) fn unconfigured_line(u: &Value) -> String {
     )
 }
 
+/// Bytes as people read them: `0 B`, `512 B`, `1 GiB`, `634.8 KiB` (binary units, as the
+/// config's sizes; one decimal when not whole).
+pub(crate) fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut unit = 0;
+    let mut factor: u64 = 1024;
+    while unit + 1 < UNITS.len() && n / factor >= 1024 {
+        factor *= 1024;
+        unit += 1;
+    }
+    if n % factor == 0 {
+        return format!("{} {}", n / factor, UNITS[unit]);
+    }
+    let v = n as f64 / factor as f64;
+    // 1023.96 KiB would print as "1024.0 KiB": say "1.0 MiB" instead.
+    if format!("{v:.1}") == "1024.0" && unit + 1 < UNITS.len() {
+        return format!("1.0 {}", UNITS[unit + 1]);
+    }
+    format!("{v:.1} {}", UNITS[unit])
+}
+
+/// A byte count from the status as [`human_bytes`] says it; `-` for none.
+fn bytes(x: &Value) -> String {
+    match x.as_f64() {
+        Some(v) if v >= 0.0 => human_bytes(v as u64),
+        _ => cell(x),
+    }
+}
+
 /// A value as `status` prints it: `-` for none, strings without quotes.
 fn cell(x: &Value) -> String {
     match x {
@@ -254,7 +343,7 @@ fn human(v: &Value) -> String {
     let s = cell;
     match v["source"].as_str() {
         Some("agent") => lines.push(format!(
-            "agent       running (metrics at {}), connected {}, backpressure {}, records \
+            "agent       running (status from {}), connected {}, backpressure {}, records \
              behind {}",
             s(&v["metrics_address"]),
             s(&v["connected"]),
@@ -276,10 +365,10 @@ fn human(v: &Value) -> String {
     let l = &v["log"];
     if !l.is_null() {
         lines.push(format!(
-            "log         offsets [{}, {}), {} bytes in {} segments",
+            "log         offsets [{}, {}), {} in {} segments",
             s(&l["first_offset"]),
             s(&l["next_offset"]),
-            s(&l["size_bytes"]),
+            bytes(&l["size_bytes"]),
             s(&l["segments"])
         ));
     }
@@ -317,9 +406,9 @@ fn human(v: &Value) -> String {
     }
     if v["store"].is_object() {
         lines.push(format!(
-            "store       {} bytes on disk; live data about {} bytes",
-            s(&v["store"]["size_bytes"]),
-            s(&v["store"]["live_bytes_estimate"])
+            "store       {} on disk; live data about {}",
+            bytes(&v["store"]["size_bytes"]),
+            bytes(&v["store"]["live_bytes_estimate"])
         ));
     }
     let sp = &v["savepoint"];
@@ -377,8 +466,10 @@ fn queue_lines(v: &Value) -> Vec<String> {
     let o = &v["outbox"];
     if o.is_object() {
         let mut line = format!(
-            "queue       {} results, {} of {} bytes",
-            o["entries"], o["bytes"], o["max_bytes"]
+            "queue       {} results, {} of {}",
+            o["entries"],
+            bytes(&o["bytes"]),
+            bytes(&o["max_bytes"])
         );
         if let Some(age) = o["oldest_age_seconds"].as_f64() {
             line.push_str(&format!(", oldest {age}s"));
@@ -405,6 +496,23 @@ fn queue_lines(v: &Value) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sizes_read_as_people_read_them() {
+        for (n, want) in [
+            (0, "0 B"),
+            (1023, "1023 B"),
+            (1024, "1 KiB"),
+            (1536, "1.5 KiB"),
+            (650_000, "634.8 KiB"),
+            (1 << 30, "1 GiB"),
+            ((1 << 20) - 1, "1.0 MiB"),
+            (16 << 20, "16 MiB"),
+            (u64::MAX, "16.0 EiB"),
+        ] {
+            assert_eq!(human_bytes(n), want, "{n}");
+        }
+    }
 
     #[test]
     fn the_brokers_drops_are_shown_and_so_is_a_count_that_cannot_be_watched() {
@@ -475,7 +583,7 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains("queue       5000 results, 650000 of 1073741824 bytes, oldest 90s, draining 2000.0/s, about 2s to drain"),
+            text.contains("queue       5000 results, 634.8 KiB of 1 GiB, oldest 90s, draining 2000.0/s, about 2s to drain"),
             "{text}"
         );
         let f = crate::metrics::Figures {

@@ -24,8 +24,18 @@ pub(crate) fn run(path: &Path) -> Result<(), Failure> {
             if let Some(note) = packet_size_note(cfg.log.max_payload) {
                 println!("{note}");
             }
-            for line in data_dir_report(&cfg) {
+            let (lines, refused) = data_dir_report(&cfg);
+            for line in lines {
                 println!("{line}");
+            }
+            // What `run` refuses as a config error (exit 2), `validate` refuses alike: a
+            // pipeline definition that would misread the state stored for it.
+            if refused > 0 {
+                return Err(Failure::usage(format!(
+                    "{}: `cairn run` would refuse {refused} pipeline definition(s) (above); \
+                     restore the old definition, or reset with `cairn run --reset-pipeline NAME`",
+                    cfg.source.display()
+                )));
             }
             Ok(())
         }
@@ -43,26 +53,33 @@ pub(crate) fn run(path: &Path) -> Result<(), Failure> {
 }
 
 /// What `validate` says about the data directory, when there is one: stored pipelines the
-/// config no longer names, and definitions a start would refuse. A report, not a problem:
-/// the config itself is valid, and `run --reset-pipeline` is the way on.
-fn data_dir_report(cfg: &Config) -> Vec<String> {
+/// config no longer names, and definitions a start would refuse (counted: those make
+/// `validate` fail as they make `run` fail, with exit 2). A data directory with the wrong
+/// owner or mode is reported only: it is the box's problem, not the config's.
+fn data_dir_report(cfg: &Config) -> (Vec<String>, usize) {
     if let Some(problem) = super::owner::data_dir_problem(&cfg.storage.data_dir) {
-        return vec![format!("data_dir: `cairn run` will refuse: {problem}")];
+        return (
+            vec![format!("data_dir: `cairn run` will refuse: {problem}")],
+            0,
+        );
     }
     let dir = cfg.store_dir();
     if !dir.join("db").exists() {
-        return Vec::new();
+        return (Vec::new(), 0);
     }
     let store = match Store::open(&dir, cfg.storage.cache_size, crate::fsio::real()) {
         Ok(s) => s,
         Err(crate::store::StoreError::Locked { .. }) => {
-            return vec![format!(
-                "data_dir: the agent holds the store at {}; its pipelines were not compared \
-                 (`cairn status` lists them)",
-                dir.display()
-            )];
+            return (
+                vec![format!(
+                    "data_dir: the agent holds the store at {}; its pipelines were not compared \
+                     (`cairn status` lists them)",
+                    dir.display()
+                )],
+                0,
+            );
         }
-        Err(e) => return vec![format!("data_dir: {e}")],
+        Err(e) => return (vec![format!("data_dir: {e}")], 0),
     };
     match crate::processor::audit(&store, &cfg.pipelines) {
         Ok((unconfigured, refusals)) => {
@@ -73,12 +90,13 @@ fn data_dir_report(cfg: &Config) -> Vec<String> {
                 .flatten()
                 .map(|u| format!("data_dir: {}", super::status::unconfigured_line(u)))
                 .collect();
+            let refused = refusals.len();
             for r in refusals {
                 lines.push(format!("data_dir: `cairn run` will refuse: {r}"));
             }
-            lines
+            (lines, refused)
         }
-        Err(e) => vec![format!("data_dir: {e}")],
+        Err(e) => (vec![format!("data_dir: {e}")], 0),
     }
 }
 

@@ -57,6 +57,8 @@ pub(crate) fn run(cfg: &Config, repair: bool, as_json: bool) -> Result<(), Failu
         ));
     }
     let store_line = check_store(cfg, &report, &mut problems, &mut notes);
+    // The progress line (on a terminal) goes before the result is printed.
+    crate::logging::progress::done();
     if as_json {
         println!(
             "{}",
@@ -116,7 +118,14 @@ fn check_store(
                         ));
                     }
                     let mut n = 0u64;
+                    let total = store.state_len() as u64;
                     for r in store.states(None) {
+                        crate::logging::progress::step(
+                            "reading the store's state",
+                            n,
+                            Some(total),
+                            crate::logging::progress::Unit::Entries,
+                        );
                         if let Err(e) = r {
                             problems.push(format!("store state: {e}"));
                             break;

@@ -26,7 +26,7 @@ impl Log {
             });
         }
         for (prev, from, to) in &findings.repaired_gaps {
-            log::warn!(
+            crate::event!(warn, "log_gap_acknowledged", offset = from;
                 "log: offsets {from}..{to} after {} were lost in an earlier repair (see {}/)",
                 prev.display(),
                 scan::DAMAGED_DIR
@@ -47,7 +47,7 @@ impl Log {
                 torn_records_dropped = damage.torn_records;
                 file.set_len(last.valid_end)
                     .map_err(io_err("truncate torn tail of", &last.path))?;
-                log::warn!(
+                crate::event!(warn, "log_torn_tail_dropped";
                     "log: dropped a torn tail of {torn_bytes_dropped} bytes ({torn_records_dropped} records) at byte {} of {} (offset {}): {}",
                     last.valid_end,
                     last.path.display(),

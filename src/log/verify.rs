@@ -101,11 +101,20 @@ pub struct RepairReport {
 }
 
 fn scan_dir(dir: &Path) -> Result<Vec<SegmentScan>, LogError> {
+    use crate::logging::progress::{Unit, step};
     let listed = scan::list_segments(dir).map_err(io_err("list log directory", dir))?;
-    listed
-        .iter()
-        .map(|(first, path)| scan::scan_segment(path, *first).map_err(io_err("scan segment", path)))
-        .collect()
+    // Progress for `cairn verify` on a terminal, segment by segment (by bytes).
+    let size = |p: &Path| std::fs::metadata(p).map_or(0, |m| m.len());
+    let total: u64 = listed.iter().map(|(_, p)| size(p)).sum();
+    let mut done = 0;
+    let mut out = Vec::with_capacity(listed.len());
+    for (first, path) in &listed {
+        step("reading the log", done, Some(total), Unit::Bytes);
+        out.push(scan::scan_segment(path, *first).map_err(io_err("scan segment", path))?);
+        done += size(path);
+    }
+    step("reading the log", total, Some(total), Unit::Bytes);
+    Ok(out)
 }
 
 fn corruption_report(scans: &[SegmentScan], p: &scan::Problem) -> CorruptionReport {
@@ -210,7 +219,7 @@ pub fn repair_dir(dir: &Path, sync: Durability) -> Result<RepairReport, LogError
                         new_active_segment = Some(create_empty_segment(dir, max + 1, &sync)?);
                     }
                 }
-                log::warn!(
+                crate::event!(warn, "log_segment_repaired";
                     "log repair: {} kept {} records ({} bytes); dropped {} valid records after the damage and {} unknown bytes; original moved to {}",
                     s.path.display(),
                     s.records,

@@ -43,7 +43,17 @@ mod status;
 
 pub use parse::{Sample, parse};
 pub use render::{Family, families, render, render_figures, text};
-pub use server::serve;
+pub use server::{serve, serve_local};
+
+/// The running agent's status socket in `data_dir`: `/metrics` and `/status.json` as on the
+/// `[metrics] listen` address, always on, for `cairn status` (issue 32). A unix socket rather
+/// than a loopback port on by default: it belongs to one data directory, so `status` reaches
+/// the agent of its own config even when two agents run on one box; it needs no port, which
+/// another local user could hold (issue 27); and who may read it is who may read the data
+/// directory, where a loopback port answers every local user.
+pub fn local_socket(data_dir: &std::path::Path) -> std::path::PathBuf {
+    data_dir.join("cairn.sock")
+}
 pub use status::{status, status_json};
 
 /// How often the agent recomputes gauges that cost a tree walk (outbox depth, store size).
@@ -152,6 +162,8 @@ pub struct Figures {
     pub log_commits: u64,
     pub log_commit: Histogram,
     pub log_size_bytes: u64,
+    /// `log.max_size`: at it, retention deletes processed segments, then input waits.
+    pub log_max_bytes: u64,
     pub log_segments: u64,
     pub log_first_offset: u64,
     pub log_next_offset: u64,
@@ -178,6 +190,8 @@ pub struct Figures {
     /// to empty it at the current net drain (`None` while it is not shrinking).
     pub outbox_bytes: u64,
     pub outbox_max_bytes: u64,
+    /// `outbox.max_entries`: at it, processing waits.
+    pub outbox_max_entries: u64,
     pub outbox_drain_rate: f64,
     pub outbox_drain_eta_seconds: Option<f64>,
     /// `None` without `[uplink]`.
@@ -210,6 +224,8 @@ pub struct Figures {
     pub metrics_listener_up: bool,
     /// Binds that failed since start.
     pub metrics_bind_failures: u64,
+    /// The process's resident memory (`/proc/self/statm`), at the last refresh.
+    pub resident_memory_bytes: u64,
     /// Sparkplug B sessions and the host (issue 31).
     pub sparkplug: SparkplugFigures,
 }
@@ -237,6 +253,8 @@ pub struct Metrics {
     /// (end outbox sequence, wall ms): entries below `end` were committed by `ms`.
     outbox_marks: Mutex<std::collections::VecDeque<(u64, u64)>>,
     server: Mutex<Option<SocketAddr>>,
+    /// The unix socket [`serve_local`] listens on.
+    local: Mutex<Option<std::path::PathBuf>>,
     stop: AtomicBool,
     /// The connections being served (at most [`MAX_HANDLERS`]).
     conns: Mutex<server::Conns>,
@@ -303,14 +321,34 @@ impl Metrics {
         *lock(&self.server)
     }
 
-    /// Stop the server thread (it exits after its current connection).
+    /// Stop the server threads (each exits after its current connection); the status socket
+    /// is removed, so `cairn status` does not try a socket nobody serves.
     pub(crate) fn stop_server(&self) {
         self.stop.store(true, Ordering::SeqCst);
         if let Some(addr) = self.server_addr() {
             // Wake the blocking accept; it sees the flag and returns.
             let _ = TcpStream::connect_timeout(&addr, Duration::from_millis(200));
         }
+        if let Some(path) = lock(&self.local).take() {
+            let _ = std::os::unix::net::UnixStream::connect(&path);
+            let _ = std::fs::remove_file(&path);
+        }
     }
+}
+
+/// The process's resident set in bytes, from `/proc/self/statm` (0 where there is none).
+pub fn resident_memory_bytes() -> u64 {
+    let Ok(statm) = std::fs::read_to_string("/proc/self/statm") else {
+        return 0;
+    };
+    let pages: u64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0);
+    // SAFETY: sysconf only reads a constant of the system.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    pages.saturating_mul(u64::try_from(page).unwrap_or(4096))
 }
 
 /// Bytes of the files in `dir` and its subdirectories (two levels: sled's `blobs/`).

@@ -308,6 +308,12 @@ fn log(o: &mut Out, f: &Figures) {
         f.log_size_bytes as f64,
     );
     o.one(
+        "cairn_log_max_bytes",
+        GAUGE,
+        "log.max_size: at it, processed segments go oldest first, and input waits (backpressure) if none can.",
+        f.log_max_bytes as f64,
+    );
+    o.one(
         "cairn_log_segments",
         GAUGE,
         "Replay log segment files.",
@@ -634,5 +640,11 @@ fn listener(o: &mut Out, f: &Figures) {
         COUNTER,
         "Binds of the metrics listener that failed (another process held the port).",
         f.metrics_bind_failures as f64,
+    );
+    o.one(
+        "cairn_resident_memory_bytes",
+        GAUGE,
+        "Resident memory of the agent process.",
+        f.resident_memory_bytes as f64,
     );
 }

@@ -41,6 +41,12 @@ pub(super) fn families(o: &mut Out, f: &Figures, now_ms: u64) {
         f.outbox_max_bytes as f64,
     );
     o.one(
+        "cairn_outbox_max_entries",
+        GAUGE,
+        "outbox.max_entries: at it, processing waits (input is still logged and acknowledged).",
+        f.outbox_max_entries as f64,
+    );
+    o.one(
         "cairn_outbox_drain_rate",
         GAUGE,
         "Results acknowledged by the broker per second, over the last 10 seconds.",

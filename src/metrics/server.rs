@@ -1,9 +1,13 @@
 //! The loopback HTTP/1.1 server for `/metrics` and `/status.json` (its bounds, the bind
-//! retry and the `Host` check are in the module docs of [`super`]).
+//! retry and the `Host` check are in the module docs of [`super`]), on the `[metrics]
+//! listen` address and on the data directory's unix socket ([`serve_local`]). Both feed one
+//! set of bounded connections and one handler.
 
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::thread::JoinHandle;
@@ -43,7 +47,7 @@ pub fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> io::Result<JoinHandle<(
                     None => return,
                 },
             };
-            accept_loop(listener, &metrics);
+            accept_loop(listener.incoming(), &metrics);
         })
 }
 
@@ -63,9 +67,9 @@ impl Binder {
                 *lock(&metrics.server) = Some(at);
                 metrics.update(|f| f.metrics_listener_up = true);
                 if self.failures == 0 {
-                    log::info!("metrics: serving http://{at}/metrics");
+                    crate::event!(info, "metrics_listening"; "metrics: serving http://{at}/metrics");
                 } else {
-                    log::warn!(
+                    crate::event!(warn, "metrics_listening";
                         "metrics: serving http://{at}/metrics, after {} failed attempts to bind",
                         self.failures
                     );
@@ -82,14 +86,14 @@ impl Binder {
                 {
                     self.warned_at = Some(now);
                     if self.failures == 1 {
-                        log::warn!(
+                        crate::event!(warn, "metrics_bind_failed";
                             "metrics: cannot listen on {addr}: {e}; the agent goes on without \
                              /metrics and tries again every {}s at most (does another process \
                              hold the port? `ss -ltnp`)",
                             BIND_RETRY_MAX.as_secs()
                         );
                     } else {
-                        log::warn!(
+                        crate::event!(warn, "metrics_bind_failed";
                             "metrics: still cannot listen on {addr} after {} attempts: {e}",
                             self.failures
                         );
@@ -120,8 +124,72 @@ impl Binder {
     }
 }
 
-fn accept_loop(listener: TcpListener, metrics: &Arc<Metrics>) {
-    for conn in listener.incoming() {
+/// Serve the same answers on a unix socket at `path` (the data directory's `cairn.sock`, see
+/// [`super::local_socket`]): `cairn status` finds the running agent there with no
+/// configuration. A socket left by an agent that was killed is replaced; anything else at
+/// the path is an error. The socket is `0600`, in a data directory that is `0700`: its owner
+/// (and root) may connect.
+///
+/// The caller must hold the data directory (the store's lock), so that the socket it
+/// replaces is never a running agent's.
+pub fn serve_local(path: &Path, metrics: Arc<Metrics>) -> io::Result<JoinHandle<()>> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path)?,
+        Ok(_) => {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!("{} exists and is not a socket", path.display()),
+            ));
+        }
+        Err(_) => {}
+    }
+    let listener = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    *lock(&metrics.local) = Some(path.to_path_buf());
+    std::thread::Builder::new()
+        .name("cairn-status-socket".into())
+        .spawn(move || accept_loop(listener.incoming(), &metrics))
+}
+
+/// A connection either listener accepted: what the handler needs of it.
+trait Client: Read + Write + Send + Sized + 'static {
+    fn set_read_timeout(&self, d: Option<Duration>) -> io::Result<()>;
+    fn set_write_timeout(&self, d: Option<Duration>) -> io::Result<()>;
+    /// A second handle on the same socket, to cut it from another thread.
+    fn cutter(&self) -> io::Result<Box<dyn Cut>>;
+}
+
+/// Cut a connection (both directions): its handler's next read or write fails at once.
+trait Cut: Send + std::fmt::Debug {
+    fn cut(&self);
+}
+
+macro_rules! client {
+    ($t:ty) => {
+        impl Client for $t {
+            fn set_read_timeout(&self, d: Option<Duration>) -> io::Result<()> {
+                <$t>::set_read_timeout(self, d)
+            }
+            fn set_write_timeout(&self, d: Option<Duration>) -> io::Result<()> {
+                <$t>::set_write_timeout(self, d)
+            }
+            fn cutter(&self) -> io::Result<Box<dyn Cut>> {
+                Ok(Box::new(self.try_clone()?))
+            }
+        }
+        impl Cut for $t {
+            fn cut(&self) {
+                let _ = self.shutdown(Shutdown::Both);
+            }
+        }
+    };
+}
+client!(TcpStream);
+client!(UnixStream);
+
+fn accept_loop<S: Client>(incoming: impl Iterator<Item = io::Result<S>>, metrics: &Arc<Metrics>) {
+    for conn in incoming {
         if metrics.stop.load(Ordering::SeqCst) {
             break;
         }
@@ -129,7 +197,7 @@ fn accept_loop(listener: TcpListener, metrics: &Arc<Metrics>) {
             Ok(stream) => dispatch(stream, metrics),
             Err(e) => {
                 // e.g. EMFILE: back off instead of spinning.
-                log::warn!("metrics: accept: {e}");
+                crate::event!(warn, "metrics_accept_failed"; "metrics: accept: {e}");
                 std::thread::sleep(Duration::from_millis(100));
             }
         }
@@ -149,18 +217,18 @@ struct Conn {
     /// Still waiting for its request head: an idle connection, which a newcomer may cut.
     waiting: bool,
     /// A handle on the same socket, to cut it from the accepting thread.
-    socket: TcpStream,
+    socket: Box<dyn Cut>,
 }
 
 impl Conns {
     /// A place for a connection whose socket `socket` is a handle on: its id, after cutting
     /// the oldest connection that has not sent its request yet if every place is taken; `None`
     /// when every place is answering a request.
-    fn admit(&mut self, socket: TcpStream) -> Option<u64> {
+    fn admit(&mut self, socket: Box<dyn Cut>) -> Option<u64> {
         if self.live.len() >= MAX_HANDLERS {
             let idle = self.live.iter().position(|c| c.waiting)?;
             let cut = self.live.remove(idle).expect("found above");
-            let _ = cut.socket.shutdown(Shutdown::Both);
+            cut.socket.cut();
         }
         let id = self.next_id;
         self.next_id += 1;
@@ -191,12 +259,12 @@ impl Conns {
 /// Give the connection a handler thread of its own, or answer 503 when every place is busy
 /// answering (or too many cut handlers have not ended yet), so the accepting thread never
 /// waits on a client.
-fn dispatch(stream: TcpStream, metrics: &Arc<Metrics>) {
+fn dispatch<S: Client>(stream: S, metrics: &Arc<Metrics>) {
     let deadline = Instant::now() + REQUEST_DEADLINE;
     let admitted = {
         let mut conns = lock(&metrics.conns);
         let threads = metrics.threads.load(Ordering::SeqCst);
-        match stream.try_clone() {
+        match stream.cutter() {
             Ok(handle) if threads < MAX_HANDLER_THREADS => conns.admit(handle).inspect(|_| {
                 metrics.threads.fetch_add(1, Ordering::SeqCst);
             }),
@@ -233,7 +301,7 @@ fn dispatch(stream: TcpStream, metrics: &Arc<Metrics>) {
     if let Err(e) = spawned {
         lock(&metrics.conns).finish(id);
         metrics.threads.fetch_sub(1, Ordering::SeqCst);
-        log::warn!("metrics: cannot start a handler thread: {e}");
+        crate::event!(warn, "metrics_handler_failed"; "metrics: cannot start a handler thread: {e}");
     }
 }
 
@@ -276,7 +344,12 @@ fn remaining(deadline: Instant) -> io::Result<Duration> {
     Ok(left)
 }
 
-fn handle(mut stream: TcpStream, metrics: &Metrics, deadline: Instant, id: u64) -> io::Result<()> {
+fn handle<S: Client>(
+    mut stream: S,
+    metrics: &Metrics,
+    deadline: Instant,
+    id: u64,
+) -> io::Result<()> {
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 1024];
     let head_end = loop {
@@ -363,8 +436,8 @@ fn handle(mut stream: TcpStream, metrics: &Metrics, deadline: Instant, id: u64) 
 
 /// Write the response by `deadline`: a client that reads slowly is cut like one that writes
 /// slowly.
-fn respond(
-    stream: &mut TcpStream,
+fn respond<S: Client>(
+    stream: &mut S,
     status: &str,
     ctype: &str,
     body: &str,
@@ -511,15 +584,45 @@ mod tests {
         t.join().unwrap();
     }
 
+    /// The data directory's socket answers as the port does; a dead agent's socket is
+    /// replaced, anything else at the path refused, and a stop removes the socket.
+    #[test]
+    fn the_status_socket_answers_replaces_a_dead_agents_socket_and_goes_at_stop() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cairn.sock");
+        std::fs::write(&path, "not a socket").unwrap();
+        let err = serve_local(&path, Metrics::new()).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::AlreadyExists, "{err}");
+        std::fs::remove_file(&path).unwrap();
+        // What a SIGKILLed agent leaves: a socket file nobody listens on.
+        drop(UnixListener::bind(&path).unwrap());
+        let m = Metrics::new();
+        m.update(|f| f.received = 9);
+        let t = serve_local(&path, m.clone()).unwrap();
+        let mut s = UnixStream::connect(&path).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        assert!(out.starts_with("HTTP/1.1 200 OK"), "{out}");
+        assert!(out.contains("\ncairn_received_total 9\n"), "{out}");
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        m.stop_server();
+        t.join().unwrap();
+        assert!(!path.exists());
+    }
+
     /// The 503 is left for a full house of connections being answered.
     #[test]
     fn a_newcomer_takes_the_place_of_the_oldest_idle_connection_never_of_one_being_answered() {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let mut clients = Vec::new();
-        let mut sockets = || {
+        let mut sockets = || -> Box<dyn Cut> {
             clients.push(TcpStream::connect(addr).unwrap());
-            listener.accept().unwrap().0
+            Box::new(listener.accept().unwrap().0)
         };
         let mut conns = Conns::default();
         let ids: Vec<u64> = (0..MAX_HANDLERS)

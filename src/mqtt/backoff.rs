@@ -21,7 +21,7 @@
 
 use std::time::{Duration, Instant};
 
-use log::{debug, error, warn};
+use log::debug;
 
 /// How long a connection must stay up before the next outage starts from the minimum delay.
 pub const STABLE_AFTER: Duration = Duration::from_secs(10);
@@ -156,7 +156,7 @@ impl Reconnects {
     pub(crate) fn failed(&mut self, reason: &str, up_for: Option<Duration>, refused: bool) -> bool {
         let endpoint = &self.endpoint;
         if let Some(up) = up_for {
-            warn!(
+            crate::event!(warn, "mqtt_connection_lost";
                 "lost connection to {endpoint} after {up:.1?} up: {reason}; reconnecting with \
                  backoff {:?}..{:?}{}",
                 self.backoff.min(),
@@ -175,9 +175,9 @@ impl Reconnects {
                     self.attempts
                 );
             } else if refused {
-                error!("{reason} ({endpoint}); retrying with backoff");
+                crate::event!(error, "mqtt_connect_failed"; "{reason} ({endpoint}); retrying with backoff");
             } else {
-                warn!("cannot connect to {endpoint}: {reason}; retrying with backoff");
+                crate::event!(warn, "mqtt_connect_failed"; "cannot connect to {endpoint}: {reason}; retrying with backoff");
             }
         }
         self.last_reason = Some(reason.to_owned());

@@ -606,7 +606,7 @@ impl Drop for Mqtt {
         if let Some(thread) = self.thread.take()
             && thread.join().is_err()
         {
-            log::error!("the MQTT thread panicked");
+            crate::event!(error, "mqtt_thread_panicked"; "the MQTT thread panicked");
         }
     }
 }

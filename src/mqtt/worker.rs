@@ -11,7 +11,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use log::{debug, error, info, warn};
+use log::debug;
 use rumqttc::{
     AsyncClient, ConnectReturnCode, ConnectionError, EventLoop, Outgoing, Packet, PubAck, PubRec,
     QoS, Request, SubscribeFilter, SubscribeReasonCode,
@@ -197,14 +197,16 @@ impl Worker {
                 let resolved = self.inner.lock().pubs.on_puback(ack.pkid);
                 match resolved {
                     Some(output_id) => self.emit(Event::PubAcked { output_id }),
-                    None => error!("PUBACK for packet id {} that names no publish", ack.pkid),
+                    None => {
+                        crate::event!(error, "mqtt_unknown_puback"; "PUBACK for packet id {} that names no publish", ack.pkid)
+                    }
                 }
             }
             rumqttc::Event::Incoming(Packet::SubAck(ack)) => match self.subs.acked(ack.pkid) {
                 Some(SubKind::Inputs) | None => {
                     for (filter, code) in self.filters.iter().zip(&ack.return_codes) {
                         if *code == SubscribeReasonCode::Failure {
-                            error!(
+                            crate::event!(error, "mqtt_subscription_refused";
                                 "broker {} refused the subscription {filter:?}",
                                 self.reconnects.endpoint()
                             );
@@ -230,7 +232,7 @@ impl Worker {
                     Sent::Bound(id) => debug!("packet id {pkid} is output {id}"),
                     Sent::Retransmit => debug!("packet id {pkid} retransmitted"),
                     Sent::Unexpected => {
-                        error!("PUBLISH with packet id {pkid} that we did not queue")
+                        crate::event!(error, "mqtt_unknown_publish_id"; "PUBLISH with packet id {pkid} that we did not queue")
                     }
                 }
             }
@@ -239,7 +241,7 @@ impl Worker {
                 q.channel_acks = q.channel_acks.saturating_sub(1);
             }
             rumqttc::Event::Outgoing(Outgoing::AwaitAck(pkid)) => {
-                warn!("broker acked out of order: publish waits for packet id {pkid}");
+                crate::event!(warn, "mqtt_ack_out_of_order"; "broker acked out of order: publish waits for packet id {pkid}");
                 self.inner.lock().pubs.on_await_ack(pkid);
             }
             _ => {}
@@ -268,7 +270,7 @@ impl Worker {
             }
         };
         if requeued > 0 {
-            warn!(
+            crate::event!(warn, "mqtt_session_lost";
                 "broker {} had no session for us: re-sending {requeued} unacknowledged publishes",
                 self.reconnects.endpoint()
             );
@@ -286,7 +288,7 @@ impl Worker {
             // rumqttc drained it when the previous connection failed.
             match self.client.try_subscribe_many(filters) {
                 Ok(()) => self.subs.asked(SubKind::Inputs),
-                Err(e) => error!(
+                Err(e) => crate::event!(error, "mqtt_subscribe_failed";
                     "cannot queue SUBSCRIBE to {}: {e}",
                     self.reconnects.endpoint()
                 ),
@@ -294,7 +296,7 @@ impl Worker {
         }
         self.watch_sys();
         let again = self.reconnects.up(Instant::now());
-        info!(
+        crate::event!(info, "mqtt_connected";
             "connected to {}{again} (session present: {session_present})",
             self.reconnects.endpoint()
         );
@@ -334,7 +336,7 @@ impl Worker {
         let filters =
             SysWatch::filters().map(|f| SubscribeFilter::new(f.to_owned(), QoS::AtMostOnce));
         if let Err(e) = self.client.try_subscribe_many(filters) {
-            error!(
+            crate::event!(error, "mqtt_subscribe_failed";
                 "cannot queue SUBSCRIBE to $SYS on {}: {e}",
                 self.reconnects.endpoint()
             );
@@ -385,7 +387,7 @@ impl Worker {
         self.inner.reconnect.store(false, Ordering::SeqCst);
         self.eventloop.clean();
         let up_for = self.connection_gone();
-        info!(
+        crate::event!(info, "mqtt_reconnect_for_redelivery";
             "dropped the connection to {} so that the broker re-sends what we have not \
              acknowledged; connecting again",
             self.reconnects.endpoint()
@@ -433,7 +435,7 @@ impl Worker {
             if let Some(at) = at {
                 pending.remove(at);
             }
-            info!(
+            crate::event!(info, "mqtt_publish_abandoned";
                 "{}: gave up output {} for good, as asked: it is not sent again",
                 self.reconnects.endpoint(),
                 crate::text::Shown(&id)
@@ -454,7 +456,7 @@ impl Worker {
             + usize::from(self.eventloop.state.collision.is_some());
         let ours = self.inner.lock().pubs.unbound_len();
         if in_rumqttc != ours {
-            error!("bug: {ours} publishes await a packet id, rumqttc holds {in_rumqttc}");
+            crate::event!(error, "mqtt_packet_id_mismatch"; "bug: {ours} publishes await a packet id, rumqttc holds {in_rumqttc}");
         }
     }
 
@@ -602,13 +604,13 @@ impl Worker {
             tokio::select! {
                 _ = &mut deadline => {
                     let endpoint = self.reconnects.endpoint();
-                    warn!("DISCONNECT to {endpoint} not written within {DISCONNECT_GRACE:?}");
+                    crate::event!(warn, "mqtt_disconnect_not_written"; "DISCONNECT to {endpoint} not written within {DISCONNECT_GRACE:?}");
                     return;
                 }
                 polled = self.eventloop.poll() => match polled {
                     Ok(rumqttc::Event::Outgoing(Outgoing::Disconnect)) => {
                         self.linger().await;
-                        info!("disconnected from {}", self.reconnects.endpoint());
+                        crate::event!(info, "mqtt_disconnected"; "disconnected from {}", self.reconnects.endpoint());
                         return;
                     }
                     Ok(rumqttc::Event::Incoming(Packet::PubAck(ack))) => {

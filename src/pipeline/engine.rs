@@ -985,6 +985,12 @@ impl Engine {
         &self.batch.outputs
     }
 
+    /// Dead letters made since the last checkpoint, in log order: the journal names each
+    /// one's pipeline and reason (`CAIRN_PIPELINE`, `CAIRN_REASON`) from here.
+    pub fn pending_dead_letters(&self) -> &[crate::model::DeadLetter] {
+        &self.batch.dead_letters
+    }
+
     /// Results the outbox will receive with the next checkpoint, at most: the outputs
     /// emitted since the last one, and one per (pipeline, key) an upsert touched since the
     /// last flush (see [`Engine::flush_upserts`]). What a full outbox's bound counts.

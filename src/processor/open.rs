@@ -111,7 +111,7 @@ impl Processor {
         })?;
         proc.set_quarantine(quarantine)?;
         if let Some(q) = proc.quarantine().filter(|q| !q.is_empty()) {
-            log::warn!(
+            crate::event!(warn, "quarantine_retrying";
                 "recovery: {} names log records whose processing panicked before; each is \
                  retried up to {} times, then set aside as a dead letter with reason `internal`",
                 q.path().display(),

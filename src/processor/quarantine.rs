@@ -102,7 +102,7 @@ impl Quarantine {
                 let aside = data_dir.join(format!("{FILE_NAME}.unreadable"));
                 std::fs::rename(&q.path, &aside)?;
                 q.sync.sync_dir(data_dir)?;
-                log::warn!(
+                crate::event!(warn, "quarantine_file_unreadable";
                     "quarantine: {} is unreadable ({why}); moved it to {}. Records it named \
                      get their {MAX_ATTEMPTS} attempts again",
                     q.path.display(),

@@ -203,7 +203,7 @@ impl Processor {
         let pp = &self.engine.progress().pipelines[p];
         let first = log.first_offset();
         if let Some(b) = pp.backfill.filter(|b| b.next > 0 && b.next < first) {
-            log::warn!(
+            crate::event!(warn, "backfill_records_gone", pipeline = pp.name;
                 "pipeline `{}`: the log no longer holds records [{}, {first}) of its backfill \
                  (a savepoint restored, or `cairn verify --repair`); it goes on from offset \
                  {first}",
@@ -223,7 +223,7 @@ impl Processor {
     ) -> Result<CatchUp, ProcessError> {
         let (taken, end) = self.read_slice(log, Lane::Live, max, &mut |_| None, outcome)?;
         if end == End::Short {
-            log::warn!(
+            crate::event!(warn, "processing_log_short";
                 "processing: the log ends at offset {} although its durable end is {}; going \
                  on from there",
                 self.next_offset(),
@@ -259,7 +259,7 @@ impl Processor {
         if joined {
             self.engine.finish_backfill(p);
             self.readers.drop_backfill();
-            log::info!(
+            crate::event!(info, "backfill_done", pipeline = name;
                 "pipeline `{name}`: backfill done; it processes live records from log offset \
                  {live} on"
             );

@@ -245,7 +245,7 @@ impl Store {
         }
         for name in unknown {
             if mem.warned_windows.insert(name.clone()) {
-                log::warn!(
+                crate::event!(warn, "ledger_window_unknown", pipeline = name;
                     "store: pipeline {} is not configured and its dedup window was never \
                      recorded (a store from an older cairn): its dedup ledger is kept until it \
                      is configured again or dropped with `cairn run --reset-pipeline {}`",
@@ -312,7 +312,7 @@ impl Store {
         }
         let full = mem.ledgers.unindexed_chunks() > 0;
         if mem.ledgers.add_chunks(&lw.added, bound) == Added::Unindexed && !full {
-            log::warn!(
+            crate::event!(warn, "ledger_index_full";
                 "store: the dedup ledger index reached storage.ledger_index_max ({bound} \
                  bytes): new ledger chunks are not indexed, and every lookup reads them \
                  (exact, but slower); raise the bound or shorten dedup_window"
@@ -427,7 +427,7 @@ impl Store {
                 break;
             }
             if mem.ledgers.unindexed_chunks() == 0 {
-                log::info!(
+                crate::event!(info, "ledger_index_ok";
                     "store: the dedup ledger index is within storage.ledger_index_max again"
                 );
             }

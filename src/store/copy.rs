@@ -50,7 +50,7 @@ impl Drop for StoreCopy {
     fn drop(&mut self) {
         drop(self.store.take());
         if let Err(e) = fs::remove_dir_all(&self.copy) {
-            log::warn!(
+            crate::event!(warn, "inspect_copy_not_removed";
                 "store: cannot remove the copy at {}: {e}",
                 self.copy.display()
             );
@@ -85,20 +85,83 @@ fn lock_shared(path: &Path, dir: &Path) -> Result<fs::File, StoreError> {
     }
 }
 
-fn copy_dir(from: &Path, to: &Path) -> Result<(), StoreError> {
+/// Bytes copied so far and in all, for the progress of `cairn inspect` on a terminal.
+struct Copied {
+    done: u64,
+    total: u64,
+}
+
+/// Copied in chunks of this size (each in the kernel, as `fs::copy` does), so that a store
+/// of one large `db` file still shows progress.
+const COPY_CHUNK: u64 = 16 << 20;
+
+fn copy_dir(from: &Path, to: &Path, copied: &mut Copied) -> Result<(), StoreError> {
     for entry in fs::read_dir(from).map_err(io_err(from))? {
         let entry = entry.map_err(io_err(from))?;
         let (src, name) = (entry.path(), entry.file_name());
         let dst = to.join(&name);
         let kind = entry.file_type().map_err(io_err(&src))?;
         if kind.is_dir() {
-            fs::create_dir(&dst).map_err(io_err(&dst))?;
-            copy_dir(&src, &dst)?;
+            fs::create_dir(&dst).map_err(|e| tmp_err(&dst, e))?;
+            copy_dir(&src, &dst, copied)?;
         } else if kind.is_file() && !name.to_string_lossy().ends_with(".generating") {
-            fs::copy(&src, &dst).map_err(io_err(&src))?;
+            copy_file(&src, &dst, copied)?;
         }
     }
     Ok(())
+}
+
+/// An error making the copy: it names `$TMPDIR`, where the copy goes, and what to do (an
+/// unusable or full `$TMPDIR` was not named before, issue 32).
+fn tmp_err(path: &Path, e: std::io::Error) -> StoreError {
+    let tmp = std::env::temp_dir();
+    StoreError::Io {
+        path: path.to_path_buf(),
+        source: std::io::Error::new(
+            e.kind(),
+            format!(
+                "{e}. `cairn inspect` reads the store from a copy in $TMPDIR ({}): point \
+                 TMPDIR at a writable directory with room for a copy of the store",
+                tmp.display()
+            ),
+        ),
+    }
+}
+
+/// Bytes of the files below `dir` (what [`copy_dir`] will copy, give or take a snapshot
+/// being generated); unreadable entries count as 0: it only sizes a progress line.
+fn size_of(dir: &Path) -> u64 {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => size_of(&e.path()),
+            Ok(t) if t.is_file() => e.metadata().map_or(0, |m| m.len()),
+            _ => 0,
+        })
+        .sum()
+}
+
+fn copy_file(src: &Path, dst: &Path, copied: &mut Copied) -> Result<(), StoreError> {
+    use std::io::Read;
+    let from = fs::File::open(src).map_err(io_err(src))?;
+    let mut to = fs::File::create(dst).map_err(|e| tmp_err(dst, e))?;
+    loop {
+        crate::logging::progress::step(
+            "copying the store to read it",
+            copied.done,
+            Some(copied.total),
+            crate::logging::progress::Unit::Bytes,
+        );
+        let n =
+            std::io::copy(&mut (&from).take(COPY_CHUNK), &mut to).map_err(|e| tmp_err(dst, e))?;
+        if n == 0 {
+            return Ok(());
+        }
+        copied.done += n;
+    }
 }
 
 impl Store {
@@ -113,9 +176,10 @@ impl Store {
         fs::DirBuilder::new()
             .mode(0o700)
             .create(&copy)
-            .map_err(io_err(&copy))?;
+            .map_err(|e| tmp_err(&copy, e))?;
         let mut guard = StoreCopy { store: None, copy };
-        copy_dir(dir, &guard.copy)?;
+        let total = size_of(dir);
+        copy_dir(dir, &guard.copy, &mut Copied { done: 0, total })?;
         drop(lock);
         let store = Store::open_with(
             &guard.copy,

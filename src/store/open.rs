@@ -30,7 +30,7 @@ impl Store {
             let name = entry.file_name();
             let name = name.to_string_lossy();
             if name.starts_with("snap.") && name.ends_with(".generating") {
-                log::warn!("store: removing incomplete sled snapshot {name}");
+                crate::event!(warn, "store_snapshot_removed"; "store: removing incomplete sled snapshot {name}");
                 fs::remove_file(entry.path()).map_err(io_err(&entry.path()))?;
             }
         }
@@ -118,7 +118,7 @@ impl Store {
         mem.ledgers.add_chunks(&batch, bound);
         let unindexed = mem.ledgers.unindexed_chunks();
         if unindexed > 0 {
-            log::warn!(
+            crate::event!(warn, "ledger_index_full";
                 "store: the dedup ledger index is at storage.ledger_index_max ({bound} bytes): \
                  {unindexed} chunks are not indexed, and every lookup reads them (exact, but \
                  slower); raise the bound or shorten dedup_window"
@@ -188,7 +188,7 @@ impl Store {
 fn create(dir: &Path, cache_bytes: u64, sync: &Durability) -> Result<(), StoreError> {
     let tmp = dir.with_extension("creating");
     if tmp.exists() {
-        log::warn!(
+        crate::event!(warn, "store_incomplete_removed";
             "store: removing {}, left by an interrupted creation",
             tmp.display()
         );

@@ -397,7 +397,7 @@ fn remove_stale_temp_files(dir: &Path) -> Result<(), StoreError> {
         let name = entry.file_name();
         let name = name.to_string_lossy();
         if name.starts_with(TMP_PREFIX) && name.ends_with(".tmp") {
-            log::warn!(
+            crate::event!(warn, "savepoint_incomplete_removed";
                 "savepoint: removing an incomplete savepoint {}",
                 Shown(&name)
             );
@@ -443,6 +443,12 @@ pub fn verify_savepoint(file: &Path) -> Result<SavepointInfo, StoreError> {
     let mut buf = vec![0u8; 1 << 16];
     let mut tail = [0u8; 8];
     while left > 0 {
+        crate::logging::progress::step(
+            "checking the savepoint",
+            covered - left,
+            Some(covered),
+            crate::logging::progress::Unit::Bytes,
+        );
         let n = (left as usize).min(buf.len());
         r.read_exact(&mut buf[..n]).map_err(io_err(file))?;
         crc.update(&buf[..n]);
@@ -483,7 +489,7 @@ pub fn list_savepoints(dir: &Path) -> Result<Vec<SavepointInfo>, StoreError> {
         }
         match read_savepoint_header(&entry.path()) {
             Ok(info) => out.push(info),
-            Err(e) => log::warn!(
+            Err(e) => crate::event!(warn, "savepoint_skipped";
                 "savepoint: skipping {}: {}",
                 Shown(&entry.path().display().to_string()),
                 Shown(&e.to_string())
@@ -533,13 +539,15 @@ pub(crate) fn restore_savepoint(
         match Store::open(store_dir, cache_bytes, sync.clone()) {
             Ok(store) => drop(store),
             Err(e @ StoreError::Locked { .. }) => return Err(e),
-            Err(e) => log::warn!("restore: the current store does not open ({e})"),
+            Err(e) => {
+                crate::event!(warn, "restore_store_unopenable"; "restore: the current store does not open ({e})")
+            }
         }
     }
     let restoring = sibling(store_dir, ".restoring");
     if restoring.exists() {
         // Left by an interrupted restore; never a live store (only this step creates it).
-        log::warn!(
+        crate::event!(warn, "restore_incomplete_removed";
             "restore: removing the incomplete {} of an earlier restore",
             restoring.display()
         );
@@ -556,7 +564,7 @@ pub(crate) fn restore_savepoint(
             .find(|p| !p.exists())
             .expect("a free .old-<n> name");
         fs::rename(store_dir, &old).map_err(io_err(store_dir))?;
-        log::info!(
+        crate::event!(info, "restore_store_moved_aside";
             "restore: moved the previous store aside to {}",
             old.display()
         );
@@ -597,6 +605,12 @@ fn build_store(
     let body_end = info.bytes - TRAILER_LEN;
     let mut pos = HEADER_LEN as u64;
     while pos < body_end {
+        crate::logging::progress::step(
+            "building the store",
+            entries,
+            Some(info.entries),
+            crate::logging::progress::Unit::Entries,
+        );
         let mut fixed = [0u8; 9];
         read(&mut fixed, &mut crc)?;
         let tree = fixed[0] as usize;

@@ -69,6 +69,12 @@ pub(crate) fn check_savepoint(file: &Path) -> Result<SavepointInfo, StoreError> 
     let mut meta = Meta::default();
     let (mut key, mut value, mut prev) = (Vec::new(), Vec::new(), None::<(usize, Vec<u8>)>);
     while pos < body_end {
+        crate::logging::progress::step(
+            "checking every entry of the savepoint",
+            pos,
+            Some(body_end),
+            crate::logging::progress::Unit::Bytes,
+        );
         let at = pos;
         let bad = |what: String| corrupt(file, format!("entry {entries} (byte {at}): {what}"));
         let mut fixed = [0u8; 9];

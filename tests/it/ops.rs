@@ -361,6 +361,11 @@ fn ops_agent(cfg: &AgentConfig) -> CairnProcess {
     ] {
         agent.remove_env(key);
     }
+    // No native journal: these tests read what a journal stream gets (on a box where
+    // journald runs, a JOURNAL_STREAM test would otherwise log natively; tests/it/journal.rs
+    // covers that way).
+    let no_journal = agent.dir().join("no-journal-socket");
+    agent.set_env("CAIRN_JOURNAL_SOCKET", &no_journal.to_string_lossy());
     agent.set_log_filter(Some("info"));
     agent
 }
@@ -691,7 +696,7 @@ fn dpkg_deb(args: &[&str], deb: &Path) -> String {
 }
 
 #[test]
-fn cargo_deb_packages_the_binary_the_unit_the_conffile_and_the_mosquitto_snippet() {
+fn cargo_deb_packages_the_binary_unit_conffile_snippet_man_pages_completions_docs_and_monitoring() {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     // Checked here, first, so that a box without it gets the fix in the failure message
     // instead of an error from deep inside the packaging.
@@ -797,6 +802,53 @@ fn cargo_deb_packages_the_binary_the_unit_the_conffile_and_the_mosquitto_snippet
     .find(|u| root.join(u).exists())
     .unwrap();
     same(unit, "systemd/cairn.service");
+    // Man pages (gzipped by cargo-deb), completions and docs, as generated and committed.
+    for page in std::fs::read_dir(repo().join("dist/man")).unwrap() {
+        let page = page.unwrap().file_name().to_string_lossy().to_string();
+        let gz = root.join(format!("usr/share/man/man1/{page}.gz"));
+        let out = Command::new("gzip").arg("-dc").arg(&gz).output().unwrap();
+        assert!(out.status.success(), "no man page {page}.gz:\n{listing}");
+        assert_eq!(
+            out.stdout,
+            std::fs::read(repo().join("dist/man").join(&page)).unwrap(),
+            "{page}"
+        );
+    }
+    assert!(
+        has(" ./usr/share/man/man1/cairn-inspect-log.1.gz"),
+        "{listing}"
+    );
+    same(
+        "usr/share/bash-completion/completions/cairn",
+        "dist/completions/cairn.bash",
+    );
+    same(
+        "usr/share/zsh/vendor-completions/_cairn",
+        "dist/completions/_cairn",
+    );
+    same(
+        "usr/share/fish/vendor_completions.d/cairn.fish",
+        "dist/completions/cairn.fish",
+    );
+    same(
+        "usr/share/cairn/prometheus/cairn.rules.yml",
+        "monitoring/cairn.rules.yml",
+    );
+    same(
+        "usr/share/cairn/prometheus/cairn.rules.test.yml",
+        "monitoring/cairn.rules.test.yml",
+    );
+    same(
+        "usr/share/cairn/grafana/cairn.dashboard.json",
+        "monitoring/cairn.dashboard.json",
+    );
+    for doc in std::fs::read_dir(repo().join("docs")).unwrap() {
+        let doc = doc.unwrap().file_name().to_string_lossy().to_string();
+        same(
+            &format!("usr/share/doc/cairn/docs/{doc}"),
+            &format!("docs/{doc}"),
+        );
+    }
     let version = Command::new(root.join("usr/bin/cairn"))
         .arg("--version")
         .output()

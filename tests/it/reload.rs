@@ -149,7 +149,8 @@ fn a_changed_pipeline_is_refused_until_it_is_named_for_reset() {
     // sum -> max would misread the stored sum: refused, saying what to do.
     run.rewrite_config(&config(broker.port(), &id, "", "max"));
     run.start();
-    assert_eq!(wait(&mut run), 1, "a changed pipeline must be refused");
+    // Exit 2: a config error, as `validate` says of the same config (issue 32).
+    assert_eq!(wait(&mut run), 2, "a changed pipeline must be refused");
     let log = run.stderr();
     assert!(
         log.contains("pipeline `balances` changed") && log.contains("--reset-pipeline balances"),

@@ -421,3 +421,70 @@ fn status_escapes_terminal_control_codes_from_the_metrics_endpoint() {
     let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
     assert_eq!(v["note"], hostile, "JSON keeps the exact text");
 }
+
+/// Issue 32: with the shipped example config (no `[metrics]`), `cairn status` shows the
+/// running agent's figures, read from the data directory's socket, with sizes as people
+/// read them; once the agent stops, the socket is gone and the data directory speaks.
+#[test]
+fn status_shows_a_running_agents_figures_with_the_shipped_config_and_sizes_people_read() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let shipped =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("config/cairn.toml"))
+            .unwrap();
+    assert!(
+        !shipped.contains("\n[metrics]"),
+        "the example enables no listener"
+    );
+    let data = dir.path().join("data");
+    let text = shipped
+        .replace("port = 1883", &format!("port = {}", broker.port()))
+        .replace(
+            "data_dir = \"./data\"",
+            &format!("data_dir = \"{}\"", data.display()),
+        )
+        .replace("cairn-edge-1", &unique_id("status-shipped"));
+    let config = dir.path().join("cairn.toml");
+    std::fs::write(&config, text).unwrap();
+    let mut agent = std::process::Command::new(env!("CARGO_BIN_EXE_cairn"))
+        .args(["run", "--config"])
+        .arg(&config)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let socket = data.join("cairn.sock");
+    let mut online = serde_json::Value::Null;
+    let up = wait_until(Duration::from_secs(20), || {
+        socket.exists() && {
+            online = status_json(&config, &[]);
+            online["source"] == "agent" && online["connected"] == 1
+        }
+    });
+    let human = cairn(&config, &["status"]);
+    let human = String::from_utf8_lossy(&human.stdout).to_string();
+    crate::support::signal(agent.id(), "TERM");
+    let code = agent.wait().unwrap();
+    assert!(up, "no figures from the running agent: {online}");
+    assert_eq!(online["metrics_address"], socket.display().to_string());
+    assert_eq!(online["pipelines"][0]["name"], "balances", "{online}");
+    assert!(
+        human.contains(&format!(
+            "agent       running (status from {})",
+            socket.display()
+        )),
+        "{human}"
+    );
+    assert!(
+        human.contains("queue       0 results, 0 B of 1 GiB"),
+        "{human}"
+    );
+    assert!(
+        !human.contains("bytes"),
+        "sizes in units, not bytes: {human}"
+    );
+    assert_eq!(code.code(), Some(0));
+    assert!(!socket.exists(), "a clean stop removes the socket");
+    let offline = status_json(&config, &[]);
+    assert_eq!(offline["source"], "data_dir", "{offline}");
+    assert_eq!(offline["agent_running"], false);
+}

@@ -102,8 +102,8 @@ impl Keeper {
         reserve: u64,
     ) {
         self.disk_wait.get_or_insert(now);
-        self.disk_log.warn(now, "checkpoint waits", "times", || {
-            format!(
+        self.disk_log.warn(now, "checkpoint_waits_for_disk", "checkpoint waits", "times", || {
+            crate::event!(warn, "checkpoint_waits_for_disk";
                 "checkpoint waits: the disk is nearly full ({free} bytes free under {}, below \
                  the reserve of {reserve} bytes): processing waits too, and input is held back, \
                  until there is room; nothing is lost (it is in the log)",
@@ -115,7 +115,7 @@ impl Keeper {
     /// A checkpoint found room again.
     pub(crate) fn disk_room(&mut self, now: Instant) {
         if let Some(since) = self.disk_wait.take() {
-            log::info!(
+            crate::event!(info, "checkpoint_disk_room_again";
                 "checkpoint: the disk has room again; checkpoints resume ({:.1} s after they \
                  began to wait)",
                 now.saturating_duration_since(since).as_secs_f64()
@@ -165,15 +165,21 @@ impl Keeper {
         if plan.evicted > 0 {
             metrics.update(|f| f.log_segments_evicted += plan.evicted as u64);
             let max_size = cfg.log.max_size;
-            self.eviction_log.warn(now, "retention", "evictions", || {
-                format!(
-                    "retention: the log is short of room (log.max_size {max_size} bytes): \
-                     deleted {} processed segment(s) still inside log.retention, up to \
-                     offset {}. Nothing is lost (all of it is checkpointed); raise \
-                     log.max_size to keep more history",
-                    plan.evicted, plan.below
-                )
-            });
+            self.eviction_log.warn(
+                now,
+                "log_segments_evicted",
+                "retention",
+                "evictions",
+                || {
+                    crate::event!(warn, "log_segments_evicted", offset = plan.below;
+                        "retention: the log is short of room (log.max_size {max_size} bytes): \
+                         deleted {} processed segment(s) still inside log.retention, up to \
+                         offset {}. Nothing is lost (all of it is checkpointed); raise \
+                         log.max_size to keep more history",
+                        plan.evicted, plan.below
+                    )
+                },
+            );
         }
         Ok(())
     }
@@ -192,7 +198,7 @@ impl Keeper {
             return;
         }
         self.backfill_held_reported = Some(now);
-        log::warn!(
+        crate::event!(warn, "retention_held_by_backfill", offset = floor;
             "retention: the log is short of room (log.max_size {} bytes), but a backfill still \
              needs it from offset {floor} on, so those segments stay: input is held back \
              (backpressure) until the backfill has moved past the oldest ones",
@@ -219,7 +225,7 @@ impl Keeper {
         let written = store.write_savepoint_with(&dir, &self.sync, beat);
         match &written {
             Ok(sp) => {
-                log::info!(
+                crate::event!(info, "savepoint_written";
                     "savepoint: checkpoint {} at offset {} ({} bytes) in {} ms",
                     sp.checkpoint_id,
                     sp.next_offset,
@@ -229,15 +235,17 @@ impl Keeper {
                 metrics.update(|f| f.savepoints += 1);
                 self.schedule.savepoint_written(sp.clone());
                 if let Err(e) = crate::store::prune_savepoints(&dir, keep) {
-                    log::error!("savepoint: cannot prune {} to {keep}: {e}", dir.display());
+                    crate::event!(error, "savepoint_prune_failed"; "savepoint: cannot prune {} to {keep}: {e}", dir.display());
                 }
                 match crate::store::list_savepoints(&dir) {
                     Ok(all) => note_savepoint_files(metrics, &all),
-                    Err(e) => log::warn!("savepoint: cannot list {}: {e}", dir.display()),
+                    Err(e) => {
+                        crate::event!(warn, "savepoint_list_failed"; "savepoint: cannot list {}: {e}", dir.display())
+                    }
                 }
             }
             Err(e) => {
-                log::error!("savepoint: failed: {e}");
+                crate::event!(error, "savepoint_failed"; "savepoint: failed: {e}");
                 metrics.update(|f| f.savepoint_failures += 1);
             }
         }
@@ -259,7 +267,7 @@ impl Keeper {
         let held = self.schedule.savepoint_floor();
         match self.take_savepoint(store, cfg, metrics, now, beat) {
             Ok(sp) => {
-                log::warn!(
+                crate::event!(warn, "savepoint_for_room";
                     "savepoint: the one at offset {held} held a replay log short of room; took \
                      a new one at offset {} so older segments can go (size log.max_size to \
                      hold a savepoint interval of input to avoid these)",
@@ -268,7 +276,7 @@ impl Keeper {
                 metrics.update(|f| f.savepoints_for_room += 1);
             }
             Err(_) => {
-                log::error!(
+                crate::event!(error, "savepoint_floor_released";
                     "savepoint: the one at offset {held} holds a replay log short of room and \
                      a new one could not be written (see above): deleting processed segments \
                      below it anyway. It can no longer be restored; until a savepoint succeeds \
@@ -286,7 +294,7 @@ impl Keeper {
         self.schedule
             .reschedule(cfg.savepoint.interval, wall_ms, now);
         match cfg.savepoint.interval {
-            Some(every) => log::info!(
+            Some(every) => crate::event!(info, "reload_savepoints";
                 "reload: savepoints every {every:?}, keep {}; the next is due in {:?} (taken \
                  at the first checkpoint after that)",
                 cfg.savepoint.keep,
@@ -295,7 +303,7 @@ impl Keeper {
                     .map(|t| t.saturating_duration_since(now))
                     .unwrap_or_default()
             ),
-            None => log::info!("reload: periodic savepoints off"),
+            None => crate::event!(info, "reload_savepoints"; "reload: periodic savepoints off"),
         }
     }
 }

@@ -198,6 +198,7 @@ impl Results {
         metrics.update(|f| {
             f.outbox_bytes = bytes;
             f.outbox_max_bytes = max;
+            f.outbox_max_entries = cfg.max_entries;
             f.outbox_drain_rate = rate;
             f.outbox_drain_eta_seconds = eta;
             f.uplink = up;

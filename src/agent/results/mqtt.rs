@@ -257,7 +257,7 @@ impl MqttSink {
                     self.cursor.sent(out.id, seq);
                     counts.published += 1;
                     if fresh && counts.published_early == 0 {
-                        log::info!(
+                        crate::event!(info, "results_leave_early";
                             "publish: results now leave before their checkpoint (first: {})",
                             counts.published
                         );
@@ -317,7 +317,7 @@ impl MqttSink {
             | Event::PubRefused { .. }
             | Event::TooLarge { .. } => {}
             Event::Connected { session_present } => {
-                log::info!(
+                crate::event!(info, "uplink_connected";
                     "uplink: connected to {} (session present: {session_present}); {entries} \
                      results waiting in the outbox",
                     u.endpoint
@@ -325,7 +325,7 @@ impl MqttSink {
                 if let Some(Change::Draining { entries }) =
                     u.link.connected(wall, now, entries, window)
                 {
-                    log::info!(
+                    crate::event!(info, "uplink_backlog_draining";
                         "uplink: backlog draining: {entries} results, {bytes} bytes, in order"
                     );
                 }
@@ -333,21 +333,21 @@ impl MqttSink {
             }
             Event::Disconnected { reason, .. } => {
                 if u.link.lost(wall) {
-                    log::warn!(
+                    crate::event!(warn, "uplink_lost";
                         "uplink: lost {}: {reason}; results wait in the outbox ({entries} now, \
                          up to outbox.max_size {} bytes)",
                         u.endpoint,
                         cfg.max_size
                     );
                 } else {
-                    log::warn!("uplink: cannot connect to {}: {reason}", u.endpoint);
+                    crate::event!(warn, "uplink_connect_failed"; "uplink: cannot connect to {}: {reason}", u.endpoint);
                 }
                 self.cursor.disconnected();
             }
             Event::Message(m) => {
                 // No subscriptions are made on the uplink; a session kept from a config
                 // that had some may still deliver. Acknowledge and drop it.
-                log::warn!(
+                crate::event!(warn, "uplink_unexpected_message";
                     "uplink: dropped a message on `{}`: the uplink's session {} has a \
                      subscription it should not have",
                     crate::text::Shown(&m.topic),
@@ -372,7 +372,7 @@ impl MqttSink {
             return (0.0, None, None);
         };
         if let Some(Change::Drained { took, from }) = u.link.observe(now, entries, acked, window) {
-            log::info!(
+            crate::event!(info, "uplink_backlog_drained";
                 "uplink: backlog drained: {from} results in {:.1}s",
                 took.as_secs_f64()
             );

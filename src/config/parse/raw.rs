@@ -199,7 +199,9 @@ impl Units for DurationUnits {
 pub(super) struct SizeUnits;
 impl Units for SizeUnits {
     const WHAT: &'static str = "size";
-    const EXAMPLE_UNIT: &'static str = "MiB";
+    // A bare number reads as bytes: `cache_size = 1000000` is hinted "1000000B", not
+    // "1000000MiB" (about a terabyte, issue 32).
+    const EXAMPLE_UNIT: &'static str = "B";
     const UNITS: &'static str = units::SIZE_UNITS;
 }
 

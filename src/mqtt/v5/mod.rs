@@ -309,7 +309,7 @@ impl Drop for Mqtt5 {
         if let Some(thread) = self.thread.take()
             && thread.join().is_err()
         {
-            log::error!("the MQTT 5 thread panicked");
+            crate::event!(error, "mqtt_thread_panicked"; "the MQTT 5 thread panicked");
         }
     }
 }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use log::{debug, error, info, warn};
+use log::debug;
 use rumqttc::Outgoing;
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::mqttbytes::v5::{ConnAck, ConnectReturnCode, Packet};
@@ -111,7 +111,7 @@ impl Worker {
             V5Event::Incoming(Packet::PubAck(ack)) => {
                 let resolved = self.inner.lock().pubs.on_puback(ack.pkid);
                 let Some(output_id) = resolved else {
-                    error!("PUBACK for packet id {} that names no publish", ack.pkid);
+                    crate::event!(error, "mqtt_unknown_puback"; "PUBACK for packet id {} that names no publish", ack.pkid);
                     return;
                 };
                 let (code, reason, delivered) = puback_reason(ack.reason);
@@ -134,7 +134,7 @@ impl Worker {
             }
             V5Event::Incoming(Packet::Publish(p)) => {
                 // No subscriptions and no session: nothing should come. rumqttc acks it.
-                warn!(
+                crate::event!(warn, "mqtt_unexpected_message";
                     "{} sent a message on `{}` to a publish-only connection; dropped",
                     self.reconnects.endpoint(),
                     crate::text::Shown(&String::from_utf8_lossy(&p.topic))
@@ -146,12 +146,12 @@ impl Worker {
                     Sent::Bound(id) => debug!("packet id {pkid} is output {id}"),
                     Sent::Retransmit => debug!("packet id {pkid} retransmitted"),
                     Sent::Unexpected => {
-                        error!("PUBLISH with packet id {pkid} that we did not queue")
+                        crate::event!(error, "mqtt_unknown_publish_id"; "PUBLISH with packet id {pkid} that we did not queue")
                     }
                 }
             }
             V5Event::Outgoing(Outgoing::AwaitAck(pkid)) => {
-                warn!("broker acked out of order: publish waits for packet id {pkid}");
+                crate::event!(warn, "mqtt_ack_out_of_order"; "broker acked out of order: publish waits for packet id {pkid}");
                 self.inner.lock().pubs.on_await_ack(pkid);
             }
             _ => {}
@@ -186,7 +186,7 @@ impl Worker {
                 // Everything is queued again: what the caller gave up goes now.
                 for id in std::mem::take(&mut q.abandoned) {
                     if q.pubs.remove_queued(&id) {
-                        info!(
+                        crate::event!(info, "mqtt_publish_abandoned";
                             "gave up output {} for good, as asked",
                             crate::text::Shown(&id)
                         );
@@ -197,7 +197,7 @@ impl Worker {
         };
         self.connected = true;
         let again = self.reconnects.up(Instant::now());
-        info!(
+        crate::event!(info, "mqtt_connected";
             "connected to {}{again}: window {} (Receive Maximum {}), maximum packet {}{}{}",
             self.reconnects.endpoint(),
             limits.window,
@@ -211,7 +211,7 @@ impl Worker {
             if limits.qos1 { "" } else { ", QoS 0 only" },
         );
         if requeued > 0 {
-            info!("re-sending {requeued} publishes without an outcome, in order");
+            crate::event!(info, "mqtt_resending"; "re-sending {requeued} publishes without an outcome, in order");
         }
         self.emit(Event::Connected { session_present });
         self.inner.wake.notify_one();
@@ -280,12 +280,12 @@ impl Worker {
             tokio::select! {
                 _ = &mut deadline => {
                     let endpoint = &self.reconnects.endpoint();
-                    warn!("DISCONNECT to {endpoint} not written within {DISCONNECT_GRACE:?}");
+                    crate::event!(warn, "mqtt_disconnect_not_written"; "DISCONNECT to {endpoint} not written within {DISCONNECT_GRACE:?}");
                     return;
                 }
                 polled = self.eventloop.poll() => match polled {
                     Ok(V5Event::Outgoing(Outgoing::Disconnect)) => {
-                        info!("disconnected from {}", self.reconnects.endpoint());
+                        crate::event!(info, "mqtt_disconnected"; "disconnected from {}", self.reconnects.endpoint());
                         return;
                     }
                     Ok(_) => {}

@@ -1,0 +1,168 @@
+//! Progress on long commands (issue 32, item 5): `verify`, `savepoint create`, `savepoint
+//! restore` and `inspect` draw a progress line on stderr when it is a terminal (a real one:
+//! a pseudo-terminal this test opens), and say nothing of it when stderr is piped.
+
+use std::io::Read;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use crate::support::agent::{AgentConfig, CairnProcess};
+use crate::support::{Broker, publish_all};
+
+/// An agent that took in `n` inputs and stopped: a store, a log, to be looked at.
+fn stopped_agent(n: usize) -> CairnProcess {
+    let broker = Broker::start();
+    let pipeline = "[[pipeline]]\nname = \"balances\"\ntopics = [\"payments/#\"]\n\
+                    format = \"json\"\nevent_id = \"/id\"\nkey = \"/account\"\n\
+                    value = \"/amount\"\naggregate = \"sum\"\noutput_topic = \"balances/{key}\"\n";
+    let mut agent = CairnProcess::new(&AgentConfig::new(broker.port(), pipeline));
+    agent.start_connected();
+    let msgs: Vec<_> = (0..n)
+        .map(|i| {
+            let body = format!(r#"{{"id":"e{i}","account":"a{}","amount":1}}"#, i % 500);
+            ("payments/in".to_string(), body.into_bytes(), false)
+        })
+        .collect();
+    for chunk in msgs.chunks(1000) {
+        publish_all(broker.port(), chunk);
+    }
+    let applied = crate::support::wait_until(Duration::from_secs(30), || {
+        agent.checkpointed_offset() == Some(n as u64)
+    });
+    assert!(applied, "{}", agent.stderr_tail(20));
+    assert_eq!(agent.terminate().code(), Some(0));
+    agent
+}
+
+fn cairn(config: &Path, args: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cairn"));
+    cmd.arg("--config")
+        .arg(config)
+        .args(args)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null());
+    cmd
+}
+
+/// Runs the command with stderr on a new pseudo-terminal; returns its output, stderr being
+/// what the terminal received.
+fn on_terminal(mut cmd: Command) -> Output {
+    let (mut master, mut slave) = (0, 0);
+    // SAFETY: openpty writes two descriptors into the integers it is given; the name,
+    // termios and window size pointers may be null.
+    let rc = unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(rc, 0, "openpty: {}", std::io::Error::last_os_error());
+    // SAFETY: both descriptors are new and ours alone.
+    let (master, slave) = unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) };
+    cmd.stdout(Stdio::piped()).stderr(Stdio::from(slave));
+    let child = cmd.spawn().expect("spawn cairn");
+    // The child holds the terminal now: ours goes with the Command, so that the reader
+    // sees the end when the child exits.
+    drop(cmd);
+    let reader = std::thread::spawn(move || {
+        let mut master = std::fs::File::from(master);
+        let mut out = Vec::new();
+        let mut buf = [0u8; 4096];
+        // EIO once the last holder of the terminal's other side closed it.
+        while let Ok(n) = master.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            out.extend_from_slice(&buf[..n]);
+        }
+        out
+    });
+    let mut out = child.wait_with_output().expect("wait for cairn");
+    out.stderr = reader.join().unwrap();
+    out
+}
+
+fn piped(mut cmd: Command) -> Output {
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    cmd.output().expect("run cairn")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// Each command, with the progress it must show on a terminal.
+const COMMANDS: &[(&[&str], &[&str])] = &[
+    (
+        &["verify"],
+        &["reading the log: ", "reading the store's state: "],
+    ),
+    (&["savepoint", "create"], &["writing the savepoint: "]),
+    (
+        &["savepoint", "restore", "--latest"],
+        &[
+            "checking the savepoint: ",
+            "building the store: ",
+            "reading the log: ",
+        ],
+    ),
+    (
+        &["inspect", "state", "--limit", "3"],
+        &["copying the store to read it: "],
+    ),
+];
+
+#[test]
+fn long_commands_show_progress_on_a_terminal_and_erase_it_before_their_result() {
+    let agent = stopped_agent(3000);
+    let config = agent.config_path();
+    for (args, phases) in COMMANDS {
+        let out = on_terminal(cairn(&config, args));
+        let err = text(&out.stderr);
+        assert!(out.status.success(), "{args:?}: {err}");
+        for phase in *phases {
+            assert!(err.contains(phase), "{args:?}: no `{phase}` in {err:?}");
+        }
+        assert!(
+            err.contains('%') || args[0] == "savepoint",
+            "{args:?}: {err:?}"
+        );
+        // Drawn in place and erased: the terminal ends on an empty line.
+        assert!(err.contains("\r\u{1b}[K"), "{args:?}: {err:?}");
+        assert!(
+            err.ends_with("\r\u{1b}[K") || err.ends_with('\n'),
+            "{args:?}: not erased: {err:?}"
+        );
+        assert!(!text(&out.stdout).is_empty(), "{args:?}: no result");
+        // A log line never shares a line with progress: each starts at an erased line.
+        for (i, _) in err.match_indices(" INFO ") {
+            let start = err[..i].rfind("[20").expect("a timestamped line");
+            let before = &err[..start];
+            assert!(
+                before.ends_with("\r\u{1b}[K") || before.ends_with('\n') || before.is_empty(),
+                "{args:?}: a log line after progress: {err:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn piped_long_commands_say_nothing_of_progress() {
+    let agent = stopped_agent(3000);
+    let config = agent.config_path();
+    for (args, phases) in COMMANDS {
+        let out = piped(cairn(&config, args));
+        let err = text(&out.stderr);
+        assert!(out.status.success(), "{args:?}: {err}");
+        assert!(!err.contains('\r'), "{args:?}: {err:?}");
+        for phase in *phases {
+            assert!(!err.contains(phase), "{args:?}: `{phase}` in {err:?}");
+        }
+        assert!(!text(&out.stdout).is_empty(), "{args:?}: no result");
+    }
+}
