@@ -14,6 +14,7 @@ mod checkpoint;
 mod cli;
 mod config_errors;
 mod crash;
+mod dbsinks;
 mod definitions;
 mod docs;
 mod e2e;
