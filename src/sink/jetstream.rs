@@ -65,6 +65,73 @@ pub struct JetStream {
     warned: bool,
 }
 
+impl JetStreamConfig {
+    /// What is wrong with the keys, as (key, problem), for config validation.
+    pub fn problems(&self) -> Vec<(&'static str, String)> {
+        let mut out = Vec::new();
+        if self.servers.is_empty() {
+            out.push(("servers", "name at least one server".to_string()));
+        }
+        for s in &self.servers {
+            if s.parse::<async_nats::ServerAddr>().is_err() {
+                out.push((
+                    "servers",
+                    format!("`{}` is not a NATS server URL", s.escape_debug()),
+                ));
+            }
+        }
+        let ways = [
+            self.credentials_file.is_some(),
+            self.username.is_some(),
+            self.token_file.is_some(),
+        ];
+        if ways.iter().filter(|w| **w).count() > 1 {
+            out.push((
+                "credentials_file",
+                "give one of credentials_file, username (with password_file), token_file".into(),
+            ));
+        }
+        if self.password_file.is_some() && self.username.is_none() {
+            out.push(("password_file", "goes with username".into()));
+        }
+        if self.stream.is_empty()
+            || self.stream.len() > 255
+            || self.stream.contains(['.', '*', '>', '/', '\\'])
+            || self.stream.contains(char::is_whitespace)
+        {
+            out.push((
+                "stream",
+                format!(
+                    "`{}` is not a stream name (no `.`, `*`, `>`, `/`, `\\` or white space)",
+                    self.stream.escape_debug()
+                ),
+            ));
+        }
+        if let Err(e) = check_prefix(&self.subject_prefix) {
+            out.push(("subject_prefix", e));
+        }
+        if let Err(e) = super::check_source(&self.source) {
+            out.push(("source", e));
+        }
+        out
+    }
+}
+
+fn check_prefix(prefix: &str) -> Result<(), String> {
+    if prefix.is_empty()
+        || !prefix
+            .split('.')
+            .any(|t| t.is_empty() || t.contains(['*', '>']) || t.contains(char::is_whitespace))
+    {
+        Ok(())
+    } else {
+        Err(format!(
+            "`{}` is no subject: tokens separated by `.`, none empty, no `*`, `>` or white space",
+            prefix.escape_debug()
+        ))
+    }
+}
+
 impl JetStream {
     pub fn new(cfg: JetStreamConfig) -> Result<JetStream, String> {
         if cfg.servers.is_empty() {
@@ -283,5 +350,48 @@ impl Destination for JetStream {
                 super::human(window)
             ),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_problems_name_their_key() {
+        let good = JetStreamConfig {
+            name: "stream".into(),
+            servers: vec!["nats://n1.example:4222".into(), "n2.example:4222".into()],
+            stream: "RESULTS".into(),
+            subject_prefix: "site.box-17".into(),
+            source: "box-17".into(),
+            ..Default::default()
+        };
+        assert!(good.problems().is_empty(), "{:?}", good.problems());
+        let bad = JetStreamConfig {
+            servers: vec![],
+            username: Some("u".into()),
+            token_file: Some("/t".into()),
+            stream: "A.B".into(),
+            subject_prefix: "site..x".into(),
+            source: "".into(),
+            ..good.clone()
+        };
+        let keys: Vec<&str> = bad.problems().iter().map(|p| p.0).collect();
+        assert_eq!(
+            keys,
+            [
+                "servers",
+                "credentials_file",
+                "stream",
+                "subject_prefix",
+                "source"
+            ]
+        );
+        let alone = JetStreamConfig {
+            password_file: Some("/p".into()),
+            ..good
+        };
+        assert_eq!(alone.problems()[0].0, "password_file");
     }
 }

@@ -24,6 +24,7 @@
 //! (`tests/it/layering.rs`); the loop sees [`SinkResult`], [`Verdict`] and [`SinkEvent`].
 
 pub mod jetstream;
+pub mod outlet;
 pub mod postgres;
 pub mod subject;
 
@@ -377,6 +378,24 @@ pub(crate) fn tls_client_config(tls: &TlsConfig) -> Result<rustls::ClientConfig,
                 .map_err(|e| format!("tls.key_file: {e}"))
         }
         _ => Err("tls.cert_file and tls.key_file go together: set both or neither".into()),
+    }
+}
+
+/// `source`: this box's identity in every row and message ID: 1 to 64 of `A-Z a-z 0-9 _ - .`.
+/// No `/`: a message ID is `source/id`, and an ID starts with a pipeline name, so a `/` in
+/// the source would let two boxes' IDs meet (`a/b` + `p/1/1` and `a` + `b/p/1/1`).
+pub fn check_source(source: &str) -> Result<(), String> {
+    let ok = (1..=64).contains(&source.len())
+        && source
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "`{}` is not 1 to 64 of A-Z a-z 0-9 _ - . (it goes into every row and message ID)",
+            source.escape_debug()
+        ))
     }
 }
 

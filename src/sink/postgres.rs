@@ -99,6 +99,36 @@ pub fn check_names(prefix: &str, pipelines: &[PipelineTable]) -> Result<(), Stri
     Ok(())
 }
 
+impl PostgresConfig {
+    /// What is wrong with the keys, as (key, problem), for config validation; `pipelines`
+    /// are the ones that feed this sink.
+    pub fn problems(&self, pipelines: &[PipelineTable]) -> Vec<(&'static str, String)> {
+        let mut out = Vec::new();
+        if let Err(e) = tokio_postgres::Config::from_str(&self.url) {
+            out.push(("url", format!("not a PostgreSQL URL: {e}")));
+        }
+        if let Err(e) = super::check_source(&self.source) {
+            out.push(("source", e));
+        }
+        if !self
+            .table_prefix
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        {
+            out.push((
+                "table_prefix",
+                format!(
+                    "`{}` may hold only A-Z a-z 0-9 _",
+                    self.table_prefix.escape_debug()
+                ),
+            ));
+        } else if let Err(e) = check_names(&self.table_prefix, pipelines) {
+            out.push(("table_prefix", e));
+        }
+        out
+    }
+}
+
 fn quote(ident: &str) -> String {
     format!("\"{}\"", ident.replace('"', "\"\""))
 }
@@ -412,16 +442,16 @@ impl Postgres {
 
     /// Values the columns cannot hold are dead letters before any SQL.
     fn check(&self, r: &SinkResult) -> Result<Checked, Verdict> {
-        let dead = |reason, detail: String| Verdict::DeadLetter { reason, detail };
+        let refuse = |reason, detail: String| Verdict::DeadLetter { reason, detail };
         let Some(&table) = self.by_pipeline.get(&r.pipeline) else {
-            return Err(dead(
+            return Err(refuse(
                 "postgres_no_table",
                 format!("pipeline `{}` has no table in this sink", r.pipeline),
             ));
         };
         let big = |what: &str, v: u64| {
             i64::try_from(v).map_err(|_| {
-                dead(
+                refuse(
                     "postgres_out_of_range",
                     format!("{what} {v} is over bigint's 9223372036854775807"),
                 )
@@ -430,7 +460,7 @@ impl Postgres {
         let window_start = match (self.tables[table].shape.windowed, r.window_start) {
             (true, Some(w)) => Some(big("window_start", w)?),
             (true, None) => {
-                return Err(dead(
+                return Err(refuse(
                     "postgres_no_table",
                     format!("result {} has no window_start for a windowed table", r.id),
                 ));
@@ -438,7 +468,7 @@ impl Postgres {
             (false, _) => None,
         };
         let payload = String::from_utf8(r.payload.clone())
-            .map_err(|_| dead("postgres_rejected", "the result is not UTF-8".to_string()))?;
+            .map_err(|_| refuse("postgres_rejected", "the result is not UTF-8".to_string()))?;
         Ok(Checked {
             table,
             key: r.key.clone(),
@@ -732,5 +762,26 @@ mod tests {
                 .contains("63")
         );
         assert_eq!(quote("a\"b"), "\"a\"\"b\"");
+    }
+
+    #[test]
+    fn config_problems_name_their_key() {
+        let cfg = PostgresConfig {
+            name: "w".into(),
+            url: "postgresql://cairn@db:5432/telemetry".into(),
+            password_file: None,
+            tls: None,
+            source: "box-17".into(),
+            table_prefix: "cairn_".into(),
+        };
+        assert!(cfg.problems(&[]).is_empty());
+        let bad = PostgresConfig {
+            url: "postgresql://db:notaport/x".into(),
+            source: "a/b".into(),
+            table_prefix: "cairn-".into(),
+            ..cfg
+        };
+        let keys: Vec<&str> = bad.problems(&[]).iter().map(|p| p.0).collect();
+        assert_eq!(keys, ["url", "source", "table_prefix"]);
     }
 }
