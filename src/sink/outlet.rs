@@ -15,6 +15,7 @@
 //! **State.** Connecting (at start), up, down or refusing, each with the time it began,
 //! for `status`; the destination's own words (`detail`: tables, the duplicate window).
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::{SinkEvent, Verdict};
@@ -57,8 +58,9 @@ pub struct Outlet {
     /// The next sequence to send.
     cursor: u64,
     settled_below: u64,
-    /// The batch on its way: its first sequence and the sequence after its last.
-    inflight: Option<(u64, u64)>,
+    /// The batch on its way: the range of the outbox it covers, `[first, end)`, and the
+    /// sequences in it that were sent (those routed to this sink), in order.
+    inflight: Option<(u64, u64, Vec<u64>)>,
     pub delivered: u64,
     pub dead_letters: u64,
     pub resent: u64,
@@ -103,16 +105,17 @@ impl Outlet {
         (self.state == State::Up && self.inflight.is_none()).then_some(self.cursor)
     }
 
-    /// A batch `[first, end)` was handed to the sink thread.
-    pub fn sent(&mut self, first: u64, end: u64) {
+    /// A batch covering `[first, end)` of the outbox, holding `seqs`, was handed to the sink
+    /// thread.
+    pub fn sent(&mut self, first: u64, end: u64, seqs: Vec<u64>) {
         debug_assert!(first == self.cursor && end > first);
-        self.inflight = Some((first, end));
+        self.inflight = Some((first, end, seqs));
         self.cursor = end;
     }
 
     /// The sink thread refused the batch (its queue full): it was never on its way.
     pub fn not_sent(&mut self) {
-        if let Some((first, _)) = self.inflight.take() {
+        if let Some((first, _, _)) = self.inflight.take() {
             self.cursor = first;
         }
     }
@@ -174,27 +177,25 @@ impl Outlet {
     }
 
     fn answered(&mut self, verdicts: Vec<(u64, Verdict)>, out: &mut Vec<Effect>) {
-        let Some((first, end)) = self.inflight.take() else {
+        let Some((first, end, seqs)) = self.inflight.take() else {
             return;
         };
-        let mut below = first;
-        let mut gap = false;
-        for (seq, v) in verdicts {
-            // Only the batch's own sequences, in order, count.
-            if seq < first || seq >= end {
-                continue;
-            }
-            match v {
-                Verdict::Retry if !gap => {
-                    gap = true;
-                    self.resent += end - seq;
+        let mut by_seq: HashMap<u64, Verdict> = verdicts
+            .into_iter()
+            .filter(|(s, _)| (first..end).contains(s))
+            .collect();
+        // No retry: the whole range is settled, the entries not routed here with it.
+        let mut below = end;
+        for (k, &seq) in seqs.iter().enumerate() {
+            // A result the answer does not name is not known to have landed.
+            match by_seq.remove(&seq).unwrap_or(Verdict::Retry) {
+                Verdict::Retry => {
+                    below = seq;
+                    self.resent += (seqs.len() - k) as u64;
+                    break;
                 }
-                Verdict::Settled if !gap => {
-                    below = seq + 1;
-                    self.delivered += 1;
-                }
-                Verdict::DeadLetter { reason, detail } if !gap => {
-                    below = seq + 1;
+                Verdict::Settled => self.delivered += 1,
+                Verdict::DeadLetter { reason, detail } => {
                     self.dead_letters += 1;
                     out.push(Effect::DeadLetter {
                         seq,
@@ -202,18 +203,129 @@ impl Outlet {
                         detail,
                     });
                 }
-                _ => {}
             }
-        }
-        if !gap && below < end {
-            // An answer shorter than the batch: the rest goes again.
-            self.resent += end - below;
         }
         self.cursor = below;
         if below > self.settled_below {
             self.settled_below = below;
             out.push(Effect::SettledBelow(below));
         }
+    }
+}
+
+/// The sink kinds that run on a thread of their own.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ThreadSinkConfig {
+    Postgres(super::postgres::PostgresConfig),
+    JetStream(super::jetstream::JetStreamConfig),
+}
+
+impl ThreadSinkConfig {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ThreadSinkConfig::Postgres(_) => "postgres",
+            ThreadSinkConfig::JetStream(_) => "jetstream",
+        }
+    }
+}
+
+/// A thread sink as the loop owns it: the thread that talks to the destination and the
+/// cursor that decides what goes to it. The loop routes the thread's events here
+/// ([`ThreadSink::on_event`]), hands it the next outbox entries when
+/// [`ThreadSink::next_from`] says so ([`ThreadSink::send`]), and carries out the effects.
+pub struct ThreadSink {
+    pub name: String,
+    pub kind: &'static str,
+    outlet: Outlet,
+    thread: super::SinkThread,
+    /// Most results in one batch (one transaction; one burst of publishes).
+    pub batch_max: usize,
+}
+
+impl ThreadSink {
+    /// Start the sink's thread; it connects at once. `pipelines` are the pipelines routed to
+    /// it (their tables, for PostgreSQL); `settled_below` its durable position.
+    pub fn start(
+        name: &str,
+        cfg: &ThreadSinkConfig,
+        pipelines: &[super::postgres::PipelineTable],
+        settled_below: u64,
+        batch_max: usize,
+        notify: super::Notify,
+        now: Instant,
+    ) -> Result<ThreadSink, String> {
+        let thread = match cfg {
+            ThreadSinkConfig::Postgres(c) => {
+                let pg = super::postgres::Postgres::new(c.clone(), pipelines)?;
+                super::SinkThread::spawn(name, pg, notify)
+            }
+            ThreadSinkConfig::JetStream(c) => {
+                let js = super::jetstream::JetStream::new(c.clone())?;
+                super::SinkThread::spawn(name, js, notify)
+            }
+        }
+        .map_err(|e| format!("start the thread of sink `{name}`: {e}"))?;
+        Ok(ThreadSink {
+            name: name.to_string(),
+            kind: cfg.kind(),
+            outlet: Outlet::new(settled_below, now),
+            thread,
+            batch_max: batch_max.max(1),
+        })
+    }
+
+    pub fn outlet(&self) -> &Outlet {
+        &self.outlet
+    }
+
+    /// Where the next batch starts, if one may go now.
+    pub fn next_from(&self) -> Option<u64> {
+        self.outlet.next_from()
+    }
+
+    /// Hand the thread the next results (from [`ThreadSink::next_from`] on, in sequence
+    /// order, at most `batch_max`), with `end` the sequence after the last one looked at (the
+    /// batch settles the entries between that are not routed here too). A result body that
+    /// does not say its key and version is a bug upstream: an error.
+    pub fn send(
+        &mut self,
+        batch: &[(u64, crate::model::Output)],
+        end: u64,
+    ) -> Result<Vec<Effect>, String> {
+        let Some(first) = self.outlet.next_from() else {
+            return Ok(Vec::new());
+        };
+        if end <= first {
+            return Ok(Vec::new());
+        }
+        let results = batch
+            .iter()
+            .map(|(seq, out)| super::SinkResult::from_output(*seq, out))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.outlet
+            .sent(first, end, results.iter().map(|r| r.seq).collect());
+        let mut effects = Vec::new();
+        if results.is_empty() {
+            // Nothing in the range for this sink: settled at once.
+            self.outlet.answered(Vec::new(), &mut effects);
+            return Ok(effects);
+        }
+        let b = super::Batch {
+            position: end,
+            results,
+        };
+        if self.thread.try_deliver(b).is_err() {
+            self.outlet.not_sent();
+        }
+        Ok(effects)
+    }
+
+    pub fn on_event(&mut self, ev: SinkEvent, now: Instant) -> Vec<Effect> {
+        self.outlet.on_event(ev, now)
+    }
+
+    pub fn shutdown(&mut self) {
+        self.thread.shutdown();
     }
 }
 
@@ -237,7 +349,7 @@ mod tests {
         assert_eq!(o.next_from(), None, "not before it is up");
         up(&mut o, t);
         assert_eq!(o.next_from(), Some(10));
-        o.sent(10, 15);
+        o.sent(10, 15, (10..15).collect());
         assert_eq!(o.next_from(), None, "one batch at a time");
         let dead = Verdict::DeadLetter {
             reason: "postgres_rejected",
@@ -268,7 +380,7 @@ mod tests {
         );
         assert_eq!(o.next_from(), Some(12), "13 goes again with 12");
         assert_eq!((o.delivered, o.dead_letters, o.resent), (1, 1, 3));
-        o.sent(12, 15);
+        o.sent(12, 15, (12..15).collect());
         o.on_event(
             SinkEvent::Answered {
                 verdicts: (12..15).map(|s| (s, Verdict::Settled)).collect(),
@@ -283,7 +395,7 @@ mod tests {
         let t = Instant::now();
         let mut o = Outlet::new(0, t);
         up(&mut o, t);
-        o.sent(0, 4);
+        o.sent(0, 4, (0..4).collect());
         let fx = o.on_event(
             SinkEvent::Answered {
                 verdicts: (0..4).map(|s| (s, Verdict::Retry)).collect(),
@@ -329,14 +441,38 @@ mod tests {
         let t = Instant::now();
         let mut o = Outlet::new(0, t);
         up(&mut o, t);
-        o.sent(0, 3);
+        // Outbox entries 0..6, of which 0, 2 and 5 are routed here.
+        o.sent(0, 6, vec![0, 2, 5]);
         o.on_event(
             SinkEvent::Answered {
-                verdicts: vec![(0, Verdict::Settled), (7, Verdict::Settled)],
+                verdicts: vec![
+                    (0, Verdict::Settled),
+                    (2, Verdict::Settled),
+                    (7, Verdict::Settled),
+                ],
             },
             t,
         );
-        assert_eq!((o.settled_below(), o.next_from()), (1, Some(1)));
+        assert_eq!(
+            (o.settled_below(), o.next_from()),
+            (5, Some(5)),
+            "5 was not answered: it goes again, and 3 and 4 are not this sink's"
+        );
+        o.sent(5, 9, vec![5]);
+        o.on_event(
+            SinkEvent::Answered {
+                verdicts: vec![(5, Verdict::Settled)],
+            },
+            t,
+        );
+        assert_eq!(
+            o.settled_below(),
+            9,
+            "the range is settled past its last result"
+        );
+        o.sent(9, 12, vec![]);
+        o.on_event(SinkEvent::Answered { verdicts: vec![] }, t);
+        assert_eq!(o.settled_below(), 12, "a range with nothing for this sink");
         // An answer with no batch on its way (after a restart of the thread) is ignored.
         assert!(
             o.on_event(
