@@ -181,3 +181,178 @@ fn cairn_outbox_drop_gives_up_one_waiting_result_for_good_and_records_it() {
     assert_eq!(got, ["k0", "k1", "k3", "k4"]);
     assert_eq!(agent.terminate().code(), Some(0));
 }
+
+/// Two `[[sink]]`s on one central broker, `a/` and `b/` prefixes, MQTT 5 by default.
+fn two_sinks(central: u16) -> String {
+    format!(
+        "[[sink]]\nname = \"central_a\"\nkind = \"mqtt\"\nport = {central}\n\
+         client_id = \"sinks_a\"\ntopic_prefix = \"a/\"\nreconnect_min = \"50ms\"\n\
+         reconnect_max = \"500ms\"\n\n\
+         [[sink]]\nname = \"central_b\"\nkind = \"mqtt\"\nport = {central}\n\
+         client_id = \"sinks_b\"\ntopic_prefix = \"b/\"\nreconnect_min = \"50ms\"\n\
+         reconnect_max = \"500ms\"\n"
+    )
+}
+
+fn get_metrics(port: u16) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("metrics listener");
+    s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    s.write_all(format!("GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n").as_bytes())
+        .unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out
+}
+
+/// `cairn status --json` of the running agent.
+fn status(agent: &CairnProcess) -> Value {
+    let (st, out, err) = agent.command(&["status", "--json"]);
+    assert!(st.success(), "status failed: {err}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("status JSON: {e}: {out}"))
+}
+
+fn sink<'a>(s: &'a Value, name: &str) -> &'a Value {
+    s["sinks"]
+        .as_array()
+        .and_then(|a| a.iter().find(|x| x["name"] == name))
+        .unwrap_or_else(|| panic!("no sink {name} in {s}"))
+}
+
+/// (topic without its prefix, payload) of what a collector saw under `prefix`.
+fn under(c: &Collector, prefix: &str) -> Vec<(String, Vec<u8>)> {
+    c.messages()
+        .into_iter()
+        .filter_map(|m| Some((m.topic.strip_prefix(prefix)?.to_string(), m.payload)))
+        .collect()
+}
+
+#[test]
+fn a_sink_the_acl_refuses_keeps_its_results_while_the_others_deliver_until_the_acl_is_fixed() {
+    let local = Broker::start();
+    let central_dir = tempfile::tempdir().unwrap();
+    let acl = central_dir.path().join("acl");
+    std::fs::write(&acl, "topic readwrite a/#\ntopic read b/#\n").unwrap();
+    let central = Broker::start_with(BrokerConfig {
+        extra: vec![format!("acl_file {}", acl.display())],
+        ..BrokerConfig::default()
+    });
+    let on_central = Collector::start(central.port(), "#");
+    let on_local = Collector::start(local.port(), "out/#");
+    let mut cfg = AgentConfig::new(
+        local.port(),
+        &PIPELINE.replace(
+            "max_key_len = 600",
+            "sinks = [\"local\", \"central_a\", \"central_b\"]",
+        ),
+    );
+    cfg.extra = format!(
+        "[metrics]\nlisten = \"127.0.0.1:{}\"\n\n{}",
+        crate::support::free_port(),
+        two_sinks(central.port())
+    );
+    let mut agent = CairnProcess::new(&cfg);
+    agent.set_log_filter(Some("info"));
+    agent.start_connected();
+    let n = 40;
+    let events: Vec<_> = (0..n)
+        .map(|i| event(&format!("E{i}"), &format!("k{}", i % 5)))
+        .collect();
+    publish_all(local.port(), &events);
+    let delivered = wait_until(Duration::from_secs(20), || {
+        under(&on_central, "a/").len() >= n && on_local.messages().len() >= n
+    });
+    assert!(
+        delivered,
+        "a/ and local did not get every result:\n{}",
+        agent.stderr_tail(30)
+    );
+    agent.wait_for_stderr("sink `central_b`: the broker", Duration::from_secs(20));
+    assert!(
+        under(&on_central, "b/").is_empty(),
+        "the ACL let b/ through?"
+    );
+    // Reported and counted, and the results wait in the outbox.
+    let refusing = wait_until(Duration::from_secs(10), || {
+        let s = status(&agent);
+        sink(&s, "central_b")["state"] == "refusing"
+            && sink(&s, "central_b")["refused"]["not authorized"]
+                .as_u64()
+                .is_some_and(|r| r >= 1)
+            && s["outbox"]["entries"].as_u64().is_some_and(|e| e > 0)
+    });
+    let s = status(&agent);
+    assert!(refusing, "{s}");
+    assert_eq!(sink(&s, "central_a")["state"], "connected", "{s}");
+    assert_eq!(sink(&s, "local")["state"], "connected", "{s}");
+    let port: u16 = cfg
+        .extra
+        .split("127.0.0.1:")
+        .nth(1)
+        .unwrap()
+        .split('"')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let metrics = get_metrics(port);
+    assert!(
+        metrics.contains("cairn_sink_refused_total{reason=\"not authorized\",sink=\"central_b\"}")
+            || metrics
+                .contains("cairn_sink_refused_total{sink=\"central_b\",reason=\"not authorized\"}"),
+        "{}",
+        metrics
+            .lines()
+            .filter(|l| l.contains("cairn_sink"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    // Later results still go to the others meanwhile.
+    publish_all(local.port(), &[event("E100", "k0")]);
+    assert!(
+        wait_until(Duration::from_secs(10), || under(&on_central, "a/").len()
+            > n),
+        "central_a stopped while central_b was refused"
+    );
+
+    // The ACL is fixed and the broker reloads it: every result arrives, same IDs, same
+    // payloads as the other sink got.
+    std::fs::write(&acl, "topic readwrite a/#\ntopic readwrite b/#\n").unwrap();
+    crate::support::signal(central.pid().unwrap(), "HUP");
+    let arrived = wait_until(Duration::from_secs(60), || {
+        under(&on_central, "b/").len() > n
+    });
+    assert!(
+        arrived,
+        "b/ got {} of {}:\n{}",
+        under(&on_central, "b/").len(),
+        n + 1,
+        agent.stderr_tail(30)
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let ids = |v: Vec<(String, Vec<u8>)>| {
+        let mut m = std::collections::BTreeMap::new();
+        for (_, p) in v {
+            let j: Value = serde_json::from_slice(&p).unwrap();
+            let id = j["id"].as_str().unwrap().to_string();
+            if let Some(old) = m.insert(id.clone(), p.clone()) {
+                assert_eq!(old, p, "{id} came with two payloads");
+            }
+        }
+        m
+    };
+    let (a, b) = (ids(under(&on_central, "a/")), ids(under(&on_central, "b/")));
+    assert_eq!(a.len(), n + 1);
+    assert_eq!(a, b, "b/ holds exactly what a/ holds");
+    let s = status(&agent);
+    assert_eq!(sink(&s, "central_b")["state"], "connected", "{s}");
+    assert!(
+        wait_until(
+            Duration::from_secs(10),
+            || status(&agent)["outbox"]["entries"] == 0
+        ),
+        "{}",
+        status(&agent)
+    );
+    assert_eq!(agent.terminate().code(), Some(0));
+}
