@@ -203,6 +203,11 @@ pub struct PipelineSpec {
     /// ahead is a dead letter (`future`): one bad clock must not move the watermark (which
     /// would make every later event `late`) nor pin a `last`.
     pub max_future_ms: u64,
+    /// The sinks its results go to, by name (issue 29; the config fills in the default:
+    /// `local`, or `uplink` with `[uplink]`). Where results go, not what they are: not part
+    /// of the definition.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sinks: Vec<String>,
 }
 
 #[cfg(test)]
