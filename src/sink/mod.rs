@@ -73,18 +73,28 @@ impl SinkResult {
     /// Read the key, window, generation and version out of an outbox entry's JSON. An entry
     /// whose body does not say them is a bug upstream, reported as an error.
     pub fn from_output(seq: u64, out: &Output) -> Result<SinkResult, String> {
-        let body: Body = serde_json::from_slice(&out.payload)
-            .map_err(|e| format!("result {} has no readable body: {e}", out.id))?;
+        Self::from_parts(seq, out.id.clone(), &out.topic, out.payload.clone())
+    }
+
+    /// [`SinkResult::from_output`] from an output's parts.
+    pub fn from_parts(
+        seq: u64,
+        id: String,
+        topic: &str,
+        payload: Vec<u8>,
+    ) -> Result<SinkResult, String> {
+        let body: Body = serde_json::from_slice(&payload)
+            .map_err(|e| format!("result {id} has no readable body: {e}"))?;
         Ok(SinkResult {
             seq,
-            id: out.id.clone(),
+            id,
             pipeline: body.pipeline,
             key: body.key,
             window_start: body.window_start,
             generation: body.generation.unwrap_or(1),
             version: body.version,
-            topic: out.topic.clone(),
-            payload: out.payload.clone(),
+            topic: topic.to_string(),
+            payload,
         })
     }
 }
@@ -262,7 +272,9 @@ async fn drive<D: Destination>(
             Ok(detail) => {
                 backoff = BACKOFF.0;
                 last_state = Some(true);
-                notify(SinkEvent::Up { detail });
+                notify(SinkEvent::Up {
+                    detail: detail.clone(),
+                });
                 // Serve until the connection fails or the loop hangs up.
                 loop {
                     let Some(Command::Deliver(batch)) = rx.recv().await else {
@@ -276,8 +288,19 @@ async fn drive<D: Destination>(
                     .unwrap_or_else(|_| Err(SinkError::Down("delivery timed out".into())));
                     match answer {
                         Ok(v) => {
+                            let retry = v.iter().filter(|v| **v == Verdict::Retry).count();
                             let verdicts = batch.results.iter().map(|r| r.seq).zip(v).collect();
                             notify(SinkEvent::Answered { verdicts });
+                            if retry > 0 {
+                                // Still connected, but some results did not land: the loop
+                                // sends again from the first of them, as after a reconnect.
+                                notify(SinkEvent::Down {
+                                    reason: format!("{retry} results not acknowledged"),
+                                });
+                                notify(SinkEvent::Up {
+                                    detail: detail.clone(),
+                                });
+                            }
                         }
                         Err(e) => {
                             notify(SinkEvent::Answered {

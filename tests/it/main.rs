@@ -15,6 +15,7 @@ mod cli;
 mod config_errors;
 mod crash;
 mod dbsinks;
+mod dbsinks_e2e;
 mod definitions;
 mod docs;
 mod e2e;
