@@ -159,11 +159,6 @@ impl JetStream {
         })
     }
 
-    /// The stream's duplicate window, once connected.
-    pub fn duplicate_window(&self) -> Option<Duration> {
-        self.window
-    }
-
     async fn open(&self) -> Result<async_nats::Client, SinkError> {
         let refused = SinkError::Refused;
         let mut opts = async_nats::ConnectOptions::new();
@@ -331,6 +326,10 @@ impl Destination for JetStream {
             Some(reason) if acked == 0 => Err(SinkError::Down(format!("no ack: {reason}"))),
             _ => Ok(verdicts),
         }
+    }
+
+    fn duplicate_window(&self) -> Option<Duration> {
+        self.window
     }
 
     fn down_for(&mut self, down: Duration) -> Option<SinkEvent> {

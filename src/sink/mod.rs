@@ -24,7 +24,6 @@
 //! (`tests/it/layering.rs`); the loop sees [`SinkResult`], [`Verdict`] and [`SinkEvent`].
 
 pub mod jetstream;
-pub mod outlet;
 pub mod postgres;
 pub mod subject;
 
@@ -129,9 +128,11 @@ pub enum SinkError {
 /// What a sink thread tells the loop.
 #[derive(Debug, Clone, PartialEq)]
 pub enum SinkEvent {
-    /// Connected and checked; `detail` says what it found (the stream's duplicate window).
+    /// Connected and checked; `detail` says what it found (tables; the stream and its
+    /// duplicate window, also in `duplicate_window`).
     Up {
         detail: String,
+        duplicate_window: Option<Duration>,
     },
     Down {
         reason: String,
@@ -161,6 +162,10 @@ pub trait Destination {
         batch: &[SinkResult],
         position: u64,
     ) -> impl Future<Output = Result<Vec<Verdict>, SinkError>>;
+    /// The destination's duplicate window, where it has one (JetStream), once connected.
+    fn duplicate_window(&self) -> Option<Duration> {
+        None
+    }
     /// Called while the destination is down, now and then: a chance to say something.
     fn down_for(&mut self, _for: Duration) -> Option<SinkEvent> {
         None
@@ -274,6 +279,7 @@ async fn drive<D: Destination>(
                 last_state = Some(true);
                 notify(SinkEvent::Up {
                     detail: detail.clone(),
+                    duplicate_window: dest.duplicate_window(),
                 });
                 // Serve until the connection fails or the loop hangs up.
                 loop {
@@ -299,6 +305,7 @@ async fn drive<D: Destination>(
                                 });
                                 notify(SinkEvent::Up {
                                     detail: detail.clone(),
+                                    duplicate_window: dest.duplicate_window(),
                                 });
                             }
                         }

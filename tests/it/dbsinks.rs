@@ -649,7 +649,8 @@ fn jetstream_reports_the_duplicate_window_and_warns_when_an_outage_outlasts_it()
         matches!(e, SinkEvent::Up { .. })
     });
     assert!(
-        matches!(&up, SinkEvent::Up { detail } if detail.contains("duplicate window 1s")),
+        matches!(&up, SinkEvent::Up { detail, duplicate_window: Some(w) }
+            if detail.contains("duplicate window 1s") && *w == Duration::from_secs(1)),
         "{up:?}"
     );
     let first: Vec<SinkResult> = (0..5)

@@ -35,6 +35,8 @@ pub(crate) struct ThreadConn {
     pending: Mutex<Vec<SinkResult>>,
     /// The output ID of each sequence on its way: an answer names sequences.
     ids: Ids,
+    /// The destination's duplicate window (JetStream), as it said at its last connect.
+    window: Arc<Mutex<Option<std::time::Duration>>>,
 }
 
 type Ids = Arc<Mutex<HashMap<u64, String>>>;
@@ -50,7 +52,14 @@ impl ThreadConn {
         use crate::config::SinkKind;
         let inflight = Arc::new(AtomicUsize::new(0));
         let ids: Ids = Arc::default();
-        let notify = notifier(name.to_string(), tx, inflight.clone(), ids.clone());
+        let window: Arc<Mutex<Option<std::time::Duration>>> = Arc::default();
+        let notify = notifier(
+            name.to_string(),
+            tx,
+            inflight.clone(),
+            ids.clone(),
+            window.clone(),
+        );
         let thread = match kind {
             SinkKind::Postgres(c) => {
                 let pg = crate::sink::postgres::Postgres::new(c.clone(), &pipelines)?;
@@ -68,7 +77,13 @@ impl ThreadConn {
             inflight,
             pending: Mutex::new(Vec::new()),
             ids,
+            window,
         })
+    }
+
+    /// The destination's duplicate window, once known (`status`, `/metrics`).
+    pub(crate) fn duplicate_window(&self) -> Option<std::time::Duration> {
+        *self.window.lock().expect("window")
     }
 
     /// Results sent and not answered: the cursor's window counts them.
@@ -118,6 +133,7 @@ fn notifier(
     tx: EventTx,
     inflight: Arc<AtomicUsize>,
     ids: Ids,
+    window: Arc<Mutex<Option<std::time::Duration>>>,
 ) -> crate::sink::Notify {
     let tx = Mutex::new(tx);
     let send = move |ev: Event| {
@@ -138,7 +154,11 @@ fn notifier(
     Arc::new(move |ev: SinkEvent| {
         let sink = name.as_str();
         match ev {
-            SinkEvent::Up { detail } => {
+            SinkEvent::Up {
+                detail,
+                duplicate_window,
+            } => {
+                *window.lock().expect("window") = duplicate_window;
                 crate::event!(info, "sink_destination", sink = sink;
                     "sink `{sink}`: {detail}");
                 send(Event::Connected {

@@ -538,6 +538,10 @@ impl MqttSink {
             drain_rate: self.link.rate.acked_per_second(),
             refused: self.refused.clone(),
             refusing: self.refusing.as_ref().map(|r| (r.code, r.reason)),
+            duplicate_window: match &self.conn {
+                Conn::Thread(t) => t.duplicate_window(),
+                _ => None,
+            },
         }
     }
 
