@@ -16,6 +16,7 @@
 //! `max_payload` or the stream's `max_msg_size` are dead letters before they are sent (the
 //! server would close the connection over the first, refuse the others forever).
 
+use std::future::IntoFuture;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -300,8 +301,15 @@ impl Destination for JetStream {
         }
         let mut down = None;
         let mut acked = 0usize;
+        // One deadline for the batch: each ack's own timeout starts only when it is awaited,
+        // so awaiting 100 of them in turn against a dead server would take 100 timeouts.
+        let deadline = tokio::time::Instant::now() + ACK_TIMEOUT;
         for (i, ack) in waiting {
-            match ack.await {
+            let Ok(answer) = tokio::time::timeout_at(deadline, ack.into_future()).await else {
+                down.get_or_insert("no ack within 5 s".to_string());
+                continue;
+            };
+            match answer {
                 Ok(_) => {
                     // Stored now or before (a duplicate): either way the stream holds it.
                     verdicts[i] = Verdict::Settled;
