@@ -33,13 +33,15 @@ pub(crate) struct ThreadConn {
     inflight: Arc<AtomicUsize>,
     /// Gathered by `publish`, handed over by `flush`.
     pending: Mutex<Vec<SinkResult>>,
-    /// The output ID of each sequence on its way: an answer names sequences.
+    /// The output ID of each sequence on its way, and in how many batches: an answer names
+    /// sequences, and after a reconnect a result can be in a batch sent again while the
+    /// old one still waits in the thread's queue (to be answered `Retry`).
     ids: Ids,
     /// The destination's duplicate window (JetStream), as it said at its last connect.
     window: Arc<Mutex<Option<std::time::Duration>>>,
 }
 
-type Ids = Arc<Mutex<HashMap<u64, String>>>;
+type Ids = Arc<Mutex<HashMap<u64, (String, usize)>>>;
 
 impl ThreadConn {
     /// Start sink `name`'s thread (its client connects at once), reporting on `tx`.
@@ -102,7 +104,12 @@ impl ThreadConn {
         // The engine wrote the body: one without key and version is a bug, said loudly.
         let r =
             SinkResult::from_parts(seq, id.clone(), topic, payload).map_err(MqttError::Config)?;
-        self.ids.lock().expect("ids").insert(seq, id);
+        self.ids
+            .lock()
+            .expect("ids")
+            .entry(seq)
+            .or_insert((id, 0))
+            .1 += 1;
         self.pending.lock().expect("pending").push(r);
         self.inflight.fetch_add(1, Ordering::SeqCst);
         Ok(())
@@ -189,8 +196,17 @@ fn notifier(
                     Some(n.saturating_sub(verdicts.len()))
                 });
                 for (seq, v) in verdicts {
-                    let Some(output_id) = ids.lock().expect("ids").remove(&seq) else {
-                        continue;
+                    let output_id = {
+                        let mut ids = ids.lock().expect("ids");
+                        let Some((id, n)) = ids.get_mut(&seq) else {
+                            continue;
+                        };
+                        *n -= 1;
+                        let id = id.clone();
+                        if *n == 0 {
+                            ids.remove(&seq);
+                        }
+                        id
                     };
                     match v {
                         Verdict::Settled => send(Event::PubAcked { output_id }),
