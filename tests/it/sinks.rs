@@ -612,3 +612,79 @@ fn fan_out_to_local_and_central_through_kills_in_a_long_central_outage_ends_with
 fn fan_out_through_power_cuts_in_a_long_central_outage_loses_nothing_for_either_sink() {
     fan_out(true);
 }
+
+#[test]
+fn a_result_over_an_mqtt_5_sinks_maximum_packet_size_is_its_dead_letter_and_the_other_sink_gets_it()
+{
+    let local = Broker::start();
+    // MQTT 5 tells the client the limit in its CONNACK: the result is never sent there.
+    let central = Broker::start_with(BrokerConfig {
+        extra: vec!["max_packet_size 1500".into()],
+        ..BrokerConfig::default()
+    });
+    let on_central = Collector::start(central.port(), "site/#");
+    let on_local = Collector::start(local.port(), "out/#");
+    let mut cfg = AgentConfig::new(
+        local.port(),
+        &PIPELINE.replace(
+            "max_key_len = 600",
+            "max_key_len = 600\nsinks = [\"local\", \"central\"]",
+        ),
+    );
+    cfg.extra = format!(
+        "[[sink]]\nname = \"central\"\nkind = \"mqtt\"\nport = {}\nclient_id = \"big_central\"\n\
+         topic_prefix = \"site/\"\nreconnect_min = \"50ms\"\nreconnect_max = \"500ms\"\n",
+        central.port()
+    );
+    let mut agent = CairnProcess::new(&cfg);
+    agent.set_log_filter(Some("info"));
+    agent.start_connected();
+    agent.wait_for_stderr("central: connected", Duration::from_secs(20));
+    let big = "B".repeat(600);
+    publish_all(
+        local.port(),
+        &[event("E1", "a"), event("E2", &big), event("E3", "b")],
+    );
+    agent.wait_for_stderr("results: set aside", Duration::from_secs(20));
+    let both = wait_until(Duration::from_secs(20), || {
+        keys(&on_local).len() == 3 && keys(&on_central).len() == 2
+    });
+    assert!(
+        both,
+        "local {:?}, central {:?}\n{}",
+        keys(&on_local).len(),
+        keys(&on_central),
+        agent.stderr_tail(20)
+    );
+    assert!(keys(&on_local).contains(&big), "local gets the big result");
+    assert!(
+        !agent.run_stderr().contains("central: lost"),
+        "no reconnect loop:\n{}",
+        agent.stderr_tail(20)
+    );
+    assert!(
+        wait_until(
+            Duration::from_secs(10),
+            || status(&agent)["outbox"]["entries"] == 0
+        ),
+        "{}",
+        status(&agent)
+    );
+    assert_eq!(agent.terminate().code(), Some(0));
+    let letters = agent.inspect("dead-letters");
+    let too_large: Vec<&Value> = letters
+        .iter()
+        .filter(|d| d["reason"] == "too_large_for_sink")
+        .collect();
+    assert_eq!(too_large.len(), 1, "{letters:?}");
+    assert_eq!(
+        too_large[0]["topic"],
+        Value::String(format!("site/out/{big}"))
+    );
+    assert!(
+        too_large[0]["detail"]
+            .as_str()
+            .unwrap()
+            .contains("sink `central`")
+    );
+}
