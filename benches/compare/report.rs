@@ -255,7 +255,7 @@ pub(crate) fn print(f: &Figures) {
     for (label, v, digits) in bounded_rows {
         row(&label, None, Some(v), None, digits);
     }
-    row("f.stripped binary, MiB", None, f.stripped, None, 2);
+    row("stripped binary, MiB", None, f.stripped, None, 2);
     println!("{}", "-".repeat(102));
     let thr = f.cairn.rate / f.relay.rate;
     // The pairs' median ratio where they ran: the sequential runs' ratio moves with the box.
@@ -283,7 +283,7 @@ pub(crate) fn print(f: &Figures) {
         "<=",
         16.0,
     );
-    target_line("f.stripped binary, MiB", f.stripped, "<=", 10.0);
+    target_line("stripped binary, MiB", f.stripped, "<=", 10.0);
     if !f.curve.is_empty() {
         intervals::print(&f.curve, &f.relay);
     }
