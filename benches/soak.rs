@@ -488,6 +488,8 @@ struct Tally {
     unclean_stops: Vec<String>,
     hup_not_applied: u64,
     restores_refused: u64,
+    /// What each refused restore said (no savepoint yet, or the log no longer reaches it).
+    refusals: Vec<String>,
     restores: u64,
     savepoint_failures: Vec<String>,
     next_back: u64,
@@ -659,8 +661,9 @@ impl Soak {
                 if !st.success() {
                     // No savepoint yet, or retention freed the log behind it: said, counted.
                     self.tally.restores_refused += 1;
-                    self.agent
-                        .note(&format!("restore refused: {}{}", out.trim(), err.trim()));
+                    let said = format!("{} {}", out.trim(), err.trim());
+                    self.agent.note(&format!("restore refused: {said}"));
+                    self.tally.refusals.push(said.trim().to_string());
                     return self.start(&[]);
                 }
                 self.tally.restores += 1;
@@ -926,6 +929,7 @@ fn main() {
         back_over.len()
     );
     for (what, list) in [
+        ("restore refused", &soak.tally.refusals),
         ("failed start", &soak.tally.failed_starts),
         ("unclean stop", &soak.tally.unclean_stops),
         ("savepoint failure", &soak.tally.savepoint_failures),
