@@ -69,6 +69,7 @@ use host::Host;
 use ingest::Ingest;
 use keeper::{CHECKPOINT_BYTES_PER_WRITE, Keeper, Relief, Schedule};
 use results::Results;
+pub(crate) use results::pipeline_of;
 use work::{Next, Work};
 
 /// Shutdown requests: 0 none, 1 drain and exit, 2 or more exit now.
@@ -286,7 +287,7 @@ impl Agent {
             Event::Uplink(ev) => {
                 let at = (self.clock.wall_ms(), self.now());
                 self.results
-                    .on_uplink_event(*ev, &self.proc, &self.cfg.outbox, at)?
+                    .on_uplink_event(*ev, &self.mqtt, &self.proc, &self.cfg.outbox, at)?
             }
             // Issue 29: outcomes only an MQTT 5 sink gives; the sinks wire them.
             Event::PubRefused { .. } | Event::TooLarge { .. } => {}
@@ -303,7 +304,14 @@ impl Agent {
                 self.results.input_link(true);
                 self.host.link(true, &self.mqtt);
             }
-            Event::Disconnected { reason, .. } => {
+            Event::Disconnected {
+                reason,
+                unacked,
+                up_for,
+            } => {
+                let at = (self.clock.wall_ms(), self.now());
+                self.results
+                    .dropped(true, &unacked, up_for, &self.mqtt, &self.proc, at)?;
                 if self.results.input_link(false) {
                     self.ingest.counts.reconnects += 1;
                 }
@@ -592,8 +600,9 @@ impl Agent {
 
     /// The results room sends what it can.
     fn publish(&mut self) -> Result<(), AgentError> {
+        let now = self.now();
         self.results
-            .publish(&self.proc, &self.mqtt, self.cfg.outbox.inflight)
+            .publish(&self.proc, &self.mqtt, self.cfg.outbox.inflight, now)
     }
 
     /// SIGHUP: re-read the config file and carry out the plan `config::reload::plan` makes

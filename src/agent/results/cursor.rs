@@ -38,6 +38,7 @@
 //! [`settled_below`]: Cursor::settled_below
 
 use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
 
 use crate::model::Output;
 
@@ -72,8 +73,8 @@ pub(crate) fn next_batch<E>(
 pub(crate) struct Cursor {
     /// The next sequence to publish.
     cursor: u64,
-    /// Sequence → (output ID, acknowledged), for each publish not yet settled.
-    inflight: BTreeMap<u64, (String, bool)>,
+    /// Sequence → (output ID, acknowledged, when sent), for each publish not yet settled.
+    inflight: BTreeMap<u64, (String, bool, Instant)>,
     /// Output ID → sequence, to find a PUBACK's entry.
     by_id: HashMap<String, u64>,
     connected: bool,
@@ -105,12 +106,24 @@ impl Cursor {
         self.cursor
     }
 
-    /// Output `seq` went out as `output_id`.
-    pub(crate) fn sent(&mut self, output_id: String, seq: u64) {
+    /// Output `seq` went out as `output_id` at `now`.
+    pub(crate) fn sent(&mut self, output_id: String, seq: u64, now: Instant) {
         debug_assert!(seq >= self.cursor, "sent in sequence order");
         self.by_id.insert(output_id.clone(), seq);
-        self.inflight.insert(seq, (output_id, false));
+        self.inflight.insert(seq, (output_id, false, now));
         self.cursor = seq + 1;
+    }
+
+    /// How long ago `output_id` was sent, if it awaits its acknowledgement.
+    pub(crate) fn since_sent(&self, output_id: &str, now: Instant) -> Option<Duration> {
+        let seq = self.by_id.get(output_id)?;
+        let (_, _, at) = self.inflight.get(seq)?;
+        Some(now.saturating_duration_since(*at))
+    }
+
+    /// The sequence `output_id` went out with, if it awaits its acknowledgement.
+    pub(crate) fn seq_of(&self, output_id: &str) -> Option<u64> {
+        self.by_id.get(output_id).copied()
     }
 
     /// The broker acknowledged `output_id`: the outputs this settles, in order, as
@@ -128,7 +141,7 @@ impl Cursor {
             if !e.get().1 {
                 break;
             }
-            let (seq, (id, _)) = e.remove_entry();
+            let (seq, (id, _, _)) = e.remove_entry();
             settled.push((seq, id));
         }
         settled
@@ -233,8 +246,8 @@ mod tests {
     fn the_cursor_follows_what_was_sent_and_a_puback_names_the_entry_to_delete() {
         let mut p = Cursor::new(40);
         assert_eq!(p.cursor(), 40);
-        p.sent("a".into(), 40);
-        p.sent("b".into(), 41);
+        p.sent("a".into(), 40, Instant::now());
+        p.sent("b".into(), 41, Instant::now());
         assert_eq!(p.cursor(), 42);
         assert!(!p.idle());
         assert_eq!(p.acked("a"), vec![(40, "a".to_string())]);
@@ -258,7 +271,7 @@ mod tests {
     fn only_a_prefix_of_acknowledged_outputs_is_settled_whatever_the_ack_order() {
         let mut p = Cursor::new(0);
         for (i, id) in ["a", "b", "c", "d"].iter().enumerate() {
-            p.sent(id.to_string(), i as u64);
+            p.sent(id.to_string(), i as u64, Instant::now());
         }
         assert_eq!(p.settled_below(), 0);
         // Out of order (a reconnect): c and b wait for a.
@@ -282,7 +295,7 @@ mod tests {
         // are on the wire, 9 was not sent. The outbox gets exactly 7, 8 and 9.
         let mut p = Cursor::new(5);
         for s in 5..9 {
-            p.sent(format!("o{s}"), s);
+            p.sent(format!("o{s}"), s, Instant::now());
         }
         p.acked("o5");
         p.acked("o6");

@@ -21,8 +21,9 @@
 
 pub(crate) mod cursor;
 pub(crate) mod mqtt;
+pub(crate) mod strikes;
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::config::OutboxConfig;
 use crate::metrics::Metrics;
@@ -41,6 +42,13 @@ pub(crate) struct Counts {
     pub(crate) published_early: u64,
     /// Results acknowledged before their checkpoint, so never written to the outbox.
     pub(crate) settled_early: u64,
+    /// Results set aside for a destination that kept refusing them (dead letters).
+    pub(crate) set_aside: u64,
+}
+
+/// The pipeline an output ID belongs to: `name/...`, or `name@generation/...`.
+pub(crate) fn pipeline_of(output_id: &str) -> &str {
+    output_id.split(['/', '@']).next().unwrap_or("")
 }
 
 /// The bound's rule: `entries` (stored and to come with the next checkpoint) and the
@@ -90,6 +98,7 @@ impl Results {
         proc: &Processor,
         input: &Mqtt,
         inflight: u16,
+        now: Instant,
     ) -> Result<(), AgentError> {
         let room = self.local.room(inflight, input);
         if room == 0 {
@@ -102,13 +111,14 @@ impl Results {
             proc.store().outbox_from(from),
             proc.pending_outputs(),
         )?;
-        self.local.send(batch, input, &mut self.counts)
+        self.local.send(batch, input, &mut self.counts, now)
     }
 
     /// The broker acknowledged a result: delete the outbox entries it settles.
     pub(crate) fn acked(&mut self, output_id: &str, proc: &Processor) -> Result<(), AgentError> {
         // Outputs from `fresh` on are not in the store yet: nothing to delete.
         let fresh = proc.pending_outputs().first().map_or(u64::MAX, |o| o.0);
+        self.local.strikes.cleared(output_id);
         for (seq, id) in self.local.cursor.acked(output_id) {
             if seq >= fresh {
                 // At the broker, its checkpoint not yet committed (tests/it/crash.rs).
@@ -119,6 +129,104 @@ impl Results {
                 failpoint("outbox.after_delete")?;
             }
             self.counts.pubacked += 1;
+        }
+        Ok(())
+    }
+
+    /// A connection results go out on ended (`input`: the input connection, which carries
+    /// them without an uplink): strike the publish at the front of `unacked`, and set it
+    /// aside if that was its last strike (`strikes.rs`).
+    pub(crate) fn dropped(
+        &mut self,
+        input: bool,
+        unacked: &[String],
+        up_for: Option<Duration>,
+        conn: &Mqtt,
+        proc: &Processor,
+        (wall, now): (u64, Instant),
+    ) -> Result<(), AgentError> {
+        if input == self.local.has_uplink() {
+            return Ok(()); // results do not go out on that connection
+        }
+        let Some(id) = self.local.struck(unacked, up_for, now) else {
+            return Ok(());
+        };
+        if self.local.cursor.seq_of(&id).is_none() {
+            return Ok(()); // not a result (the Sparkplug host's STATE)
+        }
+        self.local.conn(conn).abandon(&id);
+        let detail = format!(
+            "the broker closed the connection {} times in a row within {:?} of this publish; \
+             given up on this destination",
+            strikes::STRIKES_MAX,
+            strikes::STRIKE_WITHIN
+        );
+        self.set_aside(&id, "refused_by_disconnect", &detail, proc, wall)
+    }
+
+    /// Give up `output_id` for this sink: a dead letter for it (`reason`, `detail`), then
+    /// settled as if acknowledged, so the outbox moves on. Its entry leaves the outbox for
+    /// good at once (`Store::outbox_set_aside`), so a restart does not bring it back.
+    fn set_aside(
+        &mut self,
+        output_id: &str,
+        reason: &str,
+        detail: &str,
+        proc: &Processor,
+        wall: u64,
+    ) -> Result<(), AgentError> {
+        let Some(seq) = self.local.cursor.seq_of(output_id) else {
+            return Ok(());
+        };
+        let store = proc.store();
+        let out = match store.outbox_from(seq).next().transpose()? {
+            Some((s, o)) if s == seq => Some(o),
+            _ => proc
+                .pending_outputs()
+                .iter()
+                .find(|(s, _)| *s == seq)
+                .map(|(_, o)| o.clone()),
+        };
+        let sink = self.local.name();
+        let pipeline = pipeline_of(output_id).to_string();
+        let topic = out
+            .as_ref()
+            .map_or_else(String::new, |o| self.local.topic_of(&o.topic));
+        let payload = out.as_ref().map_or_else(Vec::new, |o| {
+            o.payload[..o
+                .payload
+                .len()
+                .min(crate::pipeline::engine::DEAD_LETTER_PAYLOAD_MAX)]
+                .to_vec()
+        });
+        let letter = crate::model::DeadLetter {
+            offset: proc.next_offset(),
+            pipeline: pipeline.clone(),
+            topic: topic.clone(),
+            reason: reason.to_string(),
+            detail: format!("sink `{sink}`, result {output_id}: {detail}"),
+            received_at_ms: wall,
+            payload,
+        };
+        store.add_sink_dead_letter(&letter, sink, seq)?;
+        crate::event!(error, "result_set_aside", pipeline = pipeline, sink = sink, reason = reason;
+            "results: set aside {} for sink `{sink}` (topic `{}`): {detail}; it is a dead letter \
+             (`cairn inspect dead-letters`), and the results after it go on",
+            crate::text::Shown(output_id),
+            crate::text::Shown(&topic)
+        );
+        self.counts.set_aside += 1;
+        let fresh = proc.pending_outputs().first().map_or(u64::MAX, |o| o.0);
+        for (s, id) in self.local.cursor.acked(output_id) {
+            if s >= fresh {
+                continue; // the checkpoint leaves it out: settled
+            }
+            if s == seq {
+                store.outbox_set_aside(s, &id)?;
+            } else {
+                store.outbox_delete(s, &id)?;
+                self.counts.pubacked += 1;
+            }
         }
         Ok(())
     }
@@ -168,12 +276,17 @@ impl Results {
     pub(crate) fn on_uplink_event(
         &mut self,
         ev: Event,
+        input: &Mqtt,
         proc: &Processor,
         cfg: &OutboxConfig,
         at: (u64, Instant),
     ) -> Result<(), AgentError> {
-        if let Event::PubAcked { output_id } = &ev {
-            return self.acked(output_id, proc);
+        match &ev {
+            Event::PubAcked { output_id } => return self.acked(output_id, proc),
+            Event::Disconnected {
+                unacked, up_for, ..
+            } => self.dropped(false, unacked, *up_for, input, proc, at)?,
+            _ => {}
         }
         let store = proc.store();
         let outbox = (store.outbox_len() as u64, store.outbox_bytes());

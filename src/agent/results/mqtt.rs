@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use super::Counts as Sent;
 use super::cursor::{Cursor, Next};
+use super::strikes::Strikes;
 use crate::agent::error::{AgentError, failpoint};
 use crate::config::{OutboxConfig, UplinkConfig};
 use crate::mqtt::{Event, Mqtt, MqttError};
@@ -30,6 +31,8 @@ const RATE_STEP: Duration = Duration::from_millis(250);
 pub(crate) struct MqttSink {
     pub(crate) cursor: Cursor,
     uplink: Option<Uplink>,
+    /// Drops of the connection against one publish (issue 27).
+    pub(crate) strikes: Strikes,
 }
 
 /// The uplink connection and what the sink knows of it.
@@ -218,6 +221,7 @@ impl MqttSink {
         MqttSink {
             cursor: Cursor::new(first_seq),
             uplink: uplink.map(|(cfg, mqtt)| Uplink::new(cfg, mqtt)),
+            strikes: Strikes::default(),
         }
     }
 
@@ -240,6 +244,7 @@ impl MqttSink {
         batch: Vec<Next>,
         input: &Mqtt,
         counts: &mut Sent,
+        now: Instant,
     ) -> Result<(), AgentError> {
         let (conn, prefix) = match &self.uplink {
             Some(u) => (&u.mqtt, u.prefix.as_str()),
@@ -254,7 +259,7 @@ impl MqttSink {
             };
             match conn.publish(out.id.clone(), &topic, out.payload, out.retain) {
                 Ok(()) => {
-                    self.cursor.sent(out.id, seq);
+                    self.cursor.sent(out.id, seq, now);
                     counts.published += 1;
                     if fresh && counts.published_early == 0 {
                         crate::event!(info, "results_leave_early";
@@ -270,6 +275,38 @@ impl MqttSink {
             }
         }
         Ok(())
+    }
+
+    /// A connection results go out on ended (`unacked`, `up_for`: see
+    /// [`Event::Disconnected`]): the output ID to set aside, if the broker refused it by
+    /// dropping the connection once too often (`strikes.rs`).
+    pub(crate) fn struck(
+        &mut self,
+        unacked: &[String],
+        up_for: Option<Duration>,
+        now: Instant,
+    ) -> Option<String> {
+        let cursor = &self.cursor;
+        self.strikes
+            .dropped(unacked, up_for, |id| cursor.since_sent(id, now))
+    }
+
+    /// The sink's name in the journal, the dead letters and the figures: `uplink` with an
+    /// uplink, else `local`.
+    pub(crate) fn name(&self) -> &'static str {
+        if self.uplink.is_some() {
+            "uplink"
+        } else {
+            "local"
+        }
+    }
+
+    /// The topic `topic` goes out as (with the uplink's prefix).
+    pub(crate) fn topic_of(&self, topic: &str) -> String {
+        match &self.uplink {
+            Some(u) => format!("{}{topic}", u.prefix),
+            None => topic.to_owned(),
+        }
     }
 
     /// Whether results go to an uplink.
@@ -332,6 +369,7 @@ impl MqttSink {
                 self.cursor.connected();
             }
             Event::Disconnected { reason, .. } => {
+                // (What `unacked` says was struck by the caller, `Results::dropped`.)
                 if u.link.lost(wall) {
                     crate::event!(warn, "uplink_lost";
                         "uplink: lost {}: {reason}; results wait in the outbox ({entries} now, \
