@@ -21,7 +21,6 @@ pub(crate) const SINKS_KEY: &[u8] = b"sinks";
 impl Store {
     /// The sinks' settled positions as the last durable checkpoint wrote them (empty for a
     /// store no sink position was ever written to).
-    #[allow(dead_code)] // the sinks framework (issue 29) reads it
     pub(crate) fn sink_positions(&self) -> Result<Vec<(String, u64)>, StoreError> {
         match self.meta.get(SINKS_KEY)? {
             Some(v) => decode("sink positions", &v),
@@ -30,7 +29,6 @@ impl Store {
     }
 
     /// The positions the next checkpoint writes (see the module docs).
-    #[allow(dead_code)] // the sinks framework (issue 29) writes it
     pub(crate) fn stage_sink_positions(
         &self,
         positions: &[(String, u64)],

@@ -46,28 +46,57 @@ use crate::model::Output;
 /// processor's memory, its checkpoint still to come).
 pub(crate) type Next = (u64, Output, bool);
 
-/// What goes out next, at most `room`: the durable outbox entries from `cursor` on, in
-/// sequence order (`outbox` yields them so), then the outputs still waiting for their
-/// checkpoint from `cursor` on (`pending`, in sequence order, all newer than any entry).
-pub(crate) fn next_batch<E>(
+/// Most entries one [`next_routed`] call looks at, routed to the sink or not: a sink that
+/// takes few pipelines' results skips the others a bounded stretch at a time.
+pub(crate) const SCAN_MAX: usize = 4096;
+
+/// What goes out next for one sink, at most `room`: the durable outbox entries from
+/// `cursor` on, in sequence order (`outbox` yields them so), then the outputs still waiting
+/// for their checkpoint from `cursor` on (`pending`, in sequence order, all newer than any
+/// entry); only those `routed` (by output ID) to this sink, looking at most [`SCAN_MAX`]
+/// entries; also the sequence after the last one looked at (the cursor
+/// may move there once the batch is sent: what it passed over is not this sink's).
+pub(crate) fn next_routed<E>(
     cursor: u64,
     room: usize,
     outbox: impl Iterator<Item = Result<(u64, Output), E>>,
     pending: &[(u64, Output)],
-) -> Result<Vec<Next>, E> {
-    let mut batch: Vec<Next> = outbox
-        .take(room)
-        .map(|e| e.map(|(seq, out)| (seq, out, false)))
-        .collect::<Result<_, _>>()?;
+    routed: impl Fn(&str) -> bool,
+) -> Result<(Vec<Next>, u64), E> {
+    let mut batch = Vec::new();
+    let (mut next, mut looked) = (cursor, 0usize);
+    if room == 0 {
+        return Ok((batch, next));
+    }
+    for e in outbox {
+        let (seq, out) = e?;
+        looked += 1;
+        next = seq + 1;
+        if routed(&out.id) {
+            batch.push((seq, out, false));
+            if batch.len() >= room {
+                return Ok((batch, next));
+            }
+        }
+        if looked >= SCAN_MAX {
+            return Ok((batch, next));
+        }
+    }
     let from = pending.partition_point(|(seq, _)| *seq < cursor);
-    let left = room - batch.len();
-    batch.extend(
-        pending[from..]
-            .iter()
-            .take(left)
-            .map(|(s, o)| (*s, o.clone(), true)),
-    );
-    Ok(batch)
+    for (seq, out) in &pending[from..] {
+        looked += 1;
+        next = seq + 1;
+        if routed(&out.id) {
+            batch.push((*seq, out.clone(), true));
+            if batch.len() >= room {
+                break;
+            }
+        }
+        if looked >= SCAN_MAX {
+            break;
+        }
+    }
+    Ok((batch, next))
 }
 
 pub(crate) struct Cursor {
@@ -112,6 +141,26 @@ impl Cursor {
         self.by_id.insert(output_id.clone(), seq);
         self.inflight.insert(seq, (output_id, false, now));
         self.cursor = seq + 1;
+    }
+
+    /// Entries before `seq` not sent yet are not this sink's (not routed to it): the
+    /// cursor moves past them, and they count as settled here.
+    pub(crate) fn skip_to(&mut self, seq: u64) {
+        self.cursor = self.cursor.max(seq);
+    }
+
+    /// The destination refused `output_id`: it and everything sent after it go again
+    /// from it, in order (acknowledgements still on their way for those are ignored; a
+    /// re-send carries the same ID and payload). `false` if it is not awaiting an answer.
+    pub(crate) fn rewind(&mut self, output_id: &str) -> bool {
+        let Some(&seq) = self.by_id.get(output_id) else {
+            return false;
+        };
+        for (_, (id, _, _)) in self.inflight.split_off(&seq) {
+            self.by_id.remove(&id);
+        }
+        self.cursor = seq;
+        true
     }
 
     /// How long ago `output_id` was sent, if it awaits its acknowledgement.
@@ -198,8 +247,9 @@ mod tests {
         let pending = vec![(5, out("c")), (6, out("d")), (7, out("e"))];
         let sent = |cursor, room, outbox: &[(u64, Output)]| {
             let it = outbox.iter().cloned().map(Ok::<_, ()>);
-            next_batch(cursor, room, it, &pending)
+            next_routed(cursor, room, it, &pending, |_| true)
                 .unwrap()
+                .0
                 .into_iter()
                 .map(|(s, o, fresh)| (s, o.id, fresh))
                 .collect::<Vec<_>>()
@@ -225,6 +275,23 @@ mod tests {
         );
         assert_eq!(sent(8, 5, &[]), [], "nothing newer than the cursor");
         assert_eq!(sent(3, 0, &outbox), [], "no room: nothing");
+    }
+
+    #[test]
+    fn a_sink_takes_only_its_pipelines_results_and_skips_the_others() {
+        let outbox = [(3, out("x/1")), (4, out("y/1")), (5, out("x/2"))];
+        let pending = vec![(6, out("y/2")), (7, out("x/3"))];
+        let it = outbox.iter().cloned().map(Ok::<_, ()>);
+        let (batch, next) = next_routed(3, 10, it, &pending, |id| id.starts_with('y')).unwrap();
+        let got: Vec<u64> = batch.iter().map(|b| b.0).collect();
+        assert_eq!(got, [4, 6]);
+        assert_eq!(
+            next, 8,
+            "everything looked at: the cursor may move past x's"
+        );
+        let it = outbox.iter().cloned().map(Ok::<_, ()>);
+        let (batch, next) = next_routed(3, 1, it, &pending, |id| id.starts_with('y')).unwrap();
+        assert_eq!((batch.len(), next), (1, 5), "full after 4");
     }
 
     #[test]
@@ -256,6 +323,35 @@ mod tests {
         assert_eq!(p.acked("b"), vec![(41, "b".to_string())]);
         assert!(p.idle());
         assert_eq!(p.cursor(), 42, "acks do not move the cursor");
+    }
+
+    #[test]
+    fn a_refusal_sends_it_and_everything_after_it_again_in_order() {
+        let mut p = Cursor::new(0);
+        let now = Instant::now();
+        for (i, id) in ["a", "b", "c", "d"].iter().enumerate() {
+            p.sent(id.to_string(), i as u64, now);
+        }
+        assert_eq!(ids(p.acked("a")), vec![0]);
+        assert_eq!(ids(p.acked("c")), Vec::<u64>::new(), "waits for b");
+        assert!(p.rewind("b"));
+        assert_eq!(p.cursor(), 1, "b goes again, then c and d");
+        assert_eq!(p.settled_below(), 1);
+        assert_eq!(
+            ids(p.acked("d")),
+            Vec::<u64>::new(),
+            "an old ack is ignored"
+        );
+        assert!(!p.rewind("b"), "not awaiting an answer any more");
+        p.sent("b".into(), 1, now);
+        assert_eq!(ids(p.acked("b")), vec![1]);
+        p.skip_to(7);
+        assert_eq!(p.cursor(), 7);
+        assert_eq!(
+            p.settled_below(),
+            7,
+            "entries not routed here count as settled"
+        );
     }
 
     #[test]
