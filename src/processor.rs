@@ -553,18 +553,18 @@ impl Processor {
     /// Commit everything applied since the last checkpoint. `None` if nothing was.
     /// On error the engine is ahead of the store: the caller must stop and restart.
     pub fn checkpoint(&mut self, now_ms: u64) -> Result<Option<CheckpointInfo>, ProcessError> {
-        self.checkpoint_settled(now_ms, 0)
+        self.checkpoint_settled(now_ms, &|_, _| false)
             .map(|c| c.map(|(info, _)| info))
     }
 
-    /// [`Processor::checkpoint`], leaving out of the outbox the outputs with a sequence below
-    /// `settled_below`: the publisher sent them before this checkpoint and the broker
-    /// acknowledged them and everything sent before them (issue 14: the outbox stores only
+    /// [`Processor::checkpoint`], leaving out of the outbox the outputs `settled` says are
+    /// settled: every sink each is routed to sent it before this checkpoint and had it and
+    /// everything sent before it acknowledged (issue 14: the outbox stores only
     /// what still needs it). Also returns how many were left out.
     pub fn checkpoint_settled(
         &mut self,
         now_ms: u64,
-        settled_below: u64,
+        settled: &dyn Fn(u64, &crate::model::Output) -> bool,
     ) -> Result<Option<(CheckpointInfo, u64)>, ProcessError> {
         if self.poisoned {
             return Err(ProcessError::Poisoned);
@@ -574,7 +574,7 @@ impl Processor {
         }
         let mut cp = self.engine.take_checkpoint();
         let before = cp.batch.outputs.len();
-        cp.batch.outputs.retain(|(seq, _)| *seq >= settled_below);
+        cp.batch.outputs.retain(|(seq, out)| !settled(*seq, out));
         let settled = (before - cp.batch.outputs.len()) as u64;
         let fp = |name| {
             crate::failpoint::hit(name).map_err(|source| StoreError::Io {

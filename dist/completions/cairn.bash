@@ -22,6 +22,9 @@ _cairn() {
             cairn,inspect)
                 cmd="cairn__subcmd__inspect"
                 ;;
+            cairn,outbox)
+                cmd="cairn__subcmd__outbox"
+                ;;
             cairn,run)
                 cmd="cairn__subcmd__run"
                 ;;
@@ -42,6 +45,9 @@ _cairn() {
                 ;;
             cairn__subcmd__help,inspect)
                 cmd="cairn__subcmd__help__subcmd__inspect"
+                ;;
+            cairn__subcmd__help,outbox)
+                cmd="cairn__subcmd__help__subcmd__outbox"
                 ;;
             cairn__subcmd__help,run)
                 cmd="cairn__subcmd__help__subcmd__run"
@@ -75,6 +81,12 @@ _cairn() {
                 ;;
             cairn__subcmd__help__subcmd__inspect,state)
                 cmd="cairn__subcmd__help__subcmd__inspect__subcmd__state"
+                ;;
+            cairn__subcmd__help__subcmd__outbox,drop)
+                cmd="cairn__subcmd__help__subcmd__outbox__subcmd__drop"
+                ;;
+            cairn__subcmd__help__subcmd__outbox,list)
+                cmd="cairn__subcmd__help__subcmd__outbox__subcmd__list"
                 ;;
             cairn__subcmd__help__subcmd__savepoint,create)
                 cmd="cairn__subcmd__help__subcmd__savepoint__subcmd__create"
@@ -127,6 +139,24 @@ _cairn() {
             cairn__subcmd__inspect__subcmd__help,state)
                 cmd="cairn__subcmd__inspect__subcmd__help__subcmd__state"
                 ;;
+            cairn__subcmd__outbox,drop)
+                cmd="cairn__subcmd__outbox__subcmd__drop"
+                ;;
+            cairn__subcmd__outbox,help)
+                cmd="cairn__subcmd__outbox__subcmd__help"
+                ;;
+            cairn__subcmd__outbox,list)
+                cmd="cairn__subcmd__outbox__subcmd__list"
+                ;;
+            cairn__subcmd__outbox__subcmd__help,drop)
+                cmd="cairn__subcmd__outbox__subcmd__help__subcmd__drop"
+                ;;
+            cairn__subcmd__outbox__subcmd__help,help)
+                cmd="cairn__subcmd__outbox__subcmd__help__subcmd__help"
+                ;;
+            cairn__subcmd__outbox__subcmd__help,list)
+                cmd="cairn__subcmd__outbox__subcmd__help__subcmd__list"
+                ;;
             cairn__subcmd__savepoint,create)
                 cmd="cairn__subcmd__savepoint__subcmd__create"
                 ;;
@@ -158,7 +188,7 @@ _cairn() {
 
     case "${cmd}" in
         cairn)
-            opts="-c -h -V --config --help --version run validate inspect verify status savepoint help"
+            opts="-c -h -V --config --help --version run validate inspect verify status savepoint outbox help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 1 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -180,7 +210,7 @@ _cairn() {
             return 0
             ;;
         cairn__subcmd__help)
-            opts="run validate inspect verify status savepoint help"
+            opts="run validate inspect verify status savepoint outbox help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -292,6 +322,48 @@ _cairn() {
             return 0
             ;;
         cairn__subcmd__help__subcmd__inspect__subcmd__state)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 4 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        cairn__subcmd__help__subcmd__outbox)
+            opts="list drop"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        cairn__subcmd__help__subcmd__outbox__subcmd__drop)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 4 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        cairn__subcmd__help__subcmd__outbox__subcmd__list)
             opts=""
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 4 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
@@ -718,6 +790,140 @@ _cairn() {
             return 0
             ;;
         cairn__subcmd__inspect__subcmd__state)
+            opts="-c -h --pipeline --key --limit --json --config --help"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                --pipeline)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --key)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --limit)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --config)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                -c)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        cairn__subcmd__outbox)
+            opts="-c -h --config --help list drop help"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                --config)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                -c)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        cairn__subcmd__outbox__subcmd__drop)
+            opts="-c -h --json --config --help"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                --config)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                -c)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        cairn__subcmd__outbox__subcmd__help)
+            opts="list drop help"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        cairn__subcmd__outbox__subcmd__help__subcmd__drop)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 4 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        cairn__subcmd__outbox__subcmd__help__subcmd__help)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 4 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        cairn__subcmd__outbox__subcmd__help__subcmd__list)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 4 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        cairn__subcmd__outbox__subcmd__list)
             opts="-c -h --pipeline --key --limit --json --config --help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )

@@ -33,6 +33,7 @@ complete -c cairn -n "__fish_cairn_needs_command" -f -a "inspect" -d 'Look insid
 complete -c cairn -n "__fish_cairn_needs_command" -f -a "verify" -d 'Check the log (and the store against it); `--repair` moves damaged log segments aside'
 complete -c cairn -n "__fish_cairn_needs_command" -f -a "status" -d 'The running agent\'s figures (from its socket in the data directory, or `[metrics] listen`), or the data directory\'s'
 complete -c cairn -n "__fish_cairn_needs_command" -f -a "savepoint" -d 'Portable snapshots of the store: create (agent stopped), list, restore'
+complete -c cairn -n "__fish_cairn_needs_command" -f -a "outbox" -d 'Results waiting to go out: list them, or drop one stuck result (agent stopped)'
 complete -c cairn -n "__fish_cairn_needs_command" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
 complete -c cairn -n "__fish_cairn_using_subcommand run" -l reset-pipeline -d 'Drop this pipeline\'s stored state, its dedup ledger included (an event ID it saw before is applied again), and start it empty, in a new generation of output IDs (after a change to its definition that would misread the old state). For a pipeline no longer configured, delete its stored state for good. Repeatable' -r
 complete -c cairn -n "__fish_cairn_using_subcommand run" -s c -l config -d 'Configuration file' -r -F
@@ -118,13 +119,31 @@ complete -c cairn -n "__fish_cairn_using_subcommand savepoint; and __fish_seen_s
 complete -c cairn -n "__fish_cairn_using_subcommand savepoint; and __fish_seen_subcommand_from help" -f -a "list" -d 'Savepoints in the data directory, oldest first (in the order they were taken)'
 complete -c cairn -n "__fish_cairn_using_subcommand savepoint; and __fish_seen_subcommand_from help" -f -a "restore" -d 'Rebuild the store from a savepoint; the previous store is moved aside, never deleted'
 complete -c cairn -n "__fish_cairn_using_subcommand savepoint; and __fish_seen_subcommand_from help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
-complete -c cairn -n "__fish_cairn_using_subcommand help; and not __fish_seen_subcommand_from run validate inspect verify status savepoint help" -f -a "run" -d 'Run the agent in the foreground until SIGINT/SIGTERM (drains, exits 0); SIGHUP reloads the safe parts of the config'
-complete -c cairn -n "__fish_cairn_using_subcommand help; and not __fish_seen_subcommand_from run validate inspect verify status savepoint help" -f -a "validate" -d 'Check the configuration; print every problem (exit 2) or a summary (exit 0)'
-complete -c cairn -n "__fish_cairn_using_subcommand help; and not __fish_seen_subcommand_from run validate inspect verify status savepoint help" -f -a "inspect" -d 'Look inside the log or the store (the store only while the agent is stopped)'
-complete -c cairn -n "__fish_cairn_using_subcommand help; and not __fish_seen_subcommand_from run validate inspect verify status savepoint help" -f -a "verify" -d 'Check the log (and the store against it); `--repair` moves damaged log segments aside'
-complete -c cairn -n "__fish_cairn_using_subcommand help; and not __fish_seen_subcommand_from run validate inspect verify status savepoint help" -f -a "status" -d 'The running agent\'s figures (from its socket in the data directory, or `[metrics] listen`), or the data directory\'s'
-complete -c cairn -n "__fish_cairn_using_subcommand help; and not __fish_seen_subcommand_from run validate inspect verify status savepoint help" -f -a "savepoint" -d 'Portable snapshots of the store: create (agent stopped), list, restore'
-complete -c cairn -n "__fish_cairn_using_subcommand help; and not __fish_seen_subcommand_from run validate inspect verify status savepoint help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
+complete -c cairn -n "__fish_cairn_using_subcommand outbox; and not __fish_seen_subcommand_from list drop help" -s c -l config -d 'Configuration file' -r -F
+complete -c cairn -n "__fish_cairn_using_subcommand outbox; and not __fish_seen_subcommand_from list drop help" -s h -l help -d 'Print help'
+complete -c cairn -n "__fish_cairn_using_subcommand outbox; and not __fish_seen_subcommand_from list drop help" -f -a "list" -d 'Results waiting in the outbox: sequence, output ID, topic, payload (as `inspect outbox`)'
+complete -c cairn -n "__fish_cairn_using_subcommand outbox; and not __fish_seen_subcommand_from list drop help" -f -a "drop" -d 'Give up one waiting result for good (agent stopped): it leaves the outbox for every sink and becomes a dead letter `dropped_by_operator`'
+complete -c cairn -n "__fish_cairn_using_subcommand outbox; and not __fish_seen_subcommand_from list drop help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
+complete -c cairn -n "__fish_cairn_using_subcommand outbox; and __fish_seen_subcommand_from list" -l pipeline -d 'Only this pipeline' -r
+complete -c cairn -n "__fish_cairn_using_subcommand outbox; and __fish_seen_subcommand_from list" -l key -d 'Only this key' -r
+complete -c cairn -n "__fish_cairn_using_subcommand outbox; and __fish_seen_subcommand_from list" -l limit -d 'At most this many lines' -r
+complete -c cairn -n "__fish_cairn_using_subcommand outbox; and __fish_seen_subcommand_from list" -s c -l config -d 'Configuration file' -r -F
+complete -c cairn -n "__fish_cairn_using_subcommand outbox; and __fish_seen_subcommand_from list" -l json -d 'One JSON object per line'
+complete -c cairn -n "__fish_cairn_using_subcommand outbox; and __fish_seen_subcommand_from list" -s h -l help -d 'Print help'
+complete -c cairn -n "__fish_cairn_using_subcommand outbox; and __fish_seen_subcommand_from drop" -s c -l config -d 'Configuration file' -r -F
+complete -c cairn -n "__fish_cairn_using_subcommand outbox; and __fish_seen_subcommand_from drop" -l json
+complete -c cairn -n "__fish_cairn_using_subcommand outbox; and __fish_seen_subcommand_from drop" -s h -l help -d 'Print help'
+complete -c cairn -n "__fish_cairn_using_subcommand outbox; and __fish_seen_subcommand_from help" -f -a "list" -d 'Results waiting in the outbox: sequence, output ID, topic, payload (as `inspect outbox`)'
+complete -c cairn -n "__fish_cairn_using_subcommand outbox; and __fish_seen_subcommand_from help" -f -a "drop" -d 'Give up one waiting result for good (agent stopped): it leaves the outbox for every sink and becomes a dead letter `dropped_by_operator`'
+complete -c cairn -n "__fish_cairn_using_subcommand outbox; and __fish_seen_subcommand_from help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
+complete -c cairn -n "__fish_cairn_using_subcommand help; and not __fish_seen_subcommand_from run validate inspect verify status savepoint outbox help" -f -a "run" -d 'Run the agent in the foreground until SIGINT/SIGTERM (drains, exits 0); SIGHUP reloads the safe parts of the config'
+complete -c cairn -n "__fish_cairn_using_subcommand help; and not __fish_seen_subcommand_from run validate inspect verify status savepoint outbox help" -f -a "validate" -d 'Check the configuration; print every problem (exit 2) or a summary (exit 0)'
+complete -c cairn -n "__fish_cairn_using_subcommand help; and not __fish_seen_subcommand_from run validate inspect verify status savepoint outbox help" -f -a "inspect" -d 'Look inside the log or the store (the store only while the agent is stopped)'
+complete -c cairn -n "__fish_cairn_using_subcommand help; and not __fish_seen_subcommand_from run validate inspect verify status savepoint outbox help" -f -a "verify" -d 'Check the log (and the store against it); `--repair` moves damaged log segments aside'
+complete -c cairn -n "__fish_cairn_using_subcommand help; and not __fish_seen_subcommand_from run validate inspect verify status savepoint outbox help" -f -a "status" -d 'The running agent\'s figures (from its socket in the data directory, or `[metrics] listen`), or the data directory\'s'
+complete -c cairn -n "__fish_cairn_using_subcommand help; and not __fish_seen_subcommand_from run validate inspect verify status savepoint outbox help" -f -a "savepoint" -d 'Portable snapshots of the store: create (agent stopped), list, restore'
+complete -c cairn -n "__fish_cairn_using_subcommand help; and not __fish_seen_subcommand_from run validate inspect verify status savepoint outbox help" -f -a "outbox" -d 'Results waiting to go out: list them, or drop one stuck result (agent stopped)'
+complete -c cairn -n "__fish_cairn_using_subcommand help; and not __fish_seen_subcommand_from run validate inspect verify status savepoint outbox help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
 complete -c cairn -n "__fish_cairn_using_subcommand help; and __fish_seen_subcommand_from inspect" -f -a "log" -d 'Records in the replay log'
 complete -c cairn -n "__fish_cairn_using_subcommand help; and __fish_seen_subcommand_from inspect" -f -a "state" -d 'Per-key aggregate state'
 complete -c cairn -n "__fish_cairn_using_subcommand help; and __fish_seen_subcommand_from inspect" -f -a "dedup" -d 'The event-ID dedup ledger'
@@ -134,3 +153,5 @@ complete -c cairn -n "__fish_cairn_using_subcommand help; and __fish_seen_subcom
 complete -c cairn -n "__fish_cairn_using_subcommand help; and __fish_seen_subcommand_from savepoint" -f -a "create" -d 'Write a savepoint of the last checkpoint (only while the agent is stopped)'
 complete -c cairn -n "__fish_cairn_using_subcommand help; and __fish_seen_subcommand_from savepoint" -f -a "list" -d 'Savepoints in the data directory, oldest first (in the order they were taken)'
 complete -c cairn -n "__fish_cairn_using_subcommand help; and __fish_seen_subcommand_from savepoint" -f -a "restore" -d 'Rebuild the store from a savepoint; the previous store is moved aside, never deleted'
+complete -c cairn -n "__fish_cairn_using_subcommand help; and __fish_seen_subcommand_from outbox" -f -a "list" -d 'Results waiting in the outbox: sequence, output ID, topic, payload (as `inspect outbox`)'
+complete -c cairn -n "__fish_cairn_using_subcommand help; and __fish_seen_subcommand_from outbox" -f -a "drop" -d 'Give up one waiting result for good (agent stopped): it leaves the outbox for every sink and becomes a dead letter `dropped_by_operator`'

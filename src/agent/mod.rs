@@ -69,6 +69,7 @@ use host::Host;
 use ingest::Ingest;
 use keeper::{CHECKPOINT_BYTES_PER_WRITE, Keeper, Relief, Schedule};
 use results::Results;
+pub(crate) use results::pipeline_of;
 use work::{Next, Work};
 
 /// Shutdown requests: 0 none, 1 drain and exit, 2 or more exit now.
@@ -280,15 +281,29 @@ impl Agent {
             }
             Event::PubAcked { output_id } => {
                 if !self.host.acked(&output_id) {
-                    self.results.acked(&output_id, &self.proc)?
+                    self.results.acked(0, &output_id, &self.proc)?
                 }
             }
             Event::Uplink(ev) => {
                 let at = (self.clock.wall_ms(), self.now());
-                self.results
-                    .on_uplink_event(*ev, &self.proc, &self.cfg.outbox, at)?
+                if let Some(i) = self.results.uplink_index() {
+                    self.results.on_sink_event(
+                        i,
+                        *ev,
+                        &self.mqtt,
+                        &self.proc,
+                        &self.cfg.outbox,
+                        at,
+                    )?
+                }
             }
-            // Issue 29: outcomes only an MQTT 5 sink gives; the sinks wire them.
+            Event::Sink(n, ev) => {
+                let at = (self.clock.wall_ms(), self.now());
+                let i = self.results.sink_index(n);
+                self.results
+                    .on_sink_event(i, *ev, &self.mqtt, &self.proc, &self.cfg.outbox, at)?
+            }
+            // The input connection speaks 3.1.1: no such outcomes.
             Event::PubRefused { .. } | Event::TooLarge { .. } => {}
             Event::BrokerDrops(d) => {
                 let now = self.now();
@@ -303,7 +318,14 @@ impl Agent {
                 self.results.input_link(true);
                 self.host.link(true, &self.mqtt);
             }
-            Event::Disconnected { reason, .. } => {
+            Event::Disconnected {
+                reason,
+                unacked,
+                up_for,
+            } => {
+                let at = (self.clock.wall_ms(), self.now());
+                self.results
+                    .dropped(0, &unacked, up_for, &self.mqtt, &self.proc, at)?;
                 if self.results.input_link(false) {
                     self.ingest.counts.reconnects += 1;
                 }
@@ -436,10 +458,14 @@ impl Agent {
             }
             self.keeper.disk_room(began);
         }
-        let settled_below = self.results.settled_below();
+        // Each sink's settled position goes into this checkpoint's transaction.
+        self.proc
+            .store()
+            .stage_sink_positions(&self.results.positions())?;
+        let results = &self.results;
         let done = self
             .proc
-            .checkpoint_settled(self.clock.wall_ms(), settled_below);
+            .checkpoint_settled(self.clock.wall_ms(), &|seq, out| results.settled(seq, out));
         if let Err(e) = &done {
             self.figures.metrics.update(|f| f.checkpoint_failures += 1);
             // Fatal by design: the engine is now ahead of the store; a restart replays.
@@ -592,8 +618,9 @@ impl Agent {
 
     /// The results room sends what it can.
     fn publish(&mut self) -> Result<(), AgentError> {
+        let now = self.now();
         self.results
-            .publish(&self.proc, &self.mqtt, self.cfg.outbox.inflight)
+            .publish(&self.proc, &self.mqtt, self.cfg.outbox.inflight, now)
     }
 
     /// SIGHUP: re-read the config file and carry out the plan `config::reload::plan` makes

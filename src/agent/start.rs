@@ -32,7 +32,7 @@ use super::ingest::{Ingest, log_clock_note};
 use super::keeper::{Keeper, Schedule, note_savepoint_files};
 use super::memory::{TRIM_INTERVAL, return_free_memory};
 use super::results::Results;
-use super::results::mqtt::{MqttSink, note_waiting_outbox};
+use super::results::mqtt::{Conn, MqttSink, note_waiting_outbox};
 use super::work::Work;
 
 /// What recovery hands the loop.
@@ -126,7 +126,15 @@ pub(crate) fn recover(
         .map(|(s, _)| s)
         .unwrap_or(0);
     let host = Host::new(&cfg.sparkplug, clock.wall_ms());
-    let (mqtt, sink, events) = subscribe(cfg, first_seq, &host)?;
+    let positions = proc.store().sink_positions()?;
+    let (mqtt, sinks, events) = subscribe(cfg, first_seq, &positions, &host)?;
+    let results = Results::new(cfg, sinks);
+    let forgot = results.forget_settled(&proc)?;
+    if forgot > 0 {
+        crate::event!(info, "outbox_settled_at_start";
+            "recovery: {forgot} outbox entries were settled by every sink before the stop: deleted"
+        );
+    }
     let now = clock.monotonic();
     Ok(Started {
         log,
@@ -134,7 +142,7 @@ pub(crate) fn recover(
         mqtt,
         events,
         ingest: Ingest::new(receipt, space),
-        results: Results::new(sink),
+        results,
         work: Work::new(stats.held.is_some(), now),
         keeper: Keeper::new(schedule, fsync, sync.clone()),
         figures: Figures::new(metrics, now),
@@ -310,13 +318,18 @@ fn start_metrics(
 }
 
 /// Connect, subscribed to every pipeline's topic filters (each once) and, as a Sparkplug
-/// Primary Host, to its own STATE with its will registered; and to the uplink broker,
-/// publish-only, if there is one. `first_seq`: where the results' cursor starts.
+/// Primary Host, to its own STATE with its will registered; and to each sink's broker,
+/// publish-only: the uplink, and every `[[sink]]`. Each sink's cursor starts at the oldest
+/// outbox entry (`first_seq`), or past what its last durable position (`positions`) says
+/// it settled.
 fn subscribe(
     cfg: &Config,
     first_seq: u64,
+    positions: &[(String, u64)],
     host: &Host,
-) -> Result<(Mqtt, MqttSink, Events), AgentError> {
+) -> Result<(Mqtt, Vec<MqttSink>, Events), AgentError> {
+    use crate::config::{LOCAL_SINK, SinkKind, SinkProtocol, UPLINK_SINK};
+    use crate::mqtt::Protocol;
     let mut filters: Vec<String> = cfg
         .pipelines
         .iter()
@@ -328,14 +341,56 @@ fn subscribe(
     let inflight = cfg.outbox.inflight;
     let mut input = cfg.mqtt.clone();
     input.will = host.will();
-    Ok(match &cfg.uplink {
-        None => {
-            let (mqtt, events) = Mqtt::start(&input, filters, inflight)?;
-            (mqtt, MqttSink::new(first_seq, None), events)
-        }
-        Some(u) => {
-            let (mqtt, up, events) = Mqtt::start_with_uplink(&input, filters, &u.mqtt, inflight)?;
-            (mqtt, MqttSink::new(first_seq, Some((u, up))), events)
-        }
-    })
+    let links: Vec<Option<(&crate::config::MqttConfig, Protocol)>> = cfg
+        .sinks
+        .iter()
+        .map(|s| match &s.kind {
+            SinkKind::Mqtt(m) => Some((
+                &m.mqtt,
+                match m.protocol {
+                    SinkProtocol::V5 => Protocol::V5,
+                    SinkProtocol::V311 => Protocol::V311,
+                },
+            )),
+        })
+        .collect();
+    let (mqtt, up, links, events, _tx) = Mqtt::start_all(
+        &input,
+        filters,
+        cfg.uplink.as_ref().map(|u| &u.mqtt),
+        &links,
+        inflight,
+    )?;
+    let start = |name: &str| {
+        positions
+            .iter()
+            .find(|(n, _)| n == name)
+            .map_or(first_seq, |&(_, p)| p.max(first_seq))
+    };
+    let mut sinks = vec![MqttSink::new(
+        LOCAL_SINK,
+        start(LOCAL_SINK),
+        Conn::Input,
+        None,
+    )];
+    if let (Some(u), Some(up)) = (&cfg.uplink, up) {
+        sinks.push(MqttSink::new(
+            UPLINK_SINK,
+            start(UPLINK_SINK),
+            Conn::Own(crate::mqtt::Link::V311(up)),
+            Some((&u.mqtt, &u.topic_prefix)),
+        ));
+    }
+    for (s, link) in cfg.sinks.iter().zip(links) {
+        let (SinkKind::Mqtt(m), Some(link)) = (&s.kind, link) else {
+            continue;
+        };
+        sinks.push(MqttSink::new(
+            &s.name,
+            start(&s.name),
+            Conn::Own(link),
+            Some((&m.mqtt, &m.topic_prefix)),
+        ));
+    }
+    Ok((mqtt, sinks, events))
 }

@@ -1,7 +1,7 @@
 //! The `cairn` command: argument parsing, config loading, and one file per command.
 //!
-//! - `run.rs`, `validate.rs`, `inspect.rs`, `verify.rs`, `status.rs`, `savepoint.rs`: the
-//!   commands, each `run(..) -> Result<(), Failure>`;
+//! - `run.rs`, `validate.rs`, `inspect.rs`, `verify.rs`, `status.rs`, `savepoint.rs`,
+//!   `outbox.rs`: the commands, each `run(..) -> Result<(), Failure>`;
 //! - `failure.rs`: [`Failure`] and the exit codes (0 ok, 1 runtime failure, 2 usage or
 //!   config error; DESIGN §3), which every command imports from there, never from here;
 //! - `output.rs`: line printing that ends quietly on a closed pipe, terminal-safe text;
@@ -21,6 +21,7 @@ mod failure;
 #[cfg(test)]
 mod generated;
 mod inspect;
+mod outbox;
 mod output;
 mod owner;
 mod progress;
@@ -110,6 +111,11 @@ pub(crate) enum Command {
         #[command(subcommand)]
         what: SavepointCommand,
     },
+    /// Results waiting to go out: list them, or drop one stuck result (agent stopped).
+    Outbox {
+        #[command(subcommand)]
+        what: outbox::OutboxCommand,
+    },
 }
 
 pub fn main() -> i32 {
@@ -165,7 +171,10 @@ fn dispatch(cli: Cli) -> Result<(), Failure> {
     }
     if matches!(
         cli.command,
-        Command::Verify { .. } | Command::Savepoint { .. } | Command::Inspect { .. }
+        Command::Verify { .. }
+            | Command::Savepoint { .. }
+            | Command::Inspect { .. }
+            | Command::Outbox { .. }
     ) {
         progress::install_if_terminal();
     }
@@ -185,5 +194,6 @@ fn dispatch(cli: Cli) -> Result<(), Failure> {
         Command::Verify { repair, json } => verify::run(&cfg, repair, json),
         Command::Status { json, offline } => status::run(&cfg, json, offline),
         Command::Savepoint { what } => savepoint::run(&cfg, what),
+        Command::Outbox { what } => outbox::run(&cfg, what),
     }
 }

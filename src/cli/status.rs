@@ -490,7 +490,44 @@ fn queue_lines(v: &Value) -> Vec<String> {
         }
         lines.push(line);
     }
+    lines.extend(sink_lines(v));
     lines
+}
+
+/// One line per sink when results go to more than one (issue 29): its state and since
+/// when, what may wait for it, what it settled, its drain rate and refusals.
+fn sink_lines(v: &Value) -> Vec<String> {
+    let Some(sinks) = v["sinks"].as_array().filter(|s| s.len() > 1) else {
+        return Vec::new();
+    };
+    sinks
+        .iter()
+        .map(|s| {
+            let state = s["state"].as_str().unwrap_or("?");
+            let mut line = format!(
+                "sink {:<10} {} for {}s, up to {} waiting ({}), {} settled, {:.1}/s",
+                printable(s["name"].as_str().unwrap_or("?")),
+                if state == "connected" {
+                    state.to_string()
+                } else {
+                    state.to_uppercase()
+                },
+                s["state_seconds"],
+                s["waiting"],
+                bytes(&s["waiting_bytes"]),
+                s["settled"],
+                s["drain_rate"].as_f64().unwrap_or(0.0)
+            );
+            if let Some(r) = s["refused"].as_object().filter(|r| !r.is_empty()) {
+                let all: Vec<String> = r
+                    .iter()
+                    .map(|(k, n)| format!("{} {n}", printable(k)))
+                    .collect();
+                line.push_str(&format!(", refused: {}", all.join(", ")));
+            }
+            line
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -553,6 +590,49 @@ mod tests {
         let u = &v["unconfigured_pipelines"][0];
         assert_eq!((&u["name"], &u["keys"]), (&json!("gone"), &json!(4)), "{v}");
         assert!(human(&v).contains("pipeline `gone` is not configured: 4 keys"));
+    }
+
+    #[test]
+    fn each_sink_is_shown_with_its_state_backlog_and_refusals_in_json_and_text() {
+        let sink =
+            |name: &str, state, refused: &[(&'static str, u64)]| crate::metrics::SinkFigures {
+                name: name.into(),
+                state,
+                since_ms: 40_000,
+                waiting: 12,
+                waiting_bytes: 2048,
+                sent: 30,
+                acked: 25,
+                drain_rate: 4.0,
+                refused: refused.iter().copied().collect(),
+                refusing: None,
+            };
+        let f = crate::metrics::Figures {
+            sinks: vec![
+                sink("local", "connected", &[]),
+                sink("central", "refusing", &[("not authorized", 7)]),
+            ],
+            ..Default::default()
+        };
+        let v = crate::metrics::status_json(&crate::metrics::families(&f, 100_000));
+        let c = &v["sinks"][1];
+        assert_eq!(c["name"], "central", "{v}");
+        assert_eq!(c["state"], "refusing", "{v}");
+        assert_eq!(c["state_seconds"], json!(60), "{v}");
+        assert_eq!(c["refused"]["not authorized"], json!(7), "{v}");
+        assert_eq!(v["sinks"][0]["state"], "connected", "{v}");
+        let text = human(&v);
+        assert!(
+            text.contains("sink central    REFUSING for 60s, up to 12 waiting (2 KiB), 25 settled, 4.0/s, refused: not authorized 7"),
+            "{text}"
+        );
+        // One sink alone: nothing more than before.
+        let one = crate::metrics::Figures {
+            sinks: vec![sink("local", "connected", &[])],
+            ..Default::default()
+        };
+        let v = crate::metrics::status_json(&crate::metrics::families(&one, 100_000));
+        assert!(!human(&v).contains("sink local"));
     }
 
     #[test]

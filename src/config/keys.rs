@@ -13,7 +13,7 @@
 use std::time::Duration;
 
 use super::units::{format_duration_ms, format_size};
-use super::{Config, MqttConfig, TlsConfig};
+use super::{Config, MqttConfig, MqttSinkConfig, SinkConfig, SinkKind, SinkProtocol, TlsConfig};
 use crate::pipeline::field::{Field, Format, TemplatePart};
 use crate::pipeline::spec::{AggregateSpec, Emit, PipelineSpec, Start};
 
@@ -79,6 +79,8 @@ pub enum Range {
 pub enum Get {
     Config(fn(&Config) -> Option<String>),
     Pipeline(fn(&PipelineSpec) -> Option<String>),
+    /// A key of every `[[sink]]` table (`None` where that sink's kind has no such key).
+    Sink(fn(&SinkConfig) -> Option<String>),
 }
 
 /// One config key.
@@ -134,6 +136,7 @@ impl Key {
         match self.get {
             Get::Config(f) => f(cfg),
             Get::Pipeline(f) => cfg.pipelines.first().and_then(f),
+            Get::Sink(f) => cfg.sinks.first().and_then(f),
         }
     }
 }
@@ -220,6 +223,13 @@ fn aggregate(a: &AggregateSpec) -> String {
     match a {
         AggregateSpec::One(a) => q(&a.name()),
         AggregateSpec::List(l) => list(&l.iter().map(|a| a.name()).collect::<Vec<_>>()),
+    }
+}
+
+/// A sink's MQTT keys, if it is an MQTT sink.
+fn mqtt_sink<T>(s: &SinkConfig, f: impl Fn(&MqttSinkConfig) -> T) -> Option<T> {
+    match &s.kind {
+        SinkKind::Mqtt(m) => Some(f(m)),
     }
 }
 
@@ -686,6 +696,147 @@ pub static KEYS: &[Key] = &[
         WHY_RECONNECT_MAX,
         Get::Config(|c| uplink(c, |m| dur(m.reconnect_max)))
     ),
+    // [[sink]]: `sink.*` stands for the key in every `[[sink]]` table.
+    key!(
+        "sink.name",
+        Def::Required,
+        Range::Text("1 to 64 of A-Z a-z 0-9 _ -; not `local` or `uplink`"),
+        "name",
+        Reload::Restart,
+        "what a pipeline's `sinks` names; `local` is [mqtt]'s broker and `uplink` is [uplink]",
+        Get::Sink(|s| Some(q(&s.name)))
+    ),
+    key!(
+        "sink.kind",
+        Def::Required,
+        Range::Choices(&["mqtt"]),
+        "kind",
+        Reload::Restart,
+        "what the destination is; each kind has its own keys below",
+        Get::Sink(|s| Some(q(s.kind.name())))
+    ),
+    key!(
+        "sink.protocol",
+        Def::Text("5"),
+        Range::Choices(&["5", "3.1.1"]),
+        "MQTT version",
+        Reload::Restart,
+        "MQTT 5's PUBACK can refuse (an ACL says 0x87 not authorized) and Cairn keeps the result; under 3.1.1 a broker that refuses acknowledges and drops it, and Cairn cannot tell",
+        Get::Sink(|c| mqtt_sink(c, |m| q(match m.protocol {
+            SinkProtocol::V5 => "5",
+            SinkProtocol::V311 => "3.1.1",
+        })))
+    ),
+    key!(
+        "sink.host",
+        Def::Text("127.0.0.1"),
+        Range::Text("a host name or IP address"),
+        "host",
+        Reload::Restart,
+        "the broker this sink publishes results to (kind mqtt)",
+        Get::Sink(|c| mqtt_sink(c, |m| q(&m.mqtt.host)))
+    ),
+    key!(
+        "sink.port",
+        Def::Int(1883),
+        Range::Int(1, 65_535),
+        "TCP port",
+        Reload::Restart,
+        "MQTT's port",
+        Get::Sink(|c| mqtt_sink(c, |m| m.mqtt.port.to_string()))
+    ),
+    key!(
+        "sink.client_id",
+        Def::Required,
+        Range::Text(NAME_CHARS),
+        "name",
+        Reload::Restart,
+        "its own session: not the client_id of another connection to the same broker (they would disconnect each other)",
+        Get::Sink(|c| mqtt_sink(c, |m| q(&m.mqtt.client_id)))
+    ),
+    key!(
+        "sink.keep_alive",
+        Def::Ms(30_000),
+        Range::Ms(5_000, 65_535_000),
+        "duration, whole seconds",
+        Reload::Restart,
+        WHY_KEEP_ALIVE,
+        Get::Sink(|c| mqtt_sink(c, |m| dur(m.mqtt.keep_alive)))
+    ),
+    key!(
+        "sink.username",
+        Def::Unset,
+        Range::Text("a user name"),
+        "name",
+        Reload::Restart,
+        "anonymous when not set",
+        Get::Sink(|c| mqtt_sink(c, |m| m.mqtt.username.as_deref().map(q)).flatten())
+    ),
+    key!(
+        "sink.password_file",
+        Def::Unset,
+        Range::Text("a file path; needs username"),
+        "path",
+        Reload::Restart,
+        "a file holding the password",
+        Get::Sink(|c| mqtt_sink(c, |m| m.mqtt.password_file.as_deref().map(path)).flatten())
+    ),
+    key!(
+        "sink.tls.ca_file",
+        Def::Unset,
+        Range::Text("a file path; required in tls"),
+        "path",
+        Reload::Restart,
+        "TLS needs the CA that signed the broker's certificate; plain TCP when `tls` is not set",
+        Get::Sink(|c| mqtt_sink(c, |m| m.mqtt.tls.as_ref().map(|t| path(&t.ca_file))).flatten())
+    ),
+    key!(
+        "sink.tls.cert_file",
+        Def::Unset,
+        Range::Text("a file path; with key_file"),
+        "path",
+        Reload::Restart,
+        "a client certificate",
+        Get::Sink(|c| mqtt_sink(c, |m| tls_file(&m.mqtt.tls, |t| t.cert_file.as_ref())).flatten())
+    ),
+    key!(
+        "sink.tls.key_file",
+        Def::Unset,
+        Range::Text("a file path; with cert_file"),
+        "path",
+        Reload::Restart,
+        "the client certificate's key",
+        Get::Sink(|c| mqtt_sink(c, |m| tls_file(&m.mqtt.tls, |t| t.key_file.as_ref())).flatten())
+    ),
+    key!(
+        "sink.topic_prefix",
+        Def::Text(""),
+        Range::Text(
+            "at most 1024 bytes; no + # or code point a receiver may refuse; not starting with $"
+        ),
+        "topic text",
+        Reload::Restart,
+        "prepended to every result topic this sink publishes",
+        Get::Sink(|c| mqtt_sink(c, |m| q(&m.topic_prefix)))
+    ),
+    key!(
+        "sink.reconnect_min",
+        Def::Ms(100),
+        Range::Ms(10, u64::MAX),
+        "duration",
+        Reload::Restart,
+        WHY_RECONNECT_MIN,
+        Get::Sink(|c| mqtt_sink(c, |m| dur(m.mqtt.reconnect_min)))
+    ),
+    key!(
+        "sink.reconnect_max",
+        Def::Ms(30_000),
+        Range::Ms(0, 600_000),
+        "duration",
+        Reload::Restart,
+        WHY_RECONNECT_MAX,
+        Get::Sink(|c| mqtt_sink(c, |m| dur(m.mqtt.reconnect_max)))
+    ),
     // [sparkplug]
     key!(
         "sparkplug.host_id",
@@ -725,6 +876,15 @@ pub static KEYS: &[Key] = &[
         Reload::Restart,
         "the inputs this pipeline consumes",
         Get::Pipeline(|p| Some(list(&p.topics)))
+    ),
+    key!(
+        "pipeline.sinks",
+        Def::Derived("[\"uplink\"] with [uplink], else [\"local\"]"),
+        Range::Text("sink names, at least one, none twice: `local`, `uplink`, or a [[sink]] name"),
+        "names",
+        Reload::Restart,
+        "where its results go; each sink gets every result, in order, and settles it on its own",
+        Get::Pipeline(|p| Some(list(&p.sinks)))
     ),
     key!(
         "pipeline.format",

@@ -16,6 +16,7 @@ fn with(section: &str, lines: &str) -> String {
     match section {
         "" => format!("{lines}\n{MINIMAL}"),
         "pipeline" => format!("{MINIMAL}{lines}\n"),
+        "sink" => format!("[[sink]]\n{lines}\n\n{MINIMAL}"),
         s => {
             let header = format!("[{s}]\n");
             match MINIMAL.find(&header) {
@@ -88,6 +89,8 @@ fn every_key_the_parser_accepts_is_in_the_table_and_no_other() {
             "client_id = \"up\"\ntls = { zzz_unknown = 1 }",
         ),
         ("sparkplug", "sparkplug", "zzz_unknown = 1"),
+        ("sink", "sink", "zzz_unknown = 1"),
+        ("sink", "sink.tls", "tls = { zzz_unknown = 1 }"),
         ("pipeline", "pipeline", "zzz_unknown = 1"),
         (
             "pipeline",
@@ -118,6 +121,9 @@ fn every_key_the_parser_accepts_is_in_the_table_and_no_other() {
 #[test]
 fn the_defaults_in_the_table_are_the_ones_validation_applies() {
     let text = with("uplink", "client_id = \"up\"\ntls = { ca_file = \"/ca\" }");
+    let text = format!(
+        "[[sink]]\nname = \"s\"\nkind = \"mqtt\"\nclient_id = \"s\"\ntls = {{ ca_file = \"/ca\" }}\n\n{text}"
+    );
     let text = text
         .replace(
             "aggregate = \"sum\"",

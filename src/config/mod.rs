@@ -35,6 +35,9 @@ pub struct Config {
     pub dead_letters: DeadLettersConfig,
     /// `[uplink]`: where results go when they do not go to `[mqtt]`'s broker.
     pub uplink: Option<UplinkConfig>,
+    /// `[[sink]]` tables (issue 29): named destinations pipelines send results to, beside
+    /// `local` (`[mqtt]`'s broker) and `uplink` (`[uplink]`).
+    pub sinks: Vec<SinkConfig>,
     /// `[sparkplug]`: Cairn as a Sparkplug host (issue 31).
     pub sparkplug: SparkplugConfig,
     pub pipelines: Vec<PipelineSpec>,
@@ -112,6 +115,54 @@ pub struct UplinkConfig {
     /// The connection, checked as `[mqtt]`'s is. `ingest_batch` and `channel_capacity`
     /// are `[mqtt]`'s: both connections feed one event channel.
     pub mqtt: MqttConfig,
+    /// Prepended to every result topic ("" by default).
+    pub topic_prefix: String,
+}
+
+/// The sink name of `[mqtt]`'s broker.
+pub const LOCAL_SINK: &str = "local";
+/// The sink name of `[uplink]`.
+pub const UPLINK_SINK: &str = "uplink";
+
+/// One `[[sink]]`: its name (what pipelines' `sinks` list) and its kind with its keys.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SinkConfig {
+    pub name: String,
+    pub kind: SinkKind,
+}
+
+/// What a sink is, with the keys of that kind.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SinkKind {
+    /// `kind = "mqtt"`: a publish-only connection to a broker.
+    Mqtt(MqttSinkConfig),
+}
+
+impl SinkKind {
+    /// The `kind` as the config writes it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            SinkKind::Mqtt(_) => "mqtt",
+        }
+    }
+}
+
+/// Which MQTT a sink speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SinkProtocol {
+    /// MQTT 5 (`"5"`, the default): a PUBACK can refuse.
+    V5,
+    /// MQTT 3.1.1 (`"3.1.1"`): a broker that refuses acknowledges and drops.
+    V311,
+}
+
+/// `kind = "mqtt"`: the connection (checked as `[uplink]`'s), its protocol and prefix.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MqttSinkConfig {
+    /// `ingest_batch` and `channel_capacity` are `[mqtt]`'s: every connection feeds one
+    /// event channel.
+    pub mqtt: MqttConfig,
+    pub protocol: SinkProtocol,
     /// Prepended to every result topic ("" by default).
     pub topic_prefix: String,
 }
@@ -207,9 +258,34 @@ impl Config {
     pub fn warnings(&self) -> Vec<String> {
         use std::os::unix::fs::PermissionsExt;
         let mut out = Vec::new();
-        let files = [("mqtt", &self.mqtt)]
+        let sinks: Vec<(String, &MqttConfig)> = self
+            .sinks
+            .iter()
+            .enumerate()
+            .map(|(i, s)| match &s.kind {
+                SinkKind::Mqtt(m) => (format!("sink[{i}]"), &m.mqtt),
+            })
+            .collect();
+        for (i, s) in self.sinks.iter().enumerate() {
+            if let SinkKind::Mqtt(m) = &s.kind
+                && m.protocol == SinkProtocol::V311
+            {
+                out.push(format!(
+                    "sink[{i}].protocol: sink `{}` speaks MQTT 3.1.1: a broker that refuses a \
+                     result (an ACL, a quota) acknowledges it and drops it silently, and Cairn \
+                     deletes it as delivered; use protocol = \"5\" unless the broker cannot",
+                    s.name
+                ));
+            }
+        }
+        let files = [("mqtt".to_string(), &self.mqtt)]
             .into_iter()
-            .chain(self.uplink.as_ref().map(|u| ("uplink", &u.mqtt)));
+            .chain(
+                self.uplink
+                    .as_ref()
+                    .map(|u| ("uplink".to_string(), &u.mqtt)),
+            )
+            .chain(sinks);
         for (section, path) in files.filter_map(|(s, m)| Some((s, m.password_file.as_ref()?))) {
             let Ok(meta) = std::fs::metadata(path) else {
                 continue;
@@ -230,6 +306,23 @@ impl Config {
             }
         }
         out
+    }
+
+    /// Every sink results can go to, by name: `local`, `uplink` when `[uplink]` is
+    /// configured, then the `[[sink]]` tables in order.
+    pub fn sink_names(&self) -> Vec<&str> {
+        std::iter::once(LOCAL_SINK)
+            .chain(self.uplink.as_ref().map(|_| UPLINK_SINK))
+            .chain(self.sinks.iter().map(|s| s.name.as_str()))
+            .collect()
+    }
+
+    /// The sinks pipeline `name` sends its results to (none for a pipeline not configured).
+    pub fn routes(&self, pipeline: &str) -> &[String] {
+        self.pipelines
+            .iter()
+            .find(|p| p.name == pipeline)
+            .map_or(&[], |p| p.sinks.as_slice())
     }
 
     pub fn log_dir(&self) -> PathBuf {

@@ -48,6 +48,7 @@ mod names;
 mod pipeline;
 mod raw;
 mod sections;
+mod sinks;
 mod summary;
 #[cfg(test)]
 #[path = "parse_tests.rs"]
@@ -422,7 +423,17 @@ impl Validator {
         let dead_letters = self.dead_letters(raw.dead_letters.unwrap_or_default());
         let uplink = self.uplink(raw.uplink, mqtt.as_ref());
         let sparkplug = self.sparkplug(raw.sparkplug.unwrap_or_default());
-        let pipelines = self.pipelines(raw.pipeline);
+        let sinks = self.sinks(
+            raw.sink,
+            mqtt.as_ref(),
+            uplink.as_ref().and_then(|u| u.as_ref()),
+        );
+        let mut pipelines = self.pipelines(raw.pipeline);
+        if let (Some(p), Some(s), Some(u)) = (&mut pipelines, &sinks, &uplink) {
+            if !self.routes(p, s, u.is_some()) {
+                pipelines = None;
+            }
+        }
         Some(Config {
             source: path.to_path_buf(),
             mqtt: mqtt?,
@@ -435,6 +446,7 @@ impl Validator {
             logging: logging?,
             dead_letters: dead_letters?,
             uplink: uplink?,
+            sinks: sinks?,
             sparkplug: sparkplug?,
             pipelines: pipelines?,
         })

@@ -36,7 +36,30 @@ pub fn plan(old: &Config, new: &Config) -> Plan {
         }
     }
     pipelines(old, new, &mut plan.restart);
+    sinks(old, new, &mut plan.restart);
     plan
+}
+
+/// The `[[sink]]` changes, by name: added, removed, or a key changed (all at a restart:
+/// each sink is a connection and a cursor).
+fn sinks(old: &Config, new: &Config, restart: &mut Vec<String>) {
+    for s in &old.sinks {
+        let Some(t) = new.sinks.iter().find(|t| t.name == s.name) else {
+            restart.push(format!("sink[{}] (removed)", s.name));
+            continue;
+        };
+        for k in KEYS {
+            let Get::Sink(get) = k.get else { continue };
+            if get(s) != get(t) {
+                restart.push(format!("sink[{}].{}", s.name, &k.name["sink.".len()..]));
+            }
+        }
+    }
+    for t in &new.sinks {
+        if !old.sinks.iter().any(|s| s.name == t.name) {
+            restart.push(format!("sink[{}] (added)", t.name));
+        }
+    }
 }
 
 /// The pipeline changes, by name: added, removed, reordered, or a key changed.
@@ -247,8 +270,11 @@ mod tests {
         let with_uplink = config(uplink);
         let up = plan(&base, &with_uplink);
         assert!(up.applied.is_empty());
+        // (The pipeline's default sink moves to the uplink with it.)
         assert!(
-            up.restart.iter().all(|k| k.starts_with("uplink.")),
+            up.restart
+                .iter()
+                .all(|k| k.starts_with("uplink.") || k == "pipeline[p].sinks"),
             "{up:?}"
         );
         // And each uplink key alone, against a config that has one.

@@ -133,6 +133,29 @@ pub struct UplinkFigures {
     pub reconnects: u64,
 }
 
+/// One result sink as operators see it (issue 29).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SinkFigures {
+    pub name: String,
+    /// `connected`, `down` or `refusing`.
+    pub state: &'static str,
+    /// Wall clock of the last change of state; 0 before the first.
+    pub since_ms: u64,
+    /// Outbox entries this sink has not settled yet (of all the outbox holds: an upper
+    /// bound when the sinks take different pipelines) and their bytes.
+    pub waiting: u64,
+    pub waiting_bytes: u64,
+    /// Results sent and settled.
+    pub sent: u64,
+    pub acked: u64,
+    /// Acknowledged per second, recent.
+    pub drain_rate: f64,
+    /// Refusals by reason name (MQTT 5 reason codes).
+    pub refused: BTreeMap<&'static str, u64>,
+    /// The last refusal: reason code and name.
+    pub refusing: Option<(u8, &'static str)>,
+}
+
 /// Everything exported. The agent writes it; [`render`] reads a copy.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Figures {
@@ -196,6 +219,8 @@ pub struct Figures {
     pub outbox_drain_eta_seconds: Option<f64>,
     /// `None` without `[uplink]`.
     pub uplink: Option<UplinkFigures>,
+    /// Every sink, `local` first.
+    pub sinks: Vec<SinkFigures>,
     pub pipelines: BTreeMap<String, PipelineFigures>,
     // The store's own bounds (as of the last checkpoint).
     pub dead_letters_stored: u64,

@@ -1,6 +1,6 @@
 //! The uplink and the outbox as its queue (issue 13), for the table in `render.rs`.
 
-use super::{COUNTER, Figures, GAUGE, Out, age_seconds, b};
+use super::{COUNTER, Figures, GAUGE, Out, age_seconds, b, sample};
 
 pub(super) fn families(o: &mut Out, f: &Figures, now_ms: u64) {
     let up = f.uplink.clone().unwrap_or_default();
@@ -58,4 +58,90 @@ pub(super) fn families(o: &mut Out, f: &Figures, now_ms: u64) {
         "Estimated seconds until the outbox is empty at the current net drain; -1 while it is not shrinking.",
         f.outbox_drain_eta_seconds.unwrap_or(-1.0),
     );
+    sinks(o, f, now_ms);
+}
+
+/// Each result sink (issue 29), labelled `sink`.
+fn sinks(o: &mut Out, f: &Figures, now_ms: u64) {
+    let per = |o: &mut Out,
+               name: &'static str,
+               kind: &'static str,
+               help: &'static str,
+               get: &dyn Fn(&crate::metrics::SinkFigures) -> f64| {
+        let samples = o.family(name, kind, help);
+        for s in &f.sinks {
+            samples.push(sample(name, &[("sink", s.name.clone())], get(s)));
+        }
+    };
+    per(
+        o,
+        "cairn_sink_connected",
+        GAUGE,
+        "1 while the sink's destination is connected.",
+        &|s| b(s.state != "down"),
+    );
+    per(
+        o,
+        "cairn_sink_refusing",
+        GAUGE,
+        "1 while the sink's broker refuses results (MQTT 5 PUBACK reason >= 0x80): they stay in the outbox and are retried with backoff.",
+        &|s| b(s.state == "refusing"),
+    );
+    per(
+        o,
+        "cairn_sink_state_seconds",
+        GAUGE,
+        "Seconds since the sink's state (connected, down, refusing) last changed (0 before the first change).",
+        &|s| age_seconds(s.since_ms, now_ms),
+    );
+    per(
+        o,
+        "cairn_sink_waiting",
+        GAUGE,
+        "Outbox entries the sink may still have to send (the whole outbox: an upper bound when sinks take different pipelines).",
+        &|s| s.waiting as f64,
+    );
+    per(
+        o,
+        "cairn_sink_waiting_bytes",
+        GAUGE,
+        "Bytes of those entries on disk.",
+        &|s| s.waiting_bytes as f64,
+    );
+    per(
+        o,
+        "cairn_sink_sent_total",
+        COUNTER,
+        "Results the sink sent (re-sends included).",
+        &|s| s.sent as f64,
+    );
+    per(
+        o,
+        "cairn_sink_settled_total",
+        COUNTER,
+        "Results the sink's destination settled.",
+        &|s| s.acked as f64,
+    );
+    per(
+        o,
+        "cairn_sink_drain_rate",
+        GAUGE,
+        "Results the sink's destination settled per second, over the last 10 seconds.",
+        &|s| s.drain_rate,
+    );
+    let name = "cairn_sink_refused_total";
+    let samples = o.family(
+        name,
+        COUNTER,
+        "Results the sink's broker refused, by MQTT 5 reason (not settled: retried).",
+    );
+    for s in &f.sinks {
+        for (reason, n) in &s.refused {
+            samples.push(sample(
+                name,
+                &[("sink", s.name.clone()), ("reason", reason.to_string())],
+                *n as f64,
+            ));
+        }
+    }
 }

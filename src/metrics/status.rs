@@ -92,6 +92,7 @@ pub fn status_json(families: &[Family]) -> Value {
         } else {
             json!(null)
         },
+        "sinks": sinks(&samples),
         "dead_letters": num(dead),
         "dead_letters_stored": one("cairn_dead_letters_stored"),
         "dead_letters_pruned": {"age": pruned("age"), "count": pruned("count")},
@@ -106,6 +107,64 @@ pub fn status_json(families: &[Family]) -> Value {
                            "total": one("cairn_broker_dropped_messages")},
         "metrics": flat(&samples),
     })
+}
+
+/// One object per sink label: its state and figures under short names.
+fn sinks(samples: &[&Sample]) -> Vec<Value> {
+    let mut sinks: Vec<(String, Map<String, Value>)> = Vec::new();
+    for s in samples {
+        let Some(name) = s.labels.get("sink") else {
+            continue;
+        };
+        let at = match sinks.iter().position(|(n, _)| n == name) {
+            Some(i) => i,
+            None => {
+                let mut m = Map::new();
+                m.insert("name".into(), json!(name));
+                sinks.push((name.clone(), m));
+                sinks.len() - 1
+            }
+        };
+        let m = &mut sinks[at].1;
+        match s.name.as_str() {
+            "cairn_sink_connected" => {
+                m.entry("state").or_insert(json!(if s.value == 1.0 {
+                    "connected"
+                } else {
+                    "down"
+                }));
+            }
+            "cairn_sink_refusing" if s.value == 1.0 => {
+                m.insert("state".into(), json!("refusing"));
+            }
+            "cairn_sink_state_seconds" => {
+                m.insert("state_seconds".into(), num(s.value));
+            }
+            "cairn_sink_waiting" => {
+                m.insert("waiting".into(), num(s.value));
+            }
+            "cairn_sink_waiting_bytes" => {
+                m.insert("waiting_bytes".into(), num(s.value));
+            }
+            "cairn_sink_sent_total" => {
+                m.insert("sent".into(), num(s.value));
+            }
+            "cairn_sink_settled_total" => {
+                m.insert("settled".into(), num(s.value));
+            }
+            "cairn_sink_drain_rate" => {
+                m.insert("drain_rate".into(), num(s.value));
+            }
+            "cairn_sink_refused_total" => {
+                let r = m.entry("refused").or_insert(json!({}));
+                if let (Some(obj), Some(reason)) = (r.as_object_mut(), s.labels.get("reason")) {
+                    obj.insert(reason.clone(), num(s.value));
+                }
+            }
+            _ => {}
+        }
+    }
+    sinks.into_iter().map(|(_, m)| Value::Object(m)).collect()
 }
 
 /// One object per pipeline label, with the per-pipeline counters under short names.

@@ -77,7 +77,7 @@ fn kind(e: &Event) -> Kind {
     match e {
         Event::Message(_) => Kind::Message,
         Event::PubAcked { .. } | Event::PubRefused { .. } | Event::TooLarge { .. } => Kind::Ack,
-        Event::Uplink(inner) => match **inner {
+        Event::Uplink(inner) | Event::Sink(_, inner) => match **inner {
             Event::PubAcked { .. } | Event::PubRefused { .. } | Event::TooLarge { .. } => Kind::Ack,
             _ => Kind::Other,
         },

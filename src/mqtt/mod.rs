@@ -227,10 +227,13 @@ pub enum Event {
     /// every value of mosquitto's `$SYS/broker/publish/messages/dropped`, or why it cannot be
     /// watched. Only on a connection that subscribes to inputs; never an input itself.
     BrokerDrops(BrokerDrops),
-    /// An event of the uplink connection of [`Mqtt::start_with_uplink`] (never itself an
+    /// An event of the uplink connection of [`Mqtt::start_all`] (never itself an
     /// `Uplink`): both connections feed one channel, so the caller waits on one receiver and
     /// neither connection's events wait behind the other's.
     Uplink(Box<Event>),
+    /// An event of `[[sink]]` number `n`'s client ([`Mqtt::start_all`]; never itself a
+    /// `Sink` or an `Uplink`).
+    Sink(u16, Box<Event>),
 }
 
 /// Where a connection's thread hands its events: the caller's channel, each event wrapped
@@ -239,24 +242,40 @@ pub enum Event {
 pub(crate) struct Sink {
     tx: events::Sender,
     uplink: bool,
+    /// A `[[sink]]` connection: its events wrapped in [`Event::Sink`] with this index.
+    tag: Option<u16>,
 }
 
 impl Sink {
     fn wrap(&self, event: Event) -> Event {
-        if self.uplink {
+        if let Some(n) = self.tag {
+            Event::Sink(n, Box::new(event))
+        } else if self.uplink {
             Event::Uplink(Box::new(event))
         } else {
             event
         }
     }
 
+    /// A hand-over for sink `n`'s client on the same channel as this one: its events come
+    /// as [`Event::Sink`]`(n, ..)`. For sink kinds whose client is not an MQTT connection
+    /// (issue 30): they report each entry's outcome as `PubAcked`, `PubRefused` or
+    /// `TooLarge`, and their link as `Connected` and `Disconnected`.
+    pub(crate) fn for_sink(&self, n: u16) -> Sink {
+        Sink {
+            tx: self.tx.clone(),
+            uplink: false,
+            tag: Some(n),
+        }
+    }
+
     /// Queue one event; a refused one comes back unwrapped.
     pub(crate) fn try_send(&self, event: Event) -> Result<(), TrySendError<Event>> {
         let unwrap = |e: Event| match e {
-            Event::Uplink(inner) => *inner,
+            Event::Uplink(inner) | Event::Sink(_, inner) => *inner,
             other => other,
         };
-        let uplink = self.uplink;
+        let uplink = self.uplink || self.tag.is_some();
         self.tx.try_send(self.wrap(event)).map_err(|e| match e {
             TrySendError::Full(e) if uplink => TrySendError::Full(unwrap(e)),
             TrySendError::Disconnected(e) if uplink => TrySendError::Disconnected(unwrap(e)),
@@ -366,37 +385,13 @@ impl Mqtt {
         let sink = Sink {
             tx: events_tx,
             uplink: false,
+            tag: None,
         };
         let mqtt = Mqtt::start_on(cfg, subscriptions, publish_inflight, sink)?;
         Ok((mqtt, events_rx))
     }
 
-    /// As [`Mqtt::start`], plus a second, publish-only connection (no subscriptions) to
-    /// `uplink` whose events come out of the same receiver as [`Event::Uplink`]. Returns
-    /// (input connection, uplink connection, events). The channel is `cfg`'s capacity: the
-    /// uplink adds at most `publish_inflight` acknowledgements, which the input connection
-    /// (publishing nothing then) leaves free.
-    pub(crate) fn start_with_uplink(
-        cfg: &MqttConfig,
-        subscriptions: Vec<String>,
-        uplink: &MqttConfig,
-        publish_inflight: u16,
-    ) -> Result<(Mqtt, Mqtt, Events), MqttError> {
-        let (events_tx, events_rx) = events::queue(cfg.channel_capacity);
-        let up = Sink {
-            tx: events_tx.clone(),
-            uplink: true,
-        };
-        let up = Mqtt::start_on(uplink, Vec::new(), publish_inflight, up)?;
-        let sink = Sink {
-            tx: events_tx,
-            uplink: false,
-        };
-        let input = Mqtt::start_on(cfg, subscriptions, publish_inflight, sink)?;
-        Ok((input, up, events_rx))
-    }
-
-    /// As [`Mqtt::start_with_uplink`], the result connection speaking `protocol`: the
+    /// As [`Mqtt::start`], plus a publish-only result connection speaking `protocol`: the
     /// input connection, the result connection ([`Link`]) and the one event channel, the
     /// result connection's events wrapped in [`Event::Uplink`]. An MQTT 5 link adds
     /// [`Event::PubRefused`] and [`Event::TooLarge`] to the outcomes.
@@ -411,6 +406,7 @@ impl Mqtt {
         let up = Sink {
             tx: events_tx.clone(),
             uplink: true,
+            tag: None,
         };
         let up = match protocol {
             Protocol::V311 => Link::V311(Mqtt::start_on(link, Vec::new(), publish_inflight, up)?),
@@ -419,9 +415,55 @@ impl Mqtt {
         let sink = Sink {
             tx: events_tx,
             uplink: false,
+            tag: None,
         };
         let input = Mqtt::start_on(cfg, subscriptions, publish_inflight, sink)?;
         Ok((input, up, events_rx))
+    }
+
+    /// The input connection, the uplink if given, and one result connection per
+    /// `sinks` entry (`Event::Sink(i, ..)` for the `i`th), all on one event channel; also
+    /// a hand-over other sink clients can report through ([`Sink::for_sink`]).
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn start_all(
+        cfg: &MqttConfig,
+        subscriptions: Vec<String>,
+        uplink: Option<&MqttConfig>,
+        sinks: &[Option<(&MqttConfig, Protocol)>],
+        publish_inflight: u16,
+    ) -> Result<(Mqtt, Option<Mqtt>, Vec<Option<Link>>, Events, Sink), MqttError> {
+        let (events_tx, events_rx) = events::queue(cfg.channel_capacity);
+        let base = Sink {
+            tx: events_tx,
+            uplink: false,
+            tag: None,
+        };
+        let up = match uplink {
+            Some(u) => {
+                let tx = Sink {
+                    uplink: true,
+                    ..base.clone()
+                };
+                Some(Mqtt::start_on(u, Vec::new(), publish_inflight, tx)?)
+            }
+            None => None,
+        };
+        let mut links = Vec::with_capacity(sinks.len());
+        for (i, s) in sinks.iter().enumerate() {
+            let Some((link, protocol)) = s else {
+                links.push(None);
+                continue;
+            };
+            let tx = base.for_sink(u16::try_from(i).unwrap_or(u16::MAX));
+            links.push(Some(match protocol {
+                Protocol::V311 => {
+                    Link::V311(Mqtt::start_on(link, Vec::new(), publish_inflight, tx)?)
+                }
+                Protocol::V5 => Link::V5(Mqtt5::start_on(link, publish_inflight, tx)?),
+            }));
+        }
+        let input = Mqtt::start_on(cfg, subscriptions, publish_inflight, base.clone())?;
+        Ok((input, up, links, events_rx, base))
     }
 
     fn start_on(

@@ -50,6 +50,8 @@ struct Writes {
     dead_stats: Option<Vec<u8>>,
     /// `None` when the dedup windows did not change.
     windows: Option<Vec<u8>>,
+    /// The sinks' settled positions, when the agent staged them (`sinks.rs`).
+    sinks: Option<Vec<u8>>,
 }
 
 impl Store {
@@ -118,6 +120,7 @@ impl Store {
                 .then(|| bounded("meta", DEAD_STATS_KEY, encode(&dead_stats)))
                 .transpose()?,
             windows: lw.windows.as_ref().map(|(_, v)| v.clone()),
+            sinks: self.take_sink_positions(mem),
         };
         self.transaction(&writes)?;
         mem.dead = dead_stats;
@@ -285,6 +288,9 @@ impl Store {
                 }
                 if let Some(v) = &w.windows {
                     tx[0].insert(LEDGER_WINDOWS_KEY, v.as_slice())?;
+                }
+                if let Some(v) = &w.sinks {
+                    tx[0].insert(super::sinks::SINKS_KEY, v.as_slice())?;
                 }
                 Ok::<(), sled::transaction::ConflictableTransactionError<()>>(())
             })

@@ -207,6 +207,7 @@ mod index;
 mod ledger;
 mod open;
 mod read;
+mod sinks;
 mod v2;
 pub use copy::StoreCopy;
 mod lru;
@@ -326,6 +327,8 @@ struct Mem {
     windows: std::collections::BTreeMap<String, u64>,
     /// Dormant pipelines whose window is unknown, already named in the journal.
     warned_windows: std::collections::BTreeSet<String>,
+    /// The sinks' settled positions for the next commit (`sinks.rs`), encoded.
+    sinks: Option<Vec<u8>>,
 }
 
 impl Mem {
@@ -338,6 +341,7 @@ impl Mem {
             dead: DeadLetterStats::default(),
             windows: Default::default(),
             warned_windows: Default::default(),
+            sinks: None,
         }
     }
 }

@@ -215,6 +215,49 @@ impl OutboxMem {
         emptied
     }
 
+    /// The chunk holding `seq` and the runs of consecutive entries still waiting in it, as
+    /// (first seq, count): what to write back when one entry is set aside for good while
+    /// others in its chunk still wait (see `Store::outbox_set_aside`).
+    pub(crate) fn waiting_runs(&self, seq: u64) -> Option<(u64, Vec<(u64, u64)>)> {
+        let (&first, meta) = self.chunks.range(..=seq).next_back()?;
+        if seq - first >= meta.n {
+            return None;
+        }
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        for i in (0..meta.n).filter(|&i| !meta.is_done(i)) {
+            match runs.last_mut() {
+                Some((s, n)) if *s + *n == first + i => *n += 1,
+                _ => runs.push((first + i, 1)),
+            }
+        }
+        Some((first, runs))
+    }
+
+    /// Chunk `old` was rewritten as `runs` (each: first seq, its waiting entries, bytes on
+    /// disk): every entry in them waits, and nothing else of `old` does.
+    pub(crate) fn replace_chunk(&mut self, old: u64, runs: Vec<(u64, ChunkEntries, u64)>) {
+        if let Some(gone) = self.chunks.remove(&old) {
+            self.bytes = self.bytes.saturating_sub(gone.bytes);
+            self.len = self.len.saturating_sub(gone.waiting as usize);
+        }
+        self.cache.forget(&old);
+        for (first, entries, bytes) in runs {
+            let n = entries.len() as u64;
+            self.chunks.insert(
+                first,
+                ChunkMeta {
+                    n,
+                    waiting: n,
+                    bytes,
+                    done: vec![0; n.div_ceil(64) as usize],
+                },
+            );
+            self.len += entries.len();
+            self.bytes += bytes;
+            self.cache_put(first, entries);
+        }
+    }
+
     /// The first waiting entry at or after `from`: (seq, first seq of its chunk).
     pub(crate) fn next_from(&self, from: u64) -> Option<(u64, u64)> {
         let start = self

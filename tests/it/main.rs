@@ -41,6 +41,7 @@ mod readme;
 mod reload;
 mod retention;
 mod savepoint;
+mod sinks;
 mod snippet;
 mod sparkplug;
 mod start_plan;

@@ -38,6 +38,7 @@
 //! [`settled_below`]: Cursor::settled_below
 
 use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
 
 use crate::model::Output;
 
@@ -45,35 +46,64 @@ use crate::model::Output;
 /// processor's memory, its checkpoint still to come).
 pub(crate) type Next = (u64, Output, bool);
 
-/// What goes out next, at most `room`: the durable outbox entries from `cursor` on, in
-/// sequence order (`outbox` yields them so), then the outputs still waiting for their
-/// checkpoint from `cursor` on (`pending`, in sequence order, all newer than any entry).
-pub(crate) fn next_batch<E>(
+/// Most entries one [`next_routed`] call looks at, routed to the sink or not: a sink that
+/// takes few pipelines' results skips the others a bounded stretch at a time.
+pub(crate) const SCAN_MAX: usize = 4096;
+
+/// What goes out next for one sink, at most `room`: the durable outbox entries from
+/// `cursor` on, in sequence order (`outbox` yields them so), then the outputs still waiting
+/// for their checkpoint from `cursor` on (`pending`, in sequence order, all newer than any
+/// entry); only those `routed` (by output ID) to this sink, looking at most [`SCAN_MAX`]
+/// entries; also the sequence after the last one looked at (the cursor
+/// may move there once the batch is sent: what it passed over is not this sink's).
+pub(crate) fn next_routed<E>(
     cursor: u64,
     room: usize,
     outbox: impl Iterator<Item = Result<(u64, Output), E>>,
     pending: &[(u64, Output)],
-) -> Result<Vec<Next>, E> {
-    let mut batch: Vec<Next> = outbox
-        .take(room)
-        .map(|e| e.map(|(seq, out)| (seq, out, false)))
-        .collect::<Result<_, _>>()?;
+    routed: impl Fn(&str) -> bool,
+) -> Result<(Vec<Next>, u64), E> {
+    let mut batch = Vec::new();
+    let (mut next, mut looked) = (cursor, 0usize);
+    if room == 0 {
+        return Ok((batch, next));
+    }
+    for e in outbox {
+        let (seq, out) = e?;
+        looked += 1;
+        next = seq + 1;
+        if routed(&out.id) {
+            batch.push((seq, out, false));
+            if batch.len() >= room {
+                return Ok((batch, next));
+            }
+        }
+        if looked >= SCAN_MAX {
+            return Ok((batch, next));
+        }
+    }
     let from = pending.partition_point(|(seq, _)| *seq < cursor);
-    let left = room - batch.len();
-    batch.extend(
-        pending[from..]
-            .iter()
-            .take(left)
-            .map(|(s, o)| (*s, o.clone(), true)),
-    );
-    Ok(batch)
+    for (seq, out) in &pending[from..] {
+        looked += 1;
+        next = seq + 1;
+        if routed(&out.id) {
+            batch.push((*seq, out.clone(), true));
+            if batch.len() >= room {
+                break;
+            }
+        }
+        if looked >= SCAN_MAX {
+            break;
+        }
+    }
+    Ok((batch, next))
 }
 
 pub(crate) struct Cursor {
     /// The next sequence to publish.
     cursor: u64,
-    /// Sequence → (output ID, acknowledged), for each publish not yet settled.
-    inflight: BTreeMap<u64, (String, bool)>,
+    /// Sequence → (output ID, acknowledged, when sent), for each publish not yet settled.
+    inflight: BTreeMap<u64, (String, bool, Instant)>,
     /// Output ID → sequence, to find a PUBACK's entry.
     by_id: HashMap<String, u64>,
     connected: bool,
@@ -105,12 +135,44 @@ impl Cursor {
         self.cursor
     }
 
-    /// Output `seq` went out as `output_id`.
-    pub(crate) fn sent(&mut self, output_id: String, seq: u64) {
+    /// Output `seq` went out as `output_id` at `now`.
+    pub(crate) fn sent(&mut self, output_id: String, seq: u64, now: Instant) {
         debug_assert!(seq >= self.cursor, "sent in sequence order");
         self.by_id.insert(output_id.clone(), seq);
-        self.inflight.insert(seq, (output_id, false));
+        self.inflight.insert(seq, (output_id, false, now));
         self.cursor = seq + 1;
+    }
+
+    /// Entries before `seq` not sent yet are not this sink's (not routed to it): the
+    /// cursor moves past them, and they count as settled here.
+    pub(crate) fn skip_to(&mut self, seq: u64) {
+        self.cursor = self.cursor.max(seq);
+    }
+
+    /// The destination refused `output_id`: it and everything sent after it go again
+    /// from it, in order (acknowledgements still on their way for those are ignored; a
+    /// re-send carries the same ID and payload). `false` if it is not awaiting an answer.
+    pub(crate) fn rewind(&mut self, output_id: &str) -> bool {
+        let Some(&seq) = self.by_id.get(output_id) else {
+            return false;
+        };
+        for (_, (id, _, _)) in self.inflight.split_off(&seq) {
+            self.by_id.remove(&id);
+        }
+        self.cursor = seq;
+        true
+    }
+
+    /// How long ago `output_id` was sent, if it awaits its acknowledgement.
+    pub(crate) fn since_sent(&self, output_id: &str, now: Instant) -> Option<Duration> {
+        let seq = self.by_id.get(output_id)?;
+        let (_, _, at) = self.inflight.get(seq)?;
+        Some(now.saturating_duration_since(*at))
+    }
+
+    /// The sequence `output_id` went out with, if it awaits its acknowledgement.
+    pub(crate) fn seq_of(&self, output_id: &str) -> Option<u64> {
+        self.by_id.get(output_id).copied()
     }
 
     /// The broker acknowledged `output_id`: the outputs this settles, in order, as
@@ -128,7 +190,7 @@ impl Cursor {
             if !e.get().1 {
                 break;
             }
-            let (seq, (id, _)) = e.remove_entry();
+            let (seq, (id, _, _)) = e.remove_entry();
             settled.push((seq, id));
         }
         settled
@@ -185,8 +247,9 @@ mod tests {
         let pending = vec![(5, out("c")), (6, out("d")), (7, out("e"))];
         let sent = |cursor, room, outbox: &[(u64, Output)]| {
             let it = outbox.iter().cloned().map(Ok::<_, ()>);
-            next_batch(cursor, room, it, &pending)
+            next_routed(cursor, room, it, &pending, |_| true)
                 .unwrap()
+                .0
                 .into_iter()
                 .map(|(s, o, fresh)| (s, o.id, fresh))
                 .collect::<Vec<_>>()
@@ -215,6 +278,23 @@ mod tests {
     }
 
     #[test]
+    fn a_sink_takes_only_its_pipelines_results_and_skips_the_others() {
+        let outbox = [(3, out("x/1")), (4, out("y/1")), (5, out("x/2"))];
+        let pending = vec![(6, out("y/2")), (7, out("x/3"))];
+        let it = outbox.iter().cloned().map(Ok::<_, ()>);
+        let (batch, next) = next_routed(3, 10, it, &pending, |id| id.starts_with('y')).unwrap();
+        let got: Vec<u64> = batch.iter().map(|b| b.0).collect();
+        assert_eq!(got, [4, 6]);
+        assert_eq!(
+            next, 8,
+            "everything looked at: the cursor may move past x's"
+        );
+        let it = outbox.iter().cloned().map(Ok::<_, ()>);
+        let (batch, next) = next_routed(3, 1, it, &pending, |id| id.starts_with('y')).unwrap();
+        assert_eq!((batch.len(), next), (1, 5), "full after 4");
+    }
+
+    #[test]
     fn nothing_is_sent_while_disconnected_whatever_the_window() {
         let mut p = Cursor::new(0);
         assert_eq!(
@@ -233,8 +313,8 @@ mod tests {
     fn the_cursor_follows_what_was_sent_and_a_puback_names_the_entry_to_delete() {
         let mut p = Cursor::new(40);
         assert_eq!(p.cursor(), 40);
-        p.sent("a".into(), 40);
-        p.sent("b".into(), 41);
+        p.sent("a".into(), 40, Instant::now());
+        p.sent("b".into(), 41, Instant::now());
         assert_eq!(p.cursor(), 42);
         assert!(!p.idle());
         assert_eq!(p.acked("a"), vec![(40, "a".to_string())]);
@@ -243,6 +323,35 @@ mod tests {
         assert_eq!(p.acked("b"), vec![(41, "b".to_string())]);
         assert!(p.idle());
         assert_eq!(p.cursor(), 42, "acks do not move the cursor");
+    }
+
+    #[test]
+    fn a_refusal_sends_it_and_everything_after_it_again_in_order() {
+        let mut p = Cursor::new(0);
+        let now = Instant::now();
+        for (i, id) in ["a", "b", "c", "d"].iter().enumerate() {
+            p.sent(id.to_string(), i as u64, now);
+        }
+        assert_eq!(ids(p.acked("a")), vec![0]);
+        assert_eq!(ids(p.acked("c")), Vec::<u64>::new(), "waits for b");
+        assert!(p.rewind("b"));
+        assert_eq!(p.cursor(), 1, "b goes again, then c and d");
+        assert_eq!(p.settled_below(), 1);
+        assert_eq!(
+            ids(p.acked("d")),
+            Vec::<u64>::new(),
+            "an old ack is ignored"
+        );
+        assert!(!p.rewind("b"), "not awaiting an answer any more");
+        p.sent("b".into(), 1, now);
+        assert_eq!(ids(p.acked("b")), vec![1]);
+        p.skip_to(7);
+        assert_eq!(p.cursor(), 7);
+        assert_eq!(
+            p.settled_below(),
+            7,
+            "entries not routed here count as settled"
+        );
     }
 
     #[test]
@@ -258,7 +367,7 @@ mod tests {
     fn only_a_prefix_of_acknowledged_outputs_is_settled_whatever_the_ack_order() {
         let mut p = Cursor::new(0);
         for (i, id) in ["a", "b", "c", "d"].iter().enumerate() {
-            p.sent(id.to_string(), i as u64);
+            p.sent(id.to_string(), i as u64, Instant::now());
         }
         assert_eq!(p.settled_below(), 0);
         // Out of order (a reconnect): c and b wait for a.
@@ -282,7 +391,7 @@ mod tests {
         // are on the wire, 9 was not sent. The outbox gets exactly 7, 8 and 9.
         let mut p = Cursor::new(5);
         for s in 5..9 {
-            p.sent(format!("o{s}"), s);
+            p.sent(format!("o{s}"), s, Instant::now());
         }
         p.acked("o5");
         p.acked("o6");

@@ -4,27 +4,50 @@
 //! - **What is waiting**: the durable outbox entries (the store's `outbox` tree) and the
 //!   outputs processing made since the last checkpoint (the processor's memory): both may
 //!   leave, since their inputs are durable in the log (`cursor.rs`).
-//! - **Sinks**: each destination has its own [`cursor::Cursor`] over that one queue, and
-//!   one file per kind of destination. Today there is one, the MQTT sink (`mqtt.rs`): the
-//!   local broker of `[mqtt]`, or with `[uplink]` a central one, with `topic_prefix` before
-//!   each topic. An entry is deleted once every sink it is routed to has settled it; with
-//!   one sink, once it has.
-//! - **Settled**: a PUBACK settles a contiguous prefix of what was sent ([`Results::acked`]);
-//!   a checkpoint leaves settled outputs out of the outbox ([`Results::settled_below`]).
+//! - **Sinks** (issue 29): `local` (the input connection), `uplink` with `[uplink]`, then
+//!   each `[[sink]]`, in that order ([`Results::new`]). Each has its own
+//!   [`cursor::Cursor`] over the one queue and sends, in order, only the results of the
+//!   pipelines that name it (`cursor::next_routed`; a pipeline no longer configured goes
+//!   where results went by default). A sink that is down or refusing sends nothing and
+//!   holds no other back: its results wait, up to the shared bound.
+//! - **Settled**: a destination's positive answer settles, per sink, a contiguous prefix of
+//!   what it was sent ([`Results::acked`]); an entry is deleted once every sink it is routed
+//!   to has settled it ([`Results::settled_everywhere`]), and a checkpoint leaves such
+//!   outputs out of the outbox ([`Results::settled`]). Each sink's settled position goes
+//!   into every checkpoint's transaction ([`Results::positions`], the store's `sinks.rs`):
+//!   after a crash each sink starts there, and entries every sink had settled are deleted
+//!   at start ([`Results::forget_settled`]).
+//! - **Refused**: an MQTT 5 PUBACK of 0x80 or more settles nothing; that sink goes back to
+//!   the refused result and sends it and what followed again, in order, after a growing
+//!   delay (`MqttSink::refused`). A result too large for a sink, or one its broker keeps
+//!   refusing by closing the connection (`strikes.rs`), is a dead letter for that sink and
+//!   settled there ([`Results::set_aside`]); the other sinks still get it.
+//!
+//! **A sink of another kind** (issue 30: PostgreSQL, JetStream) is a client that takes the
+//! entries `next_routed` gives it, in order, and reports each one's outcome on the loop's
+//! event channel as `Event::Sink(n, ..)`, through the hand-over `Mqtt::start_all` returns
+//! (`mqtt::Sink::for_sink(n)`): `PubAcked` when the destination committed it (for
+//! PostgreSQL, with the sink's settled position in the same transaction), `PubRefused` when
+//! it said no (retried), `TooLarge` for a result it can never take (a dead letter), and
+//! `Connected`/`Disconnected` for its link. Here it is one more [`mqtt::Conn`] variant:
+//! publish, in-flight count and abandon are the three calls a sink's connection answers.
 //! - **The bound** ([`Results::full`], `outbox.max_entries` and `max_size`): past it,
 //!   processing waits (live, catch-up, backfill and the replay at start alike: the `work`
 //!   part asks here) and the log holds the input, which is still acknowledged (issue 16,
 //!   invariant 7).
 //!
 //! Handed the IO it needs by the loop: the processor (its store's outbox, its fresh
-//! outputs) and the input connection (the sink's connection without an uplink).
+//! outputs) and the input connection (the `local` sink's connection).
 
 pub(crate) mod cursor;
 pub(crate) mod mqtt;
+pub(crate) mod strikes;
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use crate::config::OutboxConfig;
+use std::collections::HashMap;
+
+use crate::config::{Config, OutboxConfig};
 use crate::metrics::Metrics;
 use crate::mqtt::{Event, Mqtt};
 use crate::processor::Processor;
@@ -41,6 +64,13 @@ pub(crate) struct Counts {
     pub(crate) published_early: u64,
     /// Results acknowledged before their checkpoint, so never written to the outbox.
     pub(crate) settled_early: u64,
+    /// Results set aside for a destination that kept refusing them (dead letters).
+    pub(crate) set_aside: u64,
+}
+
+/// The pipeline an output ID belongs to: `name/...`, or `name@generation/...`.
+pub(crate) fn pipeline_of(output_id: &str) -> &str {
+    output_id.split(['/', '@']).next().unwrap_or("")
 }
 
 /// The bound's rule: `entries` (stored and to come with the next checkpoint) and the
@@ -55,18 +85,110 @@ fn full_at(cfg: &OutboxConfig, entries: u64, bytes: u64) -> Option<&'static str>
     }
 }
 
+/// One sink's routing bit: a pipeline's results go to the sinks whose bits its mask holds.
+type Mask = u64;
+
 pub(crate) struct Results {
-    /// The sink `local`: the MQTT broker results go to.
-    local: MqttSink,
+    /// Every sink: `local` first (the input connection), then `uplink` if configured, then
+    /// the `[[sink]]` tables in order ([`Results::sink_index`]).
+    sinks: Vec<MqttSink>,
+    /// Where `Event::Sink(0, ..)` sinks start in `sinks`.
+    first_table: usize,
+    /// Pipeline name → the sinks its results go to.
+    routes: HashMap<String, Mask>,
+    /// Results of a pipeline no longer configured go where results went by default.
+    default_route: Mask,
     pub(crate) counts: Counts,
 }
 
 impl Results {
-    pub(crate) fn new(local: MqttSink) -> Results {
+    /// The sinks (in the order of [`Config::sink_names`]) and each pipeline's routes.
+    pub(crate) fn new(cfg: &Config, sinks: Vec<MqttSink>) -> Results {
+        let index = |name: &str| sinks.iter().position(|s| s.name == name);
+        let mask = |names: &[String]| -> Mask {
+            names
+                .iter()
+                .filter_map(|n| index(n))
+                .fold(0, |m, i| m | (1 << i))
+        };
+        let default = if cfg.uplink.is_some() {
+            crate::config::UPLINK_SINK
+        } else {
+            crate::config::LOCAL_SINK
+        };
+        let routes = cfg
+            .pipelines
+            .iter()
+            .map(|p| (p.name.clone(), mask(&p.sinks)))
+            .collect();
         Results {
-            local,
+            default_route: mask(&[default.to_string()]),
+            first_table: 1 + usize::from(cfg.uplink.is_some()),
+            sinks,
+            routes,
             counts: Counts::default(),
         }
+    }
+
+    /// The sinks' mask output `id` is routed to.
+    fn route(&self, id: &str) -> Mask {
+        *self
+            .routes
+            .get(pipeline_of(id))
+            .unwrap_or(&self.default_route)
+    }
+
+    /// Whether output `seq` (`id`) is settled for every sink it is routed to.
+    pub(crate) fn settled_everywhere(&self, seq: u64, id: &str) -> bool {
+        let route = self.route(id);
+        self.sinks
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| route & (1 << i) != 0)
+            .all(|(_, s)| seq < s.cursor.settled_below())
+    }
+
+    /// Each sink's settled position, for the checkpoint to make durable.
+    pub(crate) fn positions(&self) -> Vec<(String, u64)> {
+        self.sinks
+            .iter()
+            .map(|s| (s.name.clone(), s.cursor.settled_below()))
+            .collect()
+    }
+
+    /// At start: delete the outbox entries every sink they are routed to settled before
+    /// the crash (deletions are not fsynced; the positions are, with the checkpoint).
+    pub(crate) fn forget_settled(&self, proc: &Processor) -> Result<u64, AgentError> {
+        let top = self
+            .sinks
+            .iter()
+            .map(|s| s.cursor.settled_below())
+            .max()
+            .unwrap_or(0);
+        let mut gone = Vec::new();
+        for e in proc.store().outbox_from(0) {
+            let (seq, out) = e?;
+            if seq >= top {
+                break;
+            }
+            if self.settled_everywhere(seq, &out.id) {
+                gone.push((seq, out.id));
+            }
+        }
+        for (seq, id) in &gone {
+            proc.store().outbox_delete(*seq, id)?;
+        }
+        Ok(gone.len() as u64)
+    }
+
+    /// The index of `Event::Sink(n, ..)`'s sink.
+    pub(crate) fn sink_index(&self, n: u16) -> usize {
+        self.first_table + usize::from(n)
+    }
+
+    /// The index of the uplink's sink.
+    pub(crate) fn uplink_index(&self) -> Option<usize> {
+        (self.first_table == 2).then_some(1)
     }
 
     /// Whether the outbox is at its bound, and which: past it, processing waits. Results that
@@ -83,50 +205,183 @@ impl Results {
         full_at(cfg, entries, store.outbox_bytes())
     }
 
-    /// Send, in order and within the inflight window, the durable outbox entries from the
-    /// cursor, then the outputs still waiting for their checkpoint (`cursor::next_batch`).
+    /// Each sink sends, in order and within its inflight window, the durable outbox entries
+    /// routed to it from its cursor, then the outputs still waiting for their checkpoint
+    /// (`cursor::next_routed`). A sink down or refusing sends nothing and holds no other.
     pub(crate) fn publish(
         &mut self,
         proc: &Processor,
         input: &Mqtt,
         inflight: u16,
+        now: Instant,
     ) -> Result<(), AgentError> {
-        let room = self.local.room(inflight, input);
-        if room == 0 {
-            return Ok(());
-        }
-        let from = self.local.cursor.cursor();
-        let batch = cursor::next_batch(
-            from,
-            room,
-            proc.store().outbox_from(from),
-            proc.pending_outputs(),
-        )?;
-        self.local.send(batch, input, &mut self.counts)
-    }
-
-    /// The broker acknowledged a result: delete the outbox entries it settles.
-    pub(crate) fn acked(&mut self, output_id: &str, proc: &Processor) -> Result<(), AgentError> {
-        // Outputs from `fresh` on are not in the store yet: nothing to delete.
-        let fresh = proc.pending_outputs().first().map_or(u64::MAX, |o| o.0);
-        for (seq, id) in self.local.cursor.acked(output_id) {
-            if seq >= fresh {
-                // At the broker, its checkpoint not yet committed (tests/it/crash.rs).
-                failpoint("publish.acked_before_checkpoint")?;
-            } else {
-                failpoint("outbox.before_delete")?;
-                proc.store().outbox_delete(seq, &id)?;
-                failpoint("outbox.after_delete")?;
+        for i in 0..self.sinks.len() {
+            let room = self.sinks[i].room(inflight, input, now);
+            if room == 0 {
+                continue;
             }
-            self.counts.pubacked += 1;
+            let from = self.sinks[i].cursor.cursor();
+            let bit: Mask = 1 << i;
+            let (routes, default) = (&self.routes, self.default_route);
+            let routed =
+                |id: &str| routes.get(pipeline_of(id)).copied().unwrap_or(default) & bit != 0;
+            let (batch, next) = cursor::next_routed(
+                from,
+                room,
+                proc.store().outbox_from(from),
+                proc.pending_outputs(),
+                routed,
+            )?;
+            self.sinks[i].send(batch, Some(next), input, &mut self.counts, now)?;
         }
         Ok(())
     }
 
-    /// Every output with a lower sequence is settled: a checkpoint leaves these out of the
-    /// outbox.
-    pub(crate) fn settled_below(&self) -> u64 {
-        self.local.cursor.settled_below()
+    /// Sink `i`'s destination acknowledged a result: delete the outbox entries it settles
+    /// for every sink they are routed to.
+    pub(crate) fn acked(
+        &mut self,
+        i: usize,
+        output_id: &str,
+        proc: &Processor,
+    ) -> Result<(), AgentError> {
+        let Some(sink) = self.sinks.get_mut(i) else {
+            return Ok(());
+        };
+        sink.strikes.cleared(output_id);
+        let settled = sink.cursor.acked(output_id);
+        if !settled.is_empty() {
+            sink.accepted();
+        }
+        sink.acked += settled.len() as u64;
+        self.settle(settled, None, proc)
+    }
+
+    /// Outputs that became settled for one sink: those settled for every sink they are
+    /// routed to leave the outbox (`aside`: the one set aside for good, whose chunk is
+    /// rewritten at once).
+    fn settle(
+        &mut self,
+        settled: Vec<(u64, String)>,
+        aside: Option<u64>,
+        proc: &Processor,
+    ) -> Result<(), AgentError> {
+        // Outputs from `fresh` on are not in the store yet: nothing to delete.
+        let fresh = proc.pending_outputs().first().map_or(u64::MAX, |o| o.0);
+        for (seq, id) in settled {
+            if seq >= fresh {
+                // At the broker, its checkpoint not yet committed (tests/it/crash.rs).
+                failpoint("publish.acked_before_checkpoint")?;
+            } else if Some(seq) == aside {
+                proc.store().outbox_set_aside(seq, &id)?;
+            } else if self.settled_everywhere(seq, &id) {
+                failpoint("outbox.before_delete")?;
+                proc.store().outbox_delete(seq, &id)?;
+                failpoint("outbox.after_delete")?;
+            }
+            if Some(seq) != aside {
+                self.counts.pubacked += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// A connection ended: the input connection (`input`), or sink `i`'s own. Strike the
+    /// publish at the front of `unacked` for the sink that publishes on it, and set it
+    /// aside if that was its last strike (`strikes.rs`).
+    pub(crate) fn dropped(
+        &mut self,
+        i: usize,
+        unacked: &[String],
+        up_for: Option<Duration>,
+        input: &Mqtt,
+        proc: &Processor,
+        (wall, now): (u64, Instant),
+    ) -> Result<(), AgentError> {
+        let Some(sink) = self.sinks.get_mut(i) else {
+            return Ok(());
+        };
+        let Some(id) = sink.struck(unacked, up_for, now) else {
+            return Ok(());
+        };
+        if sink.cursor.seq_of(&id).is_none() {
+            return Ok(()); // not a result (the Sparkplug host's STATE)
+        }
+        sink.abandon(&id, input);
+        let detail = format!(
+            "the broker closed the connection {} times in a row within {:?} of this publish; \
+             given up on this destination",
+            strikes::STRIKES_MAX,
+            strikes::STRIKE_WITHIN
+        );
+        self.set_aside(i, &id, "refused_by_disconnect", &detail, proc, wall)
+    }
+
+    /// Give up `output_id` for sink `i`: a dead letter for it (`reason`, `detail`), then
+    /// settled there as if acknowledged, so the outbox moves on. Once no other sink it is
+    /// routed to waits for it, its entry leaves the outbox for good at once
+    /// (`Store::outbox_set_aside`), so a restart does not bring it back.
+    pub(crate) fn set_aside(
+        &mut self,
+        i: usize,
+        output_id: &str,
+        reason: &str,
+        detail: &str,
+        proc: &Processor,
+        wall: u64,
+    ) -> Result<(), AgentError> {
+        let Some(seq) = self.sinks[i].cursor.seq_of(output_id) else {
+            return Ok(());
+        };
+        let store = proc.store();
+        let out = match store.outbox_from(seq).next().transpose()? {
+            Some((s, o)) if s == seq => Some(o),
+            _ => proc
+                .pending_outputs()
+                .iter()
+                .find(|(s, _)| *s == seq)
+                .map(|(_, o)| o.clone()),
+        };
+        let sink = &self.sinks[i];
+        let name = sink.name.clone();
+        let pipeline = pipeline_of(output_id).to_string();
+        let topic = out
+            .as_ref()
+            .map_or_else(String::new, |o| sink.topic_of(&o.topic));
+        let payload = out.as_ref().map_or_else(Vec::new, |o| {
+            o.payload[..o
+                .payload
+                .len()
+                .min(crate::pipeline::engine::DEAD_LETTER_PAYLOAD_MAX)]
+                .to_vec()
+        });
+        let letter = crate::model::DeadLetter {
+            offset: proc.next_offset(),
+            pipeline: pipeline.clone(),
+            topic: topic.clone(),
+            reason: reason.to_string(),
+            detail: format!("sink `{name}`, result {output_id}: {detail}"),
+            received_at_ms: wall,
+            payload,
+        };
+        store.add_sink_dead_letter(&letter, &name, seq)?;
+        crate::event!(error, "result_set_aside", pipeline = pipeline, sink = name, reason = reason;
+            "results: set aside {} for sink `{name}` (topic `{}`): {detail}; it is a dead letter \
+             (`cairn inspect dead-letters`), and the results after it go on",
+            crate::text::Shown(output_id),
+            crate::text::Shown(&topic)
+        );
+        self.counts.set_aside += 1;
+        let settled = self.sinks[i].cursor.acked(output_id);
+        // Set aside for good only once no other sink waits for it.
+        let everywhere = self.settled_everywhere(seq, output_id);
+        self.settle(settled, everywhere.then_some(seq), proc)
+    }
+
+    /// Every sink settled it, or its sinks do not take it: a checkpoint leaves it out of
+    /// the outbox.
+    pub(crate) fn settled(&self, seq: u64, out: &crate::model::Output) -> bool {
+        self.settled_everywhere(seq, &out.id)
     }
 
     /// A checkpoint left `settled` acknowledged outputs out of the outbox.
@@ -136,51 +391,112 @@ impl Results {
 
     /// Nothing awaits an acknowledgement.
     pub(crate) fn idle(&self) -> bool {
-        self.local.cursor.idle()
+        self.sinks.iter().all(|s| s.cursor.idle())
     }
 
-    /// Whether results can go out now.
+    /// Whether results can go out now (some sink is connected).
     pub(crate) fn connected(&self) -> bool {
-        self.local.cursor.is_connected()
+        self.sinks.iter().any(|s| s.cursor.is_connected())
     }
 
-    /// Outbox entries at or after the cursor: not yet sent.
+    /// Some connected sink has outbox entries at or after its cursor: not yet sent.
     pub(crate) fn unsent(&self, proc: &Processor) -> Result<bool, AgentError> {
-        let from = self.local.cursor.cursor();
-        Ok(proc.store().outbox_from(from).next().transpose()?.is_some())
+        for s in self.sinks.iter().filter(|s| s.cursor.is_connected()) {
+            let from = s.cursor.cursor();
+            if proc.store().outbox_from(from).next().transpose()?.is_some() {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     pub(crate) fn has_uplink(&self) -> bool {
-        self.local.has_uplink()
+        self.uplink_index().is_some()
     }
 
-    /// Whether the input connection is up (with an uplink, the sink keeps track of it).
+    /// Whether the input connection is up (the `local` sink follows it).
     pub(crate) fn input_connected(&self) -> bool {
-        self.local.input_connected()
+        self.sinks[0].cursor.is_connected()
     }
 
     /// The input connection came up or went down; `true` for a reconnect to count.
     pub(crate) fn input_link(&mut self, up: bool) -> bool {
-        self.local.input_link(up)
+        let c = &mut self.sinks[0].cursor;
+        if up {
+            c.connected();
+            false
+        } else {
+            c.disconnected()
+        }
     }
 
-    /// An event of the uplink connection.
-    pub(crate) fn on_uplink_event(
+    /// An event of sink `i`'s own client.
+    pub(crate) fn on_sink_event(
         &mut self,
+        i: usize,
         ev: Event,
+        input: &Mqtt,
         proc: &Processor,
         cfg: &OutboxConfig,
         at: (u64, Instant),
     ) -> Result<(), AgentError> {
-        if let Event::PubAcked { output_id } = &ev {
-            return self.acked(output_id, proc);
+        if i >= self.sinks.len() {
+            return Ok(());
+        }
+        match ev {
+            Event::PubAcked { output_id } => return self.acked(i, &output_id, proc),
+            Event::PubRefused {
+                output_id,
+                code,
+                reason,
+            } => {
+                let topic = self.topic_of(i, &output_id, proc)?;
+                self.sinks[i].refused(&output_id, code, reason, topic, at);
+                return Ok(());
+            }
+            Event::TooLarge {
+                output_id,
+                size,
+                max,
+            } => {
+                let detail = format!(
+                    "a PUBLISH of {size} bytes, over the broker's Maximum Packet Size of {max}"
+                );
+                return self.set_aside(i, &output_id, "too_large_for_sink", &detail, proc, at.0);
+            }
+            Event::Disconnected {
+                ref unacked,
+                up_for,
+                ..
+            } => {
+                let unacked = unacked.clone();
+                self.dropped(i, &unacked, up_for, input, proc, at)?;
+            }
+            _ => {}
         }
         let store = proc.store();
         let outbox = (store.outbox_len() as u64, store.outbox_bytes());
-        Ok(self.local.on_uplink_event(ev, outbox, cfg, at)?)
+        Ok(self.sinks[i].on_link_event(ev, outbox, cfg, at)?)
     }
 
-    /// Every tick: the outbox's and the drain's figures.
+    /// The topic sink `i` publishes `output_id` on (for a journal line), if it is in the
+    /// outbox or waiting for its checkpoint.
+    fn topic_of(&self, i: usize, output_id: &str, proc: &Processor) -> Result<String, AgentError> {
+        let Some(seq) = self.sinks[i].cursor.seq_of(output_id) else {
+            return Ok(String::new());
+        };
+        let topic = match proc.store().outbox_from(seq).next().transpose()? {
+            Some((s, o)) if s == seq => Some(o.topic),
+            _ => proc
+                .pending_outputs()
+                .iter()
+                .find(|(s, _)| *s == seq)
+                .map(|(_, o)| o.topic.clone()),
+        };
+        Ok(topic.map_or_else(String::new, |t| self.sinks[i].topic_of(&t)))
+    }
+
+    /// Every tick: the outbox's, the drain's and each sink's figures.
     pub(crate) fn refresh(
         &mut self,
         metrics: &Metrics,
@@ -191,9 +507,25 @@ impl Results {
         let store = proc.store();
         let (entries, bytes) = (store.outbox_len() as u64, store.outbox_bytes());
         let window = u64::from(cfg.inflight);
-        let (rate, eta, up) = self
-            .local
-            .observe(now, entries, self.counts.pubacked, window);
+        for s in &mut self.sinks {
+            s.observe(now, entries, window);
+        }
+        let (rate, eta, up) = match self.uplink_index() {
+            Some(u) => {
+                let l = &self.sinks[u].link;
+                (
+                    l.rate.acked_per_second(),
+                    l.rate.eta_seconds(),
+                    Some(l.figures()),
+                )
+            }
+            None => (0.0, None, None),
+        };
+        let sinks: Vec<crate::metrics::SinkFigures> = self
+            .sinks
+            .iter()
+            .map(|s| s.figures(entries, bytes))
+            .collect();
         let max = cfg.max_size;
         metrics.update(|f| {
             f.outbox_bytes = bytes;
@@ -202,17 +534,22 @@ impl Results {
             f.outbox_drain_rate = rate;
             f.outbox_drain_eta_seconds = eta;
             f.uplink = up;
+            f.sinks = sinks;
         });
     }
 
     /// Let the sinks' connection threads hand back their allocation caches.
     pub(crate) fn rest(&self) {
-        self.local.rest();
+        for s in &self.sinks {
+            s.rest();
+        }
     }
 
     /// Close the sinks' own connections.
     pub(crate) fn shutdown(&mut self) {
-        self.local.shutdown();
+        for s in &mut self.sinks {
+            s.shutdown();
+        }
     }
 }
 

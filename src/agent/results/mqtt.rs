@@ -1,12 +1,12 @@
-//! The MQTT sink: results published to the local broker of `[mqtt]`, or with `[uplink]`
-//! (issue 13) over a second, publish-only connection to a central broker, with
-//! `topic_prefix` before each topic; inputs still come from `[mqtt]`. The outbox is its
-//! store-and-forward queue: durable, bounded, and drained in sequence order (its
-//! [`Cursor`]) when the link returns.
+//! MQTT sinks: `local` publishes on the input connection of `[mqtt]`; `uplink` (issue 13)
+//! and each `[[sink]]` of kind `mqtt` (issue 29) over a publish-only connection of their
+//! own (3.1.1 for `[uplink]`, MQTT 5 by default for a `[[sink]]`), with `topic_prefix`
+//! before each topic. The outbox is their store-and-forward queue: durable, bounded, and
+//! drained in sequence order (each sink's [`Cursor`]) when a link returns.
 //!
-//! Both connections feed the loop's one event channel (the uplink's events wrapped in
-//! [`Event::Uplink`]), so the loop never waits on one connection while the other has
-//! events.
+//! Every connection feeds the loop's one event channel (the uplink's events wrapped in
+//! [`Event::Uplink`], a `[[sink]]`'s in [`Event::Sink`]), so the loop never waits on one
+//! connection while another has events.
 //!
 //! [`Link`] and [`DrainRate`] do no IO: told what happened and when, they answer what
 //! changed (for the journal) and the figures (for `status` and `/metrics`).
@@ -17,42 +17,15 @@ use std::time::{Duration, Instant};
 
 use super::Counts as Sent;
 use super::cursor::{Cursor, Next};
+use super::strikes::Strikes;
 use crate::agent::error::{AgentError, failpoint};
-use crate::config::{OutboxConfig, UplinkConfig};
-use crate::mqtt::{Event, Mqtt, MqttError};
+use crate::config::OutboxConfig;
+use crate::mqtt::{Event, Link as MqttLink, Mqtt, MqttError};
 
 /// The drain rate is measured over this much recent time...
 const RATE_SPAN: Duration = Duration::from_secs(10);
 /// ... from samples at least this far apart.
 const RATE_STEP: Duration = Duration::from_millis(250);
-
-/// The MQTT sink: its cursor, and the uplink if results go to one.
-pub(crate) struct MqttSink {
-    pub(crate) cursor: Cursor,
-    uplink: Option<Uplink>,
-}
-
-/// The uplink connection and what the sink knows of it.
-struct Uplink {
-    mqtt: Mqtt,
-    prefix: String,
-    endpoint: String,
-    /// The input connection (`[mqtt]`): the cursor follows the uplink instead.
-    input_connected: bool,
-    link: Link,
-}
-
-impl Uplink {
-    fn new(cfg: &UplinkConfig, mqtt: Mqtt) -> Uplink {
-        Uplink {
-            mqtt,
-            prefix: cfg.topic_prefix.clone(),
-            endpoint: format!("{}:{}", cfg.mqtt.host, cfg.mqtt.port),
-            input_connected: false,
-            link: Link::default(),
-        }
-    }
-}
 
 /// Recent samples of (when, outbox entries, results acknowledged so far): the rate at which
 /// the broker acknowledges results, and the time left to drain at the net rate (acks less
@@ -211,50 +184,154 @@ pub(crate) fn note_waiting_outbox(
     Ok(())
 }
 
+/// Where an MQTT sink's publishes go: the input connection (`local`), or a connection of
+/// its own (`uplink`, a `[[sink]]`).
+pub(crate) enum Conn {
+    Input,
+    Own(MqttLink),
+}
+
+/// A sink the broker refuses (MQTT 5 PUBACK reason >= 0x80): since when, why, and when to
+/// try again.
+#[derive(Debug, Clone)]
+pub(crate) struct Refusing {
+    pub(crate) since_ms: u64,
+    pub(crate) code: u8,
+    pub(crate) reason: &'static str,
+    pub(crate) topic: String,
+    pub(crate) retry_at: Instant,
+    pub(crate) delay: Duration,
+}
+
+/// One MQTT sink: its name, cursor, connection and what it knows of it.
+pub(crate) struct MqttSink {
+    pub(crate) name: String,
+    pub(crate) cursor: Cursor,
+    pub(crate) conn: Conn,
+    prefix: String,
+    endpoint: String,
+    /// Its connection's backoff bounds: refused results are retried within them.
+    retry: (Duration, Duration),
+    /// Drops of the connection against one publish (issue 27).
+    pub(crate) strikes: Strikes,
+    pub(crate) link: Link,
+    pub(crate) refusing: Option<Refusing>,
+    /// Refusals by reason name (`/metrics`), and the last journal line's time.
+    pub(crate) refused: std::collections::BTreeMap<&'static str, u64>,
+    refused_logged: Option<Instant>,
+    refused_unlogged: u64,
+    /// Results this sink settled, and results it sent.
+    pub(crate) acked: u64,
+    pub(crate) sent: u64,
+}
+
+/// At most one journal line about a refusing sink per this long (the rest are counted).
+const REFUSED_LOG_EVERY: Duration = Duration::from_secs(10);
+
 impl MqttSink {
-    /// The sink over the input connection, or over `uplink` (with its config) if there is
-    /// one; `first_seq`: where its cursor starts (the oldest outbox entry).
-    pub(crate) fn new(first_seq: u64, uplink: Option<(&UplinkConfig, Mqtt)>) -> MqttSink {
+    /// A sink named `name` over `conn`, its cursor at `first_seq`.
+    pub(crate) fn new(
+        name: &str,
+        first_seq: u64,
+        conn: Conn,
+        cfg: Option<(&crate::config::MqttConfig, &str)>,
+    ) -> MqttSink {
+        let (prefix, endpoint, retry) = match cfg {
+            Some((m, prefix)) => (
+                prefix.to_string(),
+                format!("{}:{}", m.host, m.port),
+                (
+                    m.reconnect_min.max(Duration::from_millis(100)),
+                    m.reconnect_max.max(Duration::from_millis(100)),
+                ),
+            ),
+            None => (
+                String::new(),
+                String::new(),
+                (Duration::from_secs(1), Duration::from_secs(30)),
+            ),
+        };
         MqttSink {
+            name: name.to_string(),
             cursor: Cursor::new(first_seq),
-            uplink: uplink.map(|(cfg, mqtt)| Uplink::new(cfg, mqtt)),
+            conn,
+            prefix,
+            endpoint,
+            retry,
+            strikes: Strikes::default(),
+            link: Link::default(),
+            refusing: None,
+            refused: Default::default(),
+            refused_logged: None,
+            refused_unlogged: 0,
+            acked: 0,
+            sent: 0,
         }
     }
 
-    /// The connection results go out on: the uplink if configured, else `input`.
-    pub(crate) fn conn<'a>(&'a self, input: &'a Mqtt) -> &'a Mqtt {
-        self.uplink.as_ref().map_or(input, |u| &u.mqtt)
+    fn with_conn<T>(&self, input: &Mqtt, f: impl FnOnce(ConnRef<'_>) -> T) -> T {
+        match &self.conn {
+            Conn::Input => f(ConnRef::V311(input)),
+            Conn::Own(MqttLink::V311(m)) => f(ConnRef::V311(m)),
+            Conn::Own(MqttLink::V5(m)) => f(ConnRef::V5(m)),
+        }
     }
 
-    /// How many results may be sent now: none while disconnected, else what the inflight
-    /// `window` has left beside what the connection still holds.
-    pub(crate) fn room(&self, window: u16, input: &Mqtt) -> usize {
-        let conn = self.conn(input);
-        self.cursor.room(window, || conn.inflight())
+    /// Give up `output_id` on this sink's connection.
+    pub(crate) fn abandon(&self, output_id: &str, input: &Mqtt) {
+        self.with_conn(input, |c| match c {
+            ConnRef::V311(m) => m.abandon(output_id),
+            ConnRef::V5(m) => m.abandon(output_id),
+        })
     }
 
-    /// Publish `batch` (from [`super::cursor::next_batch`]) in order, until the connection's
-    /// window is full.
+    /// How many results may be sent now: none while disconnected or waiting to retry
+    /// after a refusal, else what the inflight `window` has left.
+    pub(crate) fn room(&self, window: u16, input: &Mqtt, now: Instant) -> usize {
+        if self.refusing.as_ref().is_some_and(|r| now < r.retry_at) {
+            return 0;
+        }
+        self.with_conn(input, |c| {
+            let on_wire = || match c {
+                ConnRef::V311(m) => m.inflight(),
+                ConnRef::V5(m) => m.inflight(),
+            };
+            self.cursor.room(window, on_wire)
+        })
+    }
+
+    /// The topic `topic` goes out as (with the sink's prefix).
+    pub(crate) fn topic_of(&self, topic: &str) -> String {
+        format!("{}{topic}", self.prefix)
+    }
+
+    /// Publish `batch` (from [`super::cursor::next_routed`]) in order,
+    /// until the connection's window is full. `skip_to`: the cursor moves there when the
+    /// whole batch went (entries between not routed here).
     pub(crate) fn send(
         &mut self,
         batch: Vec<Next>,
+        skip_to: Option<u64>,
         input: &Mqtt,
         counts: &mut Sent,
+        now: Instant,
     ) -> Result<(), AgentError> {
-        let (conn, prefix) = match &self.uplink {
-            Some(u) => (&u.mqtt, u.prefix.as_str()),
-            None => (input, ""),
-        };
+        let mut all = true;
         for (seq, out, fresh) in batch {
             failpoint("outbox.before_publish")?;
-            let topic = if prefix.is_empty() {
+            let topic = if self.prefix.is_empty() {
                 Cow::Borrowed(out.topic.as_str())
             } else {
-                Cow::Owned(format!("{prefix}{}", out.topic))
+                Cow::Owned(format!("{}{}", self.prefix, out.topic))
             };
-            match conn.publish(out.id.clone(), &topic, out.payload, out.retain) {
+            let sent = self.with_conn(input, |c| match c {
+                ConnRef::V311(m) => m.publish(out.id.clone(), &topic, out.payload, out.retain),
+                ConnRef::V5(m) => m.publish(out.id.clone(), &topic, out.payload, out.retain),
+            });
+            match sent {
                 Ok(()) => {
-                    self.cursor.sent(out.id, seq);
+                    self.cursor.sent(out.id, seq, now);
+                    self.sent += 1;
                     counts.published += 1;
                     if fresh && counts.published_early == 0 {
                         crate::event!(info, "results_leave_early";
@@ -265,41 +342,100 @@ impl MqttSink {
                     counts.published_early += u64::from(fresh);
                     failpoint("outbox.after_publish")?;
                 }
-                Err(MqttError::InflightFull { .. }) => break,
+                Err(MqttError::InflightFull { .. }) => {
+                    all = false;
+                    break;
+                }
                 Err(e) => return Err(e.into()),
             }
+        }
+        if let (true, Some(to)) = (all, skip_to) {
+            self.cursor.skip_to(to);
         }
         Ok(())
     }
 
-    /// Whether results go to an uplink.
-    pub(crate) fn has_uplink(&self) -> bool {
-        self.uplink.is_some()
+    /// A connection results go out on ended (`unacked`, `up_for`: see
+    /// [`Event::Disconnected`]): the output ID to set aside, if the broker refused it by
+    /// dropping the connection once too often (`strikes.rs`).
+    pub(crate) fn struck(
+        &mut self,
+        unacked: &[String],
+        up_for: Option<Duration>,
+        now: Instant,
+    ) -> Option<String> {
+        let cursor = &self.cursor;
+        self.strikes
+            .dropped(unacked, up_for, |id| cursor.since_sent(id, now))
     }
 
-    /// Whether the input connection (`[mqtt]`) is up.
-    pub(crate) fn input_connected(&self) -> bool {
-        self.uplink
-            .as_ref()
-            .map_or(self.cursor.is_connected(), |u| u.input_connected)
+    /// The broker refused `output_id` (MQTT 5 PUBACK `code`): the sink is refusing; the
+    /// cursor goes back to it so it and what followed are sent again, in order, once the
+    /// retry delay has passed. Returns whether it was ours.
+    pub(crate) fn refused(
+        &mut self,
+        output_id: &str,
+        code: u8,
+        reason: &'static str,
+        topic: String,
+        (wall, now): (u64, Instant),
+    ) -> bool {
+        if !self.cursor.rewind(output_id) {
+            return false;
+        }
+        *self.refused.entry(reason).or_default() += 1;
+        let delay = match &self.refusing {
+            Some(r) => (r.delay * 2).min(self.retry.1),
+            None => self.retry.0,
+        };
+        let since_ms = self.refusing.as_ref().map_or(wall, |r| r.since_ms);
+        let due = self
+            .refused_logged
+            .is_none_or(|t| now.saturating_duration_since(t) >= REFUSED_LOG_EVERY);
+        if due {
+            let sink = self.name.as_str();
+            crate::event!(warn, "sink_refused", sink = sink, reason = reason,
+                suppressed = self.refused_unlogged;
+                "sink `{sink}`: the broker {} refused {} on `{}`: 0x{code:02X} {reason}; \
+                 the result stays in the outbox and is sent again in {:?} ({} more refusals \
+                 since the last line)",
+                self.endpoint,
+                crate::text::Shown(output_id),
+                crate::text::Shown(&topic),
+                delay,
+                self.refused_unlogged
+            );
+            self.refused_logged = Some(now);
+            self.refused_unlogged = 0;
+        } else {
+            self.refused_unlogged += 1;
+        }
+        self.refusing = Some(Refusing {
+            since_ms,
+            code,
+            reason,
+            topic,
+            retry_at: now + delay,
+            delay,
+        });
+        true
     }
 
-    /// The input connection came up (`true`) or went down; `true` if that was a change to
-    /// count as a reconnect. Without an uplink the cursor follows it.
-    pub(crate) fn input_link(&mut self, up: bool) -> bool {
-        match (&mut self.uplink, up) {
-            (Some(u), up) => std::mem::replace(&mut u.input_connected, up) && !up,
-            (None, true) => {
-                self.cursor.connected();
-                false
-            }
-            (None, false) => self.cursor.disconnected(),
+    /// A result of this sink was acknowledged: the sink takes results again.
+    pub(crate) fn accepted(&mut self) {
+        if let Some(r) = self.refusing.take() {
+            let sink = self.name.as_str();
+            crate::event!(info, "sink_accepting", sink = sink;
+                "sink `{sink}`: the broker {} accepts results again (refused since {} ms, last \
+                 0x{:02X} {} on `{}`)",
+                self.endpoint, r.since_ms, r.code, r.reason, crate::text::Shown(&r.topic)
+            );
         }
     }
 
-    /// An event of the uplink connection other than a PUBACK (`entries` and `bytes`: the
-    /// outbox now; `at`: the clocks, wall and monotonic).
-    pub(crate) fn on_uplink_event(
+    /// An event of this sink's own connection other than an outcome (`entries` and
+    /// `bytes`: the outbox now; `at`: the clocks, wall and monotonic).
+    pub(crate) fn on_link_event(
         &mut self,
         ev: Event,
         (entries, bytes): (u64, u64),
@@ -307,97 +443,112 @@ impl MqttSink {
         (wall, now): (u64, Instant),
     ) -> Result<(), MqttError> {
         let window = u64::from(cfg.inflight);
-        let Some(u) = self.uplink.as_mut() else {
-            return Ok(());
-        };
+        let name = self.name.clone();
+        let sink = name.as_str();
         match ev {
-            Event::PubAcked { .. }
-            | Event::Uplink(_)
-            | Event::BrokerDrops(_)
-            | Event::PubRefused { .. }
-            | Event::TooLarge { .. } => {}
             Event::Connected { session_present } => {
-                crate::event!(info, "uplink_connected";
-                    "uplink: connected to {} (session present: {session_present}); {entries} \
+                crate::event!(info, "uplink_connected", sink = sink;
+                    "{sink}: connected to {} (session present: {session_present}); {entries} \
                      results waiting in the outbox",
-                    u.endpoint
+                    self.endpoint
                 );
                 if let Some(Change::Draining { entries }) =
-                    u.link.connected(wall, now, entries, window)
+                    self.link.connected(wall, now, entries, window)
                 {
-                    crate::event!(info, "uplink_backlog_draining";
-                        "uplink: backlog draining: {entries} results, {bytes} bytes, in order"
+                    crate::event!(info, "uplink_backlog_draining", sink = sink;
+                        "{sink}: backlog draining: {entries} results, {bytes} bytes, in order"
                     );
                 }
                 self.cursor.connected();
             }
             Event::Disconnected { reason, .. } => {
-                if u.link.lost(wall) {
-                    crate::event!(warn, "uplink_lost";
-                        "uplink: lost {}: {reason}; results wait in the outbox ({entries} now, \
+                if self.link.lost(wall) {
+                    crate::event!(warn, "uplink_lost", sink = sink;
+                        "{sink}: lost {}: {reason}; results wait in the outbox ({entries} now, \
                          up to outbox.max_size {} bytes)",
-                        u.endpoint,
+                        self.endpoint,
                         cfg.max_size
                     );
                 } else {
-                    crate::event!(warn, "uplink_connect_failed"; "uplink: cannot connect to {}: {reason}", u.endpoint);
+                    crate::event!(warn, "uplink_connect_failed", sink = sink;
+                        "{sink}: cannot connect to {}: {reason}", self.endpoint);
                 }
                 self.cursor.disconnected();
             }
             Event::Message(m) => {
-                // No subscriptions are made on the uplink; a session kept from a config
-                // that had some may still deliver. Acknowledge and drop it.
-                crate::event!(warn, "uplink_unexpected_message";
-                    "uplink: dropped a message on `{}`: the uplink's session {} has a \
-                     subscription it should not have",
+                // No subscriptions are made on a sink; a session kept from a config that
+                // had some may still deliver. Acknowledge and drop it.
+                crate::event!(warn, "uplink_unexpected_message", sink = sink;
+                    "{sink}: dropped a message on `{}`: the session at {} has a subscription \
+                     it should not have",
                     crate::text::Shown(&m.topic),
-                    u.endpoint
+                    self.endpoint
                 );
-                u.mqtt.ack(m.token)?;
+                if let Conn::Own(l) = &self.conn {
+                    l.ack(m.token)?;
+                }
             }
+            _ => {}
         }
         Ok(())
     }
 
-    /// Every tick: the drain's figures (rate, time left, the link), and a journal line when
-    /// a backlog has drained.
-    pub(crate) fn observe(
-        &mut self,
-        now: Instant,
-        entries: u64,
-        acked: u64,
-        window: u64,
-    ) -> (f64, Option<f64>, Option<crate::metrics::UplinkFigures>) {
-        let Some(u) = self.uplink.as_mut() else {
-            return (0.0, None, None);
-        };
-        if let Some(Change::Drained { took, from }) = u.link.observe(now, entries, acked, window) {
-            crate::event!(info, "uplink_backlog_drained";
-                "uplink: backlog drained: {from} results in {:.1}s",
+    /// Every tick: the drain's figures, and a journal line when a backlog has drained.
+    pub(crate) fn observe(&mut self, now: Instant, entries: u64, window: u64) {
+        if let Some(Change::Drained { took, from }) =
+            self.link.observe(now, entries, self.acked, window)
+        {
+            let sink = self.name.as_str();
+            crate::event!(info, "uplink_backlog_drained", sink = sink;
+                "{sink}: backlog drained: {from} results in {:.1}s",
                 took.as_secs_f64()
             );
         }
-        let r = &u.link.rate;
-        (
-            r.acked_per_second(),
-            r.eta_seconds(),
-            Some(u.link.figures()),
-        )
     }
 
-    /// Let the uplink's thread hand back its allocation caches.
+    /// Its figures: `entries` and `bytes` the outbox holds (what waits for it is at most
+    /// that, and exactly that when every sink takes every pipeline).
+    pub(crate) fn figures(&self, entries: u64, bytes: u64) -> crate::metrics::SinkFigures {
+        let link = self.link.figures();
+        let connected = self.cursor.is_connected();
+        let (state, since_ms) = match (&self.refusing, connected) {
+            (Some(r), _) => ("refusing", r.since_ms),
+            (None, true) => ("connected", link.since_ms),
+            (None, false) => ("down", link.since_ms),
+        };
+        crate::metrics::SinkFigures {
+            name: self.name.clone(),
+            state,
+            since_ms,
+            waiting: entries,
+            waiting_bytes: bytes,
+            sent: self.sent,
+            acked: self.acked,
+            drain_rate: self.link.rate.acked_per_second(),
+            refused: self.refused.clone(),
+            refusing: self.refusing.as_ref().map(|r| (r.code, r.reason)),
+        }
+    }
+
+    /// Let its own connection's thread hand back its allocation caches.
     pub(crate) fn rest(&self) {
-        if let Some(u) = &self.uplink {
-            u.mqtt.rest();
+        if let Conn::Own(l) = &self.conn {
+            l.rest();
         }
     }
 
-    /// Close the uplink, if any.
+    /// Close its own connection, if any.
     pub(crate) fn shutdown(&mut self) {
-        if let Some(u) = self.uplink.take() {
-            u.mqtt.shutdown();
+        if let Conn::Own(l) = std::mem::replace(&mut self.conn, Conn::Input) {
+            l.shutdown();
         }
     }
+}
+
+/// A borrowed connection of either protocol.
+enum ConnRef<'a> {
+    V311(&'a Mqtt),
+    V5(&'a crate::mqtt::Mqtt5),
 }
 
 #[cfg(test)]

@@ -145,8 +145,14 @@ impl Validator {
         let start = self.start(&p, r.start.as_deref());
         let limits =
             self.pipeline_limits(&p, r.max_key_len, r.max_keys, r.max_id_len, r.max_future);
+        let sinks_ok = self.require(
+            &format!("{p}.sinks"),
+            r.sinks.as_ref().is_none_or(|s| !s.is_empty()),
+            || "is empty: name at least one sink, or leave the key out for the default".into(),
+        );
 
         format.as_ref()?;
+        sinks_ok.then_some(())?;
         let spec = PipelineSpec {
             name: name?,
             topics: topics?,
@@ -168,6 +174,8 @@ impl Validator {
             max_id_len: usize::try_from(limits.max_id_len?).ok()?,
             max_future_ms: limits.max_future_ms?,
             metrics: metrics?,
+            // Checked against the sinks, and the default filled in, once all are read.
+            sinks: crate::pipeline::spec::Route(r.sinks.unwrap_or_default()),
         };
         self.results_fit(&p, &spec).then_some(spec)
     }

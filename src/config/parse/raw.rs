@@ -16,7 +16,29 @@ pub(super) struct RawConfig {
     pub(super) dead_letters: Option<RawDeadLetters>,
     pub(super) uplink: Option<RawUplink>,
     pub(super) sparkplug: Option<RawSparkplug>,
+    pub(super) sink: Option<Vec<RawSink>>,
     pub(super) pipeline: Option<Vec<RawPipeline>>,
+}
+
+/// `[[sink]]` (issue 29): a named destination for results. Every kind's keys are here;
+/// each kind refuses the keys of the others (`sinks.rs`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawSink {
+    pub(super) name: Option<String>,
+    pub(super) kind: Option<String>,
+    // kind = "mqtt"
+    pub(super) protocol: Option<String>,
+    pub(super) host: Option<String>,
+    pub(super) port: Option<i64>,
+    pub(super) client_id: Option<String>,
+    pub(super) keep_alive: Option<DurationText>,
+    pub(super) username: Option<String>,
+    pub(super) password_file: Option<String>,
+    pub(super) tls: Option<RawTls>,
+    pub(super) topic_prefix: Option<String>,
+    pub(super) reconnect_min: Option<DurationText>,
+    pub(super) reconnect_max: Option<DurationText>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -152,6 +174,8 @@ pub(super) struct RawPipeline {
     pub(super) max_id_len: Option<i64>,
     pub(super) max_future: Option<DurationText>,
     pub(super) metrics: Option<Vec<String>>,
+    /// Where its results go (issue 29): sink names.
+    pub(super) sinks: Option<Vec<String>>,
 }
 
 /// `aggregate = "sum"` or `aggregate = ["min", "max"]`.

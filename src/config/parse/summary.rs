@@ -36,6 +36,20 @@ pub fn summary(cfg: &Config) -> String {
         }
         out.push_str(&line);
     }
+    for sink in &cfg.sinks {
+        out.push_str("\n[[sink]]\n");
+        for k in KEYS {
+            if let Get::Sink(get) = k.get {
+                let short = &k.name["sink.".len()..];
+                // Keys of another kind are not this sink's at all.
+                if let Some(v) = get(sink) {
+                    out.push_str(&line(short, Some(v), &k.default_text()));
+                } else if sink_kind_has(sink, short) {
+                    out.push_str(&line(short, None, &k.default_text()));
+                }
+            }
+        }
+    }
     for p in &cfg.pipelines {
         out.push_str("\n[[pipeline]]\n");
         for k in KEYS {
@@ -46,6 +60,15 @@ pub fn summary(cfg: &Config) -> String {
         }
     }
     out
+}
+
+/// Whether `key` (below `sink.`) is a key of `sink`'s kind, set or not.
+fn sink_kind_has(sink: &crate::config::SinkConfig, key: &str) -> bool {
+    match sink.kind {
+        crate::config::SinkKind::Mqtt(_) => {
+            ["username", "password_file"].contains(&key) || key.starts_with("tls.")
+        }
+    }
 }
 
 /// `key = value`, marked when it is the default, or a comment when unset.
@@ -65,6 +88,7 @@ mod tests {
     fn the_summary_lists_every_key_of_the_table_and_reads_back_as_the_same_config() {
         let text = "[mqtt]\nclient_id = \"a-client-id-longer-than-23\"\nport = 1884\n\
                     [storage]\ndata_dir = \"/d\"\n\
+                    [[sink]]\nname = \"central\"\nkind = \"mqtt\"\nclient_id = \"c\"\n\
                     [[pipeline]]\nname = \"p\"\ntopics = [\"t/#\"]\nevent_id = \"{/d}-{/s}\"\n\
                     key = \"/k\"\nvalue = \"/v\"\naggregate = [\"min\", \"p95\"]\n\
                     where = '/v > 2 and (/k == \"a\" or not /x < 1.5)'\n\

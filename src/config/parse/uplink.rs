@@ -80,7 +80,7 @@ impl Validator {
 
 /// A prefix the publish topic checks will accept before any result topic (code points a
 /// receiver may refuse are checked before, with their own message).
-fn valid_prefix(p: &str) -> bool {
+pub(super) fn valid_prefix(p: &str) -> bool {
     p.len() <= MAX_TOPIC_PREFIX_LEN && !p.contains(['+', '#']) && !p.starts_with('$')
 }
 

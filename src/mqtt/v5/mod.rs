@@ -190,7 +190,11 @@ impl Mqtt5 {
     /// benchmarks. The agent uses [`super::Mqtt::start_with_link`].
     pub fn start(cfg: &MqttConfig, publish_inflight: u16) -> Result<(Mqtt5, Events), MqttError> {
         let (tx, rx) = events::queue(cfg.channel_capacity);
-        let sink = Sink { tx, uplink: false };
+        let sink = Sink {
+            tx,
+            uplink: false,
+            tag: None,
+        };
         Ok((Mqtt5::start_on(cfg, publish_inflight, sink)?, rx))
     }
 
