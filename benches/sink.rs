@@ -15,6 +15,17 @@
 //!
 //! `cargo bench --bench sink`; `CAIRN_SINK_RESULTS` sets N (default 200,000), `CAIRN_SINK_RUNS`
 //! the runs of each kind (default 3, taking turns; the medians are printed last).
+//!
+//! Then the agent itself (`cairn run`, two private brokers, issue 29), with
+//! `CAIRN_SINK_EVENTS` events (default 50,000, `changelog`: one result per event per sink):
+//! - **one sink against two**: events per second until every sink holds every result, and
+//!   the agent's CPU time per event (from `/proc`), with `sinks = ["local"]` and with
+//!   `sinks = ["local", "central"]` (a `[[sink]]`, MQTT 5);
+//! - **the central drain**: the `central` sink cut off while the events are processed (its
+//!   results wait in the outbox, `local` keeps delivering), then let through: its results
+//!   per second until the outbox is empty, over MQTT 5 and over 3.1.1.
+//!
+//! `CAIRN_SINK_PART=layer` or `agent` runs one half alone.
 
 #[path = "../tests/it/support/mod.rs"]
 mod support;
@@ -23,8 +34,10 @@ use std::time::{Duration, Instant};
 
 use cairn::config::MqttConfig;
 use cairn::mqtt::{Event, Events, Link, Mqtt, Mqtt5, MqttError};
+use serde_json::Value;
+use support::agent::{AgentConfig, CairnProcess};
 use support::central::DurableCollector;
-use support::{Broker, BrokerConfig};
+use support::{Broker, BrokerConfig, Proxy, publish_all, wait_until};
 
 const WINDOW: u16 = 100;
 const KEYS: usize = 1_000;
@@ -140,7 +153,153 @@ fn env(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
+/// CPU time (user + system) of process `pid` so far, from `/proc/pid/stat`.
+fn process_cpu(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // After the command name in parentheses: fields 3.. ; utime and stime are 14 and 15.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .map(|x| x.parse().unwrap_or(0))
+        .collect();
+    // SAFETY: sysconf reads a constant.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    let ticks = f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0);
+    Duration::from_millis(ticks * 1000 / hz)
+}
+
+fn agent_pipeline(sinks: &str) -> String {
+    format!(
+        "[[pipeline]]\nname = \"p\"\ntopics = [\"in/#\"]\nformat = \"json\"\nevent_id = \"/id\"\n\
+         key = \"/k\"\nvalue = \"/v\"\naggregate = \"sum\"\ndedup_window = \"1h\"\n\
+         output_topic = \"out/{{key}}\"\nemit = \"changelog\"\nsinks = {sinks}\n"
+    )
+}
+
+fn agent_events(from: usize, to: usize) -> Vec<(String, Vec<u8>, bool)> {
+    (from..to)
+        .map(|i| {
+            let p = format!(
+                r#"{{"id":"E{i}","k":"meter-{:04}","v":{}}}"#,
+                i % KEYS,
+                i % 100
+            );
+            ("in/m".to_string(), p.into_bytes(), false)
+        })
+        .collect()
+}
+
+fn agent_status(agent: &CairnProcess) -> Option<Value> {
+    let (st, out, _) = agent.command(&["status", "--json"]);
+    st.success()
+        .then(|| serde_json::from_str(&out).ok())
+        .flatten()
+}
+
+/// One agent run: `sinks` for the pipeline, a central `[[sink]]` speaking `protocol`
+/// behind a proxy (cut while the events go in when `cut`). Returns (events/s until every
+/// sink holds every result, agent CPU µs per event, central drain results/s if cut).
+fn agent_run(sinks: &str, protocol: &str, cut: bool, n: usize) -> (f64, f64, f64) {
+    let quiet = BrokerConfig {
+        log_types: vec!["error"],
+        max_inflight: 100,
+        ..BrokerConfig::default()
+    };
+    let local = Broker::start_with(quiet.clone());
+    let central = Broker::start_with(quiet);
+    let link = Proxy::start(central.port());
+    let on_local = DurableCollector::start(local.port(), "out/#");
+    let on_central = DurableCollector::start(central.port(), "site/#");
+    let mut cfg = AgentConfig::new(local.port(), &agent_pipeline(sinks));
+    cfg.checkpoint = "interval = \"200ms\"\nmax_records = 5000\n".into();
+    cfg.outbox = "max_entries = 10000000\nmax_size = \"1GiB\"\ninflight = 100\n".into();
+    cfg.mqtt_extra = "ingest_batch = 100\n".into();
+    cfg.extra = format!(
+        "[[sink]]\nname = \"central\"\nkind = \"mqtt\"\nprotocol = \"{protocol}\"\n\
+         port = {}\nclient_id = \"bench_central\"\ntopic_prefix = \"site/\"\n\
+         reconnect_min = \"50ms\"\nreconnect_max = \"500ms\"\n",
+        link.port()
+    );
+    let mut agent = CairnProcess::new(&cfg);
+    agent.set_log_filter(Some("warn"));
+    agent.start();
+    assert!(wait_until(Duration::from_secs(20), || agent_status(&agent)
+        .is_some_and(|s| s["connected"] == 1)));
+    let two = sinks.contains("central");
+    if cut {
+        link.pause(true);
+        link.cut();
+    }
+    let cpu0 = process_cpu(agent.pid());
+    let t = Instant::now();
+    let port = local.port();
+    let feeder = std::thread::spawn(move || {
+        for from in (0..n).step_by(10_000) {
+            publish_all(port, &agent_events(from, (from + 10_000).min(n)));
+        }
+    });
+    let all = |c: &DurableCollector| c.count() >= n;
+    let done = wait_until(Duration::from_secs(600), || {
+        all(&on_local) && (!two || cut || all(&on_central))
+    });
+    feeder.join().expect("feeder");
+    assert!(done, "results missing:\n{}", agent.stderr_tail(20));
+    let took = t.elapsed();
+    let cpu = process_cpu(agent.pid()) - cpu0;
+    let mut drain = 0.0;
+    if cut {
+        // Every input applied, the central sink's results waiting: let them through.
+        assert!(wait_until(Duration::from_secs(600), || agent_status(
+            &agent
+        )
+        .is_some_and(
+            |s| s["pipelines"][0]["applied"].as_u64() == Some(n as u64)
+        )));
+        let before = on_central.count();
+        let t0 = Instant::now();
+        link.pause(false);
+        assert!(
+            wait_until(Duration::from_secs(600), || on_central.count() >= n),
+            "central never got its backlog:\n{}",
+            agent.stderr_tail(20)
+        );
+        drain = (on_central.count() - before) as f64 / t0.elapsed().as_secs_f64();
+    }
+    let _ = agent.terminate();
+    (
+        n as f64 / took.as_secs_f64(),
+        cpu.as_secs_f64() * 1e6 / n as f64,
+        drain,
+    )
+}
+
+fn agent_part(n: usize) {
+    println!("the agent, {n} events (changelog: a result per event per sink):");
+    for (what, sinks) in [
+        ("one sink  (local)         ", "[\"local\"]"),
+        ("two sinks (local, central)", "[\"local\", \"central\"]"),
+    ] {
+        let (rate, cpu, _) = agent_run(sinks, "5", false, n);
+        println!(
+            "  {what}: {rate:>7.0} events/s until every sink has every result, {cpu:>5.1} µs agent CPU per event"
+        );
+    }
+    for protocol in ["5", "3.1.1"] {
+        let (_, _, drain) = agent_run("[\"local\", \"central\"]", protocol, true, n);
+        println!(
+            "  central drain after an outage of {n} results, MQTT {protocol:<5}: {drain:>7.0} results/s"
+        );
+    }
+}
+
 fn main() {
+    let part = std::env::var("CAIRN_SINK_PART").unwrap_or_default();
+    if part != "layer" {
+        agent_part(env("CAIRN_SINK_EVENTS", 50_000));
+        if part == "agent" {
+            return;
+        }
+    }
     let n = env("CAIRN_SINK_RESULTS", 200_000);
     let runs = env("CAIRN_SINK_RUNS", 3).max(1);
     println!("result connection drain, {n} results, window {WINDOW}, loopback mosquitto:");

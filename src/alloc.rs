@@ -7,7 +7,7 @@
 //! thread turns a small cache on for itself (slots per size class set in `src/main.rs`) and
 //! hands back what it holds when the agent goes idle ([`crate::mqtt::Mqtt::rest`]).
 //!
-//! Measured (`benches/compare.rs`, backlog of 1M over 100k keys, then 10 s idle): with a
+//! Measured (`benches/compare/`, backlog of 1M over 100k keys, then 10 s idle): with a
 //! cache on the MQTT thread, RSS at rest 31.4-33.6 MiB against 32.3 without (the spread of
 //! runs), CPU per drained input 19.4-22.3 µs against 25.5, and flat out the MQTT thread's
 //! CPU per event 17-18.7 -> 15.3-16.2 µs. The agent loop keeps none: with a cache there

@@ -141,6 +141,8 @@ pub mod config;
 pub mod disk;
 pub(crate) mod failpoint;
 pub mod fsio;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod log;
 pub mod logging;
 pub mod metrics;

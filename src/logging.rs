@@ -51,7 +51,7 @@ pub mod progress;
 
 /// A log line with its stable event name and the fields it concerns:
 ///
-/// ```ignore
+/// ```text
 /// crate::event!(warn, "dead_letter", pipeline = name, reason = why, offset = rec.offset;
 ///     "dead letter: offset {} reason {why}", rec.offset);
 /// ```

@@ -55,6 +55,8 @@ use crate::pipeline::engine::{Engine, Outcome, Target, definition};
 use crate::pipeline::spec::PipelineSpec;
 use crate::store::{CheckpointInfo, Store, StoreError};
 
+#[cfg(test)]
+mod changes_model;
 pub mod generations;
 pub(crate) mod last_run;
 mod open;

@@ -1,6 +1,6 @@
 //! The checkpoint interval's trade-off (issue 14), in the same run as the plain relay:
 //! for each interval, Cairn (changelog `sum`, results published once their log records are
-//! durable) gets the live runs of [`super::measure_live`] (throughput: median of 3 flat-out
+//! durable) gets the live runs of [`measure_live`] (throughput: median of 3 flat-out
 //! runs; latency at 50% and 90% of its own peak), then a paced run at 50% of that peak
 //! during which the bytes its process wrote to the block layer are counted
 //! (`/proc/<pid>/io` `write_bytes`, per event and against the input payload's size), then a
@@ -12,30 +12,33 @@
 
 use std::time::{Duration, Instant};
 
-use super::{Cairn, KEYS, Live, PACED_EVENTS, Publisher, STEP_TIMEOUT, Sink, System};
-use super::{measure_live, one_run, payload};
+use crate::agent::Cairn;
+use crate::measure::{Live, System, measure_live, one_run};
+use crate::mqtt::{Publisher, Sink};
+use crate::stream::{SEED, event, payload};
+use crate::{KEYS, PACED_EVENTS, STEP_TIMEOUT};
 
 /// The intervals of the curve.
-pub(super) const INTERVALS: [(&str, u64); 4] =
+pub(crate) const INTERVALS: [(&str, u64); 4] =
     [("50ms", 50), ("200ms", 200), ("1s", 1_000), ("5s", 5_000)];
 const MAX_RECORDS: u64 = 1_000_000;
 
 /// One point of the curve.
-pub(super) struct Point {
-    pub(super) interval: &'static str,
-    pub(super) live: Live,
+pub(crate) struct Point {
+    pub(crate) interval: &'static str,
+    pub(crate) live: Live,
     /// Bytes written per event at 50% of the peak, and the mean input payload size.
-    pub(super) bytes_per_event: Option<f64>,
-    pub(super) payload_bytes: f64,
-    pub(super) recovery_ms: Option<u64>,
-    pub(super) replayed: Option<u64>,
+    pub(crate) bytes_per_event: Option<f64>,
+    pub(crate) payload_bytes: f64,
+    pub(crate) recovery_ms: Option<u64>,
+    pub(crate) replayed: Option<u64>,
 }
 
 /// Mean payload size of the bench stream's inputs (what "bytes per event" is held against).
 fn mean_payload(tag: &str, n: u64) -> f64 {
     let total: usize = (0..n)
         .map(|i| {
-            let (k, v) = super::event(super::SEED, i, KEYS);
+            let (k, v) = event(SEED, i, KEYS);
             payload(tag, i, k, v).len()
         })
         .sum();
@@ -79,17 +82,13 @@ fn stalls(c: &Cairn) -> String {
 }
 
 /// Run the curve. `port`: the shared broker; results are printed as they come.
-pub(super) fn sweep(
-    root: &std::path::Path,
-    port: u16,
-    publisher: &Publisher,
-    t0: Instant,
-) -> Vec<Point> {
+pub(crate) fn sweep(port: u16, publisher: &Publisher, t0: Instant) -> Vec<Point> {
     let mut points = Vec::new();
     for (label, ms) in INTERVALS {
         println!("cairn, checkpoint.interval = {label}:");
-        let mut c = Cairn::new(root, &format!("cairn-iv-{label}"), port, "changelog", 5_000);
-        c.set_checkpoint(label, MAX_RECORDS);
+        let mut c = Cairn::new(port, "changelog", 5_000);
+        c.config().set("checkpoint", "interval", label);
+        c.config().set("checkpoint", "max_records", MAX_RECORDS);
         c.start_connected();
         let sink = Sink::start(port, "cairn", KEYS, t0);
         let live = measure_live(&c, publisher, &sink, t0);
@@ -97,12 +96,12 @@ pub(super) fn sweep(
         // the longest interval.
         let rate = ((live.rate * 0.5) as u64).max(1);
         let n = (rate * (3 * ms).max(3_000) / 1_000).max(PACED_EVENTS);
-        let w0 = c.proc().map(|p| p.write_bytes());
+        let w0 = c.stats().map(|p| p.write_bytes());
         let (_, _, all) = one_run(publisher, &sink, "cairn", "b", 0, n, rate, t0);
         // What the last checkpoint commits belongs to these events too.
         std::thread::sleep(Duration::from_millis(ms + 200));
-        let bytes = match (w0, c.proc()) {
-            (Some(a), Some(p)) if all => Some((p.write_bytes() - a) as f64 / n as f64),
+        let bytes = match (w0, c.stats()) {
+            (Some(a), Some(p)) if all => Some(p.write_bytes().saturating_sub(a) as f64 / n as f64),
             _ => None,
         };
         let payload_bytes = mean_payload("b", n);
@@ -146,7 +145,7 @@ pub(super) fn sweep(
 }
 
 /// The curve as a table, with the relay of the same run, and the issue's targets.
-pub(super) fn print(points: &[Point], relay: &Live) {
+pub(crate) fn print(points: &[Point], relay: &Live) {
     println!();
     println!(
         "checkpoint interval curve (changelog; relay in the same run: {:.0} events/s, p50 {:.2} ms, p99 {:.2} ms at 50%)",

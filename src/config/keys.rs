@@ -501,7 +501,7 @@ pub static KEYS: &[Key] = &[
         Range::Ms(1, 3_600_000),
         "duration",
         Reload::Sighup(|c, n| c.checkpoint.interval = n.checkpoint.interval),
-        "bounds replay after a crash; bytes written per event fall from ~2,500 at 50ms to ~340 at 5s, while recovery after a kill stays under half a second (benches/compare.rs, issue 14)",
+        "bounds replay after a crash; bytes written per event fall from ~2,500 at 50ms to ~340 at 5s, while recovery after a kill stays under half a second (benches/compare/, issue 14)",
         Get::Config(|c| Some(dur(c.checkpoint.interval)))
     ),
     key!(

@@ -194,7 +194,7 @@ fn a_minimal_config_gets_safe_default_limits() {
             max_future_ms: 600_000,
             metrics: None,
             filter: None,
-            sinks: vec!["local".into()],
+            sinks: crate::pipeline::spec::Route(vec!["local".into()]),
         }]
     );
 }

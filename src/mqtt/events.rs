@@ -1,7 +1,7 @@
 //! The hand-off from the MQTT threads to the caller: a bounded queue of [`Event`]s whose
 //! receiver says how much it waits for.
 //!
-//! A channel wakes a waiting receiver on every event. Measured (`benches/compare.rs`, per
+//! A channel wakes a waiting receiver on every event. Measured (`benches/compare/`, per
 //! thread, flat out at ~17k events/s): the agent loop woke about once per event (1.2
 //! voluntary switches per event), only to append one message to the log buffer and sleep
 //! again until the group commit, and spent 16-18 µs of CPU per event. Here the receiver

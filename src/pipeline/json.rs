@@ -150,8 +150,8 @@ impl<'de> Visitor<'de> for NameVisitor {
     }
 }
 
-/// The same value as serde_json's own type, to compare the two readings in tests.
-#[cfg(test)]
+/// The same value as serde_json's own type, to compare the two readings (tests, and the
+/// `json_payload` fuzz target of `crate::fuzzing`).
 pub(crate) fn to_value(j: &Json<'_>) -> serde_json::Value {
     use serde_json::Value;
     match j {

@@ -204,10 +204,38 @@ pub struct PipelineSpec {
     /// would make every later event `late`) nor pin a `last`.
     pub max_future_ms: u64,
     /// The sinks its results go to, by name (issue 29; the config fills in the default:
-    /// `local`, or `uplink` with `[uplink]`). Where results go, not what they are: not part
-    /// of the definition.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub sinks: Vec<String>,
+    /// `local`, or `uplink` with `[uplink]`). Where results go, not what they are: see
+    /// [`Route`].
+    #[serde(skip)]
+    pub sinks: Route,
+}
+
+/// A pipeline's sinks. Where results go does not change what they are, so two pipelines
+/// that differ only here are equal: the start plan compares the pipelines the last run
+/// recorded (`pipelines.json`, which does not hold this) with the config's, and a change of
+/// sinks must not settle the log tail first or start a new generation of output IDs.
+#[derive(Debug, Clone, Default)]
+pub struct Route(pub Vec<String>);
+
+impl PartialEq for Route {
+    fn eq(&self, _: &Route) -> bool {
+        true
+    }
+}
+
+impl Eq for Route {}
+
+impl std::ops::Deref for Route {
+    type Target = Vec<String>;
+    fn deref(&self) -> &Vec<String> {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Route {
+    fn deref_mut(&mut self) -> &mut Vec<String> {
+        &mut self.0
+    }
 }
 
 #[cfg(test)]

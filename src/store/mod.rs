@@ -201,6 +201,8 @@ const STORE_FORMAT_V2: u32 = 2;
 
 mod commit;
 mod copy;
+#[doc(hidden)]
+pub(crate) mod fuzz;
 mod index;
 mod ledger;
 mod open;

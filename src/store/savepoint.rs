@@ -175,6 +175,42 @@ fn now_ms() -> u64 {
     crate::clock::system_wall_ms()
 }
 
+/// For `crate::fuzzing` (through `store/fuzz.rs`): `body` (entries as the file holds them)
+/// framed with a valid header (checkpoint 0 at offset 0, the count of whole entries), the
+/// end marker and the CRC, so that a fuzzer reaches the checks of each entry.
+pub(super) fn fuzz_frame(body: &[u8]) -> Vec<u8> {
+    let mut entries = 0u64;
+    let mut at = 0usize;
+    while let Some(fixed) = body.get(at..at + 9) {
+        let k = u32::from_le_bytes(fixed[1..5].try_into().expect("4 bytes")) as usize;
+        let v = u32::from_le_bytes(fixed[5..9].try_into().expect("4 bytes")) as usize;
+        match at.checked_add(9 + k.saturating_add(v)) {
+            Some(end) if end <= body.len() => {
+                entries += 1;
+                at = end;
+            }
+            _ => break,
+        }
+    }
+    let header = Header {
+        checkpoint_id: 0,
+        next_offset: 0,
+        entries,
+        created_at_ms: 0,
+    };
+    let mut out = header.encode().to_vec();
+    out.extend_from_slice(body);
+    out.extend_from_slice(END_MAGIC);
+    let crc = crc32fast::hash(&out);
+    out.extend_from_slice(&crc.to_le_bytes());
+    out
+}
+
+/// For `crate::fuzzing`: every check a restore runs before it builds anything.
+pub(super) fn fuzz_check(file: &Path) -> Result<SavepointInfo, StoreError> {
+    check::check_savepoint(file)
+}
+
 /// `savepoint-<seq, 20 digits>-<id>-<next_offset>.cairn`: names sort by when they were taken.
 pub(crate) fn savepoint_file_name(seq: u64, checkpoint_id: u64, next_offset: u64) -> String {
     format!("{FILE_PREFIX}{seq:020}-{checkpoint_id}-{next_offset}{FILE_SUFFIX}")

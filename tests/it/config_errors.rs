@@ -41,7 +41,7 @@ fn a_bad_config_reports_every_problem_with_file_line_and_key() {
                 "{f}:15: pipeline[0].windw: unknown key `windw`, expected one of `name`, \
                  `topics`, `format`, `separator`, `event_id`, `key`, `value`, `event_time`, \
                  `aggregate`, `where`, `window`, `dedup_window`, `output_topic`, `retain`, `emit`, \
-                 `start`, `max_key_len`, `max_keys`, `max_id_len`, `max_future`, `metrics`"
+                 `start`, `max_key_len`, `max_keys`, `max_id_len`, `max_future`, `metrics`, `sinks`"
             ),
         ]
     );

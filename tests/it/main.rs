@@ -22,6 +22,7 @@ mod e2e;
 mod early;
 mod faults;
 mod field;
+mod fuzz_corpus;
 mod hostile;
 mod journal;
 mod layering;

@@ -28,10 +28,16 @@ fn stopped_agent(n: usize) -> CairnProcess {
     for chunk in msgs.chunks(1000) {
         publish_all(broker.port(), chunk);
     }
-    let applied = crate::support::wait_until(Duration::from_secs(30), || {
+    // Generous: the whole suite on two busy cores once needed more than 30 s here.
+    let applied = crate::support::wait_until(Duration::from_secs(120), || {
         agent.checkpointed_offset() == Some(n as u64)
     });
-    assert!(applied, "{}", agent.stderr_tail(20));
+    assert!(
+        applied,
+        "checkpointed {:?} of {n}\n{}",
+        agent.checkpointed_offset(),
+        agent.stderr_tail(20)
+    );
     assert_eq!(agent.terminate().code(), Some(0));
     agent
 }

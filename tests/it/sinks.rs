@@ -356,3 +356,335 @@ fn a_sink_the_acl_refuses_keeps_its_results_while_the_others_deliver_until_the_a
     );
     assert_eq!(agent.terminate().code(), Some(0));
 }
+
+// ---------------------------------------------------------------------------------------
+// Fan-out: local plus central through kills and power cuts during a long central outage.
+
+const FANOUT: &str = r#"
+[[pipeline]]
+name = "sums"
+topics = ["in/#"]
+format = "json"
+event_id = "/id"
+key = "/k"
+value = "/v"
+aggregate = "sum"
+dedup_window = "7d"
+output_topic = "sums/{key}"
+emit = "changelog"
+sinks = ["local", "central"]
+
+[[pipeline]]
+name = "last"
+topics = ["in/#"]
+format = "json"
+event_id = "/id"
+key = "/k"
+value = "/v"
+aggregate = "sum"
+dedup_window = "7d"
+output_topic = "last/{key}"
+emit = "upsert"
+sinks = ["local", "central"]
+"#;
+
+const FAN_KEYS: u64 = 6;
+
+fn fan_events(from: u64, to: u64) -> Vec<(String, Vec<u8>, bool)> {
+    (from..to)
+        .map(|i| {
+            let payload = format!(
+                r#"{{"id":"E{i}","k":"K{}","v":{}}}"#,
+                (i * 7) % FAN_KEYS,
+                (i % 13) as i64 - 3
+            );
+            ("in/dev".to_string(), payload.into_bytes(), false)
+        })
+        .collect()
+}
+
+/// Per key: (events, sum) over events `0..n`.
+fn fan_oracle(n: u64) -> std::collections::BTreeMap<String, (u64, i64)> {
+    let mut o = std::collections::BTreeMap::new();
+    for i in 0..n {
+        let e: &mut (u64, i64) = o.entry(format!("K{}", (i * 7) % FAN_KEYS)).or_default();
+        e.0 += 1;
+        e.1 += (i % 13) as i64 - 3;
+    }
+    o
+}
+
+/// What one sink holds against the oracle: every ID seen twice with one payload, per key the
+/// versions first seen ascending, `sums` every version 1..=n, both pipelines' final value
+/// the oracle's. `Err` lists every deviation.
+fn holds_the_oracle(
+    seen: &[crate::support::Seen],
+    prefix: &str,
+    oracle: &std::collections::BTreeMap<String, (u64, i64)>,
+) -> Result<(), String> {
+    use std::collections::{BTreeMap, BTreeSet, HashMap};
+    let mut errs = Vec::new();
+    let mut payloads: HashMap<String, Vec<u8>> = HashMap::new();
+    let mut versions: BTreeMap<(String, String), Vec<u64>> = BTreeMap::new();
+    let mut finals: BTreeMap<(String, String), (u64, i64)> = BTreeMap::new();
+    for m in seen {
+        let Some(topic) = m.topic.strip_prefix(prefix) else {
+            continue;
+        };
+        let v: Value = serde_json::from_slice(&m.payload).expect("JSON result");
+        let (p, k) = (v["pipeline"].as_str().unwrap(), v["key"].as_str().unwrap());
+        if topic != format!("{p}/{k}") {
+            errs.push(format!("topic {} for {p}/{k}", m.topic));
+        }
+        let id = v["id"].as_str().unwrap().to_string();
+        if let Some(old) = payloads.insert(id.clone(), m.payload.clone())
+            && old != m.payload
+        {
+            errs.push(format!("{id} seen with two payloads"));
+        }
+        let version = v["version"].as_u64().unwrap();
+        let key = (p.to_string(), k.to_string());
+        let vs = versions.entry(key.clone()).or_default();
+        if !vs.contains(&version) {
+            vs.push(version);
+        }
+        let f = finals.entry(key).or_default();
+        if version > f.0 {
+            *f = (version, v["value"].as_i64().unwrap());
+        }
+    }
+    for ((p, k), vs) in &versions {
+        if vs.windows(2).any(|w| w[0] > w[1]) {
+            errs.push(format!("{p}/{k}: versions first seen out of order: {vs:?}"));
+        }
+    }
+    for p in ["sums", "last"] {
+        for (k, &(n, sum)) in oracle {
+            let key = (p.to_string(), k.clone());
+            if finals.get(&key) != Some(&(n, sum)) {
+                errs.push(format!(
+                    "{p}/{k}: final {:?}, oracle ({n}, {sum})",
+                    finals.get(&key)
+                ));
+            }
+            if p == "sums" {
+                let all: BTreeSet<u64> =
+                    versions.get(&key).into_iter().flatten().copied().collect();
+                if all != (1..=n).collect() {
+                    errs.push(format!(
+                        "sums/{k}: {} distinct versions, oracle 1..={n}",
+                        all.len()
+                    ));
+                }
+            }
+        }
+    }
+    if finals.keys().any(|(_, k)| !oracle.contains_key(k)) {
+        errs.push("keys beyond the oracle".into());
+    }
+    if errs.is_empty() {
+        Ok(())
+    } else {
+        Err(errs.join("\n"))
+    }
+}
+
+fn fan_out(powercut: bool) {
+    use crate::support::central::DurableCollector;
+    use crate::support::powercut::PowerCut;
+    use crate::support::{Proxy, free_port};
+    let local = Broker::start();
+    let central = Broker::start();
+    let link = Proxy::start(central.port());
+    let on_central = DurableCollector::start(central.port(), "site/#");
+    let on_local_sums = DurableCollector::start(local.port(), "sums/#");
+    let on_local_last = DurableCollector::start(local.port(), "last/#");
+    let cut = powercut.then(PowerCut::mount);
+    let mut cfg = AgentConfig::new(local.port(), FANOUT);
+    cfg.extra = format!(
+        "[metrics]\nlisten = \"127.0.0.1:{}\"\n\n[[sink]]\nname = \"central\"\nkind = \"mqtt\"\n\
+         port = {}\nclient_id = \"fan_central\"\ntopic_prefix = \"site/\"\n\
+         reconnect_min = \"50ms\"\nreconnect_max = \"500ms\"\n",
+        free_port(),
+        link.port()
+    );
+    if let Some(c) = &cut {
+        cfg.data_dir = Some(c.mount.join("data"));
+    }
+    let mut agent = CairnProcess::new(&cfg);
+    agent.set_log_filter(Some("info"));
+    agent.start_connected();
+    agent.wait_for_stderr("central: connected", Duration::from_secs(20));
+    publish_all(local.port(), &fan_events(0, 100));
+    assert!(
+        wait_until(Duration::from_secs(20), || on_central.count() > 0),
+        "nothing reached central:\n{}",
+        agent.stderr_tail(30)
+    );
+    // The long central outage: kills (and power cuts) while inputs keep coming.
+    link.pause(true);
+    link.cut();
+    agent.wait_for_stderr("central: lost", Duration::from_secs(20));
+    let mut next = 100;
+    for round in 0..5u64 {
+        if round > 0 {
+            agent.start_connected();
+        }
+        let batch = fan_events(next, next + 500);
+        next += 500;
+        let port = local.port();
+        let publisher = std::thread::spawn(move || publish_all(port, &batch));
+        std::thread::sleep(Duration::from_millis(150 + 100 * round));
+        let mode = match round {
+            2 => Some("cut all".to_string()),
+            4 => Some(format!("cut prefix {} tear", 0x5eed + next)),
+            _ => None,
+        };
+        let power = cut.as_ref().zip(mode);
+        if let Some((c, mode)) = &power {
+            let reply = c.command(mode);
+            agent.note(&format!("power cut `{mode}`: {reply}"));
+        }
+        agent.kill();
+        publisher.join().expect("publisher");
+        if let Some((c, _)) = &power {
+            c.command("thaw");
+        }
+    }
+    agent.start_connected();
+    publish_all(local.port(), &fan_events(next, next + 200));
+    next += 200;
+    let oracle = fan_oracle(next);
+    // Local keeps delivering while central is away.
+    let local_done = wait_until(Duration::from_secs(120), || {
+        let mut all = on_local_sums.messages();
+        all.extend(on_local_last.messages());
+        holds_the_oracle(&all, "", &oracle).is_ok()
+    });
+    let mut all = on_local_sums.messages();
+    all.extend(on_local_last.messages());
+    assert!(
+        local_done,
+        "local during the outage:\n{}\nagent:\n{}",
+        holds_the_oracle(&all, "", &oracle).unwrap_err(),
+        agent.stderr_tail(30)
+    );
+    link.pause(false);
+    let central_done = wait_until(Duration::from_secs(120), || {
+        holds_the_oracle(&on_central.messages(), "site/", &oracle).is_ok()
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    if let Err(e) = holds_the_oracle(&on_central.messages(), "site/", &oracle) {
+        panic!(
+            "central (done: {central_done}):\n{e}\nagent:\n{}",
+            agent.stderr_tail(30)
+        );
+    }
+    let mut all = on_local_sums.messages();
+    all.extend(on_local_last.messages());
+    if let Err(e) = holds_the_oracle(&all, "", &oracle) {
+        panic!("local at the end:\n{e}");
+    }
+    assert!(
+        wait_until(
+            Duration::from_secs(20),
+            || status(&agent)["outbox"]["entries"] == 0
+        ),
+        "{}",
+        status(&agent)
+    );
+    assert_eq!(
+        agent.terminate().code(),
+        Some(0),
+        "{}",
+        agent.stderr_tail(20)
+    );
+    drop(cut);
+}
+
+#[test]
+fn fan_out_to_local_and_central_through_kills_in_a_long_central_outage_ends_with_each_holding_the_oracle()
+ {
+    fan_out(false);
+}
+
+#[test]
+fn fan_out_through_power_cuts_in_a_long_central_outage_loses_nothing_for_either_sink() {
+    fan_out(true);
+}
+
+#[test]
+fn a_result_over_an_mqtt_5_sinks_maximum_packet_size_is_its_dead_letter_and_the_other_sink_gets_it()
+{
+    let local = Broker::start();
+    // MQTT 5 tells the client the limit in its CONNACK: the result is never sent there.
+    let central = Broker::start_with(BrokerConfig {
+        extra: vec!["max_packet_size 1500".into()],
+        ..BrokerConfig::default()
+    });
+    let on_central = Collector::start(central.port(), "site/#");
+    let on_local = Collector::start(local.port(), "out/#");
+    let mut cfg = AgentConfig::new(
+        local.port(),
+        &PIPELINE.replace(
+            "max_key_len = 600",
+            "max_key_len = 600\nsinks = [\"local\", \"central\"]",
+        ),
+    );
+    cfg.extra = format!(
+        "[[sink]]\nname = \"central\"\nkind = \"mqtt\"\nport = {}\nclient_id = \"big_central\"\n\
+         topic_prefix = \"site/\"\nreconnect_min = \"50ms\"\nreconnect_max = \"500ms\"\n",
+        central.port()
+    );
+    let mut agent = CairnProcess::new(&cfg);
+    agent.set_log_filter(Some("info"));
+    agent.start_connected();
+    agent.wait_for_stderr("central: connected", Duration::from_secs(20));
+    let big = "B".repeat(600);
+    publish_all(
+        local.port(),
+        &[event("E1", "a"), event("E2", &big), event("E3", "b")],
+    );
+    agent.wait_for_stderr("results: set aside", Duration::from_secs(20));
+    let both = wait_until(Duration::from_secs(20), || {
+        keys(&on_local).len() == 3 && keys(&on_central).len() == 2
+    });
+    assert!(
+        both,
+        "local {:?}, central {:?}\n{}",
+        keys(&on_local).len(),
+        keys(&on_central),
+        agent.stderr_tail(20)
+    );
+    assert!(keys(&on_local).contains(&big), "local gets the big result");
+    assert!(
+        !agent.run_stderr().contains("central: lost"),
+        "no reconnect loop:\n{}",
+        agent.stderr_tail(20)
+    );
+    assert!(
+        wait_until(
+            Duration::from_secs(10),
+            || status(&agent)["outbox"]["entries"] == 0
+        ),
+        "{}",
+        status(&agent)
+    );
+    assert_eq!(agent.terminate().code(), Some(0));
+    let letters = agent.inspect("dead-letters");
+    let too_large: Vec<&Value> = letters
+        .iter()
+        .filter(|d| d["reason"] == "too_large_for_sink")
+        .collect();
+    assert_eq!(too_large.len(), 1, "{letters:?}");
+    assert_eq!(
+        too_large[0]["topic"],
+        Value::String(format!("site/out/{big}"))
+    );
+    assert!(
+        too_large[0]["detail"]
+            .as_str()
+            .unwrap()
+            .contains("sink `central`")
+    );
+}

@@ -10,7 +10,7 @@
 //! first waits for the previous fsync (at most one is outstanding, so they stay in order).
 //! An fsync that fails stops the agent, as a failed checkpoint always did.
 //!
-//! Measured (`benches/compare.rs`, intervals): a 5 s checkpoint at ~7,000 events/s held
+//! Measured (`benches/compare/`, intervals): a 5 s checkpoint at ~7,000 events/s held
 //! the loop for ~200 ms, long enough to make it the p99 latency of every result.
 
 use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, sync_channel};

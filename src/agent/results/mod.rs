@@ -4,20 +4,40 @@
 //! - **What is waiting**: the durable outbox entries (the store's `outbox` tree) and the
 //!   outputs processing made since the last checkpoint (the processor's memory): both may
 //!   leave, since their inputs are durable in the log (`cursor.rs`).
-//! - **Sinks**: each destination has its own [`cursor::Cursor`] over that one queue, and
-//!   one file per kind of destination. Today there is one, the MQTT sink (`mqtt.rs`): the
-//!   local broker of `[mqtt]`, or with `[uplink]` a central one, with `topic_prefix` before
-//!   each topic. An entry is deleted once every sink it is routed to has settled it; with
-//!   one sink, once it has.
-//! - **Settled**: a PUBACK settles a contiguous prefix of what was sent ([`Results::acked`]);
-//!   a checkpoint leaves settled outputs out of the outbox ([`Results::settled_below`]).
+//! - **Sinks** (issue 29): `local` (the input connection), `uplink` with `[uplink]`, then
+//!   each `[[sink]]`, in that order ([`Results::new`]). Each has its own
+//!   [`cursor::Cursor`] over the one queue and sends, in order, only the results of the
+//!   pipelines that name it (`cursor::next_routed`; a pipeline no longer configured goes
+//!   where results went by default). A sink that is down or refusing sends nothing and
+//!   holds no other back: its results wait, up to the shared bound.
+//! - **Settled**: a destination's positive answer settles, per sink, a contiguous prefix of
+//!   what it was sent ([`Results::acked`]); an entry is deleted once every sink it is routed
+//!   to has settled it ([`Results::settled_everywhere`]), and a checkpoint leaves such
+//!   outputs out of the outbox ([`Results::settled`]). Each sink's settled position goes
+//!   into every checkpoint's transaction ([`Results::positions`], the store's `sinks.rs`):
+//!   after a crash each sink starts there, and entries every sink had settled are deleted
+//!   at start ([`Results::forget_settled`]).
+//! - **Refused**: an MQTT 5 PUBACK of 0x80 or more settles nothing; that sink goes back to
+//!   the refused result and sends it and what followed again, in order, after a growing
+//!   delay (`MqttSink::refused`). A result too large for a sink, or one its broker keeps
+//!   refusing by closing the connection (`strikes.rs`), is a dead letter for that sink and
+//!   settled there ([`Results::set_aside`]); the other sinks still get it.
+//!
+//! **A sink of another kind** (issue 30: PostgreSQL, JetStream) is a client that takes the
+//! entries `next_routed` gives it, in order, and reports each one's outcome on the loop's
+//! event channel as `Event::Sink(n, ..)`, through the hand-over `Mqtt::start_all` returns
+//! (`mqtt::Sink::for_sink(n)`): `PubAcked` when the destination committed it (for
+//! PostgreSQL, with the sink's settled position in the same transaction), `PubRefused` when
+//! it said no (retried), `TooLarge` for a result it can never take (a dead letter), and
+//! `Connected`/`Disconnected` for its link. Here it is one more [`mqtt::Conn`] variant:
+//! publish, in-flight count and abandon are the three calls a sink's connection answers.
 //! - **The bound** ([`Results::full`], `outbox.max_entries` and `max_size`): past it,
 //!   processing waits (live, catch-up, backfill and the replay at start alike: the `work`
 //!   part asks here) and the log holds the input, which is still acknowledged (issue 16,
 //!   invariant 7).
 //!
 //! Handed the IO it needs by the loop: the processor (its store's outbox, its fresh
-//! outputs) and the input connection (the sink's connection without an uplink).
+//! outputs) and the input connection (the `local` sink's connection).
 
 pub(crate) mod cursor;
 pub(crate) mod dbsink;
@@ -302,7 +322,7 @@ impl Results {
     /// settled there as if acknowledged, so the outbox moves on. Once no other sink it is
     /// routed to waits for it, its entry leaves the outbox for good at once
     /// (`Store::outbox_set_aside`), so a restart does not bring it back.
-    fn set_aside(
+    pub(crate) fn set_aside(
         &mut self,
         i: usize,
         output_id: &str,

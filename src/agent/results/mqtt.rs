@@ -1,12 +1,12 @@
-//! The MQTT sink: results published to the local broker of `[mqtt]`, or with `[uplink]`
-//! (issue 13) over a second, publish-only connection to a central broker, with
-//! `topic_prefix` before each topic; inputs still come from `[mqtt]`. The outbox is its
-//! store-and-forward queue: durable, bounded, and drained in sequence order (its
-//! [`Cursor`]) when the link returns.
+//! MQTT sinks: `local` publishes on the input connection of `[mqtt]`; `uplink` (issue 13)
+//! and each `[[sink]]` of kind `mqtt` (issue 29) over a publish-only connection of their
+//! own (3.1.1 for `[uplink]`, MQTT 5 by default for a `[[sink]]`), with `topic_prefix`
+//! before each topic. The outbox is their store-and-forward queue: durable, bounded, and
+//! drained in sequence order (each sink's [`Cursor`]) when a link returns.
 //!
-//! Both connections feed the loop's one event channel (the uplink's events wrapped in
-//! [`Event::Uplink`]), so the loop never waits on one connection while the other has
-//! events.
+//! Every connection feeds the loop's one event channel (the uplink's events wrapped in
+//! [`Event::Uplink`], a `[[sink]]`'s in [`Event::Sink`]), so the loop never waits on one
+//! connection while another has events.
 //!
 //! [`Link`] and [`DrainRate`] do no IO: told what happened and when, they answer what
 //! changed (for the journal) and the figures (for `status` and `/metrics`).

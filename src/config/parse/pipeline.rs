@@ -175,7 +175,7 @@ impl Validator {
             max_future_ms: limits.max_future_ms?,
             metrics: metrics?,
             // Checked against the sinks, and the default filled in, once all are read.
-            sinks: r.sinks.unwrap_or_default(),
+            sinks: crate::pipeline::spec::Route(r.sinks.unwrap_or_default()),
         };
         self.results_fit(&p, &spec).then_some(spec)
     }

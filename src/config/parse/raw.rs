@@ -163,8 +163,6 @@ pub(super) struct RawSavepoint {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawPipeline {
     pub(super) name: Option<String>,
-    /// Where its results go (issue 29): sink names.
-    pub(super) sinks: Option<Vec<String>>,
     pub(super) topics: Option<Vec<String>>,
     pub(super) format: Option<String>,
     pub(super) separator: Option<String>,
@@ -186,6 +184,8 @@ pub(super) struct RawPipeline {
     pub(super) max_id_len: Option<i64>,
     pub(super) max_future: Option<DurationText>,
     pub(super) metrics: Option<Vec<String>>,
+    /// Where its results go (issue 29): sink names.
+    pub(super) sinks: Option<Vec<String>>,
 }
 
 /// `aggregate = "sum"` or `aggregate = ["min", "max"]`.

@@ -238,7 +238,7 @@ impl Validator {
         for (i, p) in pipelines.iter_mut().enumerate() {
             let key = format!("pipeline[{i}].sinks");
             if p.sinks.is_empty() {
-                p.sinks = vec![if has_uplink { UPLINK_SINK } else { LOCAL_SINK }.to_string()];
+                p.sinks.0 = vec![if has_uplink { UPLINK_SINK } else { LOCAL_SINK }.to_string()];
                 continue;
             }
             for (j, s) in p.sinks.iter().enumerate() {
@@ -315,7 +315,7 @@ mod tests {
             "sinks = [\"local\", \"central\"]",
         )
         .unwrap();
-        assert_eq!(cfg.pipelines[0].sinks, ["local", "central"]);
+        assert_eq!(*cfg.pipelines[0].sinks, ["local", "central"]);
         let s = &cfg.sinks[0];
         assert_eq!(s.name, "central");
         let SinkKind::Mqtt(m) = &s.kind else {
@@ -349,14 +349,27 @@ mod tests {
 
     #[test]
     fn without_sinks_a_pipeline_goes_where_it_went_before() {
-        assert_eq!(parse("", "").unwrap().pipelines[0].sinks, ["local"]);
+        assert_eq!(*parse("", "").unwrap().pipelines[0].sinks, ["local"]);
         let up = "[uplink]\nclient_id = \"up\"\n";
         let cfg = parse(up, "").unwrap();
-        assert_eq!(cfg.pipelines[0].sinks, ["uplink"]);
+        assert_eq!(*cfg.pipelines[0].sinks, ["uplink"]);
         assert_eq!(cfg.sink_names(), ["local", "uplink"]);
         let both = parse(up, "sinks = [\"local\", \"uplink\"]").unwrap();
-        assert_eq!(both.pipelines[0].sinks, ["local", "uplink"]);
-        assert_eq!(parse(CENTRAL, "").unwrap().pipelines[0].sinks, ["local"]);
+        assert_eq!(*both.pipelines[0].sinks, ["local", "uplink"]);
+        assert_eq!(*parse(CENTRAL, "").unwrap().pipelines[0].sinks, ["local"]);
+    }
+
+    #[test]
+    fn the_pipelines_the_last_run_recorded_equal_the_same_ones_with_sinks() {
+        // `pipelines.json` (the start plan's record of the last run) holds no sinks: an
+        // upgrade, or a change of sinks alone, must not look like a pipeline change.
+        let cfg = parse(CENTRAL, "sinks = [\"local\", \"central\"]").unwrap();
+        let spec = &cfg.pipelines[0];
+        let json = serde_json::to_string(spec).unwrap();
+        assert!(!json.contains("central"), "{json}");
+        let back: PipelineSpec = serde_json::from_str(&json).unwrap();
+        assert!(back.sinks.is_empty());
+        assert_eq!(&back, spec);
     }
 
     #[test]

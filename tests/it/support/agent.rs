@@ -135,6 +135,9 @@ pub struct CairnProcess {
     log_filter: Option<String>,
     /// Where the data lives (the config's `data_dir`).
     data_dir: PathBuf,
+    /// The binary every run and command starts: [`cairn_bin`] unless a bench compares another
+    /// build ([`CairnProcess::set_bin`]).
+    bin: PathBuf,
 }
 
 impl CairnProcess {
@@ -159,7 +162,14 @@ impl CairnProcess {
                 std::env::var("CAIRN_TEST_LOG").unwrap_or("info,cairn::agent=debug".into()),
             ),
             data_dir,
+            bin: cairn_bin(),
         }
+    }
+
+    /// Runs another build of `cairn` from the next start on (the compare bench's
+    /// `CAIRN_COMPARE_BIN`: an older commit's binary under the same load).
+    pub fn set_bin(&mut self, bin: &Path) {
+        self.bin = bin.to_path_buf();
     }
 
     /// The agent's own directory (config, stderr file, default data dir): tests put sockets
@@ -276,7 +286,7 @@ impl CairnProcess {
         self.run_start = std::fs::metadata(self.stderr_path())
             .map(|m| m.len() as usize)
             .unwrap_or(0);
-        let mut cmd = Command::new(cairn_bin());
+        let mut cmd = Command::new(&self.bin);
         cmd.arg("run")
             .arg("--config")
             .arg(self.config_path())
@@ -417,7 +427,7 @@ impl CairnProcess {
 
     /// Runs another `cairn` subcommand against the same config; returns (status, stdout, stderr).
     pub fn command(&self, args: &[&str]) -> (ExitStatus, String, String) {
-        let out = Command::new(cairn_bin())
+        let out = Command::new(&self.bin)
             .arg("--config")
             .arg(self.config_path())
             .args(args)

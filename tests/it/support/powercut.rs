@@ -98,13 +98,22 @@ impl PowerCut {
     }
 }
 
-/// The powercut-fs binary, built from this workspace if it is not there yet.
+/// The powercut-fs binary, built from this workspace if it is not there yet: beside the
+/// `cairn` binary of this test or bench, so in the profile that built it (a bench's
+/// `cairn` is under `target/release`).
 fn powercut_bin() -> PathBuf {
     let cairn = PathBuf::from(env!("CARGO_BIN_EXE_cairn"));
     let bin = cairn.with_file_name("powercut-fs");
     if !bin.exists() {
+        let release = cairn
+            .parent()
+            .is_some_and(|d| d.file_name().is_some_and(|n| n == "release"));
+        let mut args = vec!["build", "-q", "-p", "powercut-fs"];
+        if release {
+            args.push("--release");
+        }
         let st = Command::new(env!("CARGO"))
-            .args(["build", "-q", "-p", "powercut-fs"])
+            .args(&args)
             .current_dir(env!("CARGO_MANIFEST_DIR"))
             .status()
             .expect("run cargo to build powercut-fs");

@@ -1,0 +1,139 @@
+//! The agent's `cairn.toml` for the comparison, as a `toml_edit` document: the tests' builder
+//! (`support::agent::AgentConfig`) gives the broker, the session and the data directory, and
+//! the bench sets each of its own settings by table and key, so a change is one typed
+//! assignment, never an edit of TOML text.
+
+use std::path::Path;
+
+use toml_edit::{Array, ArrayOfTables, DocumentMut, Item, Table, Value, value};
+
+use crate::support::agent::AgentConfig;
+
+pub(crate) struct Config {
+    doc: DocumentMut,
+}
+
+/// A setting's value: text (durations, sizes, names) or a number.
+pub(crate) enum Setting<'a> {
+    Text(&'a str),
+    Int(u64),
+}
+
+impl From<Setting<'_>> for Value {
+    fn from(s: Setting<'_>) -> Value {
+        match s {
+            Setting::Text(t) => t.into(),
+            Setting::Int(n) => i64::try_from(n)
+                .expect("a bench setting fits TOML's integers")
+                .into(),
+        }
+    }
+}
+
+impl<'a> From<&'a str> for Setting<'a> {
+    fn from(t: &'a str) -> Self {
+        Setting::Text(t)
+    }
+}
+
+impl From<u64> for Setting<'_> {
+    fn from(n: u64) -> Self {
+        Setting::Int(n)
+    }
+}
+
+impl Config {
+    /// The bench's agent: `base` rendered for `dir` (the agent's directory), then the
+    /// settings every run of the comparison shares, and one changelog or upsert `sum`
+    /// pipeline over `cairn/in/#` (one result per input in changelog mode).
+    pub(crate) fn new(
+        base: &AgentConfig,
+        dir: &Path,
+        emit: &str,
+        max_records: u64,
+        metrics_port: u16,
+    ) -> Config {
+        let mut doc: DocumentMut = base
+            .render(dir)
+            .parse()
+            .expect("the tests' config builder writes valid TOML");
+        // The tests reconnect fast; the bench keeps the agent's own backoff.
+        for key in ["reconnect_min", "reconnect_max"] {
+            doc["mqtt"]
+                .as_table_mut()
+                .expect("an [mqtt] table")
+                .remove(key);
+        }
+        let mut c = Config { doc };
+        c.set("mqtt", "keep_alive", Setting::Text("10s"));
+        // Cairn acknowledges after the fsync, so the broker's inflight window is its batch.
+        c.set(
+            "mqtt",
+            "ingest_batch",
+            Setting::Int(crate::mqtt::broker_inflight()),
+        );
+        // The shipped config's cache; CAIRN_COMPARE_CACHE to try another.
+        let cache = std::env::var("CAIRN_COMPARE_CACHE").unwrap_or_else(|_| "16MiB".into());
+        c.set("storage", "cache_size", Setting::Text(&cache));
+        for (key, v) in [
+            ("segment_size", "64MiB"),
+            ("max_size", "4GiB"),
+            ("retention", "1h"),
+            ("commit_interval", "5ms"),
+            ("max_payload", "64KiB"),
+        ] {
+            c.set("log", key, Setting::Text(v));
+        }
+        c.set("checkpoint", "interval", Setting::Text("50ms"));
+        c.set("checkpoint", "max_records", Setting::Int(max_records));
+        // Results allowed to wait before ingest holds back; CAIRN_COMPARE_OUTBOX_MAX to bound
+        // the memory they take (issue 16).
+        let outbox_max = std::env::var("CAIRN_COMPARE_OUTBOX_MAX")
+            .ok()
+            .map(|v| v.parse().expect("CAIRN_COMPARE_OUTBOX_MAX is a number"))
+            .unwrap_or(2_000_000);
+        c.set("outbox", "max_entries", Setting::Int(outbox_max));
+        c.set("outbox", "inflight", Setting::Int(100));
+        c.set("outbox", "drain_timeout", Setting::Text("2s"));
+        let listen = format!("127.0.0.1:{metrics_port}");
+        c.set("metrics", "listen", Setting::Text(&listen));
+
+        let mut p = Table::new();
+        let topics: Array = ["cairn/in/#"].into_iter().collect();
+        p["name"] = value("sums");
+        p["topics"] = value(topics);
+        for (key, v) in [
+            ("format", "json"),
+            ("event_id", "/id"),
+            ("key", "/k"),
+            ("value", "/v"),
+            ("aggregate", "sum"),
+            ("dedup_window", "7d"),
+            ("output_topic", "cairn/out/{key}"),
+        ] {
+            p[key] = value(v);
+        }
+        p["retain"] = value(false);
+        p["emit"] = value(emit);
+        p["max_keys"] = value(1_000_000i64);
+        let mut pipelines = ArrayOfTables::new();
+        pipelines.push(p);
+        c.doc["pipeline"] = Item::ArrayOfTables(pipelines);
+        c
+    }
+
+    /// Sets `[table] key = v`, making the table if it is not there.
+    pub(crate) fn set<'a>(&mut self, table: &str, key: &str, v: impl Into<Setting<'a>>) {
+        let t = self
+            .doc
+            .entry(table)
+            .or_insert_with(toml_edit::table)
+            .as_table_mut()
+            .unwrap_or_else(|| panic!("`{table}` is a table"));
+        t[key] = Item::Value(v.into().into());
+    }
+
+    pub(crate) fn text(&self) -> String {
+        self.doc.to_string()
+    }
+}
