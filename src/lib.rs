@@ -152,5 +152,6 @@ pub mod notify;
 pub mod pipeline;
 pub mod processor;
 pub(crate) mod signals;
+pub mod sink;
 pub mod store;
 pub mod text;

@@ -303,8 +303,9 @@ impl Agent {
                 self.results
                     .on_sink_event(i, *ev, &self.mqtt, &self.proc, &self.cfg.outbox, at)?
             }
-            // The input connection speaks 3.1.1: no such outcomes.
-            Event::PubRefused { .. } | Event::TooLarge { .. } => {}
+            // The input connection speaks 3.1.1: no such outcomes; only a thread sink's
+            // events carry `SinkRejected` (always inside `Event::Sink`).
+            Event::PubRefused { .. } | Event::TooLarge { .. } | Event::SinkRejected { .. } => {}
             Event::BrokerDrops(d) => {
                 let now = self.now();
                 self.figures.broker_drops(now, d);

@@ -32,6 +32,7 @@ use super::ingest::{Ingest, log_clock_note};
 use super::keeper::{Keeper, Schedule, note_savepoint_files};
 use super::memory::{TRIM_INTERVAL, return_free_memory};
 use super::results::Results;
+use super::results::dbsink::ThreadConn;
 use super::results::mqtt::{Conn, MqttSink, note_waiting_outbox};
 use super::work::Work;
 
@@ -352,9 +353,11 @@ fn subscribe(
                     SinkProtocol::V311 => Protocol::V311,
                 },
             )),
+            // Their clients run on threads of their own (`results/dbsink.rs`).
+            SinkKind::Postgres(_) | SinkKind::JetStream(_) => None,
         })
         .collect();
-    let (mqtt, up, links, events, _tx) = Mqtt::start_all(
+    let (mqtt, up, links, events, tx) = Mqtt::start_all(
         &input,
         filters,
         cfg.uplink.as_ref().map(|u| &u.mqtt),
@@ -381,16 +384,23 @@ fn subscribe(
             Some((&u.mqtt, &u.topic_prefix)),
         ));
     }
-    for (s, link) in cfg.sinks.iter().zip(links) {
-        let (SinkKind::Mqtt(m), Some(link)) = (&s.kind, link) else {
-            continue;
+    for (n, (s, link)) in cfg.sinks.iter().zip(links).enumerate() {
+        // Every `[[sink]]` has its place in `sinks`: `Event::Sink(n, ..)` counts on it.
+        let sink = match (&s.kind, link) {
+            (SinkKind::Mqtt(m), Some(link)) => MqttSink::new(
+                &s.name,
+                start(&s.name),
+                Conn::Own(link),
+                Some((&m.mqtt, &m.topic_prefix)),
+            ),
+            (kind, _) => {
+                let tx = tx.for_sink(u16::try_from(n).unwrap_or(u16::MAX));
+                let conn = ThreadConn::start(&s.name, kind, cfg.sink_tables(&s.name), tx)
+                    .map_err(|e| AgentError::Mqtt(crate::mqtt::MqttError::Config(e)))?;
+                MqttSink::new(&s.name, start(&s.name), Conn::Thread(conn), None)
+            }
         };
-        sinks.push(MqttSink::new(
-            &s.name,
-            start(&s.name),
-            Conn::Own(link),
-            Some((&m.mqtt, &m.topic_prefix)),
-        ));
+        sinks.push(sink);
     }
     Ok((mqtt, sinks, events))
 }

@@ -518,6 +518,9 @@ fn sink_lines(v: &Value) -> Vec<String> {
                 s["settled"],
                 s["drain_rate"].as_f64().unwrap_or(0.0)
             );
+            if let Some(w) = s["duplicate_window_seconds"].as_f64() {
+                line.push_str(&format!(", duplicate window {w}s"));
+            }
             if let Some(r) = s["refused"].as_object().filter(|r| !r.is_empty()) {
                 let all: Vec<String> = r
                     .iter()
@@ -606,6 +609,7 @@ mod tests {
                 drain_rate: 4.0,
                 refused: refused.iter().copied().collect(),
                 refusing: None,
+                duplicate_window: None,
             };
         let f = crate::metrics::Figures {
             sinks: vec![
@@ -625,6 +629,20 @@ mod tests {
         assert!(
             text.contains("sink central    REFUSING for 60s, up to 12 waiting (2 KiB), 25 settled, 4.0/s, refused: not authorized 7"),
             "{text}"
+        );
+        // A JetStream sink shows its stream's duplicate window.
+        let mut stream = sink("stream", "connected", &[]);
+        stream.duplicate_window = Some(std::time::Duration::from_secs(120));
+        let f = crate::metrics::Figures {
+            sinks: vec![sink("local", "connected", &[]), stream],
+            ..Default::default()
+        };
+        let v = crate::metrics::status_json(&crate::metrics::families(&f, 100_000));
+        assert_eq!(v["sinks"][1]["duplicate_window_seconds"], json!(120), "{v}");
+        assert!(
+            human(&v).contains(", duplicate window 120s"),
+            "{}",
+            human(&v)
         );
         // One sink alone: nothing more than before.
         let one = crate::metrics::Figures {

@@ -230,6 +230,38 @@ fn aggregate(a: &AggregateSpec) -> String {
 fn mqtt_sink<T>(s: &SinkConfig, f: impl Fn(&MqttSinkConfig) -> T) -> Option<T> {
     match &s.kind {
         SinkKind::Mqtt(m) => Some(f(m)),
+        SinkKind::Postgres(_) | SinkKind::JetStream(_) => None,
+    }
+}
+
+/// A `postgres` sink's keys.
+fn pg_sink<T>(
+    s: &SinkConfig,
+    f: impl Fn(&crate::sink::postgres::PostgresConfig) -> T,
+) -> Option<T> {
+    match &s.kind {
+        SinkKind::Postgres(p) => Some(f(p)),
+        _ => None,
+    }
+}
+
+/// A `jetstream` sink's keys.
+fn js_sink<T>(
+    s: &SinkConfig,
+    f: impl Fn(&crate::sink::jetstream::JetStreamConfig) -> T,
+) -> Option<T> {
+    match &s.kind {
+        SinkKind::JetStream(j) => Some(f(j)),
+        _ => None,
+    }
+}
+
+/// The `tls` of a sink of any kind.
+fn sink_tls(s: &SinkConfig) -> Option<&TlsConfig> {
+    match &s.kind {
+        SinkKind::Mqtt(m) => m.mqtt.tls.as_ref(),
+        SinkKind::Postgres(p) => p.tls.as_ref(),
+        SinkKind::JetStream(j) => j.tls.as_ref(),
     }
 }
 
@@ -709,7 +741,7 @@ pub static KEYS: &[Key] = &[
     key!(
         "sink.kind",
         Def::Required,
-        Range::Choices(&["mqtt"]),
+        Range::Choices(&["mqtt", "postgres", "jetstream"]),
         "kind",
         Reload::Restart,
         "what the destination is; each kind has its own keys below",
@@ -769,8 +801,12 @@ pub static KEYS: &[Key] = &[
         Range::Text("a user name"),
         "name",
         Reload::Restart,
-        "anonymous when not set",
-        Get::Sink(|c| mqtt_sink(c, |m| m.mqtt.username.as_deref().map(q)).flatten())
+        "anonymous when not set (kinds mqtt and jetstream)",
+        Get::Sink(|c| {
+            mqtt_sink(c, |m| m.mqtt.username.as_deref().map(q))
+                .or_else(|| js_sink(c, |j| j.username.as_deref().map(q)))
+                .flatten()
+        })
     ),
     key!(
         "sink.password_file",
@@ -778,8 +814,13 @@ pub static KEYS: &[Key] = &[
         Range::Text("a file path; needs username"),
         "path",
         Reload::Restart,
-        "a file holding the password",
-        Get::Sink(|c| mqtt_sink(c, |m| m.mqtt.password_file.as_deref().map(path)).flatten())
+        "a file holding the password (kinds mqtt, jetstream and postgres)",
+        Get::Sink(|c| {
+            mqtt_sink(c, |m| m.mqtt.password_file.as_deref().map(path))
+                .or_else(|| js_sink(c, |j| j.password_file.as_deref().map(path)))
+                .or_else(|| pg_sink(c, |p| p.password_file.as_deref().map(path)))
+                .flatten()
+        })
     ),
     key!(
         "sink.tls.ca_file",
@@ -788,7 +829,7 @@ pub static KEYS: &[Key] = &[
         "path",
         Reload::Restart,
         "TLS needs the CA that signed the broker's certificate; plain TCP when `tls` is not set",
-        Get::Sink(|c| mqtt_sink(c, |m| m.mqtt.tls.as_ref().map(|t| path(&t.ca_file))).flatten())
+        Get::Sink(|c| sink_tls(c).map(|t| path(&t.ca_file)))
     ),
     key!(
         "sink.tls.cert_file",
@@ -797,7 +838,7 @@ pub static KEYS: &[Key] = &[
         "path",
         Reload::Restart,
         "a client certificate",
-        Get::Sink(|c| mqtt_sink(c, |m| tls_file(&m.mqtt.tls, |t| t.cert_file.as_ref())).flatten())
+        Get::Sink(|c| tls_file(&sink_tls(c).cloned(), |t| t.cert_file.as_ref()))
     ),
     key!(
         "sink.tls.key_file",
@@ -806,7 +847,7 @@ pub static KEYS: &[Key] = &[
         "path",
         Reload::Restart,
         "the client certificate's key",
-        Get::Sink(|c| mqtt_sink(c, |m| tls_file(&m.mqtt.tls, |t| t.key_file.as_ref())).flatten())
+        Get::Sink(|c| tls_file(&sink_tls(c).cloned(), |t| t.key_file.as_ref()))
     ),
     key!(
         "sink.topic_prefix",
@@ -836,6 +877,78 @@ pub static KEYS: &[Key] = &[
         Reload::Restart,
         WHY_RECONNECT_MAX,
         Get::Sink(|c| mqtt_sink(c, |m| dur(m.mqtt.reconnect_max)))
+    ),
+    key!(
+        "sink.url",
+        Def::Derived("required (kind postgres)"),
+        Range::Text("a PostgreSQL URL, postgresql://user@host:port/database"),
+        "URL",
+        Reload::Restart,
+        "the database results go to (kind postgres); its password in password_file, not here",
+        Get::Sink(|c| pg_sink(c, |p| q(&p.url)))
+    ),
+    key!(
+        "sink.source",
+        Def::Derived("required (kinds postgres, jetstream)"),
+        Range::Text("1 to 64 of A-Z a-z 0-9 _ - ."),
+        "name",
+        Reload::Restart,
+        "this box's identity (kinds postgres and jetstream): a column of every row, the start of every Nats-Msg-Id; unique per box, or two boxes' results meet",
+        Get::Sink(|c| pg_sink(c, |p| q(&p.source)).or_else(|| js_sink(c, |j| q(&j.source))))
+    ),
+    key!(
+        "sink.table_prefix",
+        Def::Text("cairn_"),
+        Range::Text("A-Z a-z 0-9 _; with each pipeline name at most 63 bytes"),
+        "table name text",
+        Reload::Restart,
+        "one table per pipeline, <table_prefix><pipeline>, and <table_prefix>progress (kind postgres); PostgreSQL cuts names at 63 bytes",
+        Get::Sink(|c| pg_sink(c, |p| q(&p.table_prefix)))
+    ),
+    key!(
+        "sink.servers",
+        Def::Derived("required (kind jetstream)"),
+        Range::Text("NATS URLs, nats://host:port"),
+        "list",
+        Reload::Restart,
+        "the NATS servers to try (kind jetstream); the client also learns the cluster's others",
+        Get::Sink(|c| js_sink(c, |j| list(&j.servers)))
+    ),
+    key!(
+        "sink.credentials_file",
+        Def::Unset,
+        Range::Text("a file path; not with username or token_file"),
+        "path",
+        Reload::Restart,
+        "a NATS .creds file (JWT and NKey seed), kind jetstream",
+        Get::Sink(|c| js_sink(c, |j| j.credentials_file.as_deref().map(path)).flatten())
+    ),
+    key!(
+        "sink.token_file",
+        Def::Unset,
+        Range::Text("a file path; not with username or credentials_file"),
+        "path",
+        Reload::Restart,
+        "a file holding the NATS token, kind jetstream",
+        Get::Sink(|c| js_sink(c, |j| j.token_file.as_deref().map(path)).flatten())
+    ),
+    key!(
+        "sink.stream",
+        Def::Derived("required (kind jetstream)"),
+        Range::Text("a stream name: no . * > / \\ or white space"),
+        "name",
+        Reload::Restart,
+        "the JetStream stream results go to (kind jetstream); it must exist, with a subject covering <subject_prefix>.>; its duplicate window bounds the outage a re-send is dropped after",
+        Get::Sink(|c| js_sink(c, |j| q(&j.stream)))
+    ),
+    key!(
+        "sink.subject_prefix",
+        Def::Text(""),
+        Range::Text("subject tokens separated by `.`: none empty, no * > or white space"),
+        "subject text",
+        Reload::Restart,
+        "before every result's subject (kind jetstream): the topic's levels follow as tokens, escaped one to one",
+        Get::Sink(|c| js_sink(c, |j| q(&j.subject_prefix)))
     ),
     // [sparkplug]
     key!(

@@ -131,9 +131,23 @@ fn the_defaults_in_the_table_are_the_ones_validation_applies() {
         )
         .replace("o/{key}", "o/{key}/{window_start}");
     let cfg = parse_str(&text, Path::new("t.toml")).unwrap();
+    // The keys of the other sink kinds, read from a config whose first sink is of that kind.
+    let first_sink = |sink: &str| {
+        let t = text.replacen("[[sink]]", &format!("{sink}\n[[sink]]"), 1);
+        parse_str(&t, Path::new("t.toml")).unwrap()
+    };
+    let pg = first_sink(
+        "[[sink]]\nname = \"db\"\nkind = \"postgres\"\nurl = \"postgresql://c@db/t\"\nsource = \"b\"\n",
+    );
+    let js = first_sink(
+        "[[sink]]\nname = \"js\"\nkind = \"jetstream\"\nservers = [\"nats://n:4222\"]\nstream = \"R\"\nsource = \"b\"\n",
+    );
     let mut checked = 0;
     for k in KEYS {
-        let value = k.value(&cfg);
+        let value = k
+            .value(&cfg)
+            .or_else(|| k.value(&pg))
+            .or_else(|| k.value(&js));
         match k.default {
             Def::Int(_) | Def::Ms(_) | Def::Bytes(_) | Def::Text(_) | Def::Bool(_) => {
                 assert_eq!(value, Some(k.default_text()), "{}", k.name);

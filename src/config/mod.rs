@@ -136,6 +136,10 @@ pub struct SinkConfig {
 pub enum SinkKind {
     /// `kind = "mqtt"`: a publish-only connection to a broker.
     Mqtt(MqttSinkConfig),
+    /// `kind = "postgres"` (issue 30): a table per pipeline (`src/sink/postgres.rs`).
+    Postgres(crate::sink::postgres::PostgresConfig),
+    /// `kind = "jetstream"` (issue 30): a NATS JetStream stream (`src/sink/jetstream.rs`).
+    JetStream(crate::sink::jetstream::JetStreamConfig),
 }
 
 impl SinkKind {
@@ -143,6 +147,8 @@ impl SinkKind {
     pub fn name(&self) -> &'static str {
         match self {
             SinkKind::Mqtt(_) => "mqtt",
+            SinkKind::Postgres(_) => "postgres",
+            SinkKind::JetStream(_) => "jetstream",
         }
     }
 }
@@ -262,8 +268,9 @@ impl Config {
             .sinks
             .iter()
             .enumerate()
-            .map(|(i, s)| match &s.kind {
-                SinkKind::Mqtt(m) => (format!("sink[{i}]"), &m.mqtt),
+            .filter_map(|(i, s)| match &s.kind {
+                SinkKind::Mqtt(m) => Some((format!("sink[{i}]"), &m.mqtt)),
+                SinkKind::Postgres(_) | SinkKind::JetStream(_) => None,
             })
             .collect();
         for (i, s) in self.sinks.iter().enumerate() {
@@ -306,6 +313,11 @@ impl Config {
             }
         }
         out
+    }
+
+    /// The tables a `postgres` sink named `sink` writes: one per pipeline routed to it.
+    pub fn sink_tables(&self, sink: &str) -> Vec<crate::sink::postgres::PipelineTable> {
+        parse::dbsinks::pipeline_tables(&self.pipelines, sink)
     }
 
     /// Every sink results can go to, by name: `local`, `uplink` when `[uplink]` is

@@ -41,6 +41,7 @@ use crate::pipeline::spec::{
     Aggregate, AggregateSpec, Emit, MAX_WINDOWS_PER_EVENT, PipelineSpec, Start, WindowSpec,
 };
 
+pub(super) mod dbsinks;
 mod link;
 #[path = "locate.rs"]
 mod locate;
@@ -430,7 +431,7 @@ impl Validator {
         );
         let mut pipelines = self.pipelines(raw.pipeline);
         if let (Some(p), Some(s), Some(u)) = (&mut pipelines, &sinks, &uplink) {
-            if !self.routes(p, s, u.is_some()) {
+            if !self.routes(p, s, u.is_some()) || !self.tables(p, s) {
                 pipelines = None;
             }
         }

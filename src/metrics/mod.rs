@@ -154,6 +154,8 @@ pub struct SinkFigures {
     pub refused: BTreeMap<&'static str, u64>,
     /// The last refusal: reason code and name.
     pub refusing: Option<(u8, &'static str)>,
+    /// A JetStream sink's stream: its duplicate window (issue 30), once connected.
+    pub duplicate_window: Option<std::time::Duration>,
 }
 
 /// Everything exported. The agent writes it; [`render`] reads a copy.

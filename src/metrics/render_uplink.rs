@@ -129,6 +129,17 @@ fn sinks(o: &mut Out, f: &Figures, now_ms: u64) {
         "Results the sink's destination settled per second, over the last 10 seconds.",
         &|s| s.drain_rate,
     );
+    let name = "cairn_sink_duplicate_window_seconds";
+    let samples = o.family(
+        name,
+        GAUGE,
+        "A JetStream sink's stream duplicate window: a result re-sent after an outage longer than this is stored again.",
+    );
+    for s in &f.sinks {
+        if let Some(w) = s.duplicate_window {
+            samples.push(sample(name, &[("sink", s.name.clone())], w.as_secs_f64()));
+        }
+    }
     let name = "cairn_sink_refused_total";
     let samples = o.family(
         name,

@@ -155,6 +155,9 @@ fn sinks(samples: &[&Sample]) -> Vec<Value> {
             "cairn_sink_drain_rate" => {
                 m.insert("drain_rate".into(), num(s.value));
             }
+            "cairn_sink_duplicate_window_seconds" => {
+                m.insert("duplicate_window_seconds".into(), num(s.value));
+            }
             "cairn_sink_refused_total" => {
                 let r = m.entry("refused").or_insert(json!({}));
                 if let (Some(obj), Some(reason)) = (r.as_object_mut(), s.labels.get("reason")) {

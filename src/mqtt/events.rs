@@ -76,9 +76,15 @@ enum Kind {
 fn kind(e: &Event) -> Kind {
     match e {
         Event::Message(_) => Kind::Message,
-        Event::PubAcked { .. } | Event::PubRefused { .. } | Event::TooLarge { .. } => Kind::Ack,
+        Event::PubAcked { .. }
+        | Event::PubRefused { .. }
+        | Event::TooLarge { .. }
+        | Event::SinkRejected { .. } => Kind::Ack,
         Event::Uplink(inner) | Event::Sink(_, inner) => match **inner {
-            Event::PubAcked { .. } | Event::PubRefused { .. } | Event::TooLarge { .. } => Kind::Ack,
+            Event::PubAcked { .. }
+            | Event::PubRefused { .. }
+            | Event::TooLarge { .. }
+            | Event::SinkRejected { .. } => Kind::Ack,
             _ => Kind::Other,
         },
         Event::Connected { .. } | Event::Disconnected { .. } | Event::BrokerDrops(_) => Kind::Other,

@@ -201,6 +201,14 @@ pub enum Event {
     PubAcked {
         output_id: String,
     },
+    /// A sink that is not an MQTT connection (issue 30: PostgreSQL, JetStream) refused this
+    /// result as data (`reason` a dead-letter reason, e.g. `postgres_rejected`): a dead
+    /// letter for that sink, settled there.
+    SinkRejected {
+        output_id: String,
+        reason: &'static str,
+        detail: String,
+    },
     /// MQTT 5 only ([`Mqtt5`]): the broker refused the publish with this output ID, its
     /// PUBACK carrying a reason code of 0x80 or more (0x87 not authorized: an ACL), or its
     /// CONNACK ruled it out so that it was not sent (0x9A retain not supported, 0x9B QoS not

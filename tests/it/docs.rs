@@ -417,13 +417,17 @@ fn every_event_a_page_names_exists() {
     }
 }
 
-/// Dead-letter reasons as the code writes them where refusals are made (`src/pipeline/` and
-/// `src/processor.rs`): `reason: "x"`, `refuse("x"`, and the string given to
+/// Dead-letter reasons as the code writes them where refusals are made (`src/pipeline/`,
+/// `src/processor.rs`, and the sinks' refusals in `src/sink/`): `reason: "x"`, `refuse("x"`, and the string given to
 /// `refuse_at(..)`, over line breaks.
 fn dead_letter_reasons() -> BTreeSet<String> {
     let snake = |n: &str| !n.is_empty() && n.bytes().all(|b| b.is_ascii_lowercase() || b == b'_');
     let mut out = BTreeSet::new();
-    let mut stack = vec![repo().join("src/pipeline"), repo().join("src/processor.rs")];
+    let mut stack = vec![
+        repo().join("src/pipeline"),
+        repo().join("src/processor.rs"),
+        repo().join("src/sink"),
+    ];
     while let Some(dir) = stack.pop() {
         let entries: Vec<PathBuf> = if dir.is_dir() {
             std::fs::read_dir(&dir)

@@ -1,7 +1,10 @@
 //! The layering DESIGN §2 draws, checked instead of hoped (issue 12, item 6):
 //!
 //! - only `src/store/` imports sled;
-//! - only `src/mqtt/` imports rumqttc or tokio;
+//! - only `src/mqtt/` imports rumqttc; only `src/mqtt/` and `src/sink/` import tokio (each
+//!   sink client runs its own runtime on its own thread, issue 30);
+//! - only `src/sink/` imports the PostgreSQL and NATS clients (`tokio_postgres`,
+//!   `tokio_postgres_rustls`, `async_nats`);
 //! - `src/pipeline/` is pure: no file system, network, wall clock, `Instant`, threads,
 //!   randomness, sled, rumqttc, tokio, and none of the crate's IO rooms (`store`, `log`,
 //!   `mqtt`).
@@ -42,6 +45,12 @@ fn in_store(rel: &str) -> bool {
 fn in_mqtt(rel: &str) -> bool {
     rel.starts_with("mqtt/")
 }
+fn in_sink(rel: &str) -> bool {
+    rel.starts_with("sink/")
+}
+fn in_mqtt_or_sink(rel: &str) -> bool {
+    in_mqtt(rel) || in_sink(rel)
+}
 fn outside_pipeline(rel: &str) -> bool {
     !rel.starts_with("pipeline/")
 }
@@ -59,8 +68,23 @@ const RULES: &[Rule] = &[
     },
     Rule {
         prefix: &["tokio"],
-        allowed: in_mqtt,
-        why: "only mqtt/ imports tokio",
+        allowed: in_mqtt_or_sink,
+        why: "only mqtt/ and sink/ import tokio",
+    },
+    Rule {
+        prefix: &["tokio_postgres"],
+        allowed: in_sink,
+        why: "only sink/ imports the PostgreSQL client",
+    },
+    Rule {
+        prefix: &["tokio_postgres_rustls"],
+        allowed: in_sink,
+        why: "only sink/ imports the PostgreSQL client",
+    },
+    Rule {
+        prefix: &["async_nats"],
+        allowed: in_sink,
+        why: "only sink/ imports the NATS client",
     },
     Rule {
         prefix: &["std", "fs"],
@@ -963,6 +987,29 @@ fn the_scanner_sees_the_imports_the_allowed_rooms_really_make() {
         named("mqtt/", "tokio"),
         "scanner saw no tokio path in src/mqtt/"
     );
+    assert!(
+        named("sink/", "tokio_postgres"),
+        "scanner saw no tokio_postgres path in src/sink/"
+    );
+    assert!(
+        named("sink/", "async_nats"),
+        "scanner saw no async_nats path in src/sink/"
+    );
+}
+
+#[test]
+fn the_database_and_stream_clients_outside_the_sink_module_are_reported() {
+    let text = "use async_nats::Client;\nfn f() { let _ = tokio_postgres::NoTls; }\n";
+    let whys = |rel: &str| -> Vec<&str> { check(rel, text).into_iter().map(|v| v.why).collect() };
+    assert_eq!(
+        whys("agent/results/mod.rs"),
+        [
+            "only sink/ imports the NATS client",
+            "only sink/ imports the PostgreSQL client"
+        ]
+    );
+    assert!(whys("sink/jetstream.rs").is_empty());
+    assert_eq!(whys("mqtt/worker.rs").len(), 2, "not mqtt/ either");
 }
 
 #[test]

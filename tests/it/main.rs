@@ -14,6 +14,8 @@ mod checkpoint;
 mod cli;
 mod config_errors;
 mod crash;
+mod dbsinks;
+mod dbsinks_e2e;
 mod definitions;
 mod docs;
 mod e2e;

@@ -40,6 +40,7 @@
 //! outputs) and the input connection (the `local` sink's connection).
 
 pub(crate) mod cursor;
+pub(crate) mod dbsink;
 pub(crate) mod mqtt;
 pub(crate) mod strikes;
 
@@ -453,6 +454,13 @@ impl Results {
                 let topic = self.topic_of(i, &output_id, proc)?;
                 self.sinks[i].refused(&output_id, code, reason, topic, at);
                 return Ok(());
+            }
+            Event::SinkRejected {
+                output_id,
+                reason,
+                detail,
+            } => {
+                return self.set_aside(i, &output_id, reason, &detail, proc, at.0);
             }
             Event::TooLarge {
                 output_id,

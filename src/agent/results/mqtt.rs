@@ -189,6 +189,9 @@ pub(crate) fn note_waiting_outbox(
 pub(crate) enum Conn {
     Input,
     Own(MqttLink),
+    /// A sink whose client runs on a thread of its own (`dbsink.rs`: PostgreSQL,
+    /// JetStream): its answers come back as this sink's events, as an MQTT sink's would.
+    Thread(super::dbsink::ThreadConn),
 }
 
 /// A sink the broker refuses (MQTT 5 PUBACK reason >= 0x80): since when, why, and when to
@@ -274,6 +277,7 @@ impl MqttSink {
             Conn::Input => f(ConnRef::V311(input)),
             Conn::Own(MqttLink::V311(m)) => f(ConnRef::V311(m)),
             Conn::Own(MqttLink::V5(m)) => f(ConnRef::V5(m)),
+            Conn::Thread(t) => f(ConnRef::Thread(t)),
         }
     }
 
@@ -282,6 +286,7 @@ impl MqttSink {
         self.with_conn(input, |c| match c {
             ConnRef::V311(m) => m.abandon(output_id),
             ConnRef::V5(m) => m.abandon(output_id),
+            ConnRef::Thread(_) => {}
         })
     }
 
@@ -295,6 +300,7 @@ impl MqttSink {
             let on_wire = || match c {
                 ConnRef::V311(m) => m.inflight(),
                 ConnRef::V5(m) => m.inflight(),
+                ConnRef::Thread(t) => t.inflight(),
             };
             self.cursor.room(window, on_wire)
         })
@@ -327,6 +333,7 @@ impl MqttSink {
             let sent = self.with_conn(input, |c| match c {
                 ConnRef::V311(m) => m.publish(out.id.clone(), &topic, out.payload, out.retain),
                 ConnRef::V5(m) => m.publish(out.id.clone(), &topic, out.payload, out.retain),
+                ConnRef::Thread(t) => t.publish(seq, out.id.clone(), &topic, out.payload),
             });
             match sent {
                 Ok(()) => {
@@ -351,6 +358,10 @@ impl MqttSink {
         }
         if let (true, Some(to)) = (all, skip_to) {
             self.cursor.skip_to(to);
+        }
+        if let Conn::Thread(t) = &self.conn {
+            // The batch goes to the sink's thread as one (one transaction, one burst).
+            t.flush();
         }
         Ok(())
     }
@@ -527,6 +538,10 @@ impl MqttSink {
             drain_rate: self.link.rate.acked_per_second(),
             refused: self.refused.clone(),
             refusing: self.refusing.as_ref().map(|r| (r.code, r.reason)),
+            duplicate_window: match &self.conn {
+                Conn::Thread(t) => t.duplicate_window(),
+                _ => None,
+            },
         }
     }
 
@@ -539,8 +554,10 @@ impl MqttSink {
 
     /// Close its own connection, if any.
     pub(crate) fn shutdown(&mut self) {
-        if let Conn::Own(l) = std::mem::replace(&mut self.conn, Conn::Input) {
-            l.shutdown();
+        match std::mem::replace(&mut self.conn, Conn::Input) {
+            Conn::Own(l) => l.shutdown(),
+            Conn::Thread(mut t) => t.shutdown(),
+            Conn::Input => {}
         }
     }
 }
@@ -549,6 +566,7 @@ impl MqttSink {
 enum ConnRef<'a> {
     V311(&'a Mqtt),
     V5(&'a crate::mqtt::Mqtt5),
+    Thread(&'a super::dbsink::ThreadConn),
 }
 
 #[cfg(test)]

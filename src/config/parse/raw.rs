@@ -39,6 +39,16 @@ pub(super) struct RawSink {
     pub(super) topic_prefix: Option<String>,
     pub(super) reconnect_min: Option<DurationText>,
     pub(super) reconnect_max: Option<DurationText>,
+    // kind = "postgres" (also username, password_file, tls above)
+    pub(super) url: Option<String>,
+    pub(super) source: Option<String>,
+    pub(super) table_prefix: Option<String>,
+    // kind = "jetstream"
+    pub(super) servers: Option<Vec<String>>,
+    pub(super) credentials_file: Option<String>,
+    pub(super) token_file: Option<String>,
+    pub(super) stream: Option<String>,
+    pub(super) subject_prefix: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -14,7 +14,7 @@ use crate::config::{
 pub(super) const MAX_SINKS: usize = 16;
 
 /// The kinds this build knows.
-const KINDS: &str = "`mqtt`";
+const KINDS: &str = "`mqtt`, `postgres`, `jetstream`";
 
 impl Validator {
     /// Every `[[sink]]`, checked; `None` after a problem.
@@ -113,8 +113,17 @@ impl Validator {
                 return None;
             }
             Some("mqtt") => {
+                self.not_of_kind(&at, "mqtt", &r);
                 let m = self.mqtt_sink(&at, r, mqtt, sessions)?;
                 SinkKind::Mqtt(m)
+            }
+            Some("postgres") => {
+                self.not_of_kind(&at, "postgres", &r);
+                SinkKind::Postgres(self.postgres_sink(&at, name.as_deref(), r)?)
+            }
+            Some("jetstream") => {
+                self.not_of_kind(&at, "jetstream", &r);
+                SinkKind::JetStream(self.jetstream_sink(&at, name.as_deref(), r)?)
             }
             Some(k) => {
                 self.problem(
@@ -309,7 +318,9 @@ mod tests {
         assert_eq!(*cfg.pipelines[0].sinks, ["local", "central"]);
         let s = &cfg.sinks[0];
         assert_eq!(s.name, "central");
-        let SinkKind::Mqtt(m) = &s.kind;
+        let SinkKind::Mqtt(m) = &s.kind else {
+            panic!("an mqtt sink")
+        };
         assert_eq!(m.protocol, SinkProtocol::V5);
         assert_eq!(
             (m.mqtt.host.as_str(), m.mqtt.port),
@@ -322,7 +333,9 @@ mod tests {
         assert_eq!(m.mqtt.channel_capacity, cfg.mqtt.channel_capacity);
         assert_eq!(cfg.sink_names(), ["local", "central"]);
         let v311 = parse(&format!("{CENTRAL}protocol = \"3.1.1\"\n"), "").unwrap();
-        let SinkKind::Mqtt(m) = &v311.sinks[0].kind;
+        let SinkKind::Mqtt(m) = &v311.sinks[0].kind else {
+            panic!("an mqtt sink")
+        };
         assert_eq!(m.protocol, SinkProtocol::V311);
         assert!(
             v311.warnings()

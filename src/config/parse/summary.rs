@@ -68,6 +68,24 @@ fn sink_kind_has(sink: &crate::config::SinkConfig, key: &str) -> bool {
         crate::config::SinkKind::Mqtt(_) => {
             ["username", "password_file"].contains(&key) || key.starts_with("tls.")
         }
+        crate::config::SinkKind::Postgres(_) => {
+            ["url", "password_file", "source", "table_prefix"].contains(&key)
+                || key.starts_with("tls.")
+        }
+        crate::config::SinkKind::JetStream(_) => {
+            [
+                "servers",
+                "credentials_file",
+                "username",
+                "password_file",
+                "token_file",
+                "stream",
+                "subject_prefix",
+                "source",
+            ]
+            .contains(&key)
+                || key.starts_with("tls.")
+        }
     }
 }
 
@@ -89,6 +107,10 @@ mod tests {
         let text = "[mqtt]\nclient_id = \"a-client-id-longer-than-23\"\nport = 1884\n\
                     [storage]\ndata_dir = \"/d\"\n\
                     [[sink]]\nname = \"central\"\nkind = \"mqtt\"\nclient_id = \"c\"\n\
+                    [[sink]]\nname = \"db\"\nkind = \"postgres\"\nurl = \"postgresql://c@db/t\"\n\
+                    source = \"box-1\"\n\
+                    [[sink]]\nname = \"js\"\nkind = \"jetstream\"\nservers = [\"nats://n:4222\"]\n\
+                    stream = \"R\"\nsource = \"box-1\"\ncredentials_file = \"/c\"\n\
                     [[pipeline]]\nname = \"p\"\ntopics = [\"t/#\"]\nevent_id = \"{/d}-{/s}\"\n\
                     key = \"/k\"\nvalue = \"/v\"\naggregate = [\"min\", \"p95\"]\n\
                     where = '/v > 2 and (/k == \"a\" or not /x < 1.5)'\n\

@@ -14,6 +14,8 @@
 
 pub mod agent;
 pub mod central;
+pub mod nats;
+pub mod pg;
 pub mod powercut;
 
 use std::collections::BTreeMap;
