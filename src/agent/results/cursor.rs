@@ -163,6 +163,21 @@ impl Cursor {
         true
     }
 
+    /// Everything sent and not settled goes again, from the oldest, in order: for a
+    /// destination that keeps nothing across its own reconnects (a database or stream
+    /// sink's thread answers a lost batch only by saying it is down), unlike an MQTT
+    /// session that re-sends its unacknowledged publishes itself. Acknowledgements still on
+    /// their way are harmless: a re-send carries the same ID and payload.
+    pub(crate) fn rewind_unsettled(&mut self) {
+        if let Some(id) = self
+            .inflight
+            .first_key_value()
+            .map(|(_, (id, _, _))| id.clone())
+        {
+            self.rewind(&id);
+        }
+    }
+
     /// How long ago `output_id` was sent, if it awaits its acknowledgement.
     pub(crate) fn since_sent(&self, output_id: &str, now: Instant) -> Option<Duration> {
         let seq = self.by_id.get(output_id)?;
@@ -226,6 +241,25 @@ impl Cursor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rewinding_the_unsettled_sends_again_from_the_oldest_unsettled_even_past_acked_ones() {
+        let now = Instant::now();
+        let mut c = Cursor::new(10);
+        for (seq, id) in [(10, "a"), (11, "b"), (12, "c"), (13, "d")] {
+            c.sent(id.into(), seq, now);
+        }
+        assert_eq!(ids(c.acked("a")), vec![10]);
+        // `c` acknowledged, `b` never will be (its batch was lost with the connection).
+        assert!(c.acked("c").is_empty());
+        c.rewind_unsettled();
+        assert_eq!(c.cursor(), 11, "from `b` on, `c` included");
+        assert_eq!(c.settled_below(), 11);
+        assert!(c.idle());
+        // Nothing in flight: nothing to rewind, the cursor stays.
+        c.rewind_unsettled();
+        assert_eq!(c.cursor(), 11);
+    }
 
     fn ids(v: Vec<(u64, String)>) -> Vec<u64> {
         v.into_iter().map(|(s, _)| s).collect()

@@ -485,6 +485,10 @@ impl MqttSink {
                         "{sink}: cannot connect to {}: {reason}", self.endpoint);
                 }
                 self.cursor.disconnected();
+                if matches!(self.conn, Conn::Thread(_)) {
+                    // Its thread answered what it could not deliver with this event alone.
+                    self.cursor.rewind_unsettled();
+                }
             }
             Event::Message(m) => {
                 // No subscriptions are made on a sink; a session kept from a config that
