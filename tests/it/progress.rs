@@ -32,12 +32,20 @@ fn stopped_agent(n: usize) -> CairnProcess {
     let applied = crate::support::wait_until(Duration::from_secs(120), || {
         agent.checkpointed_offset() == Some(n as u64)
     });
-    assert!(
-        applied,
-        "checkpointed {:?} of {n}\n{}",
-        agent.checkpointed_offset(),
-        agent.stderr_tail(20)
-    );
+    if !applied {
+        let status = Command::new(env!("CARGO_BIN_EXE_cairn"))
+            .arg("--config")
+            .arg(agent.config_path())
+            .arg("status")
+            .output()
+            .map(|o| format!("{}{}", text(&o.stdout), text(&o.stderr)))
+            .unwrap_or_else(|e| e.to_string());
+        panic!(
+            "checkpointed {:?} of {n}\nstatus:\n{status}\n{}",
+            agent.checkpointed_offset(),
+            agent.stderr_tail(20)
+        );
+    }
     assert_eq!(agent.terminate().code(), Some(0));
     agent
 }
