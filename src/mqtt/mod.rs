@@ -361,6 +361,8 @@ struct Queues {
     /// Acks in rumqttc's request channel, not yet written (at most one: see
     /// `worker::pump_once`).
     channel_acks: usize,
+    /// How acks have been leaving, for the stall watch (`worker::watch_acks`).
+    ack_watch: worker::AckWatch,
     /// The thread has ended.
     stopped: bool,
 }
@@ -498,6 +500,7 @@ impl Mqtt {
                 acks: VecDeque::new(),
                 live: None,
                 channel_acks: 0,
+                ack_watch: worker::AckWatch::default(),
                 stopped: false,
             }),
             wake: tokio::sync::Notify::new(),

@@ -38,6 +38,11 @@ const BUSY_WAIT: Duration = Duration::from_micros(250);
 /// that starts at 1 reaches `max_readb_count`, 10, fixed in 0.25); a burst that long probably
 /// left more in its buffer.
 const FULL_BURST: usize = 9;
+/// Acks waiting this long with none leaving are reported ([`watch_acks`]): the broker sends
+/// nothing more while its in-flight window holds messages we have not acknowledged.
+const ACK_STALL: Duration = Duration::from_secs(10);
+/// How often the pump looks at the acks when nothing wakes it.
+const ACK_WATCH_TICK: Duration = Duration::from_secs(1);
 /// At most this many events are handed to the caller per wake-up (rumqttc reads at most 9
 /// packets per burst, each of which can add an event or two).
 const MAX_BATCH: usize = 64;
@@ -239,6 +244,7 @@ impl Worker {
             rumqttc::Event::Outgoing(Outgoing::PubAck(_) | Outgoing::PubRec(_)) => {
                 let mut q = self.inner.lock();
                 q.channel_acks = q.channel_acks.saturating_sub(1);
+                q.ack_watch.left += 1;
             }
             rumqttc::Event::Outgoing(Outgoing::AwaitAck(pkid)) => {
                 crate::event!(warn, "mqtt_ack_out_of_order"; "broker acked out of order: publish waits for packet id {pkid}");
@@ -470,6 +476,7 @@ impl Worker {
             if let Some(live) = q.live
                 && q.channel_acks == 0
             {
+                let before = packets.len();
                 for t in q.acks.drain(..) {
                     if t.epoch != live {
                         debug!(
@@ -482,7 +489,15 @@ impl Worker {
                         packets.push(Packet::PubAck(PubAck::new(t.pkid)));
                     }
                 }
+                q.ack_watch.left += (packets.len() - before) as u64;
             }
+            let state = &self.eventloop.state;
+            let w = &mut q.ack_watch;
+            w.turns += 1;
+            w.inflight = state.inflight();
+            w.window = self.eventloop.mqtt_options.inflight();
+            w.collision = state.collision.is_some();
+            w.pending = self.eventloop.pending.len();
         }
         self.write_all(packets).await;
     }
@@ -723,11 +738,85 @@ fn pause_after(read: usize, waited: Duration) -> Option<Duration> {
 /// ([`super::Mqtt::rest`]).
 async fn pump_task(client: AsyncClient, inner: Arc<Inner>) {
     loop {
-        inner.wake.notified().await;
+        tokio::select! {
+            _ = inner.wake.notified() => {}
+            _ = tokio::time::sleep(ACK_WATCH_TICK) => {
+                watch_acks(&inner, Instant::now());
+                continue;
+            }
+        }
         if inner.rest.swap(false, Ordering::SeqCst) {
             crate::alloc::flush_this_thread();
         }
         pump_once(&client, &inner, Some(1));
+    }
+}
+
+/// How acks have been leaving, and what the event loop looked like at its last turn: the
+/// facts a report of stalled acks needs ([`watch_acks`]).
+#[derive(Debug, Default)]
+pub(crate) struct AckWatch {
+    /// Acks that left: written by the worker, or taken by rumqttc from its channel.
+    left: u64,
+    /// Turns of the event loop so far.
+    turns: u64,
+    /// At the last turn: rumqttc's publishes in flight, its window, a parked collision, its
+    /// re-queued requests.
+    inflight: u16,
+    window: u16,
+    collision: bool,
+    pending: usize,
+    /// Acks wait and none has left since: `left` and `turns` then, and when.
+    stalled: Option<(u64, u64, Instant)>,
+    reported: bool,
+}
+
+/// Reports acks that wait on a live connection with none leaving for [`ACK_STALL`]: the
+/// broker then holds its in-flight window of messages for us and sends nothing more, so input
+/// stops with no other sign. Once per stall, with what keeps them.
+fn watch_acks(inner: &Inner, now: Instant) {
+    let mut q = inner.lock();
+    let waiting = q.live.is_some() && (!q.acks.is_empty() || q.channel_acks > 0);
+    let (queued, in_channel, unbound) = (q.acks.len(), q.channel_acks, q.pubs.unbound_len());
+    let w = &mut q.ack_watch;
+    if let Some((waited, turns)) = w.stalled(waiting, now) {
+        crate::event!(warn, "mqtt_acks_stalled";
+            "{queued} acks queued and {in_channel} in rumqttc's request channel have waited {} s \
+             with none leaving; {turns} event-loop turns since; at the last turn {}/{} \
+             publishes in flight, collision {}, {} requests re-queued, {unbound} publishes \
+             awaiting a packet id",
+            waited.as_secs(),
+            w.inflight,
+            w.window,
+            w.collision,
+            w.pending
+        );
+    }
+}
+
+impl AckWatch {
+    /// Whether acks that are `waiting` now have waited [`ACK_STALL`] with none leaving: how
+    /// long, and how many event-loop turns passed meanwhile. Once per stall.
+    fn stalled(&mut self, waiting: bool, now: Instant) -> Option<(Duration, u64)> {
+        if !waiting {
+            self.stalled = None;
+            return None;
+        }
+        match self.stalled {
+            Some((left, turns, since)) if left == self.left => {
+                let waited = now.saturating_duration_since(since);
+                if self.reported || waited < ACK_STALL {
+                    return None;
+                }
+                self.reported = true;
+                Some((waited, self.turns - turns))
+            }
+            _ => {
+                self.stalled = Some((self.left, self.turns, now));
+                self.reported = false;
+                None
+            }
+        }
     }
 }
 
@@ -856,6 +945,7 @@ mod tests {
             acks: VecDeque::new(),
             live: Some(1),
             channel_acks: 0,
+            ack_watch: AckWatch::default(),
             stopped: false,
         }
     }
@@ -1001,5 +1091,23 @@ mod tests {
             "a second publish went to the channel"
         );
         assert_eq!(q.pubs.next_to_hand().map(|p| p.topic.as_str()), Some("t/1"));
+    }
+
+    #[test]
+    fn acks_waiting_with_none_leaving_are_reported_once_per_stall() {
+        let mut w = AckWatch::default();
+        let t0 = Instant::now();
+        assert_eq!(w.stalled(true, t0), None, "the stall starts");
+        w.turns += 3;
+        assert_eq!(w.stalled(true, t0 + ACK_STALL / 2), None);
+        assert_eq!(w.stalled(true, t0 + ACK_STALL), Some((ACK_STALL, 3)));
+        assert_eq!(w.stalled(true, t0 + 2 * ACK_STALL), None, "once");
+        // One ack leaves: a new stall starts from then.
+        w.left += 1;
+        assert_eq!(w.stalled(true, t0 + 2 * ACK_STALL), None);
+        assert_eq!(w.stalled(true, t0 + 3 * ACK_STALL), Some((ACK_STALL, 0)));
+        // Nothing waiting: no stall, whatever the time.
+        assert_eq!(w.stalled(false, t0 + 10 * ACK_STALL), None);
+        assert_eq!(w.stalled(true, t0 + 10 * ACK_STALL), None);
     }
 }

@@ -171,6 +171,54 @@ fn every_output_id_is_pubacked_exactly_once_over_5000_publishes() {
     mqtt.shutdown();
 }
 
+/// Input acks and result publishes share one connection, and rumqttc takes no request from
+/// its channel (where an ack may wait) while its window of publishes is full: acks must still
+/// leave while a steady stream of results keeps that window full, or the broker's in-flight
+/// window for us fills with unacknowledged messages and input stops without a sign.
+#[test]
+fn acks_leave_while_a_steady_stream_of_publishes_keeps_the_window_full() {
+    let broker = Broker::start();
+    let (mqtt, rx) = Mqtt::start(
+        &config(broker.port(), "cairn-acks-window"),
+        vec!["in/#".into()],
+        10,
+    )
+    .unwrap();
+    connected(&rx);
+    std::thread::sleep(Duration::from_millis(100)); // let SUBACK arrive
+    let n = 2000;
+    let port = broker.port();
+    let sender = std::thread::spawn(move || publish_all(port, &inputs(n)));
+    let (mut received, mut published, mut next) = (0usize, 0usize, 0usize);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while received < n && Instant::now() < deadline {
+        // Results without end: the window stays full for as long as the inputs take.
+        loop {
+            let id = format!("out-{next}");
+            match mqtt.publish(id.clone(), "out/x", id.into_bytes(), false) {
+                Ok(()) => next += 1,
+                Err(MqttError::InflightFull { .. }) => break,
+                Err(e) => panic!("publish failed: {e}"),
+            }
+        }
+        match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok(Event::Message(m)) => {
+                mqtt.ack(m.token).unwrap();
+                received += 1;
+            }
+            Ok(Event::PubAcked { .. }) => published += 1,
+            _ => {}
+        }
+    }
+    assert_eq!(
+        received, n,
+        "input stopped at {received} of {n} while {published} results were PubAcked"
+    );
+    assert!(published > 0);
+    sender.join().unwrap();
+    mqtt.shutdown();
+}
+
 #[test]
 fn packet_id_binding_stays_exact_through_a_connection_cut_with_retransmits() {
     let broker = Broker::start();

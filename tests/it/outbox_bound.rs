@@ -193,8 +193,10 @@ fn a_checkpoint_on_a_nearly_full_disk_waits_instead_of_crash_looping() {
     assert!(
         wait_until(Duration::from_secs(30), || agent.checkpointed_offset()
             == Some(2000)),
-        "{}",
-        agent.stderr_tail(20)
+        "checkpointed {:?} of 2000\n{}\nbroker:\n{}",
+        agent.checkpointed_offset(),
+        agent.stderr_tail(20),
+        broker.log_tail_of(&cfg.client_id, 40)
     );
     assert!(agent.terminate().success());
 

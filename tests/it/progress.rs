@@ -17,7 +17,8 @@ fn stopped_agent(n: usize) -> CairnProcess {
     let pipeline = "[[pipeline]]\nname = \"balances\"\ntopics = [\"payments/#\"]\n\
                     format = \"json\"\nevent_id = \"/id\"\nkey = \"/account\"\n\
                     value = \"/amount\"\naggregate = \"sum\"\noutput_topic = \"balances/{key}\"\n";
-    let mut agent = CairnProcess::new(&AgentConfig::new(broker.port(), pipeline));
+    let cfg = AgentConfig::new(broker.port(), pipeline);
+    let mut agent = CairnProcess::new(&cfg);
     agent.start_connected();
     let msgs: Vec<_> = (0..n)
         .map(|i| {
@@ -39,10 +40,11 @@ fn stopped_agent(n: usize) -> CairnProcess {
         // the input path, not of what this module tests (progress output): say so loudly,
         // restart the agent (the broker redelivers what was not acknowledged) and go on.
         eprintln!(
-            "progress: the agent stalled at {:?} of {n} inputs; status:\n{}\n{}",
+            "progress: the agent stalled at {:?} of {n} inputs; status:\n{}\n{}\nbroker:\n{}",
             agent.checkpointed_offset(),
             status_of(&agent),
-            agent.stderr_tail(20)
+            agent.stderr_tail(20),
+            broker.log_tail_of(&cfg.client_id, 40)
         );
         assert_eq!(agent.terminate().code(), Some(0));
         agent.start_connected();

@@ -252,6 +252,14 @@ impl Broker {
         std::fs::read_to_string(self.dir.path().join("mosquitto.log")).unwrap_or_default()
     }
 
+    /// The last `n` lines of the broker's log that name `client_id`: what it sent that
+    /// client and what it heard back (for a failure message about a stalled client).
+    pub fn log_tail_of(&self, client_id: &str, n: usize) -> String {
+        let log = self.log();
+        let lines: Vec<&str> = log.lines().filter(|l| l.contains(client_id)).collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
+
     /// How often the broker logged a new connection for `client_id` (needs `notice` logging).
     pub fn connections(&self, client_id: &str) -> usize {
         let needle = format!(" as {client_id} ");
