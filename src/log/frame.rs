@@ -20,6 +20,13 @@ pub(crate) const MAX_TOPIC_LEN: u64 = 65_535;
 /// (varints for offset, time, lengths; qos; retain) stays well inside the slack.
 pub(crate) const MAX_BODY_LEN: u32 = (MAX_PAYLOAD_LIMIT + MAX_TOPIC_LEN + 64) as u32;
 
+/// Set in the record's `qos` byte of the first frame each commit writes into a segment, and
+/// only there: a frame with it, found after damage, was written by a later commit, which
+/// began only after the damaged bytes were synced, so the damage is not a crash's doing (see
+/// `scan::classify`). [`check`] hands records out without it; MQTT's QoS is 0..=2 and
+/// [`crate::model::QOS_TOO_LARGE`] is 0x80.
+pub(crate) const COMMIT_START: u8 = 0x40;
+
 /// Why the bytes at some position are not a valid frame.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum FrameError {
@@ -127,10 +134,20 @@ pub(crate) fn declared_len(bytes: &[u8]) -> u32 {
 /// Check the frame at the start of `bytes` (which may hold more after it) and decode it.
 /// Returns the record and the frame's total length.
 pub fn check(bytes: &[u8]) -> Result<(Record, usize), FrameError> {
+    check_marked(bytes).map(|(record, n, _)| (record, n))
+}
+
+/// As [`check`], also saying whether the frame is the first a commit wrote into its segment
+/// ([`COMMIT_START`], which the record handed out no longer carries).
+pub(crate) fn check_marked(bytes: &[u8]) -> Result<(Record, usize, bool), FrameError> {
     let len = checked_len(bytes)?;
     let body = &bytes[HEADER_LEN..HEADER_LEN + len as usize];
     match postcard::take_from_bytes::<Record>(body) {
-        Ok((record, [])) => Ok((record, HEADER_LEN + len as usize)),
+        Ok((mut record, [])) => {
+            let start = record.qos & COMMIT_START != 0;
+            record.qos &= !COMMIT_START;
+            Ok((record, HEADER_LEN + len as usize, start))
+        }
         Ok((_, rest)) => Err(FrameError::Decode {
             len,
             reason: format!("{} trailing bytes after the record", rest.len()),

@@ -11,8 +11,8 @@
 //!   commit that was in flight (in order, a prefix of it), and nothing else: no garbage, no
 //!   reordering, no holes. Appends continue at the next offset (invariant 4).
 //! - **Corruption stops the process, loudly.** Damage that a crash cannot produce (a bad
-//!   frame followed by a good one, a bad frame in a sealed segment, missing or overlapping
-//!   offsets) makes `open` refuse with [`LogError::Corrupt`] naming the segment, offset and
+//!   frame followed by a frame of a later commit, a bad frame in a sealed segment, missing
+//!   or overlapping offsets) makes `open` refuse with [`LogError::Corrupt`] naming the segment, offset and
 //!   byte. [`repair_dir`] moves damaged bytes aside (never deletes them) and keeps the valid
 //!   prefix (invariant 8: only a corrupt store stops the process).
 //! - **Bounded.** Appends beyond `max_size` are refused with [`LogError::Full`]
@@ -70,9 +70,16 @@
 //! unsynced bytes, and a segment exists on disk only after everything before it is durable.
 //!
 //! Recovery (`open`) scans every segment: CRC, decode, consecutive offsets starting at the
-//! file name's. The first bad frame of the *last* segment with no valid frame anywhere
-//! after it is a torn tail: it is truncated (`ftruncate` + sync) and logged with the bytes
-//! and records dropped. Anything else bad is corruption. `open` then syncs the last segment
+//! file name's. The first bad frame of the *last* segment is a torn tail unless a frame of a
+//! later commit follows it: the first frame each commit writes into a segment carries
+//! [`frame::COMMIT_START`] in its qos byte, and a later commit begins only after the earlier
+//! one's `fdatasync`, so such a frame proves the damaged bytes were synced. Good frames of
+//! the damaged frame's own commit after it prove nothing: the page cache writes an unsynced
+//! commit's pages back in any order, so a power cut can keep its end and lose its middle
+//! (`tests/it/log_corruption.rs` `records_of_one_commit_lost_out_of_order_are_a_torn_tail_not_corruption`,
+//! and `Tail::Holes` in the crash property). A torn tail is truncated (`ftruncate` + sync)
+//! and logged with the bytes and records dropped; none of them was acknowledged. Anything
+//! else bad is corruption. `open` then syncs the last segment
 //! and the directory once, so whatever it recovered is durable before anyone reads it.
 //! Every sync goes through the [`Durability`] seam.
 //!
@@ -88,8 +95,8 @@
 //! 3. A failed sync poisons the log: `a_failing_sync_poisons_the_log_until_reopened`.
 //! 4. A torn tail is truncated and counted, never refused:
 //!    `a_torn_tail_is_truncated_counted_and_made_durable` (and the crash property).
-//! 5. A bad frame followed by a good one, or in a non-last segment, is refused naming the
-//!    segment and offset: `a_flipped_byte_followed_by_good_frames_is_refused_naming_segment_and_offset`,
+//! 5. A bad frame followed by a frame of a later commit, or in a non-last segment, is
+//!    refused naming the segment and offset: `a_flipped_byte_followed_by_good_frames_is_refused_naming_segment_and_offset`,
 //!    `damage_in_a_sealed_segment_is_refused_even_at_its_tail`,
 //!    `a_missing_middle_segment_is_refused`.
 //! 6. Repair never deletes bytes and leaves an openable log with the valid prefix; offsets
@@ -336,7 +343,7 @@ impl Log {
             received_at_ms,
             topic: topic.to_string(),
             payload: payload.to_vec(),
-            qos,
+            qos: qos & !frame::COMMIT_START,
             retain,
         });
         let frame_len = bytes.len() as u64;
@@ -359,6 +366,25 @@ impl Log {
             None => true,
             Some(t) => t > 0 && t + frame_len > self.opts.segment_size,
         };
+        // The first frame a commit writes into a segment is marked: recovery tells a torn
+        // commit (its pages written back in any order) from damage to synced bytes by it.
+        let bytes = if roll || self.pending.is_empty() {
+            frame::encode(&Record {
+                offset,
+                received_at_ms,
+                topic: topic.to_string(),
+                payload: payload.to_vec(),
+                qos: qos | frame::COMMIT_START,
+                retain,
+            })
+        } else {
+            bytes
+        };
+        debug_assert_eq!(
+            bytes.len() as u64,
+            frame_len,
+            "postcard writes a u8 as one byte"
+        );
         if roll || self.pending.is_empty() {
             self.pending.push(Chunk {
                 new_segment: roll,

@@ -77,7 +77,7 @@ impl LogReader {
                     bytes: s.valid_end,
                 });
             }
-            if let Some(d) = s.damage.filter(|d| !last || d.good_frame_after) {
+            if let Some(d) = s.damage.filter(|d| !last || d.durable_after) {
                 trailing_error = Some(LogError::Corrupt {
                     segment: path.clone(),
                     offset: Some(d.offset),

@@ -88,26 +88,32 @@ impl Window {
 
     /// The frame at `pos`: the record and frame length, or why it is not a frame.
     pub(crate) fn frame_at(&mut self, pos: u64) -> io::Result<Result<(Record, u64), FrameError>> {
+        Ok(self.frame_marked_at(pos)?.map(|(r, n, _)| (r, n)))
+    }
+
+    /// As [`Self::frame_at`], also whether the frame starts a commit ([`frame::COMMIT_START`]).
+    fn frame_marked_at(&mut self, pos: u64) -> io::Result<Result<(Record, u64, bool), FrameError>> {
         let avail = self.len - pos;
         let header_n = avail.min(HEADER_LEN as u64) as usize;
         let header = self.bytes(pos, header_n)?;
+        let widen = |(r, n, start): (Record, usize, bool)| (r, n as u64, start);
         if header_n < HEADER_LEN {
-            return Ok(frame::check(header).map(|(r, n)| (r, n as u64)));
+            return Ok(frame::check_marked(header).map(widen));
         }
         let len = frame::declared_len(header);
         let body_fits =
             len != 0 && len <= MAX_BODY_LEN && HEADER_LEN as u64 + u64::from(len) <= avail;
         if !body_fits {
-            return Ok(match frame::check(header) {
+            return Ok(match frame::check_marked(header) {
                 Err(FrameError::PastEnd { len, .. }) => Err(FrameError::PastEnd {
                     len,
                     have: (avail - HEADER_LEN as u64) as usize,
                 }),
-                other => other.map(|(r, n)| (r, n as u64)),
+                other => other.map(widen),
             });
         }
         let bytes = self.bytes(pos, HEADER_LEN + len as usize)?;
-        Ok(frame::check(bytes).map(|(r, n)| (r, n as u64)))
+        Ok(frame::check_marked(bytes).map(widen))
     }
 
     /// A resync probe: the frame length if the bytes at `pos` are a CRC-valid frame whose
@@ -153,8 +159,12 @@ pub(crate) struct Damage {
     /// The offset the damaged frame should have had.
     pub offset: Offset,
     pub reason: String,
-    /// A CRC-valid frame exists at or after the damage: the bytes are not a torn write.
-    pub good_frame_after: bool,
+    /// Something at or after the damage proves the damaged bytes were once durable: a frame
+    /// a later commit wrote ([`frame::COMMIT_START`]), or a CRC-valid frame at the damage
+    /// itself (bytes some writer wrote whole, yet wrong). A crash cannot produce that; damage
+    /// followed only by frames of its own commit it can, since the page cache may write
+    /// an unsynced commit's pages back in any order.
+    pub durable_after: bool,
     /// Torn-tail accounting: frames from the damage on whose length header was complete.
     pub torn_records: u64,
     /// CRC-valid frames at or after the damage (all dropped by a truncation or repair).
@@ -263,6 +273,7 @@ fn characterise(
     let mut good_records_after = 0;
     let mut good_bytes_after = 0;
     let mut max_offset_after = None;
+    let mut durable_after = crc_valid_here;
     let mut cursor = if crc_valid_here {
         let n = match w.frame_at(pos)? {
             Ok((_, n)) => n,
@@ -275,8 +286,9 @@ fn characterise(
     while let Some((q, n)) = cursor {
         good_records_after += 1;
         good_bytes_after += n;
-        if let Ok((record, _)) = w.frame_at(q)? {
+        if let Ok((record, _, start)) = w.frame_marked_at(q)? {
             max_offset_after = max_offset_after.max(Some(record.offset));
+            durable_after |= start;
         }
         let next = q + n;
         let floor = max_offset_after.map_or(expected, |o| o + 1);
@@ -289,7 +301,7 @@ fn characterise(
         byte_pos: pos,
         offset: expected,
         reason,
-        good_frame_after: good_records_after > 0,
+        durable_after,
         torn_records,
         good_records_after,
         good_bytes_after,
@@ -359,11 +371,12 @@ pub(crate) fn classify(dir: &Path, scans: &[SegmentScan]) -> Findings {
     let last = scans.len().saturating_sub(1);
     for (i, s) in scans.iter().enumerate() {
         if let Some(d) = &s.damage {
-            if i == last && !d.good_frame_after {
+            if i == last && !d.durable_after {
                 f.torn_tail = true;
             } else {
                 let why = if i == last {
-                    "a valid frame follows the damage, so it is not a torn write"
+                    "a frame of a later commit follows the damage, so the damaged bytes were \
+                     synced and it is not a torn write"
                 } else {
                     "damage in a segment that is not the last"
                 };

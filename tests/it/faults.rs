@@ -343,7 +343,8 @@ fn enospc_reaching_the_log_stops_the_agent_with_a_clear_message_and_a_restart_lo
 // ---------------------------------------------------------------------------------------
 // 2. Mid-log corruption.
 
-/// A flipped byte inside a frame in the middle of the only segment, good frames after it.
+/// A flipped byte inside a frame in the middle of the only segment, good frames of later
+/// commits after it.
 /// `run` and `verify` refuse naming the segment and offset and point to `verify --repair`;
 /// the repair moves the segment aside byte for byte and keeps its valid prefix. What is lost
 /// is log history only: records [k, k + 1 + dropped) (the damaged one and the good ones after
@@ -357,7 +358,13 @@ fn a_corrupt_frame_mid_log_is_refused_until_verify_repair_moves_the_segment_asid
     let mut agent = CairnProcess::new(&cfg);
     let data = agent.data_dir();
     agent.start_connected();
-    publish_all(broker.port(), &events(0, 400, 100));
+    // In two parts, the second only once the first is in the log: the damage below lies in
+    // the first part, and the second part's commits, which began after it was synced, prove
+    // it is not a torn commit (a commit's own pages may reach the disk in any order).
+    publish_all(broker.port(), &events(0, 200, 100));
+    wait_all_logged(&agent, 200, Duration::from_secs(10));
+    let first_part = std::fs::metadata(&segments(&data)[0]).unwrap().len();
+    publish_all(broker.port(), &events(200, 400, 100));
     wait_all_logged(&agent, 400, Duration::from_secs(10));
     stop_cleanly(&mut agent);
 
@@ -366,7 +373,7 @@ fn a_corrupt_frame_mid_log_is_refused_until_verify_repair_moves_the_segment_asid
     let seg = &segs[0];
     let seg_name = seg.file_name().unwrap().to_string_lossy().into_owned();
     let mut bytes = std::fs::read(seg).unwrap();
-    let pos = bytes.len() / 2;
+    let pos = first_part as usize / 2;
     bytes[pos] ^= 0x40;
     std::fs::write(seg, &bytes).unwrap();
 

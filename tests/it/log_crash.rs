@@ -4,7 +4,8 @@
 //! directory, which entries the last directory fsync covered. It can be armed to "lose
 //! power" after N more syncs, which makes the commit in flight fail. A crash then keeps each
 //! file's synced bytes plus a random part of the rest (a prefix, maybe followed by zeros or
-//! garbage), and may make a file whose directory entry was never synced vanish. The model is
+//! garbage, or with blocks of it lost out of order, as a page cache writing back in any order
+//! leaves it), and may make a file whose directory entry was never synced vanish. The model is
 //! a `Vec` of committed records: after reopening, the log must hold exactly those, in order,
 //! then possibly a prefix of the commit that was in flight, and nothing else.
 //!
@@ -80,6 +81,9 @@ enum Tail {
     Clean,
     Zeros(u64),
     Garbage(u64, u64),
+    /// The page cache wrote the unsynced bytes back in any order: of the kept part, each
+    /// 64-byte block is lost (zeros) or not, by the seed, holes before kept bytes included.
+    Holes(u64),
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -88,6 +92,9 @@ struct Cut {
     tail: Tail,
     vanish: bool,
 }
+
+/// The unit in which [`Tail::Holes`] loses unsynced bytes.
+const HOLE_BLOCK: u64 = 64;
 
 /// What a power cut leaves of the directory.
 fn power_cut(seam: &CrashSeam, dir: &Path, cut: Cut) {
@@ -114,8 +121,24 @@ fn power_cut(seam: &CrashSeam, dir: &Path, cut: Cut) {
         let f = OpenOptions::new().write(true).open(&path).unwrap();
         f.set_len(keep).unwrap();
         let room = len - keep;
+        if let Tail::Holes(seed) = cut.tail {
+            let mut bytes = fs::read(&path).unwrap();
+            let mut x = seed | 1;
+            let mut block = synced / HOLE_BLOCK * HOLE_BLOCK;
+            while block < keep {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                if x & 1 == 1 {
+                    let (from, to) = (block.max(synced), (block + HOLE_BLOCK).min(keep));
+                    bytes[from as usize..to as usize].fill(0);
+                }
+                block += HOLE_BLOCK;
+            }
+            fs::write(&path, bytes).unwrap();
+        }
         let junk: Vec<u8> = match cut.tail {
-            Tail::Clean => vec![],
+            Tail::Clean | Tail::Holes(_) => vec![],
             Tail::Zeros(n) => vec![0; n.min(room) as usize],
             Tail::Garbage(seed, n) => {
                 let mut x = seed | 1;
@@ -169,6 +192,7 @@ fn op() -> impl Strategy<Value = Op> {
         Just(Tail::Clean),
         (1..300u64).prop_map(Tail::Zeros),
         (any::<u64>(), 1..300u64).prop_map(|(s, n)| Tail::Garbage(s, n)),
+        any::<u64>().prop_map(Tail::Holes),
     ];
     let cut = (any::<u64>(), tail, any::<bool>()).prop_map(|(keep, tail, vanish)| Cut {
         keep,
