@@ -745,3 +745,12 @@ impl Link {
 fn valid_publish_topic(topic: &str) -> bool {
     !topic.is_empty() && topic.len() <= u16::MAX as usize && !topic.contains(['+', '#', '\0'])
 }
+
+/// Waits out the delay before a worker's next connect attempt, or until shutdown wakes it
+/// (both workers, after [`backoff::Reconnects::poll_failed`]).
+async fn wait_or_stop(delay: Duration, stop_wake: &tokio::sync::Notify) {
+    tokio::select! {
+        _ = tokio::time::sleep(delay) => {}
+        _ = stop_wake.notified() => {}
+    }
+}
