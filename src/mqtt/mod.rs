@@ -582,18 +582,8 @@ impl Mqtt {
         payload: Vec<u8>,
         retain: bool,
     ) -> Result<(), MqttError> {
-        if !valid_publish_topic(topic) {
-            return Err(MqttError::InvalidTopic(topic.to_owned()));
-        }
         let mut q = self.inner.lock();
-        if q.stopped {
-            return Err(MqttError::Stopped);
-        }
-        if q.pubs.len() >= self.publish_limit {
-            return Err(MqttError::InflightFull {
-                limit: self.publish_limit,
-            });
-        }
+        admit_publish(topic, q.stopped, q.pubs.len(), self.publish_limit)?;
         let wake = q.pubs.next_to_hand().is_none(); // as in `ack`
         q.pubs.accept(output_id, topic.to_owned(), payload, retain);
         drop(q);
@@ -741,9 +731,27 @@ impl Link {
     }
 }
 
-/// A topic we may publish to: not empty, no wildcards, no NUL, at most 65,535 bytes.
-fn valid_publish_topic(topic: &str) -> bool {
-    !topic.is_empty() && topic.len() <= u16::MAX as usize && !topic.contains(['+', '#', '\0'])
+/// Whether a connection takes one more publish, the same for both protocols: a topic we may
+/// publish to (not empty, no wildcards, no NUL, at most 65,535 bytes), its thread still
+/// running, and fewer than `limit` publishes `waiting` for their outcome.
+fn admit_publish(
+    topic: &str,
+    stopped: bool,
+    waiting: usize,
+    limit: usize,
+) -> Result<(), MqttError> {
+    let valid =
+        !topic.is_empty() && topic.len() <= u16::MAX as usize && !topic.contains(['+', '#', '\0']);
+    if !valid {
+        return Err(MqttError::InvalidTopic(topic.to_owned()));
+    }
+    if stopped {
+        return Err(MqttError::Stopped);
+    }
+    if waiting >= limit {
+        return Err(MqttError::InflightFull { limit });
+    }
+    Ok(())
 }
 
 /// Waits out the delay before a worker's next connect attempt, or until shutdown wakes it
@@ -752,5 +760,34 @@ async fn wait_or_stop(delay: Duration, stop_wake: &tokio::sync::Notify) {
     tokio::select! {
         _ = tokio::time::sleep(delay) => {}
         _ = stop_wake.notified() => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_publish_is_refused_for_its_topic_then_a_stopped_thread_then_a_full_window() {
+        let long = "a".repeat(usize::from(u16::MAX) + 1);
+        for bad in ["", "a/+", "a/#", "a\0b", long.as_str()] {
+            let refused = admit_publish(bad, true, 9, 1);
+            assert!(
+                matches!(refused, Err(MqttError::InvalidTopic(_))),
+                "{refused:?}"
+            );
+        }
+        let refused = admit_publish("a/b", true, 9, 1);
+        assert!(matches!(refused, Err(MqttError::Stopped)), "{refused:?}");
+        let refused = admit_publish("a/b", false, 2, 2);
+        assert!(
+            matches!(refused, Err(MqttError::InflightFull { limit: 2 })),
+            "{refused:?}"
+        );
+        assert!(admit_publish("a/b", false, 1, 2).is_ok());
+        assert!(
+            admit_publish(&long[1..], false, 0, 1).is_ok(),
+            "65,535 bytes"
+        );
     }
 }
