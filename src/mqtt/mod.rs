@@ -601,10 +601,8 @@ impl Mqtt {
     /// event follows for it, except a PUBACK already on its way: the caller ignores an
     /// output ID it no longer holds. [`Mqtt::inflight`] drops by one once it is gone.
     pub fn abandon(&self, output_id: &str) {
-        let mut q = self.inner.lock();
-        if !q.pubs.remove_queued(output_id) && !q.abandoned.iter().any(|id| id == output_id) {
-            q.abandoned.push(output_id.to_owned());
-        }
+        let q = &mut *self.inner.lock();
+        give_up(&mut q.pubs, &mut q.abandoned, output_id);
     }
 
     /// Once the acks queued so far are written, drop the connection and connect again at
@@ -760,6 +758,14 @@ async fn wait_or_stop(delay: Duration, stop_wake: &tokio::sync::Notify) {
     tokio::select! {
         _ = tokio::time::sleep(delay) => {}
         _ = stop_wake.notified() => {}
+    }
+}
+
+/// Gives up a publish, the same for both protocols: only queued, it goes at once; else it
+/// is noted (once) in `abandoned`, for the worker to take out of rumqttc.
+fn give_up(pubs: &mut Publishes, abandoned: &mut Vec<String>, output_id: &str) {
+    if !pubs.remove_queued(output_id) && !abandoned.iter().any(|id| id == output_id) {
+        abandoned.push(output_id.to_owned());
     }
 }
 
