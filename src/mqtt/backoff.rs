@@ -1,4 +1,7 @@
 //! The reconnect backoff of every connection: a pure rule, no IO; the worker passes the time.
+//! What a failed poll means ([`Reconnects::poll_failed`]: the journal line, the event, the
+//! delay) is decided here once for both workers (3.1.1 and MQTT 5); each only describes its
+//! protocol's error and carries the decision out.
 //!
 //! Bounded exponential backoff with equal jitter: each delay is uniform in `[b/2, b]`, then
 //! `b` doubles up to the maximum. rumqttc has none of its own (DESIGN §4): without it a dead
@@ -22,6 +25,8 @@
 use std::time::{Duration, Instant};
 
 use log::debug;
+
+use super::Event;
 
 /// How long a connection must stay up before the next outage starts from the minimum delay.
 pub const STABLE_AFTER: Duration = Duration::from_secs(10);
@@ -150,10 +155,31 @@ impl Reconnects {
         self.backoff.lost(now)
     }
 
+    /// A poll failed for `reason` (`refused`: the broker refused the connection). `lost` is
+    /// `Some` when it ended a live connection: how long that was up (from [`Self::lost`]) and
+    /// the output IDs it leaves unacknowledged. Logs it; returns the `Disconnected` to hand
+    /// the caller when it starts a down period, and the delay before the next attempt.
+    pub(crate) fn poll_failed(
+        &mut self,
+        reason: String,
+        refused: bool,
+        lost: Option<(Option<Duration>, Vec<String>)>,
+    ) -> (Option<Event>, Duration) {
+        let (up_for, unacked) = lost.unwrap_or_default();
+        let disconnected = self
+            .failed(&reason, up_for, refused)
+            .then_some(Event::Disconnected {
+                reason,
+                unacked,
+                up_for,
+            });
+        (disconnected, self.backoff.next_delay())
+    }
+
     /// A poll failed for `reason`: `up_for` is `Some` when it ended a live connection (from
     /// [`Self::lost`]), `refused` when the broker refused the connection. Logs it, and
     /// returns whether it starts a down period the caller must announce.
-    pub(crate) fn failed(&mut self, reason: &str, up_for: Option<Duration>, refused: bool) -> bool {
+    fn failed(&mut self, reason: &str, up_for: Option<Duration>, refused: bool) -> bool {
         let endpoint = &self.endpoint;
         if let Some(up) = up_for {
             crate::event!(warn, "mqtt_connection_lost";
@@ -187,11 +213,6 @@ impl Reconnects {
     /// A down period of our own making, announced by the caller.
     pub(crate) fn announced(&mut self) {
         self.announced = true;
-    }
-
-    /// The delay before the next connect attempt.
-    pub(crate) fn next_delay(&mut self) -> Duration {
-        self.backoff.next_delay()
     }
 }
 
@@ -266,6 +287,35 @@ mod tests {
         assert!(!r.failed("eof", up_for, false));
         let mut first = Reconnects::new("b".into(), 100 * MS, 1000 * MS);
         assert_eq!(first.up(t0), "", "the first connection");
+    }
+
+    #[test]
+    fn a_failed_poll_hands_over_what_the_lost_connection_left_once_and_then_backs_off() {
+        let t0 = Instant::now();
+        let mut r = Reconnects::new("b".into(), 100 * MS, 1000 * MS);
+        r.up(t0);
+        let up_for = r.lost(t0 + 2 * MS);
+        let (event, delay) =
+            r.poll_failed("reset".into(), false, Some((up_for, vec!["o1".into()])));
+        let Some(Event::Disconnected {
+            reason,
+            unacked,
+            up_for,
+        }) = event
+        else {
+            panic!("the first failure starts a down period: {event:?}");
+        };
+        assert_eq!(
+            (reason.as_str(), unacked, up_for),
+            ("reset", vec!["o1".to_string()], Some(2 * MS))
+        );
+        assert!(delay <= 100 * MS && delay >= 50 * MS, "{delay:?}");
+        let (event, delay) = r.poll_failed("refused".into(), true, None);
+        assert!(
+            event.is_none(),
+            "a retry in the same down period: {event:?}"
+        );
+        assert!(delay >= 100 * MS, "the next delay is longer: {delay:?}");
     }
 
     #[test]

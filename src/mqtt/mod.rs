@@ -585,18 +585,8 @@ impl Mqtt {
         payload: Vec<u8>,
         retain: bool,
     ) -> Result<(), MqttError> {
-        if !valid_publish_topic(topic) {
-            return Err(MqttError::InvalidTopic(topic.to_owned()));
-        }
         let mut q = self.inner.lock();
-        if q.stopped {
-            return Err(MqttError::Stopped);
-        }
-        if q.pubs.len() >= self.publish_limit {
-            return Err(MqttError::InflightFull {
-                limit: self.publish_limit,
-            });
-        }
+        admit_publish(topic, q.stopped, q.pubs.len(), self.publish_limit)?;
         let wake = q.pubs.next_to_hand().is_none(); // as in `ack`
         q.pubs.accept(output_id, topic.to_owned(), payload, retain);
         drop(q);
@@ -614,10 +604,8 @@ impl Mqtt {
     /// event follows for it, except a PUBACK already on its way: the caller ignores an
     /// output ID it no longer holds. [`Mqtt::inflight`] drops by one once it is gone.
     pub fn abandon(&self, output_id: &str) {
-        let mut q = self.inner.lock();
-        if !q.pubs.remove_queued(output_id) && !q.abandoned.iter().any(|id| id == output_id) {
-            q.abandoned.push(output_id.to_owned());
-        }
+        let q = &mut *self.inner.lock();
+        give_up(&mut q.pubs, &mut q.abandoned, output_id);
     }
 
     /// Once the acks queued so far are written, drop the connection and connect again at
@@ -744,7 +732,71 @@ impl Link {
     }
 }
 
-/// A topic we may publish to: not empty, no wildcards, no NUL, at most 65,535 bytes.
-fn valid_publish_topic(topic: &str) -> bool {
-    !topic.is_empty() && topic.len() <= u16::MAX as usize && !topic.contains(['+', '#', '\0'])
+/// Whether a connection takes one more publish, the same for both protocols: a topic we may
+/// publish to (not empty, no wildcards, no NUL, at most 65,535 bytes), its thread still
+/// running, and fewer than `limit` publishes `waiting` for their outcome.
+fn admit_publish(
+    topic: &str,
+    stopped: bool,
+    waiting: usize,
+    limit: usize,
+) -> Result<(), MqttError> {
+    let valid =
+        !topic.is_empty() && topic.len() <= u16::MAX as usize && !topic.contains(['+', '#', '\0']);
+    if !valid {
+        return Err(MqttError::InvalidTopic(topic.to_owned()));
+    }
+    if stopped {
+        return Err(MqttError::Stopped);
+    }
+    if waiting >= limit {
+        return Err(MqttError::InflightFull { limit });
+    }
+    Ok(())
+}
+
+/// Waits out the delay before a worker's next connect attempt, or until shutdown wakes it
+/// (both workers, after [`backoff::Reconnects::poll_failed`]).
+async fn wait_or_stop(delay: Duration, stop_wake: &tokio::sync::Notify) {
+    tokio::select! {
+        _ = tokio::time::sleep(delay) => {}
+        _ = stop_wake.notified() => {}
+    }
+}
+
+/// Gives up a publish, the same for both protocols: only queued, it goes at once; else it
+/// is noted (once) in `abandoned`, for the worker to take out of rumqttc.
+fn give_up(pubs: &mut Publishes, abandoned: &mut Vec<String>, output_id: &str) {
+    if !pubs.remove_queued(output_id) && !abandoned.iter().any(|id| id == output_id) {
+        abandoned.push(output_id.to_owned());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_publish_is_refused_for_its_topic_then_a_stopped_thread_then_a_full_window() {
+        let long = "a".repeat(usize::from(u16::MAX) + 1);
+        for bad in ["", "a/+", "a/#", "a\0b", long.as_str()] {
+            let refused = admit_publish(bad, true, 9, 1);
+            assert!(
+                matches!(refused, Err(MqttError::InvalidTopic(_))),
+                "{refused:?}"
+            );
+        }
+        let refused = admit_publish("a/b", true, 9, 1);
+        assert!(matches!(refused, Err(MqttError::Stopped)), "{refused:?}");
+        let refused = admit_publish("a/b", false, 2, 2);
+        assert!(
+            matches!(refused, Err(MqttError::InflightFull { limit: 2 })),
+            "{refused:?}"
+        );
+        assert!(admit_publish("a/b", false, 1, 2).is_ok());
+        assert!(
+            admit_publish(&long[1..], false, 0, 1).is_ok(),
+            "65,535 bytes"
+        );
+    }
 }

@@ -309,28 +309,17 @@ impl Worker {
         self.emit(Event::Connected { session_present });
     }
 
+    /// A poll (or our own write) failed: what that means is [`Reconnects::poll_failed`]'s to
+    /// decide, as for the MQTT 5 worker; this carries it out.
     async fn on_error(&mut self, e: ConnectionError) {
-        let reason = describe(&e);
-        let (up_for, unacked) = if self.connected {
-            let up_for = self.connection_gone();
-            (up_for, self.inner.lock().pubs.unacked())
-        } else {
-            (None, Vec::new())
-        };
         let refused = matches!(e, ConnectionError::ConnectionRefused(_));
-        if self.reconnects.failed(&reason, up_for, refused) {
-            self.emit(Event::Disconnected {
-                reason,
-                unacked,
-                up_for,
-            });
-        }
+        let lost = self
+            .connected
+            .then(|| (self.connection_gone(), self.inner.lock().pubs.unacked()));
+        let (disconnected, delay) = self.reconnects.poll_failed(describe(&e), refused, lost);
+        self.batch.extend(disconnected);
         self.flush().await;
-        let delay = self.reconnects.next_delay();
-        tokio::select! {
-            _ = tokio::time::sleep(delay) => {}
-            _ = self.inner.stop_wake.notified() => {}
-        }
+        super::wait_or_stop(delay, &self.inner.stop_wake).await;
     }
 
     /// On every connection: subscribe (again) to the broker's `$SYS` count of dropped

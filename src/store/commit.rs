@@ -262,16 +262,9 @@ impl Store {
 
     /// All trees in one sled transaction: a checkpoint is wholly visible or not at all.
     fn transaction(&self, w: &Writes) -> Result<(), StoreError> {
-        let trees = [
-            &self.meta,
-            &self.state,
-            &self.dedup,
-            &self.outbox,
-            &self.dead,
-            &self.checkpoints,
-            &self.sparkplug,
-        ];
-        trees[..]
+        // Every checkpoint tree, in the order of `trees()` (what a savepoint copies):
+        // meta, state, dedup, outbox, dead, checkpoints, sparkplug.
+        self.trees()[..]
             .transaction(|tx| {
                 tx[1].apply_batch(&w.state)?;
                 tx[6].apply_batch(&w.sparkplug)?;

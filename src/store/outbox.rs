@@ -149,18 +149,7 @@ impl OutboxMem {
     /// included) that its upserts left with nothing waiting, to delete from the tree.
     /// `bytes`: its key and value as written.
     pub(crate) fn add_chunk(&mut self, first: u64, entries: ChunkEntries, bytes: u64) -> Vec<u64> {
-        let n = entries.len() as u64;
-        self.chunks.insert(
-            first,
-            ChunkMeta {
-                n,
-                waiting: n,
-                bytes,
-                done: vec![0; n.div_ceil(64) as usize],
-            },
-        );
-        self.len += entries.len();
-        self.bytes += bytes;
+        self.insert_waiting(first, entries.len(), bytes);
         let mut emptied = Vec::new();
         for (i, (seq, o)) in entries.iter().enumerate() {
             assert_eq!(
@@ -242,20 +231,22 @@ impl OutboxMem {
         }
         self.cache.forget(&old);
         for (first, entries, bytes) in runs {
-            let n = entries.len() as u64;
-            self.chunks.insert(
-                first,
-                ChunkMeta {
-                    n,
-                    waiting: n,
-                    bytes,
-                    done: vec![0; n.div_ceil(64) as usize],
-                },
-            );
-            self.len += entries.len();
-            self.bytes += bytes;
+            self.insert_waiting(first, entries.len(), bytes);
             self.cache_put(first, entries);
         }
+    }
+
+    /// Counts a chunk of `n` entries from `first`, all of them waiting, `bytes` on disk.
+    fn insert_waiting(&mut self, first: u64, n: usize, bytes: u64) {
+        let meta = ChunkMeta {
+            n: n as u64,
+            waiting: n as u64,
+            bytes,
+            done: vec![0; n.div_ceil(64)],
+        };
+        self.chunks.insert(first, meta);
+        self.len += n;
+        self.bytes += bytes;
     }
 
     /// The first waiting entry at or after `from`: (seq, first seq of its chunk).

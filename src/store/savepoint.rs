@@ -270,6 +270,8 @@ impl<W: Write> Write for CrcWriter<W> {
 }
 
 impl Store {
+    /// Every checkpoint tree, in one order: a savepoint copies these, and the checkpoint
+    /// transaction (`commit.rs`) spans them, indexing them by this order.
     pub(super) fn trees(&self) -> [&sled::Tree; 7] {
         [
             &self.meta,

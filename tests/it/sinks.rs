@@ -491,7 +491,7 @@ fn holds_the_oracle(
 
 fn fan_out(powercut: bool) {
     use crate::support::central::DurableCollector;
-    use crate::support::powercut::PowerCut;
+    use crate::support::powercut::{PowerCut, kill_rounds};
     use crate::support::{Proxy, free_port};
     let local = Broker::start();
     let central = Broker::start();
@@ -525,32 +525,7 @@ fn fan_out(powercut: bool) {
     link.pause(true);
     link.cut();
     agent.wait_for_stderr("central: lost", Duration::from_secs(20));
-    let mut next = 100;
-    for round in 0..5u64 {
-        if round > 0 {
-            agent.start_connected();
-        }
-        let batch = fan_events(next, next + 500);
-        next += 500;
-        let port = local.port();
-        let publisher = std::thread::spawn(move || publish_all(port, &batch));
-        std::thread::sleep(Duration::from_millis(150 + 100 * round));
-        let mode = match round {
-            2 => Some("cut all".to_string()),
-            4 => Some(format!("cut prefix {} tear", 0x5eed + next)),
-            _ => None,
-        };
-        let power = cut.as_ref().zip(mode);
-        if let Some((c, mode)) = &power {
-            let reply = c.command(mode);
-            agent.note(&format!("power cut `{mode}`: {reply}"));
-        }
-        agent.kill();
-        publisher.join().expect("publisher");
-        if let Some((c, _)) = &power {
-            c.command("thaw");
-        }
-    }
+    let mut next = kill_rounds(&mut agent, cut.as_ref(), local.port(), 100, 500, fan_events);
     agent.start_connected();
     publish_all(local.port(), &fan_events(next, next + 200));
     next += 200;

@@ -16,7 +16,7 @@ use serde_json::Value;
 
 use crate::support::agent::{AgentConfig, CairnProcess};
 use crate::support::central::DurableCollector;
-use crate::support::powercut::PowerCut;
+use crate::support::powercut::{PowerCut, kill_rounds};
 use crate::support::{
     Broker, Collector, Proxy, Seen, free_port, publish_all, unique_id, wait_until,
 };
@@ -320,34 +320,10 @@ fn outage(powercut: bool) {
     );
     fleet.cut();
     agent.wait_for_stderr("uplink: lost", Duration::from_secs(20));
-    let mut next = 100;
-    for round in 0..5u64 {
-        if round > 0 {
-            agent.start();
-            agent.wait_for_stderr("mqtt: connected", Duration::from_secs(20));
-        }
-        let batch = events(next, next + 600, "");
-        next += 600;
-        let port = fleet.local.port();
-        let publisher = std::thread::spawn(move || publish_all(port, &batch));
-        std::thread::sleep(Duration::from_millis(150 + 100 * round));
-        // Power cuts in two rounds: everything unsynced lost, then a torn prefix.
-        let cut_mode = match round {
-            2 => Some("cut all".to_string()),
-            4 => Some(format!("cut prefix {} tear", 0x5eed + next)),
-            _ => None,
-        };
-        let power = cut.as_ref().zip(cut_mode);
-        if let Some((c, mode)) = &power {
-            let reply = c.command(mode);
-            agent.note(&format!("power cut `{mode}`: {reply}"));
-        }
-        agent.kill();
-        publisher.join().expect("publisher");
-        if let Some((c, _)) = &power {
-            c.command("thaw");
-        }
-    }
+    let port = fleet.local.port();
+    let mut next = kill_rounds(&mut agent, cut.as_ref(), port, 100, 600, |from, to| {
+        events(from, to, "")
+    });
     // The last stretch runs to the end with the link still down: everything waits.
     agent.start();
     agent.wait_for_stderr("mqtt: connected", Duration::from_secs(20));
@@ -379,7 +355,6 @@ fn outage(powercut: bool) {
     agent.wait_for_stderr("uplink: backlog draining", Duration::from_secs(20));
     // New results keep flowing while the backlog drains, and the agent is killed once
     // mid-drain: what it sent but had not seen acknowledged goes again, with the same IDs.
-    let port = fleet.local.port();
     let live = events(next, next + 300, "");
     next += 300;
     let publisher = std::thread::spawn(move || publish_all(port, &live));

@@ -1,9 +1,17 @@
-//! The connection keys `[mqtt]` and `[uplink]` share (host, port, client ID, keep-alive,
-//! credentials, TLS, reconnect backoff), checked by one code under either section's name.
+//! The connection keys `[mqtt]`, `[uplink]` and `[[sink]]` of kind mqtt share (host, port,
+//! client ID, keep-alive, credentials, TLS, reconnect backoff), taken out of each one's raw
+//! table by [`raw_link!`] and checked by one code under that section's name.
+//!
+//! The raw tables still declare these keys each (`raw.rs`). `serde(flatten)` would share
+//! the declaration, but serde then reads the table through a buffer of its own: tried with
+//! serde 1.0.229 and toml_edit 0.22.27, an unknown key came out as "unknown field `x`"
+//! without the list of known keys, and it and a wrong type in a shared key both carried the
+//! whole table's span, not the key's, so the problem would name `[uplink]` and its header
+//! line, and the whole table would be dropped to look for more problems.
 
 use super::*;
 
-/// The connection keys `[mqtt]` and `[uplink]` share, as read.
+/// The connection keys `[mqtt]`, `[uplink]` and `[[sink]]` share, as read.
 pub(super) struct RawLink {
     pub(super) host: Option<String>,
     pub(super) port: Option<i64>,
@@ -16,8 +24,27 @@ pub(super) struct RawLink {
     pub(super) reconnect_max: Option<DurationText>,
 }
 
+/// Moves the connection keys out of a raw table that declares them under these names
+/// (`RawMqtt`, `RawUplink`, `RawSink`); its other keys stay usable.
+macro_rules! raw_link {
+    ($r:ident) => {
+        RawLink {
+            host: $r.host,
+            port: $r.port,
+            client_id: $r.client_id,
+            keep_alive: $r.keep_alive,
+            username: $r.username,
+            password_file: $r.password_file,
+            tls: $r.tls,
+            reconnect_min: $r.reconnect_min,
+            reconnect_max: $r.reconnect_max,
+        }
+    };
+}
+pub(super) use raw_link;
+
 impl Validator {
-    /// The connection keys `[mqtt]` and `[uplink]` share, under `section`; `ingest_batch`
+    /// The connection keys `[mqtt]`, `[uplink]` and `[[sink]]` share, under `section`; `ingest_batch`
     /// and `channel_capacity` are left 0 for the caller.
     pub(super) fn link(&mut self, section: &str, r: RawLink) -> Option<MqttConfig> {
         let host_key = format!("{section}.host");

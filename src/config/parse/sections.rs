@@ -1,6 +1,7 @@
 //! Stage 2 for every table but `[[pipeline]]`: each section's keys checked and defaulted
 //! into its typed config, and the limits between keys of one section.
 
+use super::link::raw_link;
 use super::*;
 
 impl Validator {
@@ -67,20 +68,7 @@ impl Validator {
     }
 
     pub(super) fn mqtt(&mut self, r: RawMqtt, outbox_inflight: Option<u16>) -> Option<MqttConfig> {
-        let link = self.link(
-            "mqtt",
-            RawLink {
-                host: r.host,
-                port: r.port,
-                client_id: r.client_id,
-                keep_alive: r.keep_alive,
-                username: r.username,
-                password_file: r.password_file,
-                tls: r.tls,
-                reconnect_min: r.reconnect_min,
-                reconnect_max: r.reconnect_max,
-            },
-        );
+        let link = self.link("mqtt", raw_link!(r));
         let ingest_batch = self.int("mqtt.ingest_batch", r.ingest_batch);
         let channel_capacity =
             self.channel_capacity(r.channel_capacity, ingest_batch, outbox_inflight);

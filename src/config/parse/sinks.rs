@@ -3,8 +3,8 @@
 //! names no `[[sink]]` may take. A pipeline without `sinks` goes to `uplink` when
 //! `[uplink]` is configured, else to `local`: every config valid before keeps its meaning.
 
-use super::names::{refusable, valid_name};
-use super::uplink::{MAX_TOPIC_PREFIX_LEN, valid_prefix};
+use super::link::raw_link;
+use super::names::valid_name;
 use super::*;
 use crate::config::{
     LOCAL_SINK, MqttSinkConfig, SinkConfig, SinkKind, SinkProtocol, UPLINK_SINK, UplinkConfig,
@@ -158,35 +158,8 @@ impl Validator {
                 None
             }
         };
-        let link = self.link(
-            at,
-            RawLink {
-                host: r.host,
-                port: r.port,
-                client_id: r.client_id,
-                keep_alive: r.keep_alive,
-                username: r.username,
-                password_file: r.password_file,
-                tls: r.tls,
-                reconnect_min: r.reconnect_min,
-                reconnect_max: r.reconnect_max,
-            },
-        );
-        let prefix = r.topic_prefix.unwrap_or_default();
-        let key = format!("{at}.topic_prefix");
-        let prefix_ok = match refusable(&prefix) {
-            Some(why) => {
-                self.problem(&key, format!("`{}`: {why}", prefix.escape_debug()));
-                false
-            }
-            None => self.require(&key, valid_prefix(&prefix), || {
-                format!(
-                    "`{}` cannot begin an MQTT topic: no `+` or `#`, not starting with `$`, \
-                     at most {MAX_TOPIC_PREFIX_LEN} bytes",
-                    prefix.escape_debug()
-                )
-            }),
-        };
+        let link = self.link(at, raw_link!(r));
+        let prefix = self.topic_prefix(&format!("{at}.topic_prefix"), r.topic_prefix);
         let mut link = link?;
         let clash = sessions
             .iter()
@@ -218,7 +191,7 @@ impl Validator {
         Some(MqttSinkConfig {
             mqtt: link,
             protocol: protocol?,
-            topic_prefix: prefix_ok.then_some(prefix)?,
+            topic_prefix: prefix?,
         })
     }
 

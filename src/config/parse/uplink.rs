@@ -2,13 +2,14 @@
 //! connection keys are checked by the same code as `[mqtt]`'s (`link.rs`); here
 //! only what is its own: `topic_prefix`, and that it is not `[mqtt]`'s session.
 
+use super::link::raw_link;
 use super::names::refusable;
 use super::*;
 use crate::config::UplinkConfig;
 
 /// Longest `topic_prefix`: the room every result topic leaves for it under MQTT's 65,535
 /// (see `pipeline::topic::TOPIC_PREFIX_ROOM`).
-pub(super) const MAX_TOPIC_PREFIX_LEN: usize = TOPIC_PREFIX_ROOM;
+const MAX_TOPIC_PREFIX_LEN: usize = TOPIC_PREFIX_ROOM;
 
 impl Validator {
     /// `None` after a problem; `Some(None)` when there is no `[uplink]`.
@@ -20,35 +21,8 @@ impl Validator {
         let Some(r) = r else {
             return Some(None);
         };
-        let link = self.link(
-            "uplink",
-            RawLink {
-                host: r.host,
-                port: r.port,
-                client_id: r.client_id,
-                keep_alive: r.keep_alive,
-                username: r.username,
-                password_file: r.password_file,
-                tls: r.tls,
-                reconnect_min: r.reconnect_min,
-                reconnect_max: r.reconnect_max,
-            },
-        );
-        let prefix = r.topic_prefix.unwrap_or_default();
-        let prefix_ok = match refusable(&prefix) {
-            Some(why) => {
-                let shown = prefix.escape_debug();
-                self.problem("uplink.topic_prefix", format!("`{shown}`: {why}"));
-                false
-            }
-            None => self.require("uplink.topic_prefix", valid_prefix(&prefix), || {
-                format!(
-                    "`{}` cannot begin an MQTT topic: no `+` or `#`, not starting with `$`, \
-                     at most {MAX_TOPIC_PREFIX_LEN} bytes",
-                    prefix.escape_debug()
-                )
-            }),
-        };
+        let link = self.link("uplink", raw_link!(r));
+        let prefix = self.topic_prefix("uplink.topic_prefix", r.topic_prefix);
         let mut link = link?;
         if let Some(m) = mqtt {
             let same_broker = m.host == link.host && m.port == link.port;
@@ -73,14 +47,34 @@ impl Validator {
         }
         Some(Some(UplinkConfig {
             mqtt: link,
-            topic_prefix: prefix_ok.then_some(prefix)?,
+            topic_prefix: prefix?,
         }))
+    }
+
+    /// `topic_prefix` of `[uplink]` or an mqtt `[[sink]]`, at `key`: empty by default; `None`
+    /// after a problem.
+    pub(super) fn topic_prefix(&mut self, key: &str, raw: Option<String>) -> Option<String> {
+        let prefix = raw.unwrap_or_default();
+        let ok = match refusable(&prefix) {
+            Some(why) => {
+                self.problem(key, format!("`{}`: {why}", prefix.escape_debug()));
+                false
+            }
+            None => self.require(key, valid_prefix(&prefix), || {
+                format!(
+                    "`{}` cannot begin an MQTT topic: no `+` or `#`, not starting with `$`, \
+                     at most {MAX_TOPIC_PREFIX_LEN} bytes",
+                    prefix.escape_debug()
+                )
+            }),
+        };
+        ok.then_some(prefix)
     }
 }
 
 /// A prefix the publish topic checks will accept before any result topic (code points a
 /// receiver may refuse are checked before, with their own message).
-pub(super) fn valid_prefix(p: &str) -> bool {
+fn valid_prefix(p: &str) -> bool {
     p.len() <= MAX_TOPIC_PREFIX_LEN && !p.contains(['+', '#']) && !p.starts_with('$')
 }
 

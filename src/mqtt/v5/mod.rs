@@ -58,7 +58,7 @@ use rumqttc::v5::AsyncClient;
 use rumqttc::v5::mqttbytes::v5::PubAckReason;
 
 use super::binding::{OutPublish, Publishes};
-use super::{Event, Events, MqttError, Sink, events, options, valid_publish_topic};
+use super::{Event, Events, MqttError, Sink, admit_publish, events, give_up, options};
 use crate::config::MqttConfig;
 
 /// Room in rumqttc's request channel beyond one full window (DISCONNECT, a retry or two).
@@ -251,18 +251,8 @@ impl Mqtt5 {
         payload: Vec<u8>,
         retain: bool,
     ) -> Result<(), MqttError> {
-        if !valid_publish_topic(topic) {
-            return Err(MqttError::InvalidTopic(topic.to_owned()));
-        }
         let mut q = self.inner.lock();
-        if q.stopped {
-            return Err(MqttError::Stopped);
-        }
-        if q.pubs.len() >= q.limits.window {
-            return Err(MqttError::InflightFull {
-                limit: q.limits.window,
-            });
-        }
+        admit_publish(topic, q.stopped, q.pubs.len(), q.limits.window)?;
         q.pubs.accept(output_id, topic.to_owned(), payload, retain);
         drop(q);
         self.inner.wake.notify_one();
@@ -274,10 +264,8 @@ impl Mqtt5 {
     /// connection queues every unacknowledged publish again, so it is never re-sent. No
     /// outcome event follows for it, except one already on its way.
     pub fn abandon(&self, output_id: &str) {
-        let mut q = self.inner.lock();
-        if !q.pubs.remove_queued(output_id) && !q.abandoned.iter().any(|id| id == output_id) {
-            q.abandoned.push(output_id.to_owned());
-        }
+        let q = &mut *self.inner.lock();
+        give_up(&mut q.pubs, &mut q.abandoned, output_id);
     }
 
     /// Publishes accepted and without an outcome yet (queued, on the wire, or queued again

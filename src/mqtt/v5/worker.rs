@@ -217,28 +217,17 @@ impl Worker {
         self.inner.wake.notify_one();
     }
 
+    /// A poll failed: what that means is [`Reconnects::poll_failed`]'s to decide, as for the
+    /// 3.1.1 worker; this carries it out.
     async fn on_error(&mut self, e: ConnectionError) {
-        let reason = describe(&e);
-        let (up_for, unacked) = if self.connected {
-            let up_for = self.connection_gone();
-            (up_for, self.inner.lock().pubs.unacked())
-        } else {
-            (None, Vec::new())
-        };
         let refused = matches!(e, ConnectionError::ConnectionRefused(_));
-        if self.reconnects.failed(&reason, up_for, refused) {
-            self.emit(Event::Disconnected {
-                reason,
-                unacked,
-                up_for,
-            });
-        }
+        let lost = self
+            .connected
+            .then(|| (self.connection_gone(), self.inner.lock().pubs.unacked()));
+        let (disconnected, delay) = self.reconnects.poll_failed(describe(&e), refused, lost);
+        self.batch.extend(disconnected);
         self.flush().await;
-        let delay = self.reconnects.next_delay();
-        tokio::select! {
-            _ = tokio::time::sleep(delay) => {}
-            _ = self.inner.stop_wake.notified() => {}
-        }
+        super::super::wait_or_stop(delay, &self.inner.stop_wake).await;
     }
 
     /// The live connection is gone (rumqttc has cleaned up); what rumqttc buffered from it

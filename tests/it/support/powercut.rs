@@ -1,6 +1,7 @@
 //! The power-cut filesystem (tests/powercut-fs) mounted for one test: what the agent writes
-//! under [`PowerCut::mount`] survives a cut only if it was fsynced. Used by tests/it/crash.rs
-//! and tests/it/uplink.rs.
+//! under [`PowerCut::mount`] survives a cut only if it was fsynced. Used by tests/it/crash.rs,
+//! tests/it/uplink.rs and tests/it/sinks.rs; [`kill_rounds`] is the long outage of the last
+//! two.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -8,7 +9,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use super::{signal, wait_until};
+use super::agent::CairnProcess;
+use super::{publish_all, signal, wait_until};
 
 pub struct PowerCut {
     child: Child,
@@ -96,6 +98,47 @@ impl PowerCut {
         BufReader::new(s).read_line(&mut line)?;
         Ok(())
     }
+}
+
+/// The kills of a long outage: five rounds in which the agent (started again after the
+/// first, and connected to its broker at `port`) is killed while `per_round` new inputs
+/// stream to that broker from another thread; with `cut`, its disk loses power just before
+/// the kill in two rounds: everything unsynced in round 2, a torn prefix in round 4.
+/// `events(from, to)` makes the inputs, numbered on from `next`; returns the number after
+/// the last. The agent is left stopped.
+pub fn kill_rounds(
+    agent: &mut CairnProcess,
+    cut: Option<&PowerCut>,
+    port: u16,
+    mut next: u64,
+    per_round: u64,
+    events: impl Fn(u64, u64) -> Vec<(String, Vec<u8>, bool)>,
+) -> u64 {
+    for round in 0..5u64 {
+        if round > 0 {
+            agent.start_connected();
+        }
+        let batch = events(next, next + per_round);
+        next += per_round;
+        let publisher = std::thread::spawn(move || publish_all(port, &batch));
+        std::thread::sleep(Duration::from_millis(150 + 100 * round));
+        let mode = match round {
+            2 => Some("cut all".to_string()),
+            4 => Some(format!("cut prefix {} tear", 0x5eed + next)),
+            _ => None,
+        };
+        let power = cut.zip(mode);
+        if let Some((c, mode)) = &power {
+            let reply = c.command(mode);
+            agent.note(&format!("power cut `{mode}`: {reply}"));
+        }
+        agent.kill();
+        publisher.join().expect("publisher");
+        if let Some((c, _)) = &power {
+            c.command("thaw");
+        }
+    }
+    next
 }
 
 /// The powercut-fs binary, built from this workspace if it is not there yet: beside the
