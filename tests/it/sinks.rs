@@ -141,6 +141,11 @@ fn cairn_outbox_drop_gives_up_one_waiting_result_for_good_and_records_it() {
         "5 results never waited:\n{}",
         agent.stderr_tail(30)
     );
+    // They wait for the uplink, which every pipeline goes to; `local` gets none.
+    let s = status(&agent);
+    assert_eq!(sink(&s, "uplink")["waiting"], 5, "{s}");
+    assert_eq!(sink(&s, "local")["pipelines"], 0, "{s}");
+    assert_eq!(sink(&s, "local")["waiting"], 0, "{s}");
     let (st, _, err) = agent.command(&["outbox", "drop", "p/k2/1"]);
     assert_eq!(st.code(), Some(1), "refused while the agent runs: {err}");
     assert!(err.contains("stop the agent first"), "{err}");
@@ -169,6 +174,18 @@ fn cairn_outbox_drop_gives_up_one_waiting_result_for_good_and_records_it() {
         "{letters:?}"
     );
 
+    // Started again with the central broker still away: 4 wait for the uplink now.
+    agent.start_connected();
+    let four = wait_until(Duration::from_secs(10), || {
+        let s = status(&agent);
+        sink(&s, "uplink")["waiting"] == 4
+            && sink(&s, "uplink")["waiting_bytes"]
+                .as_u64()
+                .is_some_and(|b| b > 0)
+    });
+    assert!(four, "{}", status(&agent));
+    assert_eq!(agent.terminate().code(), Some(0));
+
     // The central broker returns: everything but the dropped result arrives.
     central.restart();
     let collector = Collector::start(central.port(), "site/#");
@@ -179,6 +196,13 @@ fn cairn_outbox_drop_gives_up_one_waiting_result_for_good_and_records_it() {
     let mut got = keys(&collector);
     got.sort();
     assert_eq!(got, ["k0", "k1", "k3", "k4"]);
+    assert!(
+        wait_until(Duration::from_secs(10), || sink(&status(&agent), "uplink")
+            ["waiting"]
+            == 0),
+        "{}",
+        status(&agent)
+    );
     assert_eq!(agent.terminate().code(), Some(0));
 }
 
@@ -662,11 +686,14 @@ fn a_result_over_an_mqtt_5_sinks_maximum_packet_size_is_its_dead_letter_and_the_
         "no reconnect loop:\n{}",
         agent.stderr_tail(20)
     );
+    // Its dead letter settled it for `central`: nothing waits there, nor for `local`.
     assert!(
-        wait_until(
-            Duration::from_secs(10),
-            || status(&agent)["outbox"]["entries"] == 0
-        ),
+        wait_until(Duration::from_secs(10), || {
+            let s = status(&agent);
+            s["outbox"]["entries"] == 0
+                && sink(&s, "central")["waiting"] == 0
+                && sink(&s, "local")["waiting"] == 0
+        }),
         "{}",
         status(&agent)
     );
