@@ -58,8 +58,9 @@
 //!   imports the loop. `agent/ingest.rs` (group commit, ack order, held input and
 //!   backpressure, the free-space guard, times of receipt, `too_large` stand-ins);
 //!   `agent/results/` (the outbox room: `cursor.rs` what goes out next and what a PUBACK
-//!   settles, `mqtt.rs` the MQTT sink and the uplink with its prefix and drain figures, the
-//!   outbox bound in `mod.rs`); `agent/work.rs` (when catch-up or backfill takes a slice:
+//!   settles, `mqtt.rs` the MQTT sink and the uplink with its prefix and drain figures,
+//!   `waiting.rs` what waits for each sink, exactly, for the figures; the outbox bound in
+//!   `mod.rs`); `agent/work.rs` (when catch-up or backfill takes a slice:
 //!   never past the outbox bound); `agent/keeper/` (`schedule.rs` when to checkpoint,
 //!   retention's cutoff, savepoint schedule and floor, the store watch; `fsync.rs` the
 //!   checkpoint's fsync on its own thread; retention, savepoints and checkpoints waiting

@@ -486,7 +486,7 @@ impl Agent {
         let done = done?;
         let committed = done.is_some();
         if let Some((info, settled)) = done {
-            self.results.checkpointed(settled);
+            self.results.checkpointed(settled, &self.proc)?;
             log::debug!("checkpoint {} at offset {}", info.id, info.next_offset);
             let took = self.now().saturating_duration_since(began);
             let floor = keeper::retention_floor(&self.proc.store().progress()?, &self.cfg);
@@ -594,8 +594,9 @@ impl Agent {
             wall_ms: self.clock.wall_ms(),
         };
         self.figures.refresh(force, view)?;
+        let at = (self.clock.wall_ms(), now);
         self.results
-            .refresh(&self.figures.metrics, &self.proc, &self.cfg.outbox, now);
+            .refresh(&self.figures.metrics, &self.proc, &self.cfg.outbox, at);
         let work = self.keeper_work();
         if self.figures.trim.take(now, work) {
             memory::return_free_memory();

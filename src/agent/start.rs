@@ -129,8 +129,8 @@ pub(crate) fn recover(
     let host = Host::new(&cfg.sparkplug, clock.wall_ms());
     let positions = proc.store().sink_positions()?;
     let (mqtt, sinks, events) = subscribe(cfg, first_seq, &positions, &host)?;
-    let results = Results::new(cfg, sinks);
-    let forgot = results.forget_settled(&proc)?;
+    let mut results = Results::new(cfg, sinks);
+    let forgot = results.start(&proc)?;
     if forgot > 0 {
         crate::event!(info, "outbox_settled_at_start";
             "recovery: {forgot} outbox entries were settled by every sink before the stop: deleted"

@@ -495,7 +495,9 @@ fn queue_lines(v: &Value) -> Vec<String> {
 }
 
 /// One line per sink when results go to more than one (issue 29): its state and since
-/// when, what may wait for it, what it settled, its drain rate and refusals.
+/// when, what waits for it and how old the oldest is, what it settled, its drain rate and
+/// refusals; or that no pipeline sends it anything (so a sink that is down but gets nothing
+/// does not look stalled).
 fn sink_lines(v: &Value) -> Vec<String> {
     let Some(sinks) = v["sinks"].as_array().filter(|s| s.len() > 1) else {
         return Vec::new();
@@ -504,9 +506,15 @@ fn sink_lines(v: &Value) -> Vec<String> {
         .iter()
         .map(|s| {
             let state = s["state"].as_str().unwrap_or("?");
+            let name = printable(s["name"].as_str().unwrap_or("?"));
+            if s["pipelines"] == json!(0) && s["waiting"] == json!(0) {
+                return format!(
+                    "sink {name:<10} no pipelines: no results go to it ({state} for {}s)",
+                    s["state_seconds"]
+                );
+            }
             let mut line = format!(
-                "sink {:<10} {} for {}s, up to {} waiting ({}), {} settled, {:.1}/s",
-                printable(s["name"].as_str().unwrap_or("?")),
+                "sink {name:<10} {} for {}s, {} waiting ({}",
                 if state == "connected" {
                     state.to_string()
                 } else {
@@ -515,9 +523,19 @@ fn sink_lines(v: &Value) -> Vec<String> {
                 s["state_seconds"],
                 s["waiting"],
                 bytes(&s["waiting_bytes"]),
+            );
+            if let Some(age) = s["oldest_age_seconds"].as_f64().filter(|a| *a > 0.0) {
+                line.push_str(&format!(", oldest {age}s"));
+            }
+            line.push_str(&format!(
+                "), {} settled, {:.1}/s",
                 s["settled"],
                 s["drain_rate"].as_f64().unwrap_or(0.0)
-            );
+            ));
+            if s["pipelines"] == json!(0) {
+                // Results of pipelines no longer configured, which went here by default.
+                line.push_str(", no configured pipelines");
+            }
             if let Some(w) = s["duplicate_window_seconds"].as_f64() {
                 line.push_str(&format!(", duplicate window {w}s"));
             }
@@ -604,6 +622,8 @@ mod tests {
                 since_ms: 40_000,
                 waiting: 12,
                 waiting_bytes: 2048,
+                oldest_age_ms: 90_500,
+                pipelines: 1,
                 sent: 30,
                 acked: 25,
                 drain_rate: 4.0,
@@ -627,7 +647,26 @@ mod tests {
         assert_eq!(v["sinks"][0]["state"], "connected", "{v}");
         let text = human(&v);
         assert!(
-            text.contains("sink central    REFUSING for 60s, up to 12 waiting (2 KiB), 25 settled, 4.0/s, refused: not authorized 7"),
+            text.contains("sink central    REFUSING for 60s, 12 waiting (2 KiB, oldest 90.5s), 25 settled, 4.0/s, refused: not authorized 7"),
+            "{text}"
+        );
+        assert_eq!(c["waiting"], json!(12), "{v}");
+        assert_eq!(c["waiting_bytes"], json!(2048), "{v}");
+        assert_eq!(c["oldest_age_seconds"], json!(90.5), "{v}");
+        assert_eq!(c["pipelines"], json!(1), "{v}");
+        // A sink no pipeline sends to says so, whatever its state: not a stalled backlog.
+        let mut spare = sink("spare", "down", &[]);
+        (spare.pipelines, spare.waiting, spare.waiting_bytes) = (0, 0, 0);
+        spare.oldest_age_ms = 0;
+        let f = crate::metrics::Figures {
+            sinks: vec![sink("local", "connected", &[]), spare],
+            ..Default::default()
+        };
+        let v = crate::metrics::status_json(&crate::metrics::families(&f, 100_000));
+        assert_eq!(v["sinks"][1]["pipelines"], json!(0), "{v}");
+        let text = human(&v);
+        assert!(
+            text.contains("sink spare      no pipelines: no results go to it (down for 60s)"),
             "{text}"
         );
         // A JetStream sink shows its stream's duplicate window.

@@ -996,7 +996,7 @@ pub static KEYS: &[Key] = &[
         Range::Text("sink names, at least one, none twice: `local`, `uplink`, or a [[sink]] name"),
         "names",
         Reload::Restart,
-        "where its results go; each sink gets every result, in order, and settles it on its own",
+        "where its results go; each sink gets every result from its place in the outbox on (a sink added later: the results from then on), in order, and settles it on its own",
         Get::Pipeline(|p| Some(list(&p.sinks)))
     ),
     key!(

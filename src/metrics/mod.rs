@@ -141,10 +141,14 @@ pub struct SinkFigures {
     pub state: &'static str,
     /// Wall clock of the last change of state; 0 before the first.
     pub since_ms: u64,
-    /// Outbox entries this sink has not settled yet (of all the outbox holds: an upper
-    /// bound when the sinks take different pipelines) and their bytes.
+    /// Outbox entries routed to this sink that it has not settled yet, exactly, and their
+    /// payload bytes.
     pub waiting: u64,
     pub waiting_bytes: u64,
+    /// Wall-clock age of the oldest of them, since its checkpoint (0 when none waits).
+    pub oldest_age_ms: u64,
+    /// Configured pipelines whose results go to this sink (0: it gets none).
+    pub pipelines: u64,
     /// Results sent and settled.
     pub sent: u64,
     pub acked: u64,
@@ -343,6 +347,15 @@ impl Metrics {
         });
     }
 
+    /// Wall-clock age at `now_ms` of outbox entry `seq`: since the checkpoint that committed
+    /// it, by the marks the outbox's own oldest age uses ([`Metrics::set_outbox`]); 0 if no
+    /// mark covers it. O(log marks).
+    pub(crate) fn outbox_entry_age_ms(&self, seq: u64, now_ms: u64) -> u64 {
+        let marks = lock(&self.outbox_marks);
+        let i = marks.partition_point(|m| m.0 <= seq);
+        marks.get(i).map_or(0, |&(_, at)| now_ms.saturating_sub(at))
+    }
+
     /// Where [`serve`] listens (after it bound).
     pub(crate) fn server_addr(&self) -> Option<SocketAddr> {
         *lock(&self.server)
@@ -465,5 +478,25 @@ mod tests {
         assert_eq!(m.snapshot().outbox_oldest_age_ms, 4_000);
         m.set_outbox(0, None, 9_000);
         assert_eq!(m.snapshot().outbox_oldest_age_ms, 0);
+    }
+
+    #[test]
+    fn an_entrys_age_is_since_the_checkpoint_that_committed_it() {
+        let m = Metrics::new();
+        m.note_outbox_committed(10, 1_000);
+        m.note_outbox_committed(20, 5_000);
+        assert_eq!(m.outbox_entry_age_ms(0, 9_000), 8_000);
+        assert_eq!(m.outbox_entry_age_ms(9, 9_000), 8_000);
+        assert_eq!(m.outbox_entry_age_ms(10, 9_000), 4_000);
+        assert_eq!(m.outbox_entry_age_ms(19, 9_000), 4_000);
+        assert_eq!(m.outbox_entry_age_ms(20, 9_000), 0, "not committed yet");
+        assert_eq!(
+            m.outbox_entry_age_ms(5, 500),
+            0,
+            "a clock stepped back: 0, not negative"
+        );
+        // The outbox's first entry moved past the first mark: later entries keep theirs.
+        m.set_outbox(3, Some(12), 9_000);
+        assert_eq!(m.outbox_entry_age_ms(15, 10_000), 5_000);
     }
 }

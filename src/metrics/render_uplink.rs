@@ -98,15 +98,29 @@ fn sinks(o: &mut Out, f: &Figures, now_ms: u64) {
         o,
         "cairn_sink_waiting",
         GAUGE,
-        "Outbox entries the sink may still have to send (the whole outbox: an upper bound when sinks take different pipelines).",
+        "Outbox entries routed to the sink that it has not settled yet (counted from their checkpoint).",
         &|s| s.waiting as f64,
     );
     per(
         o,
         "cairn_sink_waiting_bytes",
         GAUGE,
-        "Bytes of those entries on disk.",
+        "Payload bytes of the results waiting for the sink.",
         &|s| s.waiting_bytes as f64,
+    );
+    per(
+        o,
+        "cairn_sink_oldest_age_seconds",
+        GAUGE,
+        "Age of the oldest result waiting for the sink, since its checkpoint (0 if none waits).",
+        &|s| s.oldest_age_ms as f64 / 1000.0,
+    );
+    per(
+        o,
+        "cairn_sink_pipelines",
+        GAUGE,
+        "Configured pipelines whose results go to the sink (0: it gets none, whatever its state).",
+        &|s| s.pipelines as f64,
     );
     per(
         o,

@@ -146,6 +146,12 @@ fn sinks(samples: &[&Sample]) -> Vec<Value> {
             "cairn_sink_waiting_bytes" => {
                 m.insert("waiting_bytes".into(), num(s.value));
             }
+            "cairn_sink_oldest_age_seconds" => {
+                m.insert("oldest_age_seconds".into(), num(s.value));
+            }
+            "cairn_sink_pipelines" => {
+                m.insert("pipelines".into(), num(s.value));
+            }
             "cairn_sink_sent_total" => {
                 m.insert("sent".into(), num(s.value));
             }

@@ -36,6 +36,10 @@ use crate::model::Output;
 pub(crate) const CHUNK_ENTRIES: usize = 256;
 pub(crate) const CHUNK_BYTES: usize = 4 * 1024;
 const CACHE_CHUNKS: usize = 16;
+/// Superseded sequences kept for [`OutboxMem::take_superseded`] between two takes; past it
+/// the taker is told to count again from the outbox instead (replay at start commits many
+/// checkpoints before anyone takes them).
+const SUPERSEDED_MAX: usize = 1 << 16;
 
 pub(crate) type ChunkEntries = Arc<Vec<(u64, Output)>>;
 
@@ -103,6 +107,9 @@ pub(crate) struct OutboxMem {
     bytes: u64,
     /// Decoded chunks.
     cache: Lru<u64, ChunkEntries>,
+    /// Entries commits superseded since the last [`OutboxMem::take_superseded`] (`None`:
+    /// more than [`SUPERSEDED_MAX`]): the results room's per-sink figures follow them.
+    superseded: Option<Vec<u64>>,
 }
 
 impl Default for OutboxMem {
@@ -114,6 +121,7 @@ impl Default for OutboxMem {
             len: 0,
             bytes: 0,
             cache: Lru::new(CACHE_CHUNKS),
+            superseded: Some(Vec::new()),
         }
     }
 }
@@ -161,7 +169,11 @@ impl OutboxMem {
             let h = self.key_hash(key);
             let old = self.newest.insert(h, Newest { seq: *seq, version });
             if let Some(old) = old.filter(|_| o.latest_only) {
-                if let Some(Some(c)) = self.mark_done(old.seq) {
+                let done = self.mark_done(old.seq);
+                if done.is_some() {
+                    self.note_superseded(old.seq);
+                }
+                if let Some(Some(c)) = done {
                     emptied.push(c);
                 }
             }
@@ -188,6 +200,22 @@ impl OutboxMem {
         }
         self.cache.forget(&first);
         Some(Some(first))
+    }
+
+    fn note_superseded(&mut self, seq: u64) {
+        if let Some(v) = &mut self.superseded {
+            if v.len() < SUPERSEDED_MAX {
+                v.push(seq);
+            } else {
+                self.superseded = None;
+            }
+        }
+    }
+
+    /// The entries a newer upsert of their key superseded (they left the outbox) since the
+    /// last call; `None` if there were too many to keep: count again from the outbox.
+    pub(crate) fn take_superseded(&mut self) -> Option<Vec<u64>> {
+        self.superseded.replace(Vec::new())
     }
 
     /// An entry was acknowledged. Returns the chunk to delete from the tree when it was the
@@ -363,6 +391,8 @@ mod tests {
         assert_eq!(m.add_chunk(3, Arc::new(b), 20), Vec::<u64>::new());
         // up/A/1 and up/B/1 are superseded; ch/A/1 still waits.
         assert_eq!(m.len(), 4);
+        assert_eq!(m.take_superseded(), Some(vec![0, 1]), "reported once");
+        assert_eq!(m.take_superseded(), Some(vec![]));
         assert_eq!(m.bytes(), 30, "both chunks are still on disk");
         assert_eq!(m.next_from(0), Some((2, 0)));
         assert!(!m.admits("up/A/2") && !m.admits("up/A/1") && m.admits("up/A/3"));
@@ -385,5 +415,21 @@ mod tests {
         );
         assert_eq!(m.len(), 1);
         assert_eq!(m.bytes(), 40, "only the last chunk is left on disk");
+        assert_eq!(m.take_superseded(), Some(vec![3]), "acks are not reported");
+    }
+
+    #[test]
+    fn too_many_superseded_entries_to_keep_say_so_instead() {
+        let mut m = OutboxMem::default();
+        let n = SUPERSEDED_MAX as u64 + 2;
+        for v in 1..=n {
+            let c = vec![entry(v, &format!("up/A/{v}"), 1, true)];
+            m.add_chunk(v, Arc::new(c), 10);
+        }
+        assert_eq!(m.len(), 1);
+        assert_eq!(m.take_superseded(), None, "count again from the outbox");
+        let c = vec![entry(n + 1, &format!("up/A/{}", n + 1), 1, true)];
+        m.add_chunk(n + 1, Arc::new(c), 10);
+        assert_eq!(m.take_superseded(), Some(vec![n]), "and kept again after");
     }
 }

@@ -77,6 +77,13 @@ impl Store {
         }
     }
 
+    /// The outbox entries commits superseded (a newer upsert of their key) since the last
+    /// call, or `None` if there were too many to keep: for figures that follow what waits
+    /// (the results room's per-sink counts), which then count again from the outbox.
+    pub(crate) fn outbox_take_superseded(&self) -> Option<Vec<u64>> {
+        self.lock().outbox.take_superseded()
+    }
+
     /// Entries waiting in the outbox (O(1)).
     pub(crate) fn outbox_len(&self) -> usize {
         self.lock().outbox.len()

@@ -141,6 +141,11 @@ fn cairn_outbox_drop_gives_up_one_waiting_result_for_good_and_records_it() {
         "5 results never waited:\n{}",
         agent.stderr_tail(30)
     );
+    // They wait for the uplink, which every pipeline goes to; `local` gets none.
+    let s = status(&agent);
+    assert_eq!(sink(&s, "uplink")["waiting"], 5, "{s}");
+    assert_eq!(sink(&s, "local")["pipelines"], 0, "{s}");
+    assert_eq!(sink(&s, "local")["waiting"], 0, "{s}");
     let (st, _, err) = agent.command(&["outbox", "drop", "p/k2/1"]);
     assert_eq!(st.code(), Some(1), "refused while the agent runs: {err}");
     assert!(err.contains("stop the agent first"), "{err}");
@@ -169,6 +174,18 @@ fn cairn_outbox_drop_gives_up_one_waiting_result_for_good_and_records_it() {
         "{letters:?}"
     );
 
+    // Started again with the central broker still away: 4 wait for the uplink now.
+    agent.start_connected();
+    let four = wait_until(Duration::from_secs(10), || {
+        let s = status(&agent);
+        sink(&s, "uplink")["waiting"] == 4
+            && sink(&s, "uplink")["waiting_bytes"]
+                .as_u64()
+                .is_some_and(|b| b > 0)
+    });
+    assert!(four, "{}", status(&agent));
+    assert_eq!(agent.terminate().code(), Some(0));
+
     // The central broker returns: everything but the dropped result arrives.
     central.restart();
     let collector = Collector::start(central.port(), "site/#");
@@ -179,6 +196,13 @@ fn cairn_outbox_drop_gives_up_one_waiting_result_for_good_and_records_it() {
     let mut got = keys(&collector);
     got.sort();
     assert_eq!(got, ["k0", "k1", "k3", "k4"]);
+    assert!(
+        wait_until(Duration::from_secs(10), || sink(&status(&agent), "uplink")
+            ["waiting"]
+            == 0),
+        "{}",
+        status(&agent)
+    );
     assert_eq!(agent.terminate().code(), Some(0));
 }
 
@@ -637,11 +661,14 @@ fn a_result_over_an_mqtt_5_sinks_maximum_packet_size_is_its_dead_letter_and_the_
         "no reconnect loop:\n{}",
         agent.stderr_tail(20)
     );
+    // Its dead letter settled it for `central`: nothing waits there, nor for `local`.
     assert!(
-        wait_until(
-            Duration::from_secs(10),
-            || status(&agent)["outbox"]["entries"] == 0
-        ),
+        wait_until(Duration::from_secs(10), || {
+            let s = status(&agent);
+            s["outbox"]["entries"] == 0
+                && sink(&s, "central")["waiting"] == 0
+                && sink(&s, "local")["waiting"] == 0
+        }),
         "{}",
         status(&agent)
     );
@@ -662,4 +689,293 @@ fn a_result_over_an_mqtt_5_sinks_maximum_packet_size_is_its_dead_letter_and_the_
             .unwrap()
             .contains("sink `central`")
     );
+}
+
+// ---------------------------------------------------------------------------------------
+// What waits for each sink, exactly (issue 29, item 5).
+
+/// Every event gives one `sums` result (changelog) for `local` and `central_a`, and an
+/// upsert of its key for all three sinks: while `central_a` and `central_b` are down, the
+/// newest upsert of each key waits for them (a newer one supersedes the older).
+const WAITING: &str = r#"
+[[pipeline]]
+name = "sums"
+topics = ["in/#"]
+format = "json"
+event_id = "/id"
+key = "/k"
+value = "/v"
+aggregate = "sum"
+dedup_window = "7d"
+output_topic = "sums/{key}"
+emit = "changelog"
+sinks = ["local", "central_a"]
+
+[[pipeline]]
+name = "last"
+topics = ["in/#"]
+format = "json"
+event_id = "/id"
+key = "/k"
+value = "/v"
+aggregate = "sum"
+dedup_window = "7d"
+output_topic = "last/{key}"
+emit = "upsert"
+retain = false
+sinks = ["local", "central_a", "central_b"]
+"#;
+
+/// GET `path` from the metrics listener: the body.
+fn http_get(port: u16, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("metrics listener");
+    s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n").as_bytes())
+        .unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out.split_once("\r\n\r\n")
+        .map_or(String::new(), |(_, body)| body.to_string())
+}
+
+/// The value of `name{sink="sink"}` in a `/metrics` text.
+fn sink_sample(text: &str, name: &str, sink: &str) -> Option<f64> {
+    let prefix = format!("{name}{{sink=\"{sink}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// (waiting, waiting_bytes, oldest_age_seconds, pipelines) of one sink, as `/status.json`,
+/// `cairn status --json` and `/metrics` each show it; the three must agree on the counts.
+fn sink_view(agent: &CairnProcess, port: u16, name: &str) -> (u64, u64, f64, u64) {
+    let from_json = |v: &Value| {
+        let s = sink(v, name);
+        (
+            s["waiting"].as_u64().unwrap_or(u64::MAX),
+            s["waiting_bytes"].as_u64().unwrap_or(u64::MAX),
+            s["oldest_age_seconds"].as_f64().unwrap_or(-1.0),
+            s["pipelines"].as_u64().unwrap_or(u64::MAX),
+        )
+    };
+    let served: Value = serde_json::from_str(&http_get(port, "/status.json")).expect("JSON");
+    let (w, b, age, p) = from_json(&served);
+    let cli = from_json(&status(agent));
+    let text = http_get(port, "/metrics");
+    let m = |n: &str| sink_sample(&text, n, name).unwrap_or(-1.0);
+    let metrics = (
+        m("cairn_sink_waiting") as u64,
+        m("cairn_sink_waiting_bytes") as u64,
+        m("cairn_sink_pipelines") as u64,
+    );
+    // A figure can move between two reads only while results flow: compare the counts
+    // when they are settled (the callers wait for that), never the ages.
+    if (cli.0, cli.1) == (w, b) && (metrics.0, metrics.1) == (w, b) {
+        assert_eq!((cli.3, metrics.2), (p, p), "pipelines of {name}");
+        assert!(m("cairn_sink_oldest_age_seconds") >= 0.0, "{text}");
+    }
+    (w, b, age, p)
+}
+
+#[test]
+fn each_sink_shows_exactly_what_waits_for_it_through_a_crash_until_it_drains() {
+    use crate::support::{Proxy, free_port};
+    let local = Broker::start();
+    let central = Broker::start();
+    // central_a and central_b reach the central broker through a link that is down from
+    // the start; `spare` reaches it directly, and no pipeline sends it anything.
+    let link = Proxy::start(central.port());
+    link.pause(true);
+    let on_central = Collector::start(central.port(), "#");
+    let on_local = Collector::start(local.port(), "sums/#");
+    let on_local_last = Collector::start(local.port(), "last/#");
+    let port = free_port();
+    let mut cfg = AgentConfig::new(local.port(), WAITING);
+    let sink_table = |name: &str, port: u16, prefix: &str| {
+        format!(
+            "[[sink]]\nname = \"{name}\"\nkind = \"mqtt\"\nport = {port}\n\
+             client_id = \"waiting_{name}\"\ntopic_prefix = \"{prefix}\"\n\
+             reconnect_min = \"50ms\"\nreconnect_max = \"300ms\"\n\n"
+        )
+    };
+    cfg.extra = format!(
+        "[metrics]\nlisten = \"127.0.0.1:{port}\"\n\n{}{}{}",
+        sink_table("central_a", link.port(), "a/"),
+        sink_table("central_b", link.port(), "b/"),
+        sink_table("spare", central.port(), "spare/"),
+    );
+    let mut agent = CairnProcess::new(&cfg);
+    agent.set_log_filter(Some("info"));
+    agent.start_connected();
+    agent.wait_for_stderr(
+        "sink `spare`: no pipeline names it",
+        Duration::from_secs(10),
+    );
+    agent.wait_for_stderr("spare: connected", Duration::from_secs(20));
+
+    let (n, keys) = (30u64, 5u64);
+    let events: Vec<_> = (0..n)
+        .map(|i| event(&format!("W{i}"), &format!("k{}", i % keys)))
+        .collect();
+    // In two rounds with a checkpoint between: the second round's upserts supersede
+    // entries already in the outbox, not only older results of their own checkpoint.
+    let half = (n / 2) as usize;
+    publish_all(local.port(), &events[..half]);
+    let first = wait_until(Duration::from_secs(20), || {
+        sink_view(&agent, port, "central_a").0 == half as u64 + keys
+            && sink_view(&agent, port, "central_b").0 == keys
+    });
+    assert!(
+        first,
+        "the first round: central_a {:?}, central_b {:?}",
+        sink_view(&agent, port, "central_a"),
+        sink_view(&agent, port, "central_b")
+    );
+    publish_all(local.port(), &events[half..]);
+    assert!(
+        on_local.wait_for_count(n as usize, Duration::from_secs(20)),
+        "local did not get every result:\n{}",
+        agent.stderr_tail(30)
+    );
+    // What waits for the down sinks, from what local got (the same IDs and payloads):
+    // every `sums` result for central_a, and the newest `last` result of each key for both.
+    let payloads = |c: &Collector| {
+        let mut by_id = std::collections::BTreeMap::new();
+        for m in c.messages() {
+            let v: Value = serde_json::from_slice(&m.payload).unwrap();
+            by_id.insert(v["id"].as_str().unwrap().to_string(), (v, m.payload.len()));
+        }
+        by_id
+    };
+    let sums_bytes: usize = payloads(&on_local).values().map(|(_, n)| n).sum();
+    let newest_last = || {
+        let mut newest: std::collections::BTreeMap<String, (u64, usize)> = Default::default();
+        for (v, len) in payloads(&on_local_last).into_values() {
+            let key = v["key"].as_str().unwrap().to_string();
+            let version = v["version"].as_u64().unwrap();
+            let e = newest.entry(key).or_insert((0, 0));
+            if version > e.0 {
+                *e = (version, len);
+            }
+        }
+        newest
+    };
+    assert!(
+        wait_until(Duration::from_secs(10), || newest_last()
+            .values()
+            .map(|(v, _)| v)
+            .sum::<u64>()
+            == n),
+        "local's upserts did not reach the last versions: {:?}",
+        newest_last()
+    );
+    let last_bytes: u64 = newest_last().values().map(|(_, n)| *n as u64).sum();
+    let want_a = (n + keys, sums_bytes as u64 + last_bytes);
+    let want_b = (keys, last_bytes);
+    let exact = |agent: &CairnProcess| {
+        let a = sink_view(agent, port, "central_a");
+        let b = sink_view(agent, port, "central_b");
+        let l = sink_view(agent, port, "local");
+        (a.0, a.1) == want_a && (b.0, b.1) == want_b && l.0 == 0
+    };
+    let shown = |agent: &CairnProcess| {
+        format!(
+            "central_a {:?} (want {want_a:?}), central_b {:?} (want {want_b:?}), local {:?}\n{}",
+            sink_view(agent, port, "central_a"),
+            sink_view(agent, port, "central_b"),
+            sink_view(agent, port, "local"),
+            agent.stderr_tail(20)
+        )
+    };
+    assert!(
+        wait_until(Duration::from_secs(20), || exact(&agent)),
+        "{}",
+        shown(&agent)
+    );
+    // The outbox holds central_a's results, central_b's among them (its figure is
+    // refreshed every 250 ms).
+    assert!(
+        wait_until(
+            Duration::from_secs(5),
+            || status(&agent)["outbox"]["entries"].as_u64() == Some(want_a.0)
+        ),
+        "{}",
+        status(&agent)
+    );
+    let s = status(&agent);
+    assert_eq!(sink(&s, "central_a")["state"], "down", "{s}");
+    assert_eq!(sink(&s, "central_b")["state"], "down", "{s}");
+    // The oldest waits longer and longer; the delivering sink has none.
+    let age = |agent: &CairnProcess, name| sink_view(agent, port, name).2;
+    let before = age(&agent, "central_b");
+    std::thread::sleep(Duration::from_millis(1_500));
+    let after = age(&agent, "central_b");
+    assert!(
+        before > 0.0 && after >= before + 1.0,
+        "{before} then {after}"
+    );
+    assert!(
+        age(&agent, "central_a") >= after,
+        "central_a waits since the same start"
+    );
+    assert_eq!(age(&agent, "local"), 0.0);
+    // `spare` gets nothing and says so, rather than looking stalled.
+    assert_eq!(sink_view(&agent, port, "spare"), (0, 0, 0.0, 0));
+    let (st, text, _) = agent.command(&["status"]);
+    assert!(st.success());
+    assert!(
+        text.contains("sink spare      no pipelines: no results go to it (connected for"),
+        "{text}"
+    );
+    assert!(
+        text.contains("sink central_a  DOWN for ")
+            && text.contains(&format!("s, {} waiting (", want_a.0)),
+        "{text}"
+    );
+
+    // A crash: the same numbers after the restart, and the age goes on from before.
+    agent.kill();
+    agent.start_connected();
+    assert!(
+        wait_until(Duration::from_secs(20), || exact(&agent)),
+        "after the restart: {}",
+        shown(&agent)
+    );
+    assert!(
+        age(&agent, "central_b") >= after,
+        "the age counts from the results' checkpoint, not from the restart"
+    );
+
+    // The link comes back: each drains to 0, and gets exactly what waited for it.
+    link.pause(false);
+    agent.wait_for_stderr(
+        &format!("{} results waiting for it in the outbox", want_a.0),
+        Duration::from_secs(20),
+    );
+    let drained = wait_until(Duration::from_secs(30), || {
+        ["central_a", "central_b", "local", "spare"]
+            .iter()
+            .all(|s| sink_view(&agent, port, s).0 == 0)
+            && status(&agent)["outbox"]["entries"] == 0
+    });
+    assert!(drained, "{}", shown(&agent));
+    for name in ["central_a", "central_b"] {
+        let (w, b, age, p) = sink_view(&agent, port, name);
+        assert_eq!((w, b, age), (0, 0, 0.0), "{name}");
+        assert!(p >= 1, "{name}");
+    }
+    let ids = |prefix: &str| {
+        under(&on_central, prefix)
+            .into_iter()
+            .map(|(_, p)| {
+                let v: Value = serde_json::from_slice(&p).unwrap();
+                v["id"].as_str().unwrap().to_string()
+            })
+            .collect::<std::collections::BTreeSet<_>>()
+    };
+    assert_eq!(ids("a/").len() as u64, want_a.0, "{:?}", ids("a/"));
+    assert_eq!(ids("b/").len() as u64, want_b.0, "{:?}", ids("b/"));
+    assert!(ids("spare/").is_empty());
+    assert_eq!(agent.terminate().code(), Some(0));
 }

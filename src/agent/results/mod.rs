@@ -16,7 +16,7 @@
 //!   outputs out of the outbox ([`Results::settled`]). Each sink's settled position goes
 //!   into every checkpoint's transaction ([`Results::positions`], the store's `sinks.rs`):
 //!   after a crash each sink starts there, and entries every sink had settled are deleted
-//!   at start ([`Results::forget_settled`]).
+//!   at start ([`Results::start`]).
 //! - **Refused**: an MQTT 5 PUBACK of 0x80 or more settles nothing; that sink goes back to
 //!   the refused result and sends it and what followed again, in order, after a growing
 //!   delay (`MqttSink::refused`). A result too large for a sink, or one its broker keeps
@@ -31,6 +31,10 @@
 //! it said no (retried), `TooLarge` for a result it can never take (a dead letter), and
 //! `Connected`/`Disconnected` for its link. Here it is one more [`mqtt::Conn`] variant:
 //! publish, in-flight count and abandon are the three calls a sink's connection answers.
+//! - **What waits for each sink** (`waiting.rs`): the outbox entries routed to it that it
+//!   has not settled, their payload bytes and the oldest's age, kept exactly as entries are
+//!   committed, settled, superseded and set aside ([`Results::checkpointed`]), and counted
+//!   once from the outbox at start ([`Results::start`]).
 //! - **The bound** ([`Results::full`], `outbox.max_entries` and `max_size`): past it,
 //!   processing waits (live, catch-up, backfill and the replay at start alike: the `work`
 //!   part asks here) and the log holds the input, which is still acknowledged (issue 16,
@@ -43,6 +47,7 @@ pub(crate) mod cursor;
 pub(crate) mod dbsink;
 pub(crate) mod mqtt;
 pub(crate) mod strikes;
+pub(crate) mod waiting;
 
 use std::time::{Duration, Instant};
 
@@ -99,12 +104,14 @@ pub(crate) struct Results {
     routes: HashMap<String, Mask>,
     /// Results of a pipeline no longer configured go where results went by default.
     default_route: Mask,
+    /// Outbox entries from this sequence on are not in the sinks' [`waiting::Waiting`] yet.
+    counted_to: u64,
     pub(crate) counts: Counts,
 }
 
 impl Results {
     /// The sinks (in the order of [`Config::sink_names`]) and each pipeline's routes.
-    pub(crate) fn new(cfg: &Config, sinks: Vec<MqttSink>) -> Results {
+    pub(crate) fn new(cfg: &Config, mut sinks: Vec<MqttSink>) -> Results {
         let index = |name: &str| sinks.iter().position(|s| s.name == name);
         let mask = |names: &[String]| -> Mask {
             names
@@ -117,16 +124,29 @@ impl Results {
         } else {
             crate::config::LOCAL_SINK
         };
-        let routes = cfg
+        let routes: HashMap<String, Mask> = cfg
             .pipelines
             .iter()
             .map(|p| (p.name.clone(), mask(&p.sinks)))
             .collect();
+        let default_route = mask(&[default.to_string()]);
+        for (i, s) in sinks.iter_mut().enumerate() {
+            s.pipelines = routes.values().filter(|&&m| m & (1 << i) != 0).count() as u64;
+            // `local` is the input connection, there whether results go to it or not.
+            if i > 0 && s.pipelines == 0 {
+                let sink = s.name.as_str();
+                crate::event!(warn, "sink_unrouted", sink = sink;
+                    "sink `{sink}`: no pipeline names it in `sinks`, so no results go to it \
+                     (it still connects); `cairn status` shows it as `no pipelines`"
+                );
+            }
+        }
         Results {
-            default_route: mask(&[default.to_string()]),
+            default_route,
             first_table: 1 + usize::from(cfg.uplink.is_some()),
             sinks,
             routes,
+            counted_to: 0,
             counts: Counts::default(),
         }
     }
@@ -158,28 +178,52 @@ impl Results {
     }
 
     /// At start: delete the outbox entries every sink they are routed to settled before
-    /// the crash (deletions are not fsynced; the positions are, with the checkpoint).
-    pub(crate) fn forget_settled(&self, proc: &Processor) -> Result<u64, AgentError> {
-        let top = self
-            .sinks
-            .iter()
-            .map(|s| s.cursor.settled_below())
-            .max()
-            .unwrap_or(0);
-        let mut gone = Vec::new();
-        for e in proc.store().outbox_from(0) {
-            let (seq, out) = e?;
-            if seq >= top {
-                break;
-            }
-            if self.settled_everywhere(seq, &out.id) {
-                gone.push((seq, out.id));
-            }
-        }
+    /// the crash (deletions are not fsynced; the positions are, with the checkpoint), and
+    /// count what waits for each sink from the rest: one walk of the outbox. Returns how
+    /// many were deleted.
+    pub(crate) fn start(&mut self, proc: &Processor) -> Result<u64, AgentError> {
+        // What opening and replay superseded is in the outbox as it is now.
+        let _ = proc.store().outbox_take_superseded();
+        let gone = self.count_waiting(proc, true)?;
         for (seq, id) in &gone {
             proc.store().outbox_delete(*seq, id)?;
         }
         Ok(gone.len() as u64)
+    }
+
+    /// Count what waits for each sink from the whole outbox; the entries every sink they
+    /// are routed to has settled are returned instead when `settled` asks for them (at
+    /// start, to delete; later there are none: they are deleted as they settle).
+    fn count_waiting(
+        &mut self,
+        proc: &Processor,
+        settled: bool,
+    ) -> Result<Vec<(u64, String)>, AgentError> {
+        for s in &mut self.sinks {
+            s.waiting.clear();
+        }
+        self.counted_to = 0;
+        let mut gone = Vec::new();
+        for e in proc.store().outbox_from(0) {
+            let (seq, out) = e?;
+            if settled && self.settled_everywhere(seq, &out.id) {
+                gone.push((seq, out.id));
+            } else {
+                self.count(seq, &out);
+            }
+        }
+        Ok(gone)
+    }
+
+    /// Outbox entry `seq` waits for each sink it is routed to that has not settled it.
+    fn count(&mut self, seq: u64, out: &crate::model::Output) {
+        let route = self.route(&out.id);
+        for (i, s) in self.sinks.iter_mut().enumerate() {
+            if route & (1 << i) != 0 && seq >= s.cursor.settled_below() {
+                s.waiting.add(seq, out.payload.len());
+            }
+        }
+        self.counted_to = self.counted_to.max(seq + 1);
     }
 
     /// The index of `Event::Sink(n, ..)`'s sink.
@@ -255,6 +299,7 @@ impl Results {
             sink.accepted();
         }
         sink.acked += settled.len() as u64;
+        sink.follow_settled();
         self.settle(settled, None, proc)
     }
 
@@ -374,6 +419,7 @@ impl Results {
         );
         self.counts.set_aside += 1;
         let settled = self.sinks[i].cursor.acked(output_id);
+        self.sinks[i].follow_settled();
         // Set aside for good only once no other sink waits for it.
         let everywhere = self.settled_everywhere(seq, output_id);
         self.settle(settled, everywhere.then_some(seq), proc)
@@ -385,9 +431,35 @@ impl Results {
         self.settled_everywhere(seq, &out.id)
     }
 
-    /// A checkpoint left `settled` acknowledged outputs out of the outbox.
-    pub(crate) fn checkpointed(&mut self, settled: u64) {
+    /// A checkpoint committed, leaving `settled` acknowledged outputs out of the outbox:
+    /// the entries it superseded wait for no sink any more, and the ones it added wait for
+    /// each sink they are routed to that has not settled them yet.
+    pub(crate) fn checkpointed(
+        &mut self,
+        settled: u64,
+        proc: &Processor,
+    ) -> Result<(), AgentError> {
         self.counts.settled_early += settled;
+        match proc.store().outbox_take_superseded() {
+            Some(gone) => {
+                for seq in gone {
+                    for s in &mut self.sinks {
+                        s.waiting.gone(seq);
+                    }
+                }
+            }
+            // More than it keeps: count again (one walk, rare).
+            None => {
+                self.count_waiting(proc, false)?;
+                return Ok(());
+            }
+        }
+        let from = self.counted_to;
+        for e in proc.store().outbox_from(from) {
+            let (seq, out) = e?;
+            self.count(seq, &out);
+        }
+        Ok(())
     }
 
     /// Nothing awaits an acknowledgement.
@@ -482,9 +554,7 @@ impl Results {
             }
             _ => {}
         }
-        let store = proc.store();
-        let outbox = (store.outbox_len() as u64, store.outbox_bytes());
-        Ok(self.sinks[i].on_link_event(ev, outbox, cfg, at)?)
+        Ok(self.sinks[i].on_link_event(ev, cfg, at)?)
     }
 
     /// The topic sink `i` publishes `output_id` on (for a journal line), if it is in the
@@ -504,19 +574,20 @@ impl Results {
         Ok(topic.map_or_else(String::new, |t| self.sinks[i].topic_of(&t)))
     }
 
-    /// Every tick: the outbox's, the drain's and each sink's figures.
+    /// Every tick: the outbox's, the drain's and each sink's figures (`wall_ms`: for the
+    /// age of what waits, on the clock the outbox's own oldest age uses).
     pub(crate) fn refresh(
         &mut self,
         metrics: &Metrics,
         proc: &Processor,
         cfg: &OutboxConfig,
-        now: Instant,
+        (wall_ms, now): (u64, Instant),
     ) {
         let store = proc.store();
-        let (entries, bytes) = (store.outbox_len() as u64, store.outbox_bytes());
+        let bytes = store.outbox_bytes();
         let window = u64::from(cfg.inflight);
         for s in &mut self.sinks {
-            s.observe(now, entries, window);
+            s.observe(now, window);
         }
         let (rate, eta, up) = match self.uplink_index() {
             Some(u) => {
@@ -532,7 +603,13 @@ impl Results {
         let sinks: Vec<crate::metrics::SinkFigures> = self
             .sinks
             .iter()
-            .map(|s| s.figures(entries, bytes))
+            .map(|s| {
+                let age = s
+                    .waiting
+                    .oldest()
+                    .map_or(0, |seq| metrics.outbox_entry_age_ms(seq, wall_ms));
+                s.figures(age)
+            })
             .collect();
         let max = cfg.max_size;
         metrics.update(|f| {

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use super::Counts as Sent;
 use super::cursor::{Cursor, Next};
 use super::strikes::Strikes;
+use super::waiting::Waiting;
 use crate::agent::error::{AgentError, failpoint};
 use crate::config::OutboxConfig;
 use crate::mqtt::{Event, Link as MqttLink, Mqtt, MqttError};
@@ -27,9 +28,9 @@ const RATE_SPAN: Duration = Duration::from_secs(10);
 /// ... from samples at least this far apart.
 const RATE_STEP: Duration = Duration::from_millis(250);
 
-/// Recent samples of (when, outbox entries, results acknowledged so far): the rate at which
-/// the broker acknowledges results, and the time left to drain at the net rate (acks less
-/// new results).
+/// Recent samples of (when, results waiting for the sink, results acknowledged so far): the
+/// rate at which the broker acknowledges results, and the time left to drain at the net
+/// rate (acks less new results).
 #[derive(Debug, Default)]
 pub(crate) struct DrainRate {
     samples: VecDeque<(Instant, u64, u64)>,
@@ -226,6 +227,10 @@ pub(crate) struct MqttSink {
     /// Results this sink settled, and results it sent.
     pub(crate) acked: u64,
     pub(crate) sent: u64,
+    /// The outbox entries routed here that this sink has not settled (`waiting.rs`).
+    pub(crate) waiting: Waiting,
+    /// Configured pipelines whose results come here (0: a sink that gets nothing).
+    pub(crate) pipelines: u64,
 }
 
 /// At most one journal line about a refusing sink per this long (the rest are counted).
@@ -269,7 +274,14 @@ impl MqttSink {
             refused_unlogged: 0,
             acked: 0,
             sent: 0,
+            waiting: Waiting::default(),
+            pipelines: 0,
         }
+    }
+
+    /// Its cursor's settled prefix may have moved: what it passed waits here no more.
+    pub(crate) fn follow_settled(&mut self) {
+        self.waiting.settled_below(self.cursor.settled_below());
     }
 
     fn with_conn<T>(&self, input: &Mqtt, f: impl FnOnce(ConnRef<'_>) -> T) -> T {
@@ -358,6 +370,7 @@ impl MqttSink {
         }
         if let (true, Some(to)) = (all, skip_to) {
             self.cursor.skip_to(to);
+            self.follow_settled();
         }
         if let Conn::Thread(t) = &self.conn {
             // The batch goes to the sink's thread as one (one transaction, one burst).
@@ -444,30 +457,31 @@ impl MqttSink {
         }
     }
 
-    /// An event of this sink's own connection other than an outcome (`entries` and
-    /// `bytes`: the outbox now; `at`: the clocks, wall and monotonic).
+    /// An event of this sink's own connection other than an outcome (`at`: the clocks,
+    /// wall and monotonic).
     pub(crate) fn on_link_event(
         &mut self,
         ev: Event,
-        (entries, bytes): (u64, u64),
         cfg: &OutboxConfig,
         (wall, now): (u64, Instant),
     ) -> Result<(), MqttError> {
         let window = u64::from(cfg.inflight);
         let name = self.name.clone();
         let sink = name.as_str();
+        let (entries, bytes) = (self.waiting.len(), self.waiting.bytes());
         match ev {
             Event::Connected { session_present } => {
                 crate::event!(info, "uplink_connected", sink = sink;
                     "{sink}: connected to {} (session present: {session_present}); {entries} \
-                     results waiting in the outbox",
+                     results waiting for it in the outbox",
                     self.endpoint
                 );
                 if let Some(Change::Draining { entries }) =
                     self.link.connected(wall, now, entries, window)
                 {
                     crate::event!(info, "uplink_backlog_draining", sink = sink;
-                        "{sink}: backlog draining: {entries} results, {bytes} bytes, in order"
+                        "{sink}: backlog draining: {entries} results, {bytes} payload bytes, in \
+                         order"
                     );
                 }
                 self.cursor.connected();
@@ -475,8 +489,8 @@ impl MqttSink {
             Event::Disconnected { reason, .. } => {
                 if self.link.lost(wall) {
                     crate::event!(warn, "uplink_lost", sink = sink;
-                        "{sink}: lost {}: {reason}; results wait in the outbox ({entries} now, \
-                         up to outbox.max_size {} bytes)",
+                        "{sink}: lost {}: {reason}; its results wait in the outbox ({entries} \
+                         now, up to outbox.max_size {} bytes for every sink)",
                         self.endpoint,
                         cfg.max_size
                     );
@@ -509,9 +523,10 @@ impl MqttSink {
     }
 
     /// Every tick: the drain's figures, and a journal line when a backlog has drained.
-    pub(crate) fn observe(&mut self, now: Instant, entries: u64, window: u64) {
+    pub(crate) fn observe(&mut self, now: Instant, window: u64) {
         if let Some(Change::Drained { took, from }) =
-            self.link.observe(now, entries, self.acked, window)
+            self.link
+                .observe(now, self.waiting.len(), self.acked, window)
         {
             let sink = self.name.as_str();
             crate::event!(info, "uplink_backlog_drained", sink = sink;
@@ -521,9 +536,8 @@ impl MqttSink {
         }
     }
 
-    /// Its figures: `entries` and `bytes` the outbox holds (what waits for it is at most
-    /// that, and exactly that when every sink takes every pipeline).
-    pub(crate) fn figures(&self, entries: u64, bytes: u64) -> crate::metrics::SinkFigures {
+    /// Its figures (`oldest_age_ms`: of the oldest result waiting for it).
+    pub(crate) fn figures(&self, oldest_age_ms: u64) -> crate::metrics::SinkFigures {
         let link = self.link.figures();
         let connected = self.cursor.is_connected();
         let (state, since_ms) = match (&self.refusing, connected) {
@@ -535,8 +549,10 @@ impl MqttSink {
             name: self.name.clone(),
             state,
             since_ms,
-            waiting: entries,
-            waiting_bytes: bytes,
+            waiting: self.waiting.len(),
+            waiting_bytes: self.waiting.bytes(),
+            oldest_age_ms,
+            pipelines: self.pipelines,
             sent: self.sent,
             acked: self.acked,
             drain_rate: self.link.rate.acked_per_second(),
