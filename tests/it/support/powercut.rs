@@ -1,6 +1,6 @@
 //! The power-cut filesystem (tests/powercut-fs) mounted for one test: what the agent writes
-//! under [`PowerCut::mount`] survives a cut only if it was fsynced. Used by tests/it/crash.rs
-//! and tests/it/uplink.rs.
+//! under [`PowerCut::mount`] survives a cut only if it was fsynced. Used by tests/it/crash.rs,
+//! tests/it/uplink.rs, tests/it/sinks.rs and tests/it/dbsinks_e2e.rs.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
