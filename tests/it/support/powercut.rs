@@ -1,7 +1,7 @@
 //! The power-cut filesystem (tests/powercut-fs) mounted for one test: what the agent writes
 //! under [`PowerCut::mount`] survives a cut only if it was fsynced. Used by tests/it/crash.rs,
-//! tests/it/uplink.rs and tests/it/sinks.rs; [`kill_rounds`] is the long outage of the last
-//! two.
+//! tests/it/uplink.rs, tests/it/sinks.rs and tests/it/dbsinks_e2e.rs; [`kill_rounds`] is the
+//! long outage of uplink.rs and sinks.rs.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
