@@ -165,7 +165,9 @@ pub(crate) struct Damage {
     /// followed only by frames of its own commit it can, since the page cache may write
     /// an unsynced commit's pages back in any order.
     pub durable_after: bool,
-    /// Torn-tail accounting: frames from the damage on whose length header was complete.
+    /// Torn-tail accounting: frames from the damage on whose length header was complete, and
+    /// at least the offsets up to the last good frame after it (a commit torn out of order:
+    /// the length walk stops at a hole's zeros).
     pub torn_records: u64,
     /// CRC-valid frames at or after the damage (all dropped by a truncation or repair).
     pub good_records_after: u64,
@@ -302,7 +304,7 @@ fn characterise(
         offset: expected,
         reason,
         durable_after,
-        torn_records,
+        torn_records: max_offset_after.map_or(torn_records, |m| torn_records.max(m + 1 - expected)),
         good_records_after,
         good_bytes_after,
         max_offset_after,

@@ -126,7 +126,11 @@ fn records_of_one_commit_lost_out_of_order_are_a_torn_tail_not_corruption() {
 
         let report = verify_dir(dir).unwrap();
         assert!(report.opens(), "{damage}: {report:?}");
-        assert!(report.torn_tail.is_some(), "{damage}: {report:?}");
+        let torn = report.torn_tail.as_ref().expect("a torn tail");
+        assert_eq!(
+            torn.records, 5,
+            "{damage}: records 5..10 are dropped: {report:?}"
+        );
         let log = open(dir, 1 << 20).unwrap();
         assert_eq!(offsets(&log), (0..5).collect::<Vec<_>>(), "{damage}");
         assert_eq!(fs::metadata(seg(dir, 0)).unwrap().len(), 5 * frame);
