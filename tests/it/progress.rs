@@ -39,13 +39,24 @@ fn stopped_agent(n: usize) -> CairnProcess {
         // (2220 and 2932 of 3000) and nothing more arrives for minutes. An open defect of
         // the input path, not of what this module tests (progress output): say so loudly,
         // restart the agent (the broker redelivers what was not acknowledged) and go on.
-        eprintln!(
+        let report = format!(
             "progress: the agent stalled at {:?} of {n} inputs; status:\n{}\n{}\nbroker:\n{}",
             agent.checkpointed_offset(),
             status_of(&agent),
             agent.stderr_tail(20),
             broker.log_tail_of(&cfg.client_id, 40)
         );
+        eprintln!("{report}");
+        // A passing test's output is not shown: keep the evidence where a later look finds it.
+        let kept = std::env::temp_dir().join("cairn-test-stalls.log");
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&kept)
+        {
+            use std::io::Write;
+            let _ = writeln!(f, "{report}\n");
+        }
         assert_eq!(agent.terminate().code(), Some(0));
         agent.start_connected();
         assert!(
