@@ -304,7 +304,11 @@ fn characterise(
         offset: expected,
         reason,
         durable_after,
-        torn_records: max_offset_after.map_or(torn_records, |m| torn_records.max(m + 1 - expected)),
+        // Checked: a CRC-valid frame at the damage may hold any offset, below `expected` or
+        // `u64::MAX` included.
+        torn_records: max_offset_after.map_or(torn_records, |m| {
+            torn_records.max(m.saturating_add(1).saturating_sub(expected))
+        }),
         good_records_after,
         good_bytes_after,
         max_offset_after,

@@ -162,6 +162,21 @@ fn records_of_one_commit_lost_out_of_order_are_a_torn_tail_not_corruption() {
     }
 }
 
+/// A whole, CRC-valid frame at the end that holds an earlier offset (a frame written twice,
+/// bytes copied by hand): refused as corruption, and counting what follows it must not
+/// underflow on an offset below the expected one.
+#[test]
+fn a_valid_frame_with_an_earlier_offset_at_the_tail_is_refused_without_panicking() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let frame = write_records(dir, 1 << 20, 3);
+    let bytes = fs::read(seg(dir, 0)).unwrap();
+    append_bytes(&seg(dir, 0), &bytes[..frame as usize]);
+    let report = verify_dir(dir).unwrap();
+    assert!(!report.opens(), "{report:?}");
+    expect_corrupt(open(dir, 1 << 20).unwrap_err(), &seg(dir, 0), 3);
+}
+
 #[test]
 fn damage_in_a_sealed_segment_is_refused_even_at_its_tail() {
     let tmp = tempfile::tempdir().unwrap();
