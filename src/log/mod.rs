@@ -338,6 +338,20 @@ impl Log {
             });
         }
         let offset = self.next_offset;
+        let Some(after) = offset.checked_add(1) else {
+            // Only a segment named by hand gets here (2^64 records are never written).
+            return Err(LogError::Corrupt {
+                segment: self
+                    .segments
+                    .last()
+                    .map(|s| s.path.clone())
+                    .unwrap_or_default(),
+                offset: Some(offset),
+                byte_pos: 0,
+                reason: "no offset is left after it: a segment name claims offsets no log reaches"
+                    .into(),
+            });
+        };
         let bytes = frame::encode(&Record {
             offset,
             received_at_ms,
@@ -396,11 +410,11 @@ impl Log {
         }
         let chunk = self.pending.last_mut().expect("chunk pushed above");
         chunk.buf.extend_from_slice(&bytes);
-        chunk.next_offset = offset + 1;
+        chunk.next_offset = after;
         chunk.max_received_at_ms = chunk.max_received_at_ms.max(received_at_ms);
         self.pending_records += 1;
         self.pending_bytes += frame_len;
-        self.next_offset = offset + 1;
+        self.next_offset = after;
         Ok(offset)
     }
 

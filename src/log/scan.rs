@@ -208,7 +208,8 @@ pub(crate) fn scan_segment(path: &Path, first_offset: Offset) -> io::Result<Segm
     let mut damage = None;
     while pos < len {
         match w.frame_at(pos)? {
-            Ok((record, n)) if record.offset == expected => {
+            // `u64::MAX` is never an offset we wrote (2^64 records), and would leave no next.
+            Ok((record, n)) if record.offset == expected && expected < Offset::MAX => {
                 max_received_at_ms = max_received_at_ms.max(record.received_at_ms);
                 pos += n;
                 expected += 1;
@@ -293,7 +294,7 @@ fn characterise(
             durable_after |= start;
         }
         let next = q + n;
-        let floor = max_offset_after.map_or(expected, |o| o + 1);
+        let floor = max_offset_after.map_or(expected, |o| o.saturating_add(1));
         cursor = match w.probe_at_boundary(next, floor)? {
             Some(n) => Some((next, n)),
             None => w.find_good(next + 1, floor)?,

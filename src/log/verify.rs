@@ -215,8 +215,12 @@ pub fn repair_dir(dir: &Path, sync: Durability) -> Result<RepairReport, LogError
                 let moved_to = keep_prefix(dir, &damaged_dir, s, &sync)?;
                 let mut new_active_segment = None;
                 if i == last {
-                    if let Some(max) = d.max_offset_after.filter(|m| *m >= s.next_offset()) {
-                        new_active_segment = Some(create_empty_segment(dir, max + 1, &sync)?);
+                    if let Some(next) = d
+                        .max_offset_after
+                        .filter(|m| *m >= s.next_offset())
+                        .and_then(|m| m.checked_add(1))
+                    {
+                        new_active_segment = Some(create_empty_segment(dir, next, &sync)?);
                     }
                 }
                 crate::event!(warn, "log_segment_repaired";
