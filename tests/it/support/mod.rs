@@ -282,12 +282,31 @@ impl Broker {
         }
     }
 
-    /// SIGTERM and wait: mosquitto saves its persistence file and exits.
+    /// SIGTERM and wait: mosquitto saves its persistence file and exits. Sent again every
+    /// half second: mosquitto listens before it enters its main loop, which sets its `run`
+    /// flag, so a SIGTERM soon after the port answers can be lost (a test hung 45 minutes in
+    /// `wait` on that). SIGKILL and a panic if it is still up after 30 s.
     pub fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
             signal(child.id(), "TERM");
-            let _ = child.wait();
+            let resend = Instant::now() + Duration::from_millis(500);
+            while Instant::now() < resend {
+                if !matches!(child.try_wait(), Ok(None)) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
         }
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!(
+            "mosquitto (port {}) did not exit on SIGTERM within 30 s",
+            self.port
+        );
     }
 
     /// SIGTERM (mosquitto saves its persistence file), then start again on the same port
