@@ -120,6 +120,22 @@ fn moves(db: &PgConn, source: &str) -> BTreeMap<String, (u64, u64)> {
     .collect()
 }
 
+/// The progress row of `box-1`'s sink `warehouse` (`None`: none, or no answer).
+fn settled_position(db: &PgConn) -> Option<u64> {
+    db.try_query(
+        "SELECT position FROM cairn_progress WHERE source = 'box-1' AND sink = 'warehouse'",
+    )
+    .ok()
+    .and_then(|p| p.parse().ok())
+}
+
+/// How many `moves` rows there are (`None`: the database did not answer).
+fn moves_rows(db: &PgConn) -> Option<u64> {
+    db.try_query("SELECT count(*) FROM cairn_moves")
+        .ok()
+        .and_then(|n| n.parse().ok())
+}
+
 /// The sum of the amounts of the first `count` events of account `acc-k`, in publish order.
 fn prefix_sum(k: usize, count: u64, keys: usize) -> f64 {
     (0..count as usize)
@@ -476,11 +492,7 @@ fn assert_postgres_holds_the_fold(
         .collect();
     assert!(wrong.is_empty(), "moves rows: {wrong:?}");
     // The progress row is the sink's settled position.
-    let position: u64 = db
-        .query("SELECT position FROM cairn_progress WHERE source = 'box-1' AND sink = 'warehouse'")
-        .parse()
-        .unwrap();
-    assert!(position > 0);
+    assert!(settled_position(db).is_some_and(|p| p > 0));
     assert_outbox_drains(agent);
     assert_eq!(agent.terminate().code(), Some(0));
     assert!(
@@ -522,12 +534,14 @@ fn agent_to_postgres_the_table_is_the_oracles_fold_across_power_cuts_mid_flush()
     postgres_through(Fault::power_cut(), "e2e_pg_cut", (20_000, 16));
 }
 
-/// The database itself crashes mid-stream, twice: a server of the test's own (the shared one
-/// at 5432 is never restarted by a test) stopped with `pg_ctl stop -m immediate` (every
-/// backend killed, nothing kept but what the WAL holds; WAL recovery at the next start).
-/// First inside a batch's transaction: its rows written, the progress row waiting on a lock
-/// the test holds, and started again at once. Then at whatever moment the sink is writing,
-/// left down for seconds with connections refused. The table ends as the oracle's fold,
+/// The database itself crashes mid-stream, three times: a server of the test's own (the
+/// shared one at 5432 is never restarted by a test) stopped with `pg_ctl stop -m immediate`
+/// (every backend killed, nothing kept but what the WAL holds; WAL recovery at the next
+/// start). First inside a batch's transaction: its rows written, the progress row waiting on
+/// a lock the test holds; started again at once. Then with a batch's commit durable but not
+/// answered (it waits for a synchronous standby that does not exist): after recovery the
+/// batch is committed and the sink, never told, sends it again; started again at once. Then
+/// at whatever moment the sink is writing, left down for seconds with connections refused. The table ends as the oracle's fold,
 /// `moves` one row per event, a reader polling all along never sees a version go back,
 /// status says the sink is down while the database is, and the outbox drains.
 #[test]
@@ -536,23 +550,33 @@ fn a_real_database_crash_and_restart_mid_stream_loses_nothing_and_no_version_goe
     let pg = PrivatePg::start();
     let db = pg.create_db("cairn_restart");
     let broker = Broker::start();
-    let (total, keys) = (4800, 20);
+    let (total, keys) = (5000, 20);
     let mut agent = agent_into_postgres(&broker, &db.url(), None);
     let started = Instant::now();
     let reader = Reader::start(&db, keys);
     let events: Vec<_> = (0..total).map(|i| event(i, keys)).collect();
-    let part = |p: usize| events[p * total / 4..(p + 1) * total / 4].to_vec();
+    let part = |p: usize| events[p * total / 5..(p + 1) * total / 5].to_vec();
     let publish = |events: Vec<_>| {
         let port = broker.port();
         std::thread::spawn(move || publish_all(port, &events))
     };
-    // How many times the sink has made its tables: at start and at each reconnect.
-    let ups = |agent: &CairnProcess| agent.stderr().matches("sink `warehouse`: tables").count();
+    // The settled position the sink read at start and at each reconnect.
+    let ups = |agent: &CairnProcess| -> Vec<Option<u64>> {
+        agent
+            .stderr()
+            .lines()
+            .filter(|l| l.contains("sink `warehouse`: tables"))
+            .map(|l| {
+                l.rsplit_once("settled position ")
+                    .and_then(|(_, p)| p.trim().parse().ok())
+            })
+            .collect()
+    };
     // 0: the first part settles, so that the crashes strike rows that exist.
     publish_all(broker.port(), &part(0));
     assert!(
         wait_until(Duration::from_secs(30), || balances(&db, "box-1")
-            == fold(total / 4, keys)),
+            == fold(total / 5, keys)),
         "the first part: {:?}\n{}",
         balances(&db, "box-1"),
         agent.stderr_tail(30)
@@ -585,19 +609,43 @@ fn a_real_database_crash_and_restart_mid_stream_loses_nothing_and_no_version_goe
     agent.note("the database started again");
     publisher.join().expect("publisher");
     assert!(
-        wait_until(Duration::from_secs(30), || ups(&agent) == 2),
+        wait_until(Duration::from_secs(30), || ups(&agent).len() == 2),
         "the sink did not reconnect after the first crash:\n{}",
         agent.stderr_tail(30)
     );
-    // 2: a crash at whatever moment the sink is writing the next part, down for DOWN:
-    // status says so, and what comes in meanwhile waits in the outbox.
+    // 2: every commit now waits for a synchronous standby that is not there, after it is
+    // durable here: the sink's next commit hangs unanswered; the database crashes then, the
+    // setting gone at the next start (written to postgresql.auto.conf, not reloaded).
+    db.query("ALTER SYSTEM SET synchronous_standby_names = 'nobody'");
+    db.query("SELECT pg_reload_conf()");
     let publisher = publish(part(2));
+    let unanswered = wait_until(Duration::from_secs(10), || {
+        db.try_query("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'")
+            .is_ok_and(|n| n != "0")
+    });
+    assert!(unanswered, "no commit waited for the standby");
+    db.query("ALTER SYSTEM RESET synchronous_standby_names");
+    let committed_at_crash = moves_rows(&db);
+    let position_at_crash = settled_position(&db);
+    pg.crash();
+    agent.note("the database crashed (pg_ctl stop -m immediate) with a commit unanswered");
+    pg.start_server();
+    agent.note("the database started again");
+    publisher.join().expect("publisher");
+    assert!(
+        wait_until(Duration::from_secs(30), || ups(&agent).len() == 3),
+        "the sink did not reconnect after the second crash:\n{}",
+        agent.stderr_tail(30)
+    );
+    // 3: a crash at whatever moment the sink is writing the next part, down for DOWN:
+    // status says so, and what comes in meanwhile waits in the outbox.
+    let publisher = publish(part(3));
     let writing = wait_until(Duration::from_secs(10), || {
         sink_state(&agent, "warehouse").as_deref() == Some("connected")
             && outbox_entries(&agent).is_some_and(|w| w > 0)
     });
     assert!(writing, "the sink never wrote:\n{}", agent.stderr_tail(30));
-    let waiting_at_second = outbox_entries(&agent);
+    let waiting_at_third = outbox_entries(&agent);
     pg.crash();
     agent.note("the database crashed (pg_ctl stop -m immediate)");
     let down_at = Instant::now();
@@ -610,8 +658,8 @@ fn a_real_database_crash_and_restart_mid_stream_loses_nothing_and_no_version_goe
     let down_for = down_at.elapsed();
     pg.start_server();
     agent.note("the database started again");
-    // 3: the rest, on the database back up.
-    publish_all(broker.port(), &part(3));
+    // 4: the rest, on the database back up.
+    publish_all(broker.port(), &part(4));
     let saw = assert_postgres_holds_the_fold(&db, &mut agent, reader, (total, keys));
     // Where each crash struck the sink, as its journal says (`lost : begin: ..`).
     let journal = agent.stderr();
@@ -622,23 +670,39 @@ fn a_real_database_crash_and_restart_mid_stream_loses_nothing_and_no_version_goe
         .collect();
     eprintln!(
         "the sink lost the database at: {lost:?}, with {waiting_at_first:?} and \
-         {waiting_at_second:?} results waiting; {waiting_while_down:?} waited while it was \
+         {waiting_at_third:?} results waiting at the first and third; {committed_at_crash:?} \
+         moves rows visible and position {position_at_crash:?} at the second, \
+         position {:?} after; {waiting_while_down:?} waited while it was \
          down for {down_for:?}; {} polls ({} refused); settled in {:?}",
+        ups(&agent)[2],
         saw.polls,
         saw.failed,
         started.elapsed()
     );
-    assert_eq!(pg.recoveries(), 2, "{}", pg.log_tail(40));
+    assert_eq!(pg.recoveries(), 3, "{}", pg.log_tail(40));
     assert_eq!(
         lost.len(),
-        2,
-        "the sink did not see both crashes:\n{journal}"
+        3,
+        "the sink did not see every crash:\n{journal}"
     );
     assert!(
         lost[0].starts_with("write:"),
         "the first crash did not strike inside the batch's transaction: {lost:?}"
     );
-    assert_eq!(ups(&agent), 3, "{journal}");
+    assert!(
+        lost[1].starts_with("write:"),
+        "the second crash did not strike an unanswered commit: {lost:?}"
+    );
+    let ups = ups(&agent);
+    assert_eq!(ups.len(), 4, "{journal}");
+    // The unanswered commit was durable: after recovery the progress row is past where it
+    // was before that crash.
+    assert!(
+        ups[2] > position_at_crash,
+        "the second crash struck no durable unanswered commit: position {position_at_crash:?} \
+         before it, {:?} after:\n{journal}",
+        ups[2]
+    );
     assert!(
         said_down,
         "status never said the sink was down in {DOWN:?} of the database down:\n{journal}"
