@@ -13,7 +13,7 @@ use serde_json::Value;
 
 use crate::support::agent::{AgentConfig, CairnProcess};
 use crate::support::nats::Nats;
-use crate::support::pg::TestDb;
+use crate::support::pg::{PgConn, PrivatePg, TestDb};
 use crate::support::powercut::PowerCut;
 use crate::support::{Broker, publish_all, wait_until};
 
@@ -83,7 +83,7 @@ fn fold(n: usize, keys: usize) -> BTreeMap<String, (f64, u64)> {
 }
 
 /// What the `balances` table holds for `source`: per key, (value, count) of its payload.
-fn balances(db: &TestDb, source: &str) -> BTreeMap<String, (f64, u64)> {
+fn balances(db: &PgConn, source: &str) -> BTreeMap<String, (f64, u64)> {
     db.try_query(&format!(
         "SELECT key, payload->>'value', payload->>'count' FROM cairn_balances \
          WHERE source = '{source}'"
@@ -102,7 +102,7 @@ fn balances(db: &TestDb, source: &str) -> BTreeMap<String, (f64, u64)> {
 }
 
 /// Per key, the number of `moves` rows of `source` and their highest version.
-fn moves(db: &TestDb, source: &str) -> BTreeMap<String, (u64, u64)> {
+fn moves(db: &PgConn, source: &str) -> BTreeMap<String, (u64, u64)> {
     db.try_query(&format!(
         "SELECT key, count(*), max(version) FROM cairn_moves WHERE source = '{source}' \
          GROUP BY key"
@@ -118,6 +118,22 @@ fn moves(db: &TestDb, source: &str) -> BTreeMap<String, (u64, u64)> {
         )
     })
     .collect()
+}
+
+/// The progress row of `box-1`'s sink `warehouse` (`None`: none, or no answer).
+fn settled_position(db: &PgConn) -> Option<u64> {
+    db.try_query(
+        "SELECT position FROM cairn_progress WHERE source = 'box-1' AND sink = 'warehouse'",
+    )
+    .ok()
+    .and_then(|p| p.parse().ok())
+}
+
+/// How many `moves` rows there are (`None`: the database did not answer).
+fn moves_rows(db: &PgConn) -> Option<u64> {
+    db.try_query("SELECT count(*) FROM cairn_moves")
+        .ok()
+        .and_then(|n| n.parse().ok())
 }
 
 /// The sum of the amounts of the first `count` events of account `acc-k`, in publish order.
@@ -175,6 +191,8 @@ struct Reader {
 #[derive(Default)]
 struct ReaderSaw {
     polls: usize,
+    /// Polls that got no answer (the database down).
+    failed: usize,
     /// `source/key: (generation, version) -> (generation, version)`, each time one went back.
     back: Vec<String>,
     /// Rows the oracle does not compute.
@@ -182,20 +200,23 @@ struct ReaderSaw {
 }
 
 impl Reader {
-    fn start(db: &TestDb, keys: usize) -> Reader {
+    fn start(db: &PgConn, keys: usize) -> Reader {
         use std::sync::atomic::Ordering;
-        let name = db.name.clone();
+        let db = db.clone();
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let stop2 = stop.clone();
         let thread = std::thread::spawn(move || {
-            let db = TestDb { name };
             let mut last: BTreeMap<String, (u64, u64)> = BTreeMap::new();
             let mut saw = ReaderSaw::default();
             while !stop2.load(Ordering::SeqCst) {
-                if let Ok(text) = db.try_query(
+                let polled = db.try_query(
                     "SELECT source || '/' || key, generation, version, id, payload::text \
                      FROM cairn_balances",
-                ) {
+                );
+                if polled.is_err() {
+                    saw.failed += 1;
+                }
+                if let Ok(text) = polled {
                     saw.polls += 1;
                     for l in text.lines().filter(|l| !l.is_empty()) {
                         let f: Vec<&str> = l.splitn(5, '|').collect();
@@ -214,7 +235,6 @@ impl Reader {
                 }
                 std::thread::sleep(Duration::from_millis(20));
             }
-            std::mem::forget(db);
             saw
         });
         Reader {
@@ -308,6 +328,17 @@ fn outbox_entries(agent: &CairnProcess) -> Option<u64> {
         .and_then(|s| s["outbox"]["entries"].as_u64())
 }
 
+/// The state of sink `name` (`connected`, `down`, `refusing`), as `cairn status` says.
+fn sink_state(agent: &CairnProcess, name: &str) -> Option<String> {
+    let (st, out, _) = agent.command(&["status", "--json"]);
+    let status: Value = serde_json::from_str(&out).ok().filter(|_| st.success())?;
+    status["sinks"]
+        .as_array()?
+        .iter()
+        .find(|k| k["name"] == name)
+        .and_then(|k| k["state"].as_str().map(str::to_string))
+}
+
 /// Every result settled by every sink leaves the outbox.
 fn assert_outbox_drains(agent: &CairnProcess) {
     assert!(
@@ -389,30 +420,41 @@ fn assert_some_struck_mid_flush(struck: &[(Option<u64>, String)]) {
     );
 }
 
-/// The agent writes `total` events into PostgreSQL while `fault` strikes after each of
-/// `rounds` parts but the last; a reader polls the table all along. The table ends as the
-/// oracle's fold.
-fn postgres_through(fault: Fault, tag: &str, (total, rounds): (usize, usize)) {
-    let broker = Broker::start();
-    let db = TestDb::create(tag);
-    let keys = 25;
+/// An agent with the `balances` and `moves` pipelines into the PostgreSQL database at
+/// `url` (source `box-1`), serving `[metrics]`, started and its tables made.
+fn agent_into_postgres(
+    broker: &Broker,
+    url: &str,
+    data_dir: Option<std::path::PathBuf>,
+) -> CairnProcess {
     let mut cfg = AgentConfig::new(broker.port(), &pipelines("warehouse"));
-    cfg.extra = metrics() + &pg_sink(&db.url(), "box-1");
-    cfg.data_dir = fault.data_dir();
+    cfg.extra = metrics() + &pg_sink(url, "box-1");
+    cfg.data_dir = data_dir;
     let mut agent = CairnProcess::new(&cfg);
     agent.set_log_filter(Some("info"));
     agent.start_connected();
     agent.wait_for_stderr("sink `warehouse`: tables", Duration::from_secs(20));
-    let started = Instant::now();
-    let reader = Reader::start(&db, keys);
-    let struck = run_with_faults(&mut agent, &broker, (total, keys, rounds), &fault, |_| {});
+    agent
+}
+
+/// After `total` events of `box-1`: the `balances` table becomes the oracle's fold; the
+/// reader (stopped here) never saw a version go back nor a row the oracle does not compute;
+/// `moves` holds one row per event, each key's versions 1..=count, each row the oracle's;
+/// the progress row is set; the outbox drains; the agent stops cleanly with no dead letter.
+/// Returns what the reader saw.
+fn assert_postgres_holds_the_fold(
+    db: &PgConn,
+    agent: &mut CairnProcess,
+    reader: Reader,
+    (total, keys): (usize, usize),
+) -> ReaderSaw {
     let want = fold(total, keys);
-    let settled = wait_until(Duration::from_secs(90), || balances(&db, "box-1") == want);
+    let settled = wait_until(Duration::from_secs(90), || balances(db, "box-1") == want);
     let saw = reader.finish();
     assert!(
         settled,
         "the table is not the fold:\n got {:?}\nwant {want:?}\n{}",
-        balances(&db, "box-1"),
+        balances(db, "box-1"),
         agent.stderr_tail(40)
     );
     assert!(saw.back.is_empty(), "a version went back: {:?}", saw.back);
@@ -432,10 +474,14 @@ fn postgres_through(fault: Fault, tag: &str, (total, rounds): (usize, usize)) {
         .map(|(k, (_, c))| (k.clone(), (*c, *c)))
         .collect();
     assert!(
-        wait_until(Duration::from_secs(30), || moves(&db, "box-1")
-            == want_moves),
+        wait_until(Duration::from_secs(30), || moves(db, "box-1") == want_moves),
         "moves: {:?}",
-        moves(&db, "box-1")
+        moves(db, "box-1")
+    );
+    assert_eq!(
+        db.query("SELECT count(*), count(DISTINCT id) FROM cairn_moves"),
+        format!("{total}|{total}"),
+        "moves: not one row per event"
     );
     let rows = db.query("SELECT id, payload::text FROM cairn_moves WHERE source = 'box-1'");
     let wrong: Vec<String> = rows
@@ -446,18 +492,30 @@ fn postgres_through(fault: Fault, tag: &str, (total, rounds): (usize, usize)) {
         .collect();
     assert!(wrong.is_empty(), "moves rows: {wrong:?}");
     // The progress row is the sink's settled position.
-    let position: u64 = db
-        .query("SELECT position FROM cairn_progress WHERE source = 'box-1' AND sink = 'warehouse'")
-        .parse()
-        .unwrap();
-    assert!(position > 0);
-    assert_outbox_drains(&agent);
+    assert!(settled_position(db).is_some_and(|p| p > 0));
+    assert_outbox_drains(agent);
     assert_eq!(agent.terminate().code(), Some(0));
     assert!(
         agent.inspect("dead-letters").is_empty(),
         "{:?}",
         agent.inspect("dead-letters")
     );
+    saw
+}
+
+/// The agent writes `total` events into PostgreSQL while `fault` strikes after each of
+/// `rounds` parts but the last; a reader polls the table all along. The table ends as the
+/// oracle's fold.
+fn postgres_through(fault: Fault, tag: &str, (total, rounds): (usize, usize)) {
+    let broker = Broker::start();
+    let guard = TestDb::create(tag);
+    let db = guard.conn();
+    let keys = 25;
+    let mut agent = agent_into_postgres(&broker, &db.url(), fault.data_dir());
+    let started = Instant::now();
+    let reader = Reader::start(&db, keys);
+    let struck = run_with_faults(&mut agent, &broker, (total, keys, rounds), &fault, |_| {});
+    let saw = assert_postgres_holds_the_fold(&db, &mut agent, reader, (total, keys));
     eprintln!(
         "{tag}: {} polls, settled in {:?}",
         saw.polls,
@@ -474,6 +532,189 @@ fn agent_to_postgres_the_table_is_the_oracles_fold_across_kills_mid_flush() {
 #[test]
 fn agent_to_postgres_the_table_is_the_oracles_fold_across_power_cuts_mid_flush() {
     postgres_through(Fault::power_cut(), "e2e_pg_cut", (20_000, 16));
+}
+
+/// The database itself crashes mid-stream, three times: a server of the test's own (the
+/// shared one at 5432 is never restarted by a test) stopped with `pg_ctl stop -m immediate`
+/// (every backend killed, nothing kept but what the WAL holds; WAL recovery at the next
+/// start). First inside a batch's transaction: its rows written, the progress row waiting on
+/// a lock the test holds; started again at once. Then with a batch's commit durable but not
+/// answered (it waits for a synchronous standby that does not exist): after recovery the
+/// batch is committed and the sink, never told, sends it again; started again at once. Then
+/// at whatever moment the sink is writing, left down for seconds with connections refused. The table ends as the oracle's fold,
+/// `moves` one row per event, a reader polling all along never sees a version go back,
+/// status says the sink is down while the database is, and the outbox drains.
+#[test]
+fn a_real_database_crash_and_restart_mid_stream_loses_nothing_and_no_version_goes_back() {
+    const DOWN: Duration = Duration::from_secs(4);
+    let pg = PrivatePg::start();
+    let db = pg.create_db("cairn_restart");
+    let broker = Broker::start();
+    let (total, keys) = (5000, 20);
+    let mut agent = agent_into_postgres(&broker, &db.url(), None);
+    let started = Instant::now();
+    let reader = Reader::start(&db, keys);
+    let events: Vec<_> = (0..total).map(|i| event(i, keys)).collect();
+    let part = |p: usize| events[p * total / 5..(p + 1) * total / 5].to_vec();
+    let publish = |events: Vec<_>| {
+        let port = broker.port();
+        std::thread::spawn(move || publish_all(port, &events))
+    };
+    // The settled position the sink read at start and at each reconnect.
+    let ups = |agent: &CairnProcess| -> Vec<Option<u64>> {
+        agent
+            .stderr()
+            .lines()
+            .filter(|l| l.contains("sink `warehouse`: tables"))
+            .map(|l| {
+                l.rsplit_once("settled position ")
+                    .and_then(|(_, p)| p.trim().parse().ok())
+            })
+            .collect()
+    };
+    // 0: the first part settles, so that the crashes strike rows that exist.
+    publish_all(broker.port(), &part(0));
+    assert!(
+        wait_until(Duration::from_secs(30), || balances(&db, "box-1")
+            == fold(total / 5, keys)),
+        "the first part: {:?}\n{}",
+        balances(&db, "box-1"),
+        agent.stderr_tail(30)
+    );
+    // 1: the progress table locked, the sink's next batch writes its rows and waits for the
+    // progress row; the database crashes with that transaction open, and starts again.
+    let lock = db.session("BEGIN; LOCK TABLE cairn_progress IN EXCLUSIVE MODE;");
+    let locked = wait_until(Duration::from_secs(10), || {
+        db.try_query(
+            "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation \
+             WHERE c.relname = 'cairn_progress' AND l.mode = 'ExclusiveLock' AND l.granted",
+        )
+        .is_ok_and(|n| n == "1")
+    });
+    assert!(locked, "the test could not lock cairn_progress");
+    let publisher = publish(part(1));
+    let blocked = wait_until(Duration::from_secs(10), || {
+        db.try_query(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+             AND backend_type = 'client backend'",
+        )
+        .is_ok_and(|n| n == "1")
+    });
+    assert!(blocked, "the sink never waited on the progress row");
+    let waiting_at_first = outbox_entries(&agent);
+    pg.crash();
+    agent.note("the database crashed (pg_ctl stop -m immediate) inside a batch");
+    drop(lock);
+    pg.start_server();
+    agent.note("the database started again");
+    publisher.join().expect("publisher");
+    assert!(
+        wait_until(Duration::from_secs(30), || ups(&agent).len() == 2),
+        "the sink did not reconnect after the first crash:\n{}",
+        agent.stderr_tail(30)
+    );
+    // 2: every commit now waits for a synchronous standby that is not there, after it is
+    // durable here: the sink's next commit hangs unanswered; the database crashes then, the
+    // setting gone at the next start (written to postgresql.auto.conf, not reloaded).
+    db.query("ALTER SYSTEM SET synchronous_standby_names = 'nobody'");
+    db.query("SELECT pg_reload_conf()");
+    let publisher = publish(part(2));
+    let unanswered = wait_until(Duration::from_secs(10), || {
+        db.try_query("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'")
+            .is_ok_and(|n| n != "0")
+    });
+    assert!(unanswered, "no commit waited for the standby");
+    db.query("ALTER SYSTEM RESET synchronous_standby_names");
+    let committed_at_crash = moves_rows(&db);
+    let position_at_crash = settled_position(&db);
+    pg.crash();
+    agent.note("the database crashed (pg_ctl stop -m immediate) with a commit unanswered");
+    pg.start_server();
+    agent.note("the database started again");
+    publisher.join().expect("publisher");
+    assert!(
+        wait_until(Duration::from_secs(30), || ups(&agent).len() == 3),
+        "the sink did not reconnect after the second crash:\n{}",
+        agent.stderr_tail(30)
+    );
+    // 3: a crash at whatever moment the sink is writing the next part, down for DOWN:
+    // status says so, and what comes in meanwhile waits in the outbox.
+    let publisher = publish(part(3));
+    let writing = wait_until(Duration::from_secs(10), || {
+        sink_state(&agent, "warehouse").as_deref() == Some("connected")
+            && outbox_entries(&agent).is_some_and(|w| w > 0)
+    });
+    assert!(writing, "the sink never wrote:\n{}", agent.stderr_tail(30));
+    let waiting_at_third = outbox_entries(&agent);
+    pg.crash();
+    agent.note("the database crashed (pg_ctl stop -m immediate)");
+    let down_at = Instant::now();
+    let said_down = wait_until(DOWN, || {
+        sink_state(&agent, "warehouse").as_deref() == Some("down")
+    });
+    publisher.join().expect("publisher");
+    std::thread::sleep(DOWN.saturating_sub(down_at.elapsed()));
+    let waiting_while_down = outbox_entries(&agent);
+    let down_for = down_at.elapsed();
+    pg.start_server();
+    agent.note("the database started again");
+    // 4: the rest, on the database back up.
+    publish_all(broker.port(), &part(4));
+    let saw = assert_postgres_holds_the_fold(&db, &mut agent, reader, (total, keys));
+    // Where each crash struck the sink, as its journal says (`lost : begin: ..`).
+    let journal = agent.stderr();
+    let lost: Vec<&str> = journal
+        .lines()
+        .filter_map(|l| l.split_once("warehouse: lost : ").map(|(_, why)| why))
+        .map(|why| why.split(';').next().unwrap_or(why))
+        .collect();
+    eprintln!(
+        "the sink lost the database at: {lost:?}, with {waiting_at_first:?} and \
+         {waiting_at_third:?} results waiting at the first and third; {committed_at_crash:?} \
+         moves rows visible and position {position_at_crash:?} at the second, \
+         position {:?} after; {waiting_while_down:?} waited while it was \
+         down for {down_for:?}; {} polls ({} refused); settled in {:?}",
+        ups(&agent)[2],
+        saw.polls,
+        saw.failed,
+        started.elapsed()
+    );
+    assert_eq!(pg.recoveries(), 3, "{}", pg.log_tail(40));
+    assert_eq!(
+        lost.len(),
+        3,
+        "the sink did not see every crash:\n{journal}"
+    );
+    assert!(
+        lost[0].starts_with("write:"),
+        "the first crash did not strike inside the batch's transaction: {lost:?}"
+    );
+    assert!(
+        lost[1].starts_with("write:"),
+        "the second crash did not strike an unanswered commit: {lost:?}"
+    );
+    let ups = ups(&agent);
+    assert_eq!(ups.len(), 4, "{journal}");
+    // The unanswered commit was durable: after recovery the progress row is past where it
+    // was before that crash.
+    assert!(
+        ups[2] > position_at_crash,
+        "the second crash struck no durable unanswered commit: position {position_at_crash:?} \
+         before it, {:?} after:\n{journal}",
+        ups[2]
+    );
+    assert!(
+        said_down,
+        "status never said the sink was down in {DOWN:?} of the database down:\n{journal}"
+    );
+    assert!(
+        waiting_while_down.is_some_and(|w| w > 0),
+        "nothing waited in the outbox while the database was down: {waiting_while_down:?}"
+    );
+    assert!(
+        saw.failed > 0,
+        "the reader never polled while the database was down"
+    );
 }
 
 /// The IDs of the `moves` results of `total` events: `moves/acc-k/1..=count`.
@@ -590,7 +831,8 @@ fn agent_to_an_r3_jetstream_stream_one_message_per_id_across_power_cuts_and_a_no
 
 #[test]
 fn a_fleet_of_three_boxes_writes_each_its_own_oracle_into_one_database_and_one_stream() {
-    let db = TestDb::create("e2e_fleet");
+    let guard = TestDb::create("e2e_fleet");
+    let db = guard.conn();
     let nats = Nats::cluster();
     nats.create_stream("RESULTS", &["site.>"], 3, Duration::from_secs(120));
     let keys = 10;
@@ -676,7 +918,8 @@ fn a_fleet_of_three_boxes_writes_each_its_own_oracle_into_one_database_and_one_s
 #[test]
 fn a_long_database_outage_holds_the_results_in_the_outbox_and_status_says_so() {
     let broker = Broker::start();
-    let db = TestDb::create("e2e_outage");
+    let guard = TestDb::create("e2e_outage");
+    let db = guard.conn();
     let proxy = crate::support::Proxy::start(crate::support::pg::PG_PORT);
     let (total, keys) = (1200, 15);
     let mut cfg = AgentConfig::new(broker.port(), &pipelines("warehouse"));
@@ -692,15 +935,7 @@ fn a_long_database_outage_holds_the_results_in_the_outbox_and_status_says_so() {
     proxy.cut();
     publish_all(broker.port(), &events[total / 3..2 * total / 3]);
     let down = wait_until(Duration::from_secs(30), || {
-        let (ok, out, _) = agent.command(&["status", "--json"]);
-        ok.success()
-            && serde_json::from_str::<Value>(&out).is_ok_and(|s| {
-                s["sinks"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .any(|k| k["name"] == "warehouse" && k["state"] == "down")
-            })
+        sink_state(&agent, "warehouse").as_deref() == Some("down")
     });
     assert!(
         down,
