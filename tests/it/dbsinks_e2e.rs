@@ -84,40 +84,47 @@ fn fold(n: usize, keys: usize) -> BTreeMap<String, (f64, u64)> {
 
 /// What the `balances` table holds for `source`: per key, (value, count) of its payload.
 fn balances(db: &PgConn, source: &str) -> BTreeMap<String, (f64, u64)> {
-    db.try_query(&format!(
-        "SELECT key, payload->>'value', payload->>'count' FROM cairn_balances \
-         WHERE source = '{source}'"
-    ))
-    .unwrap_or_default()
-    .lines()
-    .filter(|l| !l.is_empty())
-    .map(|l| {
-        let f: Vec<&str> = l.split('|').collect();
-        (
-            f[0].to_string(),
-            (f[1].parse().unwrap(), f[2].parse().unwrap()),
-        )
-    })
-    .collect()
+    keyed_pairs(
+        db,
+        &format!(
+            "SELECT key, payload->>'value', payload->>'count' FROM cairn_balances \
+             WHERE source = '{source}'"
+        ),
+    )
 }
 
 /// Per key, the number of `moves` rows of `source` and their highest version.
 fn moves(db: &PgConn, source: &str) -> BTreeMap<String, (u64, u64)> {
-    db.try_query(&format!(
-        "SELECT key, count(*), max(version) FROM cairn_moves WHERE source = '{source}' \
-         GROUP BY key"
-    ))
-    .unwrap_or_default()
-    .lines()
-    .filter(|l| !l.is_empty())
-    .map(|l| {
-        let f: Vec<&str> = l.split('|').collect();
-        (
-            f[0].to_string(),
-            (f[1].parse().unwrap(), f[2].parse().unwrap()),
-        )
-    })
-    .collect()
+    keyed_pairs(
+        db,
+        &format!(
+            "SELECT key, count(*), max(version) FROM cairn_moves WHERE source = '{source}' \
+             GROUP BY key"
+        ),
+    )
+}
+
+/// Rows `key|a|b` of `sql` as a map (empty when the database does not answer).
+fn keyed_pairs<A: std::str::FromStr, B: std::str::FromStr>(
+    db: &PgConn,
+    sql: &str,
+) -> BTreeMap<String, (A, B)>
+where
+    A::Err: std::fmt::Debug,
+    B::Err: std::fmt::Debug,
+{
+    db.try_query(sql)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| !l.is_empty())
+        .map(|l| {
+            let f: Vec<&str> = l.split('|').collect();
+            (
+                f[0].to_string(),
+                (f[1].parse().unwrap(), f[2].parse().unwrap()),
+            )
+        })
+        .collect()
 }
 
 /// The progress row of `box-1`'s sink `warehouse` (`None`: none, or no answer).
