@@ -724,6 +724,16 @@ fn a_real_database_crash_and_restart_mid_stream_loses_nothing_and_no_version_goe
     );
 }
 
+/// The distinct IDs of the `moves` (changelog) messages the stream holds whose ID contains
+/// `part` (`box-1/moves/`, or `/moves/` for every box).
+fn stream_move_ids(nats: &Nats, part: &str) -> BTreeSet<String> {
+    nats.messages("RESULTS")
+        .into_iter()
+        .map(|(_, id, _)| id)
+        .filter(|id| id.contains(part))
+        .collect()
+}
+
 /// The IDs of the `moves` results of `total` events: `moves/acc-k/1..=count`.
 fn move_ids(total: usize, keys: usize, source: &str) -> BTreeSet<String> {
     fold(total, keys)
@@ -757,13 +767,7 @@ fn jetstream_through(fault: Fault, (total, rounds): (usize, usize)) {
     });
     let want = move_ids(total, keys, "box-1");
     let done = wait_until(Duration::from_secs(120), || {
-        let ids: BTreeSet<String> = nats
-            .messages("RESULTS")
-            .into_iter()
-            .map(|(_, id, _)| id)
-            .filter(|id| id.starts_with("box-1/moves/"))
-            .collect();
-        ids == want
+        stream_move_ids(&nats, "box-1/moves/") == want
     });
     let msgs = nats.messages("RESULTS");
     let mut count: BTreeMap<String, usize> = BTreeMap::new();
@@ -899,13 +903,7 @@ fn a_fleet_of_three_boxes_writes_each_its_own_oracle_into_one_database_and_one_s
         .collect();
     assert!(
         wait_until(Duration::from_secs(60), || {
-            let ids: BTreeSet<String> = nats
-                .messages("RESULTS")
-                .into_iter()
-                .map(|(_, id, _)| id)
-                .filter(|id| id.contains("/moves/"))
-                .collect();
-            ids == want
+            stream_move_ids(&nats, "/moves/") == want
         }),
         "the stream misses changelog IDs"
     );
@@ -1008,13 +1006,7 @@ fn an_outage_longer_than_the_duplicate_window_is_said_in_the_journal_and_nothing
     proxy.pause(false);
     let want = move_ids(total, keys, "box-1");
     let all_there = wait_until(Duration::from_secs(90), || {
-        let ids: BTreeSet<String> = nats
-            .messages("RESULTS")
-            .into_iter()
-            .map(|(_, id, _)| id)
-            .filter(|id| id.starts_with("box-1/moves/"))
-            .collect();
-        ids == want
+        stream_move_ids(&nats, "box-1/moves/") == want
     });
     let msgs = nats.messages("RESULTS");
     let ids: BTreeSet<String> = msgs.iter().map(|(_, id, _)| id.clone()).collect();
