@@ -517,6 +517,10 @@ impl Worker {
         let taken = {
             let mut q = self.inner.lock();
             if q.live.is_some() && q.pubs.unbound_len() == 0 {
+                // rumqttc takes no request while its window is full, and an ack in its
+                // channel holds back every ack after it: leave it a slot, or a steady
+                // stream of results keeps the window full and input acks never leave.
+                let window = window.saturating_sub(u16::from(q.channel_acks > 0));
                 take_publishes(&mut q, &mut self.eventloop.state, window, &mut packets)
             } else {
                 Ok(())
