@@ -26,6 +26,30 @@ struct Dropped {
     hashes: Vec<u64>,
 }
 
+/// The ledger's new chunks of one commit (see [`Store::ledger_fresh`]).
+struct Fresh {
+    batch: sled::Batch,
+    added: Vec<NewChunk>,
+    /// Chunks started per pipeline.
+    new_chunks: BTreeMap<String, usize>,
+}
+
+/// What a commit decides under the store's lock (see [`Store::commit_unsynced`]).
+struct Plan {
+    /// Wholly expired ledger groups: pipeline, its number, the group, its key range.
+    expire: Vec<(String, u32, u64, ledger::GroupRange)>,
+    /// The dedup windows to record, if they changed.
+    windows: Option<BTreeMap<String, u64>>,
+    /// The outputs the outbox admits.
+    outputs: Vec<(u64, Output)>,
+    /// The dead-letter counts before this commit.
+    dead: DeadLetterStats,
+    /// The sinks' staged positions, encoded.
+    sinks: Option<Vec<u8>>,
+    /// Each ledger's entries before this commit.
+    ledger_entries: BTreeMap<String, u64>,
+}
+
 /// The ledger's part of a commit.
 struct LedgerWrites {
     batch: sled::Batch,
@@ -90,12 +114,51 @@ impl Store {
         let b = &cp.batch;
         let state = state_batch(b)?;
         let sparkplug = sparkplug_batch(b)?;
-        let mut mem = self.lock();
-        let mem = &mut *mem;
-        let mut lw = self.ledger_batch(mem, cp)?;
-        let out_chunks = outbox_chunks(mem, b);
+        let Fresh {
+            batch: mut dedup,
+            added,
+            new_chunks,
+        } = self.ledger_fresh(cp)?;
+        // What depends on memory is decided under the lock, briefly: the loop's dedup
+        // lookups and outbox reads take it too, and they go on while a checkpoint commits
+        // beside the loop (`agent/keeper/commit.rs`). Only commits change the ledger's
+        // groups, one at a time, so the groups chosen here stay as they are until the
+        // update below.
+        let plan = {
+            let mut mem = self.lock();
+            self.commit_plan(&mut mem, cp, &new_chunks)
+        };
+        let mut dropped = Vec::with_capacity(plan.expire.len());
+        for (pipeline, pid, seq, range) in plan.expire {
+            let (keys, hashes) = self.ledger_range_hashes(&pipeline, range)?;
+            for k in keys {
+                dedup.remove(k);
+            }
+            dropped.push(Dropped {
+                pipeline,
+                pid,
+                seq,
+                hashes,
+            });
+        }
+        let windows = match plan.windows {
+            Some(windows) => {
+                let list: Vec<(&String, &u64)> = windows.iter().collect();
+                let v = bounded("meta", LEDGER_WINDOWS_KEY, encode(&list))?;
+                Some((windows, v))
+            }
+            None => None,
+        };
+        let mut lw = LedgerWrites {
+            batch: dedup,
+            added,
+            dropped,
+            windows,
+        };
+        let out_chunks = outbox::make_chunks(plan.outputs);
         let (outbox, out_bytes) = outbox_batch(&out_chunks)?;
-        let (dead, dead_stats) = self.dead_letter_batch(&b.dead_letters, &cp.progress, mem.dead)?;
+        let (dead, dead_stats) =
+            self.dead_letter_batch(&b.dead_letters, &cp.progress, plan.dead)?;
         let info = CheckpointInfo {
             id: cp.progress.checkpoint_id,
             prev_offset: prev.next_offset,
@@ -106,7 +169,7 @@ impl Store {
             committed_at_ms,
         };
         let checkpoints = checkpoints_batch(&info)?;
-        let progress = progress_with_ledger_sizes(mem, &cp.progress, &lw);
+        let progress = progress_with_ledger_sizes(&plan.ledger_entries, &cp.progress, &lw);
         let writes = Writes {
             state,
             sparkplug,
@@ -116,13 +179,15 @@ impl Store {
             checkpoints,
             progress: bounded("meta", PROGRESS_KEY, encode(&progress))?,
             backfill: backfill_record(&progress)?,
-            dead_stats: (dead_stats != mem.dead)
+            dead_stats: (dead_stats != plan.dead)
                 .then(|| bounded("meta", DEAD_STATS_KEY, encode(&dead_stats)))
                 .transpose()?,
             windows: lw.windows.as_ref().map(|(_, v)| v.clone()),
-            sinks: self.take_sink_positions(mem),
+            sinks: plan.sinks,
         };
         self.transaction(&writes)?;
+        let mut mem = self.lock();
+        let mem = &mut *mem;
         mem.dead = dead_stats;
         if let Some((windows, _)) = lw.windows.take() {
             mem.windows = windows;
@@ -132,13 +197,11 @@ impl Store {
         Ok(info)
     }
 
-    /// The ledger: this checkpoint's entries as new chunks, wholly expired groups of chunks
-    /// out (for every pipeline with a ledger: a configured one by the cutoff the engine
-    /// gives, a dormant one by its recorded window on its own clock), and the windows.
-    fn ledger_batch(&self, mem: &mut Mem, cp: &Checkpoint) -> Result<LedgerWrites, StoreError> {
-        let b = &cp.batch;
+    /// The ledger's new chunks from this checkpoint's entries (no memory read): their
+    /// writes, what the index will add, and how many each pipeline starts.
+    fn ledger_fresh(&self, cp: &Checkpoint) -> Result<Fresh, StoreError> {
         let mut by_pipeline: BTreeMap<&str, Vec<(String, u64)>> = BTreeMap::new();
-        for ((p, id), seen) in &b.dedup {
+        for ((p, id), seen) in &cp.batch.dedup {
             by_pipeline
                 .entry(p.as_str())
                 .or_default()
@@ -146,14 +209,14 @@ impl Store {
         }
         let mut batch = sled::Batch::default();
         let mut added = Vec::new();
-        let mut new_chunks: BTreeMap<&str, usize> = BTreeMap::new();
+        let mut new_chunks: BTreeMap<String, usize> = BTreeMap::new();
         for (p, entries) in by_pipeline {
             for (suffix, chunk) in ledger::make_chunks(entries, cp.progress.checkpoint_id) {
                 let key = pkey(p, &suffix);
                 let value = bounded("dedup", &key, encode(&chunk))?;
                 let bytes = (key.len() + value.len()) as u64;
                 batch.insert(key, value);
-                *new_chunks.entry(p).or_default() += 1;
+                *new_chunks.entry(p.to_string()).or_default() += 1;
                 added.push(NewChunk {
                     pipeline: p.to_string(),
                     suffix,
@@ -167,13 +230,32 @@ impl Store {
                 });
             }
         }
+        Ok(Fresh {
+            batch,
+            added,
+            new_chunks,
+        })
+    }
+
+    /// What a commit takes from memory, under the lock: the wholly expired ledger groups to
+    /// drop (for every pipeline with a ledger: a configured one by the cutoff the engine
+    /// gives, a dormant one by its recorded window on its own clock) and their key ranges,
+    /// the windows to record, the outputs the outbox admits, the dead-letter counts, the
+    /// sinks' staged positions and each ledger's size.
+    fn commit_plan(
+        &self,
+        mem: &mut Mem,
+        cp: &Checkpoint,
+        new_chunks: &BTreeMap<String, usize>,
+    ) -> Plan {
+        let b = &cp.batch;
         let configured: BTreeSet<&str> = (b.dedup_windows.iter())
             .chain(&b.dedup_expired_at_or_before)
             .map(|(p, _)| p.as_str())
             .collect();
         let mut cutoffs = b.dedup_expired_at_or_before.clone();
         cutoffs.extend(self.dormant_cutoffs(mem, &cp.progress, &configured));
-        let mut dropped = Vec::new();
+        let mut expire = Vec::new();
         for (p, cutoff) in &cutoffs {
             let Some(pid) = mem.ledgers.pid(p) else {
                 continue;
@@ -183,16 +265,9 @@ impl Store {
             let limit =
                 ledger::EXPIRE_GROUPS_MAX + new_chunks.get(p.as_str()).copied().unwrap_or(0);
             for seq in mem.ledgers.expired(pid, *cutoff, limit) {
-                let (keys, hashes) = self.ledger_group_hashes(&mem.ledgers, p, pid, seq)?;
-                for k in keys {
-                    batch.remove(k);
+                if let Some(range) = mem.ledgers.group_range(pid, seq) {
+                    expire.push((p.clone(), pid, seq, range));
                 }
-                dropped.push(Dropped {
-                    pipeline: p.clone(),
-                    pid,
-                    seq,
-                    hashes,
-                });
             }
         }
         let mut windows = mem.windows.clone();
@@ -200,19 +275,19 @@ impl Store {
         windows.retain(|p, _| {
             configured.contains(p.as_str()) || mem.ledgers.get(p).is_some_and(|l| l.entries() > 0)
         });
-        let windows = if windows == mem.windows {
-            None
-        } else {
-            let list: Vec<(&String, &u64)> = windows.iter().collect();
-            let v = bounded("meta", LEDGER_WINDOWS_KEY, encode(&list))?;
-            Some((windows, v))
-        };
-        Ok(LedgerWrites {
-            batch,
-            added,
-            dropped,
+        let windows = (windows != mem.windows).then_some(windows);
+        Plan {
+            expire,
             windows,
-        })
+            outputs: admitted_outputs(mem, b),
+            dead: mem.dead,
+            sinks: self.take_sink_positions(mem),
+            ledger_entries: mem
+                .ledgers
+                .named()
+                .map(|(name, l)| (name.to_string(), l.entries()))
+                .collect(),
+        }
     }
 
     /// Cutoffs for the ledgers of pipelines the engine did not name (dormant: stored, no
@@ -468,8 +543,8 @@ fn sparkplug_batch(b: &Batch) -> Result<sled::Batch, StoreError> {
     Ok(batch)
 }
 
-/// The outbox: IDs already waiting are not inserted again (invariant 6).
-fn outbox_chunks(mem: &Mem, b: &Batch) -> Vec<(u64, Vec<(u64, Output)>)> {
+/// The outputs the outbox takes: IDs already waiting are not inserted again (invariant 6).
+fn admitted_outputs(mem: &Mem, b: &Batch) -> Vec<(u64, Output)> {
     let mut fresh = Vec::with_capacity(b.outputs.len());
     let mut seen_ids = HashSet::new();
     for (seq, out) in &b.outputs {
@@ -477,7 +552,7 @@ fn outbox_chunks(mem: &Mem, b: &Batch) -> Vec<(u64, Vec<(u64, Output)>)> {
             fresh.push((*seq, out.clone()));
         }
     }
-    outbox::make_chunks(fresh)
+    fresh
 }
 
 /// The outbox writes, and the bytes (key and value) of each chunk for `outbox.max_size`.
@@ -506,11 +581,16 @@ fn checkpoints_batch(info: &CheckpointInfo) -> Result<sled::Batch, StoreError> {
     Ok(checkpoints)
 }
 
-/// The progress record, with the ledger sizes this checkpoint leaves recorded with it.
-fn progress_with_ledger_sizes(mem: &Mem, progress: &Progress, lw: &LedgerWrites) -> Progress {
+/// The progress record, with the ledger sizes this checkpoint leaves recorded with it
+/// (`before`: each ledger's entries before it).
+fn progress_with_ledger_sizes(
+    before: &BTreeMap<String, u64>,
+    progress: &Progress,
+    lw: &LedgerWrites,
+) -> Progress {
     let mut progress = progress.clone();
     for pp in &mut progress.pipelines {
-        let mut n = mem.ledgers.get(&pp.name).map_or(0, |l| l.entries());
+        let mut n = before.get(&pp.name).copied().unwrap_or(0);
         for c in lw.added.iter().filter(|c| c.pipeline == pp.name) {
             n += c.hashes.len() as u64;
         }

@@ -114,6 +114,10 @@ pub(crate) const TAG_SPACE: usize = if cfg!(test) { 4 } else { 1 << 16 };
 /// A chunk's key after `pipeline 0x00`: min_seen_ms, checkpoint_id, part.
 pub(crate) type Suffix = [u8; 20];
 
+/// A group's key range: its first chunk's suffix, and the next group's first (`None`: to
+/// the end of the pipeline's chunks).
+pub(crate) type GroupRange = (Suffix, Option<Suffix>);
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Chunk {
     pub max_seen_ms: u64,
@@ -399,7 +403,7 @@ impl Ledgers {
 
     /// The key range of group `seq` of `pid`: its first suffix, and the next group's (none
     /// for the newest: it runs to the end of the pipeline's keys).
-    pub fn group_range(&self, pid: u32, seq: u64) -> Option<(Suffix, Option<Suffix>)> {
+    pub fn group_range(&self, pid: u32, seq: u64) -> Option<GroupRange> {
         let l = &self.ledgers[pid as usize];
         let g = l.group(seq)?;
         Some((g.first, l.group(seq + 1).map(|n| n.first)))

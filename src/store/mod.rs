@@ -507,14 +507,19 @@ impl Store {
         pid: u32,
         seq: u64,
     ) -> Result<sled::Iter, StoreError> {
-        let (first, next) = ledgers
+        let range = ledgers
             .group_range(pid, seq)
             .ok_or_else(|| StoreError::Corrupt("a ledger group in memory is missing".into()))?;
+        Ok(self.ledger_range(pipeline, range))
+    }
+
+    /// The chunks of `pipeline` in a group's key `range`: one range scan of the tree.
+    fn ledger_range(&self, pipeline: &str, (first, next): ledger::GroupRange) -> sled::Iter {
         let hi = match next {
             Some(n) => pkey(pipeline, &n),
             None => pipeline_end(pipeline),
         };
-        Ok(self.dedup.range(pkey(pipeline, &first)..hi))
+        self.dedup.range(pkey(pipeline, &first)..hi)
     }
 
     /// The keys of group `seq`'s chunks and the [`ledger::id_hash`]es of their entries:
@@ -526,9 +531,22 @@ impl Store {
         pid: u32,
         seq: u64,
     ) -> Result<(Vec<sled::IVec>, Vec<u64>), StoreError> {
+        let range = ledgers
+            .group_range(pid, seq)
+            .ok_or_else(|| StoreError::Corrupt("a ledger group in memory is missing".into()))?;
+        self.ledger_range_hashes(pipeline, range)
+    }
+
+    /// [`Store::ledger_group_hashes`] of the group whose key range is `range` (taken from
+    /// memory before: a commit reads its expired groups without holding the lock).
+    fn ledger_range_hashes(
+        &self,
+        pipeline: &str,
+        range: ledger::GroupRange,
+    ) -> Result<(Vec<sled::IVec>, Vec<u64>), StoreError> {
         let mut keys = Vec::new();
         let mut hashes = Vec::new();
-        for kv in self.ledger_group(ledgers, pipeline, pid, seq)? {
+        for kv in self.ledger_range(pipeline, range) {
             let (k, v) = kv?;
             ledger::scan_chunk(&v, |id, _| {
                 hashes.push(ledger::id_hash(&self.hasher, pipeline, id));
