@@ -6,6 +6,9 @@
 //! - `error` fails the operation with an I/O error, which the agent treats as fatal;
 //! - `on` turns on a deliberately unsafe behaviour (names starting with `unsafe.`), used to
 //!   show that the crash harness detects the loss it would cause;
+//! - `pause:MS` holds the thread that passes the point for MS milliseconds, then goes on:
+//!   to show what other threads do meanwhile (the loop while a checkpoint commits beside
+//!   it, `tests/it/commit_beside.rs`);
 //! - `panic:N` panics where the code passes the point with the value `N` (a log offset):
 //!   unlike `@n`, which counts hits in one process, a value names the same record in every
 //!   run, so a restart that replays it panics again, as a real bug would;
@@ -18,7 +21,7 @@
 //! | `log.segment_delete` | a segment was unlinked, the directory not yet synced |
 //! | `retention.after_delete` | retention deleted segments (dir synced), the next checkpoint not yet run |
 //! | `ingest.before_puback`, `ingest.after_puback` | around the acks of a committed batch |
-//! | `checkpoint.before_commit`, `checkpoint.after_commit` | around the whole checkpoint |
+//! | `checkpoint.before_commit`, `checkpoint.after_commit` | around a checkpoint's transaction (on the commit thread, beside the live loop) |
 //! | `checkpoint.before_fsync`, `checkpoint.after_fsync` | around the fsync of sled's `db` |
 //! | `backfill.after_slice` | a backfill slice was applied, not yet checkpointed |
 //! | `outbox.before_publish`, `outbox.after_publish` | around handing a result to MQTT (from the outbox, or before its checkpoint) |
@@ -63,6 +66,8 @@ mod armed {
         On,
         /// Panic when passed with this value.
         Panic(u64),
+        /// Hold the passing thread this many milliseconds.
+        Pause(u64),
     }
 
     #[derive(Debug)]
@@ -85,10 +90,14 @@ mod armed {
                     "abort" => Action::Abort,
                     "error" => Action::Error,
                     "on" => Action::On,
-                    other => match other.strip_prefix("panic:").map(str::parse) {
-                        Some(Ok(n)) => Action::Panic(n),
-                        _ => panic!("CAIRN_FAILPOINTS: unknown action `{other}` for `{name}`"),
-                    },
+                    other => {
+                        let value = |prefix: &str| other.strip_prefix(prefix)?.parse().ok();
+                        match (value("panic:"), value("pause:")) {
+                            (Some(n), _) => Action::Panic(n),
+                            (_, Some(ms)) => Action::Pause(ms),
+                            _ => panic!("CAIRN_FAILPOINTS: unknown action `{other}` for `{name}`"),
+                        }
+                    }
                 };
                 let and_later = at.ends_with('+');
                 let at: u64 = at
@@ -126,6 +135,12 @@ mod armed {
             Some(Action::Error) => {
                 eprintln!("failpoint {name}: error");
                 Err(io::Error::other(format!("failpoint {name}")))
+            }
+            Some(Action::Pause(ms)) => {
+                eprintln!("failpoint {name}: pause {ms} ms");
+                std::thread::sleep(std::time::Duration::from_millis(ms));
+                eprintln!("failpoint {name}: pause over");
+                Ok(())
             }
             Some(Action::On) | Some(Action::Panic(_)) | None => Ok(()),
         }

@@ -47,7 +47,8 @@
 //!   config, what settles, continues, starts empty or over, goes dormant, goes on in a new
 //!   generation, backfills, or is refused; `processor/open.rs` carries it out.
 //!   `processor/quarantine.rs`: a record whose processing panics is retried a bounded
-//!   number of times, then set aside.
+//!   number of times, then set aside. `processor/inflight.rs`: a checkpoint committing
+//!   beside the loop, read as a layer until it is done.
 //! - [`clock`]: the time of receipt stamped on new records, monotonic across clock steps;
 //!   the only place the wall clock is read.
 //! - [`mqtt`]: the rumqttc facade: manual acks, packet-id binding, reconnect backoff (reset
@@ -62,9 +63,9 @@
 //!   `waiting.rs` what waits for each sink, exactly, for the figures; the outbox bound in
 //!   `mod.rs`); `agent/work.rs` (when catch-up or backfill takes a slice:
 //!   never past the outbox bound); `agent/keeper/` (`schedule.rs` when to checkpoint,
-//!   retention's cutoff, savepoint schedule and floor, the store watch; `fsync.rs` the
-//!   checkpoint's fsync on its own thread; retention, savepoints and checkpoints waiting
-//!   for disk room in `mod.rs`); `agent/figures.rs` (`/metrics`, `STATUS=`, the watchdog);
+//!   retention's cutoff, savepoint schedule and floor, the store watch; `commit.rs` the
+//!   checkpoint's transaction and fsync on their own thread; retention, savepoints and
+//!   checkpoints waiting for disk room in `mod.rs`); `agent/figures.rs` (`/metrics`, `STATUS=`, the watchdog);
 //!   `agent/start.rs` (recovery); SIGHUP carries out `config::reload`'s plan;
 //!   `agent/memory.rs` (heap trimming); `agent/host.rs` (Cairn as a Sparkplug host: STATE
 //!   with its will, rebirth requests, never from replay).

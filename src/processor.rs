@@ -49,15 +49,16 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 
 use crate::log::LogError;
-use crate::model::{Offset, Progress, Record};
+use crate::model::{Offset, Output, Progress, Record};
 use crate::pipeline::describe::explain_changes;
-use crate::pipeline::engine::{Engine, Outcome, Target, definition};
+use crate::pipeline::engine::{Checkpoint, Engine, Outcome, Target, definition};
 use crate::pipeline::spec::PipelineSpec;
 use crate::store::{CheckpointInfo, Store, StoreError};
 
 #[cfg(test)]
 mod changes_model;
 pub mod generations;
+mod inflight;
 pub(crate) mod last_run;
 mod open;
 pub(crate) mod plan;
@@ -334,7 +335,12 @@ pub struct ReplayStats {
 
 pub struct Processor {
     engine: Engine,
-    store: Store,
+    /// Shared with the thread that commits checkpoints beside the agent's loop.
+    store: std::sync::Arc<Store>,
+    /// The checkpoint whose commit runs beside the caller, until it is done
+    /// ([`Processor::begin_checkpoint`]): a read layer under the engine's overlay, and the
+    /// first of the outputs not yet in the store.
+    inflight: Option<std::sync::Arc<Checkpoint>>,
     /// Failed attempts per log offset (see [`quarantine`]). Without one (library
     /// use, tests) a panic propagates as it always did.
     quarantine: Option<Quarantine>,
@@ -410,7 +416,8 @@ impl Processor {
     fn over(store: Store, specs: Vec<PipelineSpec>, progress: Progress) -> Processor {
         Processor {
             engine: Engine::new(specs, progress),
-            store,
+            store: std::sync::Arc::new(store),
+            inflight: None,
             quarantine: None,
             poisoned: false,
             readers: slice::Readers::default(),
@@ -496,16 +503,20 @@ impl Processor {
                 e.panic
             );
             let keep = rec.too_large().map_or(&rec.payload[..], |t| t.prefix);
-            return Ok(self.engine.refuse_at(
-                &self.store,
-                target,
-                rec,
-                "internal",
-                &detail,
-                keep,
-            )?);
+            let base = inflight::Layered {
+                batch: self.inflight.as_deref().map(|c| &c.batch),
+                base: &*self.store,
+            };
+            return Ok(self
+                .engine
+                .refuse_at(&base, target, rec, "internal", &detail, keep)?);
         }
-        let (engine, store) = (&mut self.engine, &self.store);
+        let engine = &mut self.engine;
+        // The checkpoint in flight, if any, reads as if it had committed.
+        let store = &inflight::Layered {
+            batch: self.inflight.as_deref().map(|c| &c.batch),
+            base: &*self.store,
+        };
         // Unwind safety: after a panic the engine is never used again (`poisoned`), and
         // the store is only read here, so nothing half-changed is observed.
         let run = catch_unwind(AssertUnwindSafe(|| {
@@ -566,19 +577,13 @@ impl Processor {
         now_ms: u64,
         settled: &dyn Fn(u64, &crate::model::Output) -> bool,
     ) -> Result<Option<(CheckpointInfo, u64)>, ProcessError> {
-        if self.poisoned {
-            return Err(ProcessError::Poisoned);
-        }
-        if self.engine.pending_records() == 0 {
+        let Some((cp, settled)) = self.begin_checkpoint(settled)? else {
             return Ok(None);
-        }
-        let mut cp = self.engine.take_checkpoint();
-        let before = cp.batch.outputs.len();
-        cp.batch.outputs.retain(|(seq, out)| !settled(*seq, out));
-        let settled = (before - cp.batch.outputs.len()) as u64;
+        };
+        let dir = self.store.dir().to_path_buf();
         let fp = |name| {
             crate::failpoint::hit(name).map_err(|source| StoreError::Io {
-                path: self.store.dir().to_path_buf(),
+                path: dir.clone(),
                 source,
             })
         };
@@ -588,21 +593,68 @@ impl Processor {
         } else {
             self.store.commit(&cp, now_ms)?
         };
-        let store = &self.store;
-        self.engine.set_dedup_entries(|name| store.dedup_len(name));
+        self.checkpoint_committed(&info);
         fp("checkpoint.after_commit")?;
-        // The engine's progress is this checkpoint's now; it moves on before the fsync ends.
-        let prune = self::settled_below(&self.engine, info.next_offset);
-        self.unsynced_prunes.push_back((info.next_offset, prune));
         if !self.defer_sync {
             self.synced(info.next_offset);
         }
         Ok(Some((info, settled)))
     }
 
+    /// Take the checkpoint of everything applied, leaving out the outputs `settled` says
+    /// are settled (see [`Processor::checkpoint_settled`]), for a commit beside the caller:
+    /// until [`Processor::checkpoint_committed`] it stays a read layer for the engine and
+    /// the first part of [`Processor::pending_outputs`], so that processing and publishing
+    /// go on while it commits. `None` if nothing was applied. Also returns how many outputs
+    /// were left out. One at a time.
+    pub(crate) fn begin_checkpoint(
+        &mut self,
+        settled: &dyn Fn(u64, &crate::model::Output) -> bool,
+    ) -> Result<Option<(std::sync::Arc<Checkpoint>, u64)>, ProcessError> {
+        if self.poisoned {
+            return Err(ProcessError::Poisoned);
+        }
+        assert!(
+            self.inflight.is_none(),
+            "one checkpoint in flight at a time"
+        );
+        if self.engine.pending_records() == 0 {
+            return Ok(None);
+        }
+        let mut cp = self.engine.take_checkpoint();
+        let before = cp.batch.outputs.len();
+        cp.batch.outputs.retain(|(seq, out)| !settled(*seq, out));
+        let settled = (before - cp.batch.outputs.len()) as u64;
+        let cp = std::sync::Arc::new(cp);
+        self.inflight = Some(cp.clone());
+        Ok(Some((cp, settled)))
+    }
+
+    /// The checkpoint in flight committed as `info` (visible in the store; durable once
+    /// [`Processor::synced`] says so): the layer goes.
+    pub(crate) fn checkpoint_committed(&mut self, info: &CheckpointInfo) {
+        self.inflight = None;
+        let store = &self.store;
+        self.engine.set_dedup_entries(|name| store.dedup_len(name));
+        // The engine's progress is this checkpoint's now; it moves on before the fsync ends.
+        let prune = self::settled_below(&self.engine, info.next_offset);
+        self.unsynced_prunes.push_back((info.next_offset, prune));
+    }
+
+    /// The checkpoint in flight, if one is.
+    pub(crate) fn inflight(&self) -> Option<&Checkpoint> {
+        self.inflight.as_deref()
+    }
+
+    /// The store, for the thread that commits checkpoints beside the caller.
+    pub(crate) fn shared_store(&self) -> std::sync::Arc<Store> {
+        self.store.clone()
+    }
+
     /// From now on [`Processor::checkpoint_settled`] leaves the fsync to the caller (a
     /// [`crate::store::Syncer`] beside the agent's loop), who then calls
     /// [`Processor::synced`]. Replay always syncs itself.
+    #[cfg(test)]
     pub(crate) fn defer_sync(&mut self) {
         self.defer_sync = true;
     }
@@ -630,14 +682,19 @@ impl Processor {
         self.engine.flush_upserts();
     }
 
-    /// Outputs not yet in a checkpoint, in sequence order (see [`Engine::pending_outputs`]).
-    pub fn pending_outputs(&self) -> &[(u64, crate::model::Output)] {
-        self.engine.pending_outputs()
+    /// Outputs not yet in the store, in sequence order: the checkpoint in flight's, then
+    /// the engine's (see [`Engine::pending_outputs`]).
+    pub fn pending_outputs(&self) -> Pending<'_> {
+        Pending::new(
+            self.inflight.as_ref().map_or(&[], |c| &c.batch.outputs[..]),
+            self.engine.pending_outputs(),
+        )
     }
 
-    /// See [`Engine::pending_results`].
+    /// See [`Engine::pending_results`]; with the outputs of the checkpoint in flight.
     pub fn pending_results(&self) -> usize {
-        self.engine.pending_results()
+        let inflight = self.inflight.as_ref().map_or(0, |c| c.batch.outputs.len());
+        self.engine.pending_results().saturating_add(inflight)
     }
 
     /// What Sparkplug sessions reported since the last call (see [`Engine::take_notices`]):
@@ -645,6 +702,52 @@ impl Processor {
     /// rebirth request is sent only for what the live loop saw.
     pub fn take_notices(&mut self) -> Vec<crate::pipeline::sparkplug::Notice> {
         self.engine.take_notices()
+    }
+}
+
+/// Outputs not yet in the store, in sequence order (see [`Processor::pending_outputs`]):
+/// those of the checkpoint in flight, then those applied since.
+#[derive(Debug, Clone, Copy)]
+pub struct Pending<'a>(&'a [(u64, Output)], &'a [(u64, Output)]);
+
+impl<'a> Pending<'a> {
+    /// `inflight`'s outputs, then `applied`'s (each in sequence order, the first all below
+    /// the second).
+    pub(crate) fn new(inflight: &'a [(u64, Output)], applied: &'a [(u64, Output)]) -> Self {
+        Pending(inflight, applied)
+    }
+
+    /// All of them, in sequence order.
+    pub fn iter(self) -> impl Iterator<Item = &'a (u64, Output)> {
+        self.0.iter().chain(self.1)
+    }
+
+    /// Those with a sequence number from `seq` on.
+    pub fn from(self, seq: u64) -> impl Iterator<Item = &'a (u64, Output)> {
+        let a = self.0.partition_point(|(s, _)| *s < seq);
+        let b = self.1.partition_point(|(s, _)| *s < seq);
+        self.0[a..].iter().chain(&self.1[b..])
+    }
+
+    /// The output with sequence number `seq`, if it is here.
+    pub fn find(self, seq: u64) -> Option<&'a Output> {
+        self.from(seq)
+            .next()
+            .filter(|(s, _)| *s == seq)
+            .map(|(_, o)| o)
+    }
+
+    /// The lowest sequence number here.
+    pub fn first_seq(self) -> Option<u64> {
+        self.iter().next().map(|(s, _)| *s)
+    }
+
+    pub fn len(self) -> usize {
+        self.0.len() + self.1.len()
+    }
+
+    pub fn is_empty(self) -> bool {
+        self.len() == 0
     }
 }
 

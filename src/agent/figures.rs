@@ -254,12 +254,14 @@ impl Figures {
         &self,
         took: Duration,
         info: &CheckpointInfo,
+        outbox_end: Option<u64>,
         proc: &Processor,
         log: &Log,
     ) {
-        let outbox_end = proc.engine().progress().outbox_seq;
-        self.metrics
-            .note_outbox_committed(outbox_end, info.committed_at_ms);
+        if let Some(end) = outbox_end {
+            self.metrics
+                .note_outbox_committed(end, info.committed_at_ms);
+        }
         let pipelines = pipeline_figures(proc.engine().progress(), log.first_offset());
         let bounds = proc.store().bound_figures();
         self.metrics.update(|f| {

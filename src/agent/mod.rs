@@ -7,7 +7,7 @@
 //!                                 │            processor.apply(record) ◀───┘ (or the log
 //!                                 │            holds it: work takes it back later)
 //!                                 │            results: publish at once, in order
-//!                                 │            keeper: checkpoint (one sled tx; fsync beside)
+//!                                 │            keeper: checkpoint (sled tx + fsync beside)
 //!                                 └──────────▶ results: what a PUBACK settles, deleted
 //! ```
 //!
@@ -29,7 +29,8 @@
 //!   the outbox bound, the uplink and its topic prefix (`results/mqtt.rs`).
 //! - `work`: when catch-up or backfill takes a slice of the log (the one reader is the
 //!   processor's, `processor/slice.rs`).
-//! - `keeper/`: when a checkpoint is due, its fsync beside the loop, retention, savepoints,
+//! - `keeper/`: when a checkpoint is due, its commit and fsync beside the loop (the
+//!   processor reads the one in flight as a layer), retention, savepoints,
 //!   checkpoints waiting for disk room.
 //! - `figures`: `/metrics`, the `STATUS=` line and the watchdog, dead-letter lines.
 //! - `host`: Cairn as a Sparkplug B host: its STATE (will, online, offline before a clean
@@ -450,12 +451,13 @@ impl Agent {
         )
     }
 
-    /// Commit everything applied (leaving out what the results' sinks have settled), hand
-    /// the fsync to the keeper, and take a savepoint if one is due. On a disk below the
-    /// free-space reserve the checkpoint waits instead, and processing with it.
+    /// Take a checkpoint of everything applied (leaving out what the results' sinks have
+    /// settled) and hand its commit and fsync to the keeper's thread: the loop goes on
+    /// meanwhile (`keeper/commit.rs`). On a disk below the free-space reserve the checkpoint
+    /// waits instead, and processing with it.
     fn checkpoint(&mut self) -> Result<(), AgentError> {
-        // At most one fsync outstanding: the previous checkpoint's first.
-        self.settle_fsync(true)?;
+        // At most one checkpoint in flight: the previous one's first.
+        self.settle_commit(true)?;
         let began = self.now();
         let writes = (self.proc.pending_results() as u64).saturating_add(self.proc.pending_keys());
         let bytes = writes.saturating_mul(CHECKPOINT_BYTES_PER_WRITE);
@@ -473,75 +475,95 @@ impl Agent {
             .store()
             .stage_sink_positions(&self.results.positions())?;
         let results = &self.results;
-        let done = self
+        let begun = self
             .proc
-            .checkpoint_settled(self.clock.wall_ms(), &|seq, out| results.settled(seq, out));
-        if let Err(e) = &done {
-            self.figures.metrics.update(|f| f.checkpoint_failures += 1);
-            // Fatal by design: the engine is now ahead of the store; a restart replays.
-            crate::event!(error, "checkpoint_failed";
-                "checkpoint failed: {e}; exiting so that recovery replays from the last checkpoint"
-            );
-        }
-        let done = done?;
-        let committed = done.is_some();
-        if let Some((info, settled)) = done {
-            self.results.checkpointed(settled, &self.proc)?;
-            log::debug!("checkpoint {} at offset {}", info.id, info.next_offset);
-            let took = self.now().saturating_duration_since(began);
-            let floor = keeper::retention_floor(&self.proc.store().progress()?, &self.cfg);
-            self.keeper.committed(info.next_offset, floor)?;
-            self.figures
-                .checkpointed(took, &info, &self.proc, &self.log);
-            // Right after a commit the store is exactly that checkpoint and nothing else
-            // writes to it until this thread goes on: the one moment a savepoint is
-            // consistent. A failed one costs no data (the checkpoint is durable, retention
-            // keeps the log back to the previous savepoint): it is reported, and tried
-            // again next interval.
-            let now = self.now();
-            if self.keeper.schedule.savepoint_due_now(now) {
-                let (figures, clock) = (&mut self.figures, &self.clock);
-                let _ = self.keeper.take_savepoint(
-                    self.proc.store(),
-                    &self.cfg,
-                    &figures.metrics,
-                    now,
-                    &mut |n| {
-                        figures.heartbeat.beat(clock.monotonic(), || {
-                            format!("running: writing a savepoint ({n} entries so far)")
-                        })
-                    },
-                );
+            .begin_checkpoint(&|seq, out| results.settled(seq, out));
+        let begun = self.failed_checkpoint(begun.map_err(AgentError::from))?;
+        match begun {
+            Some((cp, settled)) => {
+                let floor = keeper::retention_floor(&cp.progress, &self.cfg);
+                let taken = (self.clock.wall_ms(), began, settled);
+                let sent = self.keeper.commit(cp, floor, taken);
+                self.failed_checkpoint(sent.map_err(AgentError::from))?;
             }
+            // After a commit, retention runs once it is durable (`settle_commit`); with
+            // nothing to commit, it still runs by time.
+            None => self.retention()?,
         }
         self.keeper.schedule.checkpointed();
-        // After a commit, retention runs once it is durable (`settle_fsync`); with nothing
-        // to commit, it still runs by time.
-        if !committed {
-            self.retention()?;
-        }
         Ok(())
     }
 
-    /// A finished checkpoint fsync (`wait`: wait for the one in progress): the quarantine
-    /// forgets what it settled, and retention may delete what it covers.
-    fn settle_fsync(&mut self, wait: bool) -> Result<(), AgentError> {
-        let settled = self.keeper.fsync_done(wait);
-        if let Err(e) = &settled {
+    /// A checkpoint that failed is fatal by design: the engine is then ahead of the store,
+    /// and a restart replays. Counted and said before the agent exits.
+    fn failed_checkpoint<T>(&self, r: Result<T, AgentError>) -> Result<T, AgentError> {
+        if let Err(e) = &r {
             self.figures.metrics.update(|f| f.checkpoint_failures += 1);
             crate::event!(error, "checkpoint_failed";
                 "checkpoint failed: {e}; exiting so that recovery replays from the last checkpoint"
             );
         }
-        if let Some(next) = settled? {
-            self.proc.synced(next);
-            self.retention()?;
+        r
+    }
+
+    /// The checkpoint in flight, if it is done (`wait`: wait for it): committed and
+    /// durable. The processor drops it as a read layer, the results room counts what it
+    /// left waiting, the quarantine forgets what it settled, retention may delete what it
+    /// covers, and a savepoint is taken if one is due.
+    fn settle_commit(&mut self, wait: bool) -> Result<(), AgentError> {
+        let done = self.keeper.commit_done(wait).map_err(AgentError::from);
+        let Some((info, began, settled)) = self.failed_checkpoint(done)? else {
+            return Ok(());
+        };
+        // Outputs acknowledged by every sink while their checkpoint committed went into the
+        // outbox all the same: they leave it now.
+        let acked: Vec<(u64, String)> = self.proc.inflight().map_or_else(Vec::new, |cp| {
+            (cp.batch.outputs.iter())
+                .filter(|(seq, out)| self.results.settled(*seq, out))
+                .map(|(seq, out)| (*seq, out.id.clone()))
+                .collect()
+        });
+        let outbox_end = self.proc.inflight().map(|cp| cp.progress.outbox_seq);
+        self.proc.checkpoint_committed(&info);
+        self.proc.synced(info.next_offset);
+        self.results.checkpointed(settled, &self.proc)?;
+        for (seq, id) in acked {
+            self.proc.store().outbox_delete(seq, &id)?;
+        }
+        log::debug!("checkpoint {} at offset {}", info.id, info.next_offset);
+        let took = self.now().saturating_duration_since(began);
+        self.figures
+            .checkpointed(took, &info, outbox_end, &self.proc, &self.log);
+        self.retention()?;
+        // No checkpoint is in flight and the store is exactly the one just made durable:
+        // the one moment a savepoint is consistent. A failed one costs no data (the
+        // checkpoint is durable, retention keeps the log back to the previous savepoint):
+        // it is reported, and tried again next interval.
+        let now = self.now();
+        if self.keeper.schedule.savepoint_due_now(now) {
+            let (figures, clock) = (&mut self.figures, &self.clock);
+            let _ = self.keeper.take_savepoint(
+                self.proc.store(),
+                &self.cfg,
+                &figures.metrics,
+                now,
+                &mut |n| {
+                    figures.heartbeat.beat(clock.monotonic(), || {
+                        format!("running: writing a savepoint ({n} entries so far)")
+                    })
+                },
+            );
         }
         Ok(())
     }
 
     /// The keeper's retention, with the log, the store and the receipt clock.
     fn retention(&mut self) -> Result<(), AgentError> {
+        if self.keeper.commit_in_flight() {
+            // Retention may write a savepoint, which reads the store as one checkpoint: it
+            // runs once the one in flight is done (`settle_commit` runs it then).
+            return self.settle_commit(true);
+        }
         let now = self.now();
         let receipt_ms = self.ingest.queue.receipt_now(self.clock.wall_ms(), now);
         let (figures, clock) = (&mut self.figures, &self.clock);
@@ -562,7 +584,7 @@ impl Agent {
     /// The timers, in the order of the diagram: log commit, checkpoint, held input, publish;
     /// then the figures and the heap.
     fn tick(&mut self, force: bool) -> Result<(), AgentError> {
-        self.settle_fsync(force)?;
+        self.settle_commit(force)?;
         let now = self.now();
         if self
             .ingest
@@ -699,8 +721,8 @@ impl Agent {
                 .heartbeat
                 .beat(now, || "stopping: publishing the outbox".into());
         }
+        self.settle_commit(true)?;
         let left = self.proc.store().outbox_len();
-        self.settle_fsync(true)?;
         self.proc.store().sync()?;
         let c = &self.results.counts;
         crate::event!(info, "shutdown_done";

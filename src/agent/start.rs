@@ -110,15 +110,15 @@ pub(crate) fn recover(
         clock.wall_ms(),
         clock.monotonic(),
     );
-    // From here on the checkpoint's fsync runs beside the loop (`keeper`).
-    proc.defer_sync();
+    // From here on checkpoints commit beside the loop (`keeper`).
     let opened = proc.store().progress()?;
-    let fsync = Keeper::start_fsync(proc.store(), &opened, cfg).map_err(|source| {
-        crate::store::StoreError::Io {
-            path: cfg.store_dir(),
-            source,
-        }
-    })?;
+    let committer =
+        Keeper::start_committer(proc.shared_store(), &opened, cfg).map_err(|source| {
+            crate::store::StoreError::Io {
+                path: cfg.store_dir(),
+                source,
+            }
+        })?;
     let first_seq = proc
         .store()
         .outbox_from(0)
@@ -145,7 +145,7 @@ pub(crate) fn recover(
         ingest: Ingest::new(receipt, space),
         results,
         work: Work::new(stats.held.is_some(), now),
-        keeper: Keeper::new(schedule, fsync, sync.clone()),
+        keeper: Keeper::new(schedule, committer, sync.clone()),
         figures: Figures::new(metrics, now),
         host,
     })

@@ -356,7 +356,7 @@ fn checkpoint(o: &mut Out, f: &Figures, now_ms: u64) {
     );
     o.histogram(
         "cairn_checkpoint_duration_seconds",
-        "Duration of a checkpoint (one sled transaction and fsync).",
+        "Duration of a checkpoint's commit beside the loop (one sled transaction and its fsync; processing goes on meanwhile).",
         &f.checkpoint,
     );
     o.one(

@@ -41,7 +41,7 @@ const CASES: u32 = 48;
 /// is set (for the report: that the cases reach what they are about).
 mod stats {
     use std::sync::atomic::{AtomicU64, Ordering};
-    pub(super) static NAMES: [&str; 9] = [
+    pub(super) static NAMES: [&str; 10] = [
         "cases",
         "steps",
         "starts",
@@ -51,8 +51,9 @@ mod stats {
         "kills",
         "resets",
         "restores",
+        "checkpoints in flight",
     ];
-    pub(super) static COUNTS: [AtomicU64; 9] = [const { AtomicU64::new(0) }; 9];
+    pub(super) static COUNTS: [AtomicU64; 10] = [const { AtomicU64::new(0) }; 10];
     pub(super) fn add(i: usize, n: u64) {
         COUNTS[i].fetch_add(n, Ordering::Relaxed);
     }
@@ -201,7 +202,11 @@ enum Step {
     Live(Vec<Input>),
     Backfill(u8),
     Flush,
-    Checkpoint,
+    /// A checkpoint; with `true` it is taken as the agent takes it, to commit beside the
+    /// loop: it stays in flight (a read layer, its outputs pending) while the next steps
+    /// apply records, until a later checkpoint, sync or clean stop commits it; a kill or
+    /// power cut loses it uncommitted.
+    Checkpoint(bool),
     /// The store's fsync; with `true`, a savepoint of that checkpoint is written after it.
     Sync(bool),
     /// Stop, edit, start; processing at start held after this many records, if set.
@@ -236,7 +241,7 @@ fn step() -> impl Strategy<Value = Step> {
         6 => proptest::collection::vec(input(), 1..12).prop_map(Step::Live),
         2 => (1u8..30).prop_map(Step::Backfill),
         1 => Just(Step::Flush),
-        3 => Just(Step::Checkpoint),
+        3 => any::<bool>().prop_map(Step::Checkpoint),
         2 => any::<bool>().prop_map(Step::Sync),
         3 => (
             stop,
@@ -245,6 +250,15 @@ fn step() -> impl Strategy<Value = Step> {
         )
             .prop_map(|(s, e, h)| Step::Restart(s, e, h)),
     ]
+}
+
+/// Commit the checkpoint in flight, if there is one, as the keeper's thread does (not
+/// synced: that is [`Step::Sync`]'s).
+fn commit_in_flight(proc: &mut Processor) {
+    if let Some(cp) = proc.inflight() {
+        let info = proc.store().commit_unsynced(cp, 0).unwrap();
+        proc.checkpoint_committed(&info);
+    }
 }
 
 /// The case's world: the data directory and what the oracle has seen.
@@ -579,12 +593,20 @@ fn run(steps: &[Step]) -> Result<(), TestCaseError> {
                 proc.backfill_slice(&log, u64::from(*n)).unwrap();
             }
             Step::Flush => proc.flush_upserts(),
-            Step::Checkpoint => {
+            Step::Checkpoint(beside) => {
                 w.record_all(&proc)?;
-                proc.checkpoint(0).unwrap();
+                commit_in_flight(&mut proc);
+                if *beside {
+                    if proc.begin_checkpoint(&|_, _| false).unwrap().is_some() {
+                        stats::add(9, 1);
+                    }
+                } else {
+                    proc.checkpoint(0).unwrap();
+                }
                 w.record_all(&proc)?;
             }
             Step::Sync(savepoint) => {
+                commit_in_flight(&mut proc);
                 proc.store().sync().unwrap();
                 let next = proc.store().progress().unwrap().next_offset;
                 proc.synced(next);
@@ -599,6 +621,7 @@ fn run(steps: &[Step]) -> Result<(), TestCaseError> {
                 // Whatever was computed may have gone out before the stop.
                 w.record_all(&proc)?;
                 if *stop == Stop::Clean {
+                    commit_in_flight(&mut proc);
                     proc.checkpoint(0).unwrap();
                     proc.store().sync().unwrap();
                     w.record_all(&proc)?;
@@ -626,6 +649,7 @@ fn run(steps: &[Step]) -> Result<(), TestCaseError> {
     while proc.backfill_slice(&log, 1000).unwrap().is_some() {}
     proc.catch_up(&log, u64::MAX, &mut |_, _| {}).unwrap();
     w.record_all(&proc)?;
+    commit_in_flight(&mut proc);
     proc.checkpoint(0).unwrap();
     w.record_all(&proc)?;
 

@@ -85,7 +85,8 @@ impl Processor {
             old.set_quarantine(quarantine)?;
             let held = settle(&mut old)?;
             quarantine = old.quarantine.take().expect("attached above");
-            store = old.store;
+            store = std::sync::Arc::into_inner(old.store)
+                .expect("nothing else holds the store while the last run's pipelines settle");
             if let Some(why) = held {
                 let before = plan.notes.len();
                 plan.settle_held(&why);

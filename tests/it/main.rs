@@ -12,6 +12,7 @@ mod support;
 mod backfill;
 mod checkpoint;
 mod cli;
+mod commit_beside;
 mod config_errors;
 mod crash;
 mod dbsinks;

@@ -1,10 +1,11 @@
 //! The keeper: what makes processed work durable and what it lets go of. The checkpoint's
-//! schedule (`schedule.rs`), its fsync on a thread beside the loop (`fsync.rs`), retention
-//! of log segments, savepoints, and the free-space wait of store writes.
+//! schedule (`schedule.rs`), its transaction and fsync on a thread beside the loop
+//! (`commit.rs`), retention of log segments, savepoints, and the free-space wait of store
+//! writes.
 //!
-//! The loop commits a checkpoint (it holds the processor and the results' settled prefix)
-//! and hands the rest here: the fsync, what retention may then delete, whether a savepoint
-//! is due. Retention and savepoints are carried out here, with the log and the store the
+//! The loop takes a checkpoint from the processor (it holds the processor and the results'
+//! settled prefix) and hands the rest here: the commit and fsync, what retention may then
+//! delete, whether a savepoint is due. Retention and savepoints are carried out here, with the log and the store the
 //! loop hands over.
 //!
 //! **Store writes under the free-space guard** (issue 26): a checkpoint on a disk with less
@@ -12,7 +13,7 @@
 //! `ENOSPC` and crash-looping the agent, and processing waits with it; the journal says so
 //! once a minute. It commits once the guard measures room again.
 
-mod fsync;
+mod commit;
 pub(crate) mod schedule;
 
 use std::time::{Duration, Instant};
@@ -22,10 +23,10 @@ use crate::fsio::Durability;
 use crate::log::Log;
 use crate::metrics::Metrics;
 use crate::model::{Offset, Progress};
-use crate::store::{SavepointInfo, Store, StoreError};
+use crate::store::{CheckpointInfo, SavepointInfo, Store, StoreError};
 
 use super::error::{AgentError, failpoint};
-pub(crate) use fsync::Fsync;
+pub(crate) use commit::Committer;
 pub(crate) use schedule::{Relief, STORE_BLOAT_FACTOR, Schedule};
 
 /// How often the journal hears that a backfill holds the log, or that checkpoints wait for
@@ -39,7 +40,10 @@ pub(crate) const CHECKPOINT_BYTES_PER_WRITE: u64 = 512;
 
 pub(crate) struct Keeper {
     pub(crate) schedule: Schedule,
-    fsync: Fsync,
+    commit: Committer,
+    /// The checkpoint in flight: when the loop took it, and how many outputs it left out as
+    /// settled.
+    in_flight: Option<(Instant, u64)>,
     sync: Durability,
     /// Warnings for processed segments deleted inside retention (a log short of room).
     eviction_log: crate::logging::RateLimit,
@@ -50,10 +54,11 @@ pub(crate) struct Keeper {
 }
 
 impl Keeper {
-    pub(crate) fn new(schedule: Schedule, fsync: Fsync, sync: Durability) -> Keeper {
+    pub(crate) fn new(schedule: Schedule, commit: Committer, sync: Durability) -> Keeper {
         Keeper {
             schedule,
-            fsync,
+            commit,
+            in_flight: None,
             sync,
             eviction_log: crate::logging::RateLimit::new(3, Duration::from_secs(60)),
             backfill_held_reported: None,
@@ -62,34 +67,47 @@ impl Keeper {
         }
     }
 
-    /// Start the checkpoint fsync thread over `store`, whose durable checkpoint is
+    /// Start the checkpoint commit thread over `store`, whose durable checkpoint is
     /// `progress`.
-    pub(crate) fn start_fsync(
-        store: &Store,
+    pub(crate) fn start_committer(
+        store: std::sync::Arc<Store>,
         progress: &Progress,
         cfg: &Config,
-    ) -> std::io::Result<Fsync> {
-        Fsync::start(
-            store.syncer(),
-            progress.next_offset,
-            retention_floor(progress, cfg),
-        )
+    ) -> std::io::Result<Committer> {
+        let floor = retention_floor(progress, cfg);
+        Committer::start(store, progress.next_offset, floor)
     }
 
-    /// A finished checkpoint fsync (`wait`: wait for the one in progress): the offset it
-    /// made durable.
-    pub(crate) fn fsync_done(&mut self, wait: bool) -> Result<Option<Offset>, StoreError> {
-        self.fsync.settle(wait)
-    }
-
-    /// The checkpoint up to `next_offset`, needing the log from `floor`, was committed:
-    /// make it durable beside the loop.
-    pub(crate) fn committed(
+    /// A finished checkpoint (`wait`: wait for the one in flight): committed and durable;
+    /// with when the loop took it and how many outputs it left out as settled.
+    pub(crate) fn commit_done(
         &mut self,
-        next_offset: Offset,
+        wait: bool,
+    ) -> Result<Option<(CheckpointInfo, Instant, u64)>, StoreError> {
+        let Some(info) = self.commit.settle(wait)? else {
+            return Ok(None);
+        };
+        let (began, settled) = self.in_flight.take().expect("a checkpoint was in flight");
+        Ok(Some((info, began, settled)))
+    }
+
+    /// Whether a checkpoint is being committed beside the loop.
+    pub(crate) fn commit_in_flight(&self) -> bool {
+        self.commit.in_flight()
+    }
+
+    /// Commit `cp` beside the loop and make it durable (it needs the log from `floor`).
+    /// `taken`: the wall-clock time it records, when the loop took it, and how many outputs
+    /// it left out as settled.
+    pub(crate) fn commit(
+        &mut self,
+        cp: std::sync::Arc<crate::pipeline::engine::Checkpoint>,
         floor: Offset,
+        (at_ms, began, settled): (u64, Instant, u64),
     ) -> Result<(), StoreError> {
-        self.fsync.begin(next_offset, floor)
+        self.commit.begin(cp, at_ms, floor)?;
+        self.in_flight = Some((began, settled));
+        Ok(())
     }
 
     /// The free-space guard refused a checkpoint (`free` bytes left under `dir`): it waits,
@@ -145,7 +163,7 @@ impl Keeper {
         // Durable progress only, never the engine's applied offset nor a checkpoint whose
         // fsync has not finished: after a crash the replay starts at the durable checkpoint,
         // so everything from there must stay; and never what a backfill still needs.
-        let durable = self.fsync.floor();
+        let durable = self.commit.floor();
         self.note_backfill_holds_log(log, cfg, durable, now);
         let cutoff = Schedule::retention_cutoff(receipt_ms, cfg.log.retention);
         let floor = self.schedule.savepoint_floor();
@@ -188,7 +206,7 @@ impl Keeper {
     /// say so (at most every [`REPORT_INTERVAL`]); ingest stops acknowledging until the
     /// backfill moves on.
     fn note_backfill_holds_log(&mut self, log: &Log, cfg: &Config, floor: Offset, now: Instant) {
-        if floor >= self.fsync.durable() || !log.short_of_room() {
+        if floor >= self.commit.durable() || !log.short_of_room() {
             return;
         }
         if self

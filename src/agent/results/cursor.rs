@@ -60,7 +60,7 @@ pub(crate) fn next_routed<E>(
     cursor: u64,
     room: usize,
     outbox: impl Iterator<Item = Result<(u64, Output), E>>,
-    pending: &[(u64, Output)],
+    pending: crate::processor::Pending<'_>,
     routed: impl Fn(&str) -> bool,
 ) -> Result<(Vec<Next>, u64), E> {
     let mut batch = Vec::new();
@@ -82,8 +82,9 @@ pub(crate) fn next_routed<E>(
             return Ok((batch, next));
         }
     }
-    let from = pending.partition_point(|(seq, _)| *seq < cursor);
-    for (seq, out) in &pending[from..] {
+    // From where the outbox ended: a checkpoint that has just committed is in both until
+    // the loop hears that it is done.
+    for (seq, out) in pending.from(next) {
         looked += 1;
         next = seq + 1;
         if routed(&out.id) {
@@ -241,6 +242,7 @@ impl Cursor {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::processor::Pending;
 
     #[test]
     fn rewinding_the_unsettled_sends_again_from_the_oldest_unsettled_even_past_acked_ones() {
@@ -281,7 +283,7 @@ mod tests {
         let pending = vec![(5, out("c")), (6, out("d")), (7, out("e"))];
         let sent = |cursor, room, outbox: &[(u64, Output)]| {
             let it = outbox.iter().cloned().map(Ok::<_, ()>);
-            next_routed(cursor, room, it, &pending, |_| true)
+            next_routed(cursor, room, it, Pending::new(&[], &pending), |_| true)
                 .unwrap()
                 .0
                 .into_iter()
@@ -312,11 +314,44 @@ mod tests {
     }
 
     #[test]
+    fn a_checkpoint_in_flight_is_sent_from_memory_and_once_when_it_is_also_in_the_outbox() {
+        let inflight = vec![(5, out("c")), (7, out("e"))];
+        let applied = vec![(8, out("f"))];
+        let pending = Pending::new(&inflight, &applied);
+        let sent = |cursor, outbox: &[(u64, Output)]| {
+            let it = outbox.iter().cloned().map(Ok::<_, ()>);
+            next_routed(cursor, 10, it, pending, |_| true)
+                .unwrap()
+                .0
+                .into_iter()
+                .map(|(s, _, fresh)| (s, fresh))
+                .collect::<Vec<_>>()
+        };
+        // Committing: in memory only (6 was settled before and left out).
+        assert_eq!(
+            sent(4, &[(4, out("b"))]),
+            [(4, false), (5, true), (7, true), (8, true)]
+        );
+        // Committed, the loop not yet told: in the outbox too, and sent once.
+        assert_eq!(
+            sent(5, &[(5, out("c")), (7, out("e"))]),
+            [(5, false), (7, false), (8, true)]
+        );
+        assert_eq!(pending.first_seq(), Some(5));
+        assert_eq!(pending.find(7).map(|o| o.id.as_str()), Some("e"));
+        assert_eq!(pending.find(6), None);
+        assert_eq!(pending.len(), 3);
+    }
+
+    #[test]
     fn a_sink_takes_only_its_pipelines_results_and_skips_the_others() {
         let outbox = [(3, out("x/1")), (4, out("y/1")), (5, out("x/2"))];
         let pending = vec![(6, out("y/2")), (7, out("x/3"))];
         let it = outbox.iter().cloned().map(Ok::<_, ()>);
-        let (batch, next) = next_routed(3, 10, it, &pending, |id| id.starts_with('y')).unwrap();
+        let (batch, next) = next_routed(3, 10, it, Pending::new(&[], &pending), |id| {
+            id.starts_with('y')
+        })
+        .unwrap();
         let got: Vec<u64> = batch.iter().map(|b| b.0).collect();
         assert_eq!(got, [4, 6]);
         assert_eq!(
@@ -324,7 +359,10 @@ mod tests {
             "everything looked at: the cursor may move past x's"
         );
         let it = outbox.iter().cloned().map(Ok::<_, ()>);
-        let (batch, next) = next_routed(3, 1, it, &pending, |id| id.starts_with('y')).unwrap();
+        let (batch, next) = next_routed(3, 1, it, Pending::new(&[], &pending), |id| {
+            id.starts_with('y')
+        })
+        .unwrap();
         assert_eq!((batch.len(), next), (1, 5), "full after 4");
     }
 

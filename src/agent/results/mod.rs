@@ -313,7 +313,7 @@ impl Results {
         proc: &Processor,
     ) -> Result<(), AgentError> {
         // Outputs from `fresh` on are not in the store yet: nothing to delete.
-        let fresh = proc.pending_outputs().first().map_or(u64::MAX, |o| o.0);
+        let fresh = proc.pending_outputs().first_seq().unwrap_or(u64::MAX);
         for (seq, id) in settled {
             if seq >= fresh {
                 // At the broker, its checkpoint not yet committed (tests/it/crash.rs).
@@ -382,11 +382,7 @@ impl Results {
         let store = proc.store();
         let out = match store.outbox_from(seq).next().transpose()? {
             Some((s, o)) if s == seq => Some(o),
-            _ => proc
-                .pending_outputs()
-                .iter()
-                .find(|(s, _)| *s == seq)
-                .map(|(_, o)| o.clone()),
+            _ => proc.pending_outputs().find(seq).cloned(),
         };
         let sink = &self.sinks[i];
         let name = sink.name.clone();
@@ -565,11 +561,7 @@ impl Results {
         };
         let topic = match proc.store().outbox_from(seq).next().transpose()? {
             Some((s, o)) if s == seq => Some(o.topic),
-            _ => proc
-                .pending_outputs()
-                .iter()
-                .find(|(s, _)| *s == seq)
-                .map(|(_, o)| o.topic.clone()),
+            _ => proc.pending_outputs().find(seq).map(|o| o.topic.clone()),
         };
         Ok(topic.map_or_else(String::new, |t| self.sinks[i].topic_of(&t)))
     }
