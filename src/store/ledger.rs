@@ -94,7 +94,7 @@ use std::hash::{BuildHasher, Hasher};
 
 use serde::{Deserialize, Serialize};
 
-use super::index::{PagedIndex, dir_bits_for};
+use super::index::{PagedIndex, SWEEP_PER_DEAD, dir_bits_for};
 
 /// Most entries in one chunk (a handful in unit tests, so that their small batches span
 /// several chunks, as large ones do in production).
@@ -318,6 +318,8 @@ pub(crate) struct Ledgers {
     /// indexed at once.
     shared: HashMap<u16, Vec<Owner>>,
     next_tag: u16,
+    /// Entries the index's sweep owes for tags retired since it last ran.
+    to_sweep: usize,
 }
 
 /// Where a chunk went in memory: whether it was indexed.
@@ -332,13 +334,14 @@ impl Ledgers {
     /// Empty ledgers whose index will be kept within `bound` bytes.
     pub fn new(bound: usize) -> Self {
         Ledgers {
-            index: PagedIndex::new(dir_bits_for(bound)),
+            index: PagedIndex::new(dir_bits_for(bound), TAG_SPACE),
             ledgers: Vec::new(),
             names: Vec::new(),
             pids: HashMap::new(),
             owner: HashMap::new(),
             shared: HashMap::new(),
             next_tag: 0,
+            to_sweep: 0,
         }
     }
 
@@ -382,10 +385,25 @@ impl Ledgers {
         self.index.memory_bytes()
     }
 
-    /// Entries in the index (tests).
+    /// Entries in the index, those of retired tags left out (tests).
     #[cfg(test)]
     pub fn index_len(&self) -> usize {
-        self.index.len()
+        self.index.live_len()
+    }
+
+    /// Whether the index holds at most `bound` bytes after inserting entries with these
+    /// hashes. If not, and entries of retired tags are still there, they are swept out
+    /// first: the bound counts them, and they must not leave a chunk unindexed.
+    fn fits(&mut self, hashes: &[u64], bound: usize) -> bool {
+        let fits = |ix: &PagedIndex| ix.bytes_to_hold(hashes).is_some_and(|b| b <= bound);
+        if fits(&self.index) {
+            return true;
+        }
+        if self.index.dead() == 0 {
+            return false;
+        }
+        self.index.sweep_all();
+        fits(&self.index)
     }
 
     /// Chunks in groups the memory bound left out of the index.
@@ -456,7 +474,7 @@ impl Ledgers {
             .flat_map(|c| c.hashes.iter().copied())
             .collect();
         let mut inserts = Vec::with_capacity(all.len());
-        if self.index.bytes_to_hold(&all).is_some_and(|b| b <= bound) {
+        if self.fits(&all, bound) {
             for c in chunks {
                 self.place(c, true, &mut inserts);
             }
@@ -465,10 +483,7 @@ impl Ledgers {
         }
         let mut added = Added::Indexed;
         for c in chunks {
-            let fits = self
-                .index
-                .bytes_to_hold(&c.hashes)
-                .is_some_and(|b| b <= bound);
+            let fits = self.fits(&c.hashes, bound);
             inserts.clear();
             if self.place(c, fits, &mut inserts) == Added::Unindexed {
                 added = Added::Unindexed;
@@ -537,8 +552,15 @@ impl Ledgers {
     /// A tag for a new indexed group: one no other indexed group has, while there is one.
     /// Tags are 16 bits to keep an index entry at 4 bytes; past 2^16 indexed groups at once a
     /// tag is shared, and a hit on it reads every group that has it: slower, never wrong.
+    ///
+    /// A retired tag (its group dropped, its entries not yet swept out of the index) is
+    /// given to no one: the sweep would take the new group's entries out with the old ones.
+    /// If retired tags are all that is left, the sweep frees them at once.
     fn take_tag(&mut self, owner: Owner) -> u16 {
-        let all_taken = self.owner.len() >= TAG_SPACE;
+        if self.owner.is_empty() && self.index.retired_tags() >= TAG_SPACE {
+            self.index.sweep_all();
+        }
+        let all_taken = self.owner.len() + self.index.retired_tags() >= TAG_SPACE;
         let tag = loop {
             let t = self.next_tag;
             self.next_tag = if usize::from(t) + 1 >= TAG_SPACE {
@@ -546,7 +568,8 @@ impl Ledgers {
             } else {
                 t + 1
             };
-            if all_taken || !self.owner.contains_key(&t) {
+            let owned = self.owner.contains_key(&t);
+            if (all_taken && owned) || (!all_taken && !owned && !self.index.is_retired(t)) {
                 break t;
             }
         };
@@ -589,8 +612,10 @@ impl Ledgers {
     }
 
     /// Drop the oldest group of `pid`, which must be `seq`, whose chunks' entries have these
-    /// hashes (read from the tree before its chunks were deleted). Its index entries go
-    /// into `removals`, for [`Ledgers::remove_entries`].
+    /// hashes (read from the tree before its chunks were deleted). If its tag is its own,
+    /// the tag is retired: the index's sweep takes its entries out (see
+    /// [`PagedIndex::retire`]). If another group shares it, its entries go into `removals`,
+    /// for [`Ledgers::remove_entries`], one by one.
     pub(crate) fn drop_oldest(
         &mut self,
         pid: u32,
@@ -606,6 +631,20 @@ impl Ledgers {
         l.bytes = l.bytes.saturating_sub(g.bytes);
         debug_assert_eq!(g.entries, hashes.len() as u64, "every entry is dropped");
         match g.tag {
+            Some(tag) if !self.shared.contains_key(&tag) => {
+                let n = usize::try_from(g.entries).expect("entries fit in memory");
+                // Every entry with the tag is the group's, but for those of groups that
+                // shared it, dropped in this commit and waiting in `removals`.
+                #[cfg(test)]
+                assert_eq!(
+                    self.index.count_tag(tag),
+                    n + removals.iter().filter(|r| r.1 == tag).count(),
+                    "group {seq} of {pid}: its tag {tag}'s entries are its own ({g:?})"
+                );
+                self.index.retire(tag, n);
+                self.to_sweep = self.to_sweep.saturating_add(n * SWEEP_PER_DEAD);
+                self.release_tag(tag, (pid, seq));
+            }
             Some(tag) => {
                 removals.extend(hashes.iter().map(|&h| (h, tag)));
                 self.release_tag(tag, (pid, seq));
@@ -616,8 +655,10 @@ impl Ledgers {
         }
     }
 
-    /// Take the entries of dropped groups out of the index, all at once. An entry of another
-    /// group with the same bits and tag is the same entry, so which one goes does not matter.
+    /// Take the entries of dropped groups out of the index, all at once: those of shared
+    /// tags one by one (an entry of another group with the same bits and tag is the same
+    /// entry, so which one goes does not matter), and the sweep's share for the retired
+    /// ones.
     pub(crate) fn remove_entries(&mut self, removals: &[(u64, u16)]) {
         let found = self.index.remove_many(removals);
         debug_assert_eq!(
@@ -625,6 +666,7 @@ impl Ledgers {
             removals.len(),
             "every entry of an indexed group is indexed"
         );
+        self.index.sweep(std::mem::take(&mut self.to_sweep));
     }
 
     /// Up to `limit` unindexed groups of `pid`, oldest first.
@@ -635,8 +677,20 @@ impl Ledgers {
 
     /// Index unindexed group `seq` of `pid`, whose entries have these hashes, if that keeps
     /// the index within `bound`. Returns whether it did.
+    ///
+    /// The hashes are read from the group's key range in the tree, and the newest group's
+    /// runs to the end of its pipeline's keys: read after a commit's transaction, that range
+    /// also holds the chunks the commit is about to add, which sort after the group's own.
+    /// Only the group's own entries are indexed here (the first `entries`): indexing the new
+    /// ones too left them in the index twice, and their copy under this tag outlived them.
     pub(crate) fn promote(&mut self, pid: u32, seq: u64, hashes: &[u64], bound: usize) -> bool {
-        let fits = self.index.bytes_to_hold(hashes).is_some_and(|b| b <= bound);
+        let l = &self.ledgers[pid as usize];
+        let Some(g) = l.group(seq).filter(|_| l.unindexed.contains(&seq)) else {
+            return false;
+        };
+        let own = usize::try_from(g.entries).map_or(hashes.len(), |n| n.min(hashes.len()));
+        let hashes = &hashes[..own];
+        let fits = self.fits(hashes, bound);
         if !fits || !self.ledgers[pid as usize].unindexed.remove(&seq) {
             return false;
         }
