@@ -5,8 +5,10 @@
 //! - A lookup answers exactly what a map of every recorded (pipeline, ID) → record time
 //!   would: memory only decides which chunks a lookup reads, never what it answers
 //!   (`store::tests::ledger_model`, `store::tests::ledger_oracle`).
-//! - Memory per ID is bounded and small: 4 bytes of index per ID in the window, and a few
-//!   bytes per group of chunks (~0.2 byte per ID); nothing else grows with the IDs.
+//! - Memory per ID is bounded and small: 4 bytes of index per ID in the window, the entries
+//!   of expired groups that the index's sweep has not reached yet (at most ~1/8 of them,
+//!   half a byte per ID; see `index.rs`), and a few bytes per group of chunks (~0.2 byte
+//!   per ID); nothing else grows with the IDs.
 //! - No cliff: a lookup reads one bucket of the index and, only on a hit, the groups its
 //!   tag names (one, while fewer than 2^16 groups are indexed); nothing a lookup does grows
 //!   with the number of IDs but the cache misses of a larger index and store
@@ -52,7 +54,8 @@
 //! # What a lookup costs (ten million IDs, full checkpoints of 24-byte IDs)
 //!
 //! - Memory: 40 MB of index entries (4 bytes per ID) plus ~1.5 MB of directory, slack and
-//!   headers (measured: 4.28 bytes per ID); groups ~30,000 × 56 bytes = 1.7 MB.
+//!   headers, and the expired entries the sweep has yet to reach (measured: 4.28 bytes per
+//!   ID before they waited for a sweep, 4.38 since); groups ~30,000 × 56 bytes = 1.7 MB.
 //! - A fresh ID (the common case): hash (~20 ns), one bucket of ~150 entries (interpolation:
 //!   two or three cache lines): no read. A false hit, probability `n / 2^32` = 0.23%, reads
 //!   one group (~12 KiB from sled, cold at this size: ~100 µs): ~0.25 µs per lookup.
@@ -60,14 +63,22 @@
 //!   scanned without decoding them into strings.
 //! - Inserts and expiry: a checkpoint's entries sorted and merged page by page (each page
 //!   touched once, a few hundred bytes moved), and the expired groups read back from the
-//!   tree to hash their IDs (the oldest, so cold).
+//!   tree for their keys (the oldest, so cold; sled loads the leaves to delete them anyway).
+//!   Their index entries go with their tag ([`PagedIndex::retire`]): no per-ID work in the
+//!   index but the sweep's sequential walk, 16 entries per expired ID. Only a group whose
+//!   tag is shared (past 2^16 indexed groups) has its IDs hashed and taken out one by one.
 //!
 //! Measured (`cargo bench --bench ledger`, store API only, shipped bounds, jemalloc, this
 //! 2-core box shared with other builds): CPU per event (lookup, insert, expiry, commit and
-//! fsync) 1.5-1.65 µs at 100,000 IDs in the window, 2.0 at 1M, 3.9 at 10M, where the
-//! index (40 MB) and the store (450 MB) no longer fit in any cache: 0.40 of the 100k rate,
-//! short of issue 33's 0.8. The fingerprint table before fell off a cliff instead: at
-//! 9.8 million IDs 57 events/s, each lookup reading every unindexed chunk.
+//! fsync) 1.5-1.65 µs at 100,000 IDs in the window on a quiet box, 2.0 at 1M, 3.9 at 10M,
+//! where the index (40 MB) and the store (450 MB) no longer fit in any cache. Expiry by
+//! retired tags (above) took a fifth of that off: with `CAIRN_LEDGER_IDS=100000,10000000`,
+//! run before and after it back to back (load average 8-10 throughout), 10M went from
+//! 6.07 to 4.92 µs per event (100k: 2.48-3.08 and 2.55-3.02), the ratio to 100k by CPU
+//! from 0.46 to 0.57, still short of issue 33's 0.8 (the rest: the index's cache misses,
+//! two or three per lookup and per insert, and sled on a 450 MB tree; `docs/performance.md`).
+//! The fingerprint table before fell off a cliff instead: at 9.8 million IDs 57 events/s,
+//! each lookup reading every unindexed chunk.
 //!
 //! # The memory bound (`[storage] ledger_index_max`)
 //!
