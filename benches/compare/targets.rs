@@ -19,7 +19,10 @@
 //! 3. **Steady.** A fresh agent fed `CAIRN_TARGETS_STEADY_EVENTS` (10,000,000) inputs with
 //!    unique IDs (the shipped 7-day dedup window keeps every one) at a paced rate
 //!    (`CAIRN_TARGETS_STEADY_RATE`, else `CAIRN_TARGETS_STEADY_FRACTION` (0.65) of part 1's
-//!    peak, else 10,000/s), a line every 10 s; throughput per tenth of the results.
+//!    peak, else 10,000/s), a line every 10 s. Throughput per tenth of the sending time:
+//!    results read in each tenth / its length. Results that fall behind and arrive after the
+//!    last input was sent count nowhere (a catch-up burst would flatter the last tenth);
+//!    the backlog left when sending ended and the time it took to clear are printed.
 //! 4. **Pipelines.** Not run here: `benches/pipelines.rs` measures it; the command is printed.
 //!
 //! `CAIRN_TARGETS_ONLY=latency,footprint,idle,steady` runs a subset (all when unset);
@@ -80,8 +83,12 @@ pub(crate) struct Steady {
     pub(crate) rate: u64,
     pub(crate) events: u64,
     pub(crate) results: u64,
-    /// Results per second over each tenth of the results; the first from the first result.
+    /// Results per second in each tenth of the time the inputs were being sent.
     pub(crate) tenths: Vec<f64>,
+    /// Inputs published but without a result when sending ended, and the seconds until
+    /// the last result after that.
+    pub(crate) behind_at_end: u64,
+    pub(crate) catch_up_secs: f64,
     pub(crate) peak_rss: f64,
     pub(crate) end_rss: f64,
     pub(crate) store_mib: f64,
@@ -318,9 +325,9 @@ fn steady(port: u16, publisher: &Publisher, t0: Instant, rate: u64, events: u64)
     let sink = Sink::start(port, "cairn", KEYS, t0);
     let published = AtomicU64::new(0);
     let start = Instant::now();
-    let tenth = (events / 10).max(1);
-    // When the results passed each tenth of `events`; [0]: the first result.
-    let mut crossed: Vec<f64> = Vec::new();
+    // (seconds, results) every sample, and when the last input was sent.
+    let mut samples: Vec<(f64, u64)> = vec![(0.0, 0)];
+    let mut sent_at: Option<(f64, u64)> = None;
     let mut line_at = STEADY_LINE;
     let mut last_results = 0u64;
     let mut last_secs = 0.0;
@@ -339,25 +346,15 @@ fn steady(port: u16, publisher: &Publisher, t0: Instant, rate: u64, events: u64)
             )
         });
         let mut quiet_since: Option<Instant> = None;
-        let (mut prev, mut prev_secs) = (0u64, 0.0);
+        let mut prev = 0u64;
         loop {
             std::thread::sleep(Duration::from_millis(250));
             let now = start.elapsed();
             let results = sink.results() as u64;
-            // Each crossing placed between this sample and the last by the results between.
             let secs = now.as_secs_f64();
-            let at = |boundary: u64| {
-                let part = (boundary - prev) as f64 / (results - prev).max(1) as f64;
-                prev_secs + part * (secs - prev_secs)
-            };
-            if crossed.is_empty() && results > 0 {
-                crossed.push(at(prev + 1));
-            }
-            while !crossed.is_empty()
-                && crossed.len() <= 10
-                && results >= crossed.len() as u64 * tenth
-            {
-                crossed.push(at(crossed.len() as u64 * tenth));
+            samples.push((secs, results));
+            if sent_at.is_none() && published.load(Ordering::SeqCst) >= events {
+                sent_at = Some((secs, results));
             }
             let done = results >= events;
             if now >= line_at || done {
@@ -390,27 +387,30 @@ fn steady(port: u16, publisher: &Publisher, t0: Instant, rate: u64, events: u64)
                     break;
                 }
             }
-            (prev, prev_secs) = (results, secs);
+            prev = results;
         }
     });
     let results = sink.results() as u64;
-    let tenths = crossed
-        .windows(2)
-        .map(|w| tenth as f64 / (w[1] - w[0]).max(1e-3))
-        .collect::<Vec<_>>();
+    let (send_secs, at_send) = sent_at.unwrap_or((start.elapsed().as_secs_f64(), results));
+    let tenths = tenths_of(&samples, send_secs);
+    let catch_up_secs = samples.last().map_or(0.0, |l| l.0) - send_secs;
     println!(
-        "  results per second by tenth: {}",
+        "  results per second in each tenth of the {send_secs:.0} s of sending: {}; {} behind \
+         when sending ended, cleared {catch_up_secs:.0} s later",
         tenths
             .iter()
             .map(|r| format!("{r:.0}"))
             .collect::<Vec<_>>()
-            .join(", ")
+            .join(", "),
+        events - at_send
     );
     let out = Steady {
         rate,
         events,
         results,
         tenths,
+        behind_at_end: events - at_send,
+        catch_up_secs,
         peak_rss: stats.hwm_mib(),
         end_rss: stats.rss_mib(),
         store_mib: dir_size(&c.data_dir().join("store")) as f64 / MIB,
@@ -419,6 +419,25 @@ fn steady(port: u16, publisher: &Publisher, t0: Instant, rate: u64, events: u64)
     drop(sink);
     c.terminate();
     out
+}
+
+/// Results per second in each tenth of `[0, end]`, from (seconds, results) samples in time
+/// order; the count at a tenth's edge is interpolated between the samples around it.
+fn tenths_of(samples: &[(f64, u64)], end: f64) -> Vec<f64> {
+    let at = |t: f64| -> f64 {
+        let i = samples.partition_point(|s| s.0 <= t);
+        match (i.checked_sub(1).map(|j| samples[j]), samples.get(i)) {
+            (Some(a), Some(b)) if b.0 > a.0 => {
+                a.1 as f64 + (b.1 as f64 - a.1 as f64) * (t - a.0) / (b.0 - a.0)
+            }
+            (Some(a), _) => a.1 as f64,
+            (None, _) => 0.0,
+        }
+    };
+    let slice = end / 10.0;
+    (0..10)
+        .map(|k| (at(slice * (k + 1) as f64) - at(slice * k as f64)) / slice.max(1e-3))
+        .collect()
 }
 
 /// The table: every issue-33 target with its figure and pass/FAIL.
@@ -514,17 +533,28 @@ pub(crate) fn print(t: &Targets) {
     println!(
         "3. steady: {}",
         st.map_or("n/a".into(), |s| format!(
-            "{} inputs at {}/s, {} results read; at the end RSS {:.1} MiB, store {:.0} MiB, \
-             ledger index {} MiB",
+            "{} inputs at {}/s, {} results read, {} behind when sending ended (cleared in \
+             {:.0} s); at the end RSS {:.1} MiB, store {:.0} MiB, ledger index {} MiB",
             s.events,
             s.rate,
             s.results,
+            s.behind_at_end,
+            s.catch_up_secs,
             s.end_rss,
             s.store_mib,
             fmt(s.index_mib, 1)
         ))
     );
     target_line("steady: peak RSS, MiB", st.map(|s| s.peak_rss), "<=", 80.0);
+    println!(
+        "  results/s by tenth of the sending time: {}",
+        st.map_or("n/a".into(), |s| s
+            .tenths
+            .iter()
+            .map(|r| format!("{r:.0}"))
+            .collect::<Vec<_>>()
+            .join(", "))
+    );
     target_line(
         "steady: last tenth / first tenth rate",
         st.and_then(Steady::ratio),
