@@ -36,14 +36,29 @@ impl Cairn {
     /// ([`Config::new`]): a `sum` pipeline emitting `emit`, checkpoints every 50 ms or
     /// `max_records`.
     pub(crate) fn new(broker_port: u16, emit: &str, max_records: u64) -> Cairn {
+        Cairn::with(broker_port, |base, dir, metrics_port| {
+            Config::new(base, dir, emit, max_records, metrics_port)
+        })
+    }
+
+    /// A stopped agent at the shipped settings ([`Config::shipped`]): the bench sets only
+    /// `client_id`, `data_dir`, the broker's port, the metrics listener and the pipeline.
+    pub(crate) fn shipped(broker_port: u16, emit: &str) -> Cairn {
+        Cairn::with(broker_port, |base, dir, metrics_port| {
+            Config::shipped(base, dir, emit, metrics_port)
+        })
+    }
+
+    fn with(broker_port: u16, config: impl FnOnce(&AgentConfig, &Path, u16) -> Config) -> Cairn {
         let base = AgentConfig::new(broker_port, "");
         let mut agent = CairnProcess::new(&base);
         agent.set_bin(&cairn_bin());
-        // Info only: the tests' checkpoint lines at debug would cost throughput.
+        // Info only (the shipped level): the tests' checkpoint lines at debug would cost
+        // throughput.
         agent.set_log_filter(Some("info"));
         agent.remove_env("NOTIFY_SOCKET");
         let metrics_port = free_port();
-        let config = Config::new(&base, agent.dir(), emit, max_records, metrics_port);
+        let config = config(&base, agent.dir(), metrics_port);
         Cairn {
             agent,
             config,

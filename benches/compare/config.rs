@@ -98,6 +98,39 @@ impl Config {
         let listen = format!("127.0.0.1:{metrics_port}");
         c.set("metrics", "listen", Setting::Text(&listen));
 
+        c.pipeline(emit);
+        c
+    }
+
+    /// The agent at the shipped settings (issue 33): `base` rendered with every table the
+    /// tests' builder fills emptied, so that only `client_id`, `data_dir`, the broker's port,
+    /// the metrics listener and the pipeline are set; every other key keeps the default that
+    /// `config/cairn.toml` documents.
+    pub(crate) fn shipped(base: &AgentConfig, dir: &Path, emit: &str, metrics_port: u16) -> Config {
+        let mut base = base.clone();
+        for table in [
+            &mut base.mqtt,
+            &mut base.storage,
+            &mut base.log,
+            &mut base.checkpoint,
+            &mut base.outbox,
+        ] {
+            table.clear();
+        }
+        let doc: DocumentMut = base
+            .render(dir)
+            .parse()
+            .expect("the tests' config builder writes valid TOML");
+        let mut c = Config { doc };
+        let listen = format!("127.0.0.1:{metrics_port}");
+        c.set("metrics", "listen", Setting::Text(&listen));
+        c.pipeline(emit);
+        c
+    }
+
+    /// The bench's one pipeline: a `sum` over `cairn/in/#` keyed by `/k`, results on
+    /// `cairn/out/<key>` (one per input in changelog mode), not retained.
+    fn pipeline(&mut self, emit: &str) {
         let mut p = Table::new();
         let topics: Array = ["cairn/in/#"].into_iter().collect();
         p["name"] = value("sums");
@@ -118,8 +151,7 @@ impl Config {
         p["max_keys"] = value(1_000_000i64);
         let mut pipelines = ArrayOfTables::new();
         pipelines.push(p);
-        c.doc["pipeline"] = Item::ArrayOfTables(pipelines);
-        c
+        self.doc["pipeline"] = Item::ArrayOfTables(pipelines);
     }
 
     /// Sets `[table] key = v`, making the table if it is not there.

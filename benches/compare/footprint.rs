@@ -10,7 +10,7 @@ use rumqttc::QoS;
 
 use crate::agent::Cairn;
 use crate::measure::System;
-use crate::mqtt::{Publisher, start_broker};
+use crate::mqtt::{Publisher, Sink, start_broker};
 use crate::procs::ticks_per_second;
 use crate::report::fmt;
 use crate::stream::{SEED, backlog_event, event, payload};
@@ -25,6 +25,8 @@ pub(crate) struct Foot {
     pub(crate) cpu_us_per_event: f64,
     pub(crate) events_per_s: f64,
     pub(crate) idle_cpu: f64,
+    /// Results the subscriber read during the drain (NaN without one).
+    pub(crate) results: f64,
 }
 
 impl Default for Foot {
@@ -36,6 +38,7 @@ impl Default for Foot {
             cpu_us_per_event: f64::NAN,
             events_per_s: f64::NAN,
             idle_cpu: f64::NAN,
+            results: f64::NAN,
         }
     }
 }
@@ -94,6 +97,17 @@ pub(crate) fn footprint(outbox_max: Option<u64>) -> Foot {
     // a reconnect then made mosquitto 2.0.11 send much of the backlog again (1.2M
     // duplicates seen), which measures the broker, not the agent's footprint.
     config.set("mqtt", "keep_alive", "60s");
+    drain(port, &mut c, false)
+}
+
+/// Inputs of the backlog with an ID not seen before: one changelog result each.
+pub(crate) const FOOT_UNIQUE: u64 = FOOT_EVENTS - FOOT_EVENTS / 50;
+
+/// The agent `c` (on the broker at `port`) subscribes once and stops, the backlog is
+/// published, then it is started afresh and drains it. With `subscriber`, a reader on the
+/// results topic connects before the restart and reads every result throughout; the drain
+/// then also waits for [`FOOT_UNIQUE`] results (changelog: one per input not a duplicate).
+pub(crate) fn drain(port: u16, c: &mut Cairn, subscriber: bool) -> Foot {
     c.start_connected();
     c.terminate();
     let published = Instant::now();
@@ -102,6 +116,7 @@ pub(crate) fn footprint(outbox_max: Option<u64>) -> Foot {
         "  backlog published in {:.1} s",
         published.elapsed().as_secs_f64()
     );
+    let sink = subscriber.then(|| Sink::start(port, "cairn", FOOT_KEYS, Instant::now()));
     let started = Instant::now();
     c.start(None);
     let done = wait_until(STEP_TIMEOUT * 10, || {
@@ -109,7 +124,12 @@ pub(crate) fn footprint(outbox_max: Option<u64>) -> Foot {
         c.metric("cairn_checkpoint_next_offset")
             .is_some_and(|n| n >= FOOT_EVENTS as f64)
             && c.metric("cairn_outbox_entries") == Some(0.0)
+            && sink
+                .as_ref()
+                .is_none_or(|s| s.results() >= FOOT_UNIQUE as usize)
     });
+    let results = sink.as_ref().map_or(f64::NAN, |s| s.results() as f64);
+    drop(sink);
     let secs = started.elapsed().as_secs_f64();
     let records = c.metric("cairn_checkpoint_next_offset").unwrap_or(f64::NAN);
     let p = c.stats().expect("running");
@@ -137,10 +157,15 @@ pub(crate) fn footprint(outbox_max: Option<u64>) -> Foot {
         println!("  (footprint: the backlog was NOT drained within the wait; figures are partial)");
     }
     println!(
-        "  drained in {secs:.1} s ({records} records logged); keys {} dedup entries {} \
+        "  drained in {secs:.1} s ({records} records logged{}); keys {} dedup entries {} \
          duplicates {}; ledger index {} MiB; \
          store {store:.0} MiB on disk; RSS after {} s idle {idle:.1} MiB = {anon:.1} anonymous \
          + {file:.1} file-backed",
+        if subscriber {
+            format!(", {results} results read by the subscriber")
+        } else {
+            String::new()
+        },
         fmt(keys, 0),
         fmt(dedup, 0),
         fmt(dups, 0),
@@ -155,10 +180,11 @@ pub(crate) fn footprint(outbox_max: Option<u64>) -> Foot {
         cpu_us_per_event: cpu_s * 1e6 / records,
         events_per_s: FOOT_EVENTS as f64 / secs,
         idle_cpu,
+        results,
     }
 }
 
-fn dir_size(p: &Path) -> u64 {
+pub(crate) fn dir_size(p: &Path) -> u64 {
     let Ok(rd) = std::fs::read_dir(p) else {
         return 0;
     };

@@ -42,8 +42,11 @@
 //!
 //! Figures are printed, never asserted. Every child process is killed on drop.
 //!
+//! Issue 33's targets at the shipped settings, each with pass/FAIL, come from [`targets`]
+//! (`CAIRN_COMPARE_ONLY=relay,targets`; its own knobs are in its module's text).
+//!
 //! For profiling one part: `CAIRN_COMPARE_ONLY=relay,cairn,pairs,intervals,node-red,kill,
-//! recovery,footprint` (any subset); skipped parts print n/a. For the backlog:
+//! recovery,footprint,targets` (any subset); skipped parts print n/a. For the backlog:
 //! `CAIRN_COMPARE_ONCE` skips its bounded second run, `CAIRN_COMPARE_SMAPS=FILE` copies the
 //! agent's /proc smaps at rest, `CAIRN_COMPARE_FOOT_RECORDS`, `_INTERVAL` and `_KEYS` its
 //! `checkpoint.max_records` (5000), `interval` (50ms) and `max_keys` (the default).
@@ -65,6 +68,8 @@ mod recovery;
 mod relay;
 mod report;
 mod stream;
+/// Issue 33's targets at the shipped settings: `CAIRN_COMPARE_ONLY=relay,targets`.
+mod targets;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -163,6 +168,11 @@ fn main() {
     } else {
         skipped()
     };
+
+    let targets = parts.want("targets").then(|| {
+        println!("issue 33 targets (benches/compare/targets.rs), shipped settings");
+        targets::run(port, &publisher, t0)
+    });
 
     let (cairn, cairn_idle_rss) = if parts.want("cairn") {
         println!("cairn: the same");
@@ -269,6 +279,9 @@ fn main() {
         bounded,
     };
     report::print(&figures);
+    if let Some(t) = &targets {
+        targets::print(t);
+    }
     if figures.relay.incomplete
         || figures.cairn.incomplete
         || figures.node_red.as_ref().is_some_and(|l| l.incomplete)
