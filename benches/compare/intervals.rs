@@ -59,8 +59,9 @@ fn replayed(stderr: &str) -> Option<u64> {
         .ok()
 }
 
-/// What blocked the agent's loop so far: checkpoints and log commits, how many, their mean
-/// duration, and how many took over 25 ms (from `/metrics`).
+/// Checkpoints and log commits so far: how many, their mean duration, and how many took
+/// over 25 ms (from `/metrics`). Log commits hold the loop; checkpoints, since issue 33,
+/// commit beside it (their duration is the commit and fsync on the keeper's thread).
 fn stalls(c: &Cairn) -> String {
     let part = |name: &str| {
         let n = c.metric(&format!("{name}_count")).unwrap_or(0.0);
