@@ -348,7 +348,8 @@ pub struct Processor {
     poisoned: bool,
     /// The log readers kept between slices (`processor/slice.rs`).
     readers: slice::Readers,
-    /// Checkpoints leave their fsync to the caller (see [`Processor::defer_sync`]).
+    /// Checkpoints leave their fsync to the caller (only in the changes model: see
+    /// `defer_sync`).
     defer_sync: bool,
     /// For each committed checkpoint whose fsync is still to come: its `next_offset` and
     /// where the quarantine may prune once it is durable (below every backfill cursor that
@@ -651,9 +652,10 @@ impl Processor {
         self.store.clone()
     }
 
-    /// From now on [`Processor::checkpoint_settled`] leaves the fsync to the caller (a
-    /// [`crate::store::Syncer`] beside the agent's loop), who then calls
-    /// [`Processor::synced`]. Replay always syncs itself.
+    /// From now on [`Processor::checkpoint_settled`] leaves the fsync to the caller, who then
+    /// calls [`Processor::synced`]: the changes model, which syncs the store itself as the
+    /// keeper's thread does for the agent (whose checkpoints go through
+    /// [`Processor::begin_checkpoint`] instead). Replay always syncs itself.
     #[cfg(test)]
     pub(crate) fn defer_sync(&mut self) {
         self.defer_sync = true;
