@@ -125,6 +125,9 @@ fn cairn_outbox_drop_gives_up_one_waiting_result_for_good_and_records_it() {
         "site/",
     );
     let mut agent = CairnProcess::new(&cfg);
+    // Subscribed before anything is published ("connected" comes before the SUBSCRIBE: on
+    // a loaded box the events once went nowhere).
+    agent.set_up_session();
     agent.start_connected();
     let events: Vec<_> = (0..5)
         .map(|i| event(&format!("E{i}"), &format!("k{i}")))
