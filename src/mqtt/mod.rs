@@ -571,7 +571,7 @@ impl Mqtt {
     }
 
     /// How many more acks [`Mqtt::ack`] takes now without [`MqttError::AckQueueFull`].
-    pub(crate) fn ack_room(&self) -> usize {
+    pub fn ack_room(&self) -> usize {
         self.ack_limit.saturating_sub(self.inner.lock().acks.len())
     }
 
