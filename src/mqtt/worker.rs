@@ -209,6 +209,13 @@ impl Worker {
             }
             rumqttc::Event::Incoming(Packet::SubAck(ack)) => match self.subs.acked(ack.pkid) {
                 Some(SubKind::Inputs) | None => {
+                    // From here on the broker queues input for this session: what was
+                    // published before it, on a new session, went to no one.
+                    crate::event!(info, "mqtt_subscribed";
+                        "mqtt: subscribed to {} input filter(s) at {}",
+                        ack.return_codes.len(),
+                        self.reconnects.endpoint()
+                    );
                     for (filter, code) in self.filters.iter().zip(&ack.return_codes) {
                         if *code == SubscribeReasonCode::Failure {
                             crate::event!(error, "mqtt_subscription_refused";

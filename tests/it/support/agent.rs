@@ -361,6 +361,13 @@ impl CairnProcess {
             "cairn did not connect within {timeout:?}; stderr:\n{}",
             self.stderr_tail(40)
         );
+        // "connected" is logged at CONNACK, before the SUBSCRIBE is answered: on a new
+        // session, input published in between goes to no one (tests that published at once
+        // lost their first events on a loaded box). Wait for the SUBACK's line, briefly: an
+        // agent with no input subscription, or one that logs less, goes on after 3 s.
+        wait_until(Duration::from_secs(3), || {
+            self.run_stderr().contains("mqtt: subscribed to")
+        });
     }
 
     /// Starts and waits for the connection.
