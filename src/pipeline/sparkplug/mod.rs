@@ -30,11 +30,19 @@
 //!
 //! # Event IDs: what makes one value the same value
 //!
-//! - A live value: `group/edge_node/device/bdSeq/seq/metric/timestamp` (each text part
-//!   escaped as a key is, so none can reach into the next). A broker redelivery is the same
-//!   message, so the same IDs; `seq` alone repeats every 256 messages of a session and
-//!   `bdSeq` every 256 sessions, so the metric and its timestamp stay in; a node whose clock
-//!   steps back (no battery-backed clock) still gives new IDs to new messages.
+//! - A live value: `group/edge_node/device/seq/message/metric/timestamp`, where `message`
+//!   is a 64-bit FNV-1a hash of the record's topic and payload in 16 hex digits, and the
+//!   timestamp is the one the message states (`-` if it states none). Each part comes from
+//!   the message alone, never from what the host has seen before it, so a broker
+//!   redelivery (the same bytes) gives the same IDs wherever it lands in the log. It can
+//!   land late: killed after logging a stretch of messages and before their PUBACKs left,
+//!   the agent gets the whole stretch again, after it has already taken the node's next
+//!   session's BIRTH from it. (The session's `bdSeq` was once part of the ID: the
+//!   redelivered DATA of the old session took the new one's and counted twice.) Two
+//!   different messages differ in their bytes (`seq` and the timestamps move), so they
+//!   never share an ID, whatever `bdSeq` a node with no persistent counter restarts
+//!   from. Only byte-identical messages of one node count once: same `seq`, same
+//!   timestamps, same values.
 //! - A historical value (`is_historical`): `group/edge_node/device/h/metric/timestamp`. A
 //!   store-and-forward buffer may be flushed twice (the node crashed mid-flush, the host
 //!   went offline again), each time in new messages with a new `seq`, maybe in a new
@@ -140,14 +148,16 @@ impl<'a> Topic<'a> {
     }
 }
 
-/// The event ID of one metric value (see the module docs).
+/// The event ID of one metric value (see the module docs). `message` is
+/// [`message_hash`] and `seq` the message's; `time_ms` is the value's time, `stamped`
+/// whether the message states it.
 pub(crate) fn event_id(
     topic: &Topic<'_>,
     device: &str,
     metric: &str,
-    time_ms: u64,
+    (time_ms, stamped): (u64, bool),
     historical: bool,
-    session: (u64, Option<u8>),
+    (message, seq): (u64, Option<u8>),
 ) -> String {
     let (g, n, d, m) = (
         escape_key(topic.group),
@@ -158,9 +168,21 @@ pub(crate) fn event_id(
     if historical {
         format!("{g}/{n}/{d}/h/{m}/{time_ms}")
     } else {
-        let seq = session.1.map_or_else(|| "-".to_string(), |s| s.to_string());
-        format!("{g}/{n}/{d}/{}/{seq}/{m}/{time_ms}", session.0)
+        let seq = seq.map_or_else(|| "-".to_string(), |s| s.to_string());
+        let time = if stamped {
+            time_ms.to_string()
+        } else {
+            "-".to_string()
+        };
+        format!("{g}/{n}/{d}/{seq}/{message:016x}/{m}/{time}")
     }
+}
+
+/// What identifies one message whatever the host's state: a stable hash (the same in
+/// every build and on every machine, as the ledger keeps IDs across upgrades) of its topic
+/// and payload.
+pub(crate) fn message_hash(topic: &str, payload: &[u8]) -> u64 {
+    crate::model::fnv1a(topic.as_bytes().iter().chain(&[0u8]).chain(payload))
 }
 
 #[cfg(test)]

@@ -154,6 +154,7 @@ impl Engine {
             self.cut(base, p, rec, &topic, cut)?;
         }
         let values = step.samples.len();
+        let message = sparkplug::message_hash(&rec.topic, &rec.payload);
         let mut refused: Vec<(String, Refusal)> = Vec::new();
         let (mut applied, mut duplicates) = (None, 0u64);
         for s in step.samples {
@@ -184,9 +185,9 @@ impl Engine {
                 &topic,
                 &s.device,
                 &s.metric,
-                s.time_ms,
+                (s.time_ms, s.stamped),
                 s.historical,
-                (s.bd_seq, s.seq),
+                (message, s.seq),
             );
             if id.len() > spec.max_id_len || id.chars().any(char::is_control) {
                 let r = Refusal {

@@ -139,8 +139,10 @@ pub(crate) struct Sample {
     /// The metric's latest point before this one: a value, or `None` when it was dead (or
     /// null) from that time on.
     pub prior: Option<(u64, Option<f64>)>,
-    /// `bdSeq` of the node session and `seq` of the message (for the event ID).
-    pub bd_seq: u64,
+    /// Whether the message states `time_ms` (the metric's timestamp or the payload's), rather
+    /// than the time of receipt standing in; and the message's `seq`. Both for the event ID,
+    /// which must not change when the broker delivers the same message again.
+    pub stamped: bool,
     pub seq: Option<u8>,
 }
 
@@ -370,6 +372,7 @@ pub(crate) fn step<E: Entries>(
     };
     let read = |e: ReadError| refuse("internal", e.0);
     let sent_at = payload.timestamp.unwrap_or(received_at_ms);
+    let stamped = payload.timestamp.is_some();
     let seq = match payload.seq {
         None => None,
         Some(s) if s <= 255 => Some(s as u8),
@@ -399,7 +402,7 @@ pub(crate) fn step<E: Entries>(
                 metrics: total,
             });
             birth(
-                &mut node, "", payload, sent_at, bd_seq, seq, wanted, &mut out,
+                &mut node, "", payload, sent_at, stamped, seq, wanted, &mut out,
             )
             .map_err(read)?;
         }
@@ -422,7 +425,6 @@ pub(crate) fn step<E: Entries>(
             }
             node.forget(Some(device), payload).map_err(read)?;
             n.metrics = total;
-            let bd_seq = n.bd_seq;
             node.set_node(n);
             node.set_device(
                 device,
@@ -432,7 +434,7 @@ pub(crate) fn step<E: Entries>(
                 }),
             );
             birth(
-                &mut node, device, payload, sent_at, bd_seq, seq, wanted, &mut out,
+                &mut node, device, payload, sent_at, stamped, seq, wanted, &mut out,
             )
             .map_err(read)?;
         }
@@ -445,7 +447,6 @@ pub(crate) fn step<E: Entries>(
                 ));
             };
             check_seq(&mut n, seq, &mut out);
-            let bd_seq = n.bd_seq;
             node.set_node(n);
             if topic.kind == Kind::DData
                 && !node.device(device).map_err(read)?.is_some_and(|d| d.alive)
@@ -458,7 +459,7 @@ pub(crate) fn step<E: Entries>(
                 ));
             }
             data(
-                &mut node, device, payload, sent_at, bd_seq, seq, wanted, &mut out,
+                &mut node, device, payload, sent_at, stamped, seq, wanted, &mut out,
             )
             .map_err(read)?;
         }
@@ -555,7 +556,7 @@ fn birth<E: Entries>(
     device: &str,
     p: &Payload,
     sent_at: u64,
-    bd_seq: u64,
+    stamped: bool,
     seq: Option<u8>,
     wanted: &dyn Fn(&str) -> bool,
     out: &mut Step,
@@ -584,7 +585,7 @@ fn birth<E: Entries>(
             last,
         };
         if !bookkeeping(name) && wanted(name) {
-            sample(device, name, &mut entry, m, sent_at, bd_seq, seq, out);
+            sample(device, name, &mut entry, m, sent_at, stamped, seq, out);
         }
         node.set_metric(device, name, Some(entry));
     }
@@ -598,7 +599,7 @@ fn data<E: Entries>(
     device: &str,
     p: &Payload,
     sent_at: u64,
-    bd_seq: u64,
+    stamped: bool,
     seq: Option<u8>,
     wanted: &dyn Fn(&str) -> bool,
     out: &mut Step,
@@ -631,7 +632,7 @@ fn data<E: Entries>(
                 )),
                 historical: m.is_historical == Some(true),
                 prior: None,
-                bd_seq,
+                stamped: stamped || m.timestamp.is_some(),
                 seq,
             });
             continue;
@@ -642,7 +643,7 @@ fn data<E: Entries>(
         if let Some(t) = m.datatype {
             entry.datatype = t;
         }
-        sample(device, &name, &mut entry, m, sent_at, bd_seq, seq, out);
+        sample(device, &name, &mut entry, m, sent_at, stamped, seq, out);
         node.set_metric(device, &name, Some(entry));
     }
     Ok(())
@@ -657,7 +658,7 @@ fn sample(
     entry: &mut MetricEntry,
     m: &Metric,
     sent_at: u64,
-    bd_seq: u64,
+    stamped: bool,
     seq: Option<u8>,
     out: &mut Step,
 ) {
@@ -680,7 +681,7 @@ fn sample(
         value,
         historical: m.is_historical == Some(true),
         prior,
-        bd_seq,
+        stamped: stamped || m.timestamp.is_some(),
         seq,
     });
 }

@@ -579,3 +579,74 @@ fn session_entries_stay_small_and_a_birth_replaces_the_tables() {
     host.checkpoint();
     assert_eq!(host.store.sparkplug.len(), 1 + 2 + 1);
 }
+
+/// The broker delivers a whole stretch again (the agent was killed after logging it and
+/// before its PUBACKs left), and the stretch holds the node's death and next BIRTH: the old
+/// session's DATA now arrives after the new session began, and must still count once. A
+/// node that restarts its `bdSeq` (no persistent counter) and sends new values still
+/// counts them; a message without any timestamp, delivered again later, counts once.
+#[test]
+fn a_stretch_delivered_again_past_the_next_birth_counts_once() {
+    let mut host = Host::new(vec![spec("")]);
+    let stretch = [
+        (BIRTH, node_birth(0, 20.0, 1000), 1000),
+        (DBIRTH, device_birth(1, 100, true, 1000), 1000),
+        (DDATA, speed(2, 120, 20_000), 20_000),
+        (DDATA, speed(3, 130, 25_000), 25_000),
+        (NDEATH, payload(None, vec![bd_seq(0)]), 30_000),
+        (BIRTH, node_birth(1, 21.0, 40_000), 40_000),
+        (DBIRTH, device_birth(1, 140, true, 40_000), 40_000),
+    ];
+    for (topic, body, at) in &stretch {
+        host.send(topic, body.clone(), *at);
+    }
+    host.checkpoint();
+    let once = host.windows("n1/d1/Speed");
+    assert_eq!(once[&0]["count"], 4, "100, 120, 130, 140: {once:?}");
+    // Again from the first DATA on (the BIRTHs before it were acknowledged), in order,
+    // after a restart and past the new session's BIRTH: nothing counts.
+    host.restart();
+    for (topic, body, at) in &stretch[2..] {
+        let got = host.send(topic, body.clone(), at + 50_000);
+        assert!(
+            got.iter()
+                .all(|o| matches!(o, Outcome::Duplicate | Outcome::Filtered)
+                    || matches!(
+                        o,
+                        Outcome::DeadLetter {
+                            reason: "not_numeric"
+                        }
+                    )),
+            "{topic}: {got:?}"
+        );
+    }
+    assert_eq!(host.windows("n1/d1/Speed"), once);
+
+    // The node restarts from bdSeq 0 and seq 2 again: new timestamps, new values, new IDs.
+    host.send(NDEATH, payload(None, vec![bd_seq(1)]), 100_000);
+    host.send(BIRTH, node_birth(0, 22.0, 110_000), 110_000);
+    host.send(DBIRTH, device_birth(1, 150, true, 110_000), 110_000);
+    assert!(matches!(
+        host.send(DDATA, speed(2, 160, 115_000), 115_000)[..],
+        [Outcome::Applied { .. }]
+    ));
+
+    // No timestamp anywhere: the time of receipt stands in for the value's time, but not
+    // for its ID, so a later delivery of the same bytes is the same event.
+    let bare = Payload {
+        timestamp: None,
+        metrics: vec![Metric {
+            alias: Some(2),
+            value: Some(Value::Int(170)),
+            ..Default::default()
+        }],
+        seq: Some(3),
+        uuid: None,
+    }
+    .encode_to_vec();
+    assert!(matches!(
+        host.send(DDATA, bare.clone(), 116_000)[..],
+        [Outcome::Applied { .. }]
+    ));
+    assert_eq!(host.send(DDATA, bare, 117_000), vec![Outcome::Duplicate]);
+}
