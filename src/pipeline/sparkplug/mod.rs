@@ -49,6 +49,16 @@
 //!   session: the message is no identity for it, the metric and its time are (a metric has
 //!   one value at one instant).
 //!
+//! - A whole message (all but NDEATH): `group/edge_node/device/message`. The broker may
+//!   deliver a stretch again from any point, BIRTHs and deaths included, when the session
+//!   has moved on: taken again, an old BIRTH would revive its session, its NDEATH would
+//!   then cut every metric a second time at the second receipt's time, and DATA arriving
+//!   while the session is dead would be refused. So a message whose bytes were taken
+//!   before is skipped whole, before its session sees it (it counts as one duplicate).
+//!   Not an NDEATH: a will has no `seq` and often no time, so two deaths may well be
+//!   byte-identical; one delivered again finds its session over, or a newer one whose
+//!   `bdSeq` it does not carry, and changes nothing.
+//!
 //! Within the pipeline's dedup window an ID seen before counts once (invariant 5).
 
 pub mod proto;
@@ -176,6 +186,18 @@ pub(crate) fn event_id(
         };
         format!("{g}/{n}/{d}/{seq}/{message:016x}/{m}/{time}")
     }
+}
+
+/// The ledger's ID of a whole message (the module docs say which are deduplicated whole):
+/// four parts, where every value's ID has six or seven, so none can be another's.
+pub(crate) fn message_id(topic: &Topic<'_>, message: u64) -> String {
+    let device = topic.device.unwrap_or("");
+    format!(
+        "{}/{}/{}/{message:016x}",
+        escape_key(topic.group),
+        escape_key(topic.edge_node),
+        escape_key(device)
+    )
 }
 
 /// What identifies one message whatever the host's state: a stable hash (the same in

@@ -126,6 +126,43 @@ impl Engine {
             Ok(x) => x,
             Err(r) => return self.dead(base, p, rec, r),
         };
+        // The same bytes again are the same message, delivered again: skipped whole, before
+        // the session sees it. Not an NDEATH: a will carries no `seq` and often no time, so
+        // two deaths may well be byte-identical; one delivered again finds its session
+        // already over (or a newer one, whose `bdSeq` it does not carry) and changes
+        // nothing.
+        let message = sparkplug::message_hash(&rec.topic, &rec.payload);
+        let message_id =
+            (topic.kind != sparkplug::Kind::NDeath).then(|| sparkplug::message_id(&topic, message));
+        if let Some(id) = &message_id {
+            let now = self.clock(p);
+            let name = &self.specs[p].name;
+            if let Some(seen) = self.dedup_get(base, name, id)? {
+                if now.saturating_sub(seen) < self.specs[p].dedup_window_ms {
+                    self.progress.pipelines[p].counters.duplicates += 1;
+                    return Ok(Outcome::Duplicate);
+                }
+            }
+        }
+        let out = self.sparkplug_message(base, p, rec, &topic, &payload, message)?;
+        if let Some(id) = message_id {
+            let now = self.clock(p);
+            let name = self.specs[p].name.clone();
+            self.remember(&name, id, now);
+        }
+        Ok(out)
+    }
+
+    /// One message, not seen before, through its session and the pipeline's events.
+    fn sparkplug_message<R: ReadState>(
+        &mut self,
+        base: &R,
+        p: usize,
+        rec: &Record,
+        topic: &Topic<'_>,
+        payload: &sparkplug::Payload,
+        message: u64,
+    ) -> Result<Outcome, ReadError> {
         let (specs, batch) = (&self.specs, &mut self.batch);
         let spec = &specs[p];
         let wanted = |m: &str| {
@@ -138,23 +175,22 @@ impl Engine {
             overlay: &mut batch.sparkplug,
             pipeline: &spec.name,
         };
-        let step = match session::step(&mut view, &topic, &payload, rec.received_at_ms, &wanted) {
+        let step = match session::step(&mut view, topic, payload, rec.received_at_ms, &wanted) {
             Ok(s) => s,
             Err(r) => {
                 if r.reason == "no_session" {
-                    self.notice(&topic, NoticeKind::NoSession);
+                    self.notice(topic, NoticeKind::NoSession);
                 }
                 return self.dead(base, p, rec, r);
             }
         };
         for kind in step.notices {
-            self.notice(&topic, kind);
+            self.notice(topic, kind);
         }
         for cut in &step.cuts {
-            self.cut(base, p, rec, &topic, cut)?;
+            self.cut(base, p, rec, topic, cut)?;
         }
         let values = step.samples.len();
-        let message = sparkplug::message_hash(&rec.topic, &rec.payload);
         let mut refused: Vec<(String, Refusal)> = Vec::new();
         let (mut applied, mut duplicates) = (None, 0u64);
         for s in step.samples {
@@ -174,15 +210,15 @@ impl Engine {
                         metric: s.metric,
                         time_ms: s.time_ms,
                     };
-                    self.cut(base, p, rec, &topic, &cut)?;
+                    self.cut(base, p, rec, topic, &cut)?;
                     continue;
                 }
                 Ok(Some(v)) => v,
             };
             let spec = &self.specs[p];
-            let key = render_key(&spec.key, &topic, &s.device, &s.metric, spec.max_key_len);
+            let key = render_key(&spec.key, topic, &s.device, &s.metric, spec.max_key_len);
             let id = sparkplug::event_id(
-                &topic,
+                topic,
                 &s.device,
                 &s.metric,
                 (s.time_ms, s.stamped),

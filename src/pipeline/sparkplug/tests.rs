@@ -650,3 +650,51 @@ fn a_stretch_delivered_again_past_the_next_birth_counts_once() {
     ));
     assert_eq!(host.send(DDATA, bare, 117_000), vec![Outcome::Duplicate]);
 }
+
+/// A stretch delivered again from its NBIRTH on, the node's death included, while the
+/// host has moved on (the session dead, then a new one): each message is skipped whole, as
+/// the same message. Taken again, the BIRTH would revive the old session, its DATA would
+/// seem to jump in `seq`, and its NDEATH would cut every metric a second time, at the time
+/// of the second receipt; and DATA arriving while the session is dead would be refused.
+#[test]
+fn a_message_delivered_again_changes_no_session() {
+    let mut host = Host::new(vec![spec("")]);
+    let stretch = [
+        (BIRTH, node_birth(0, 20.0, 1000), 1000),
+        (DBIRTH, device_birth(1, 100, true, 1000), 1000),
+        (DDATA, speed(2, 120, 20_000), 20_000),
+        (NDEATH, payload(None, vec![bd_seq(0)]), 30_000),
+    ];
+    for (topic, body, at) in &stretch {
+        host.send(topic, body.clone(), *at);
+    }
+    host.engine.take_notices();
+    let once = host.windows("n1/d1/Speed");
+    // Dead now: the DATA and the death again, then the whole stretch again.
+    host.restart();
+    for (topic, body, at) in stretch[2..].iter().chain(&stretch) {
+        let got = host.send(topic, body.clone(), at + 35_000);
+        let want = if *topic == NDEATH {
+            Outcome::Filtered // a death of no live session
+        } else {
+            Outcome::Duplicate
+        };
+        assert_eq!(got, vec![want], "{topic}");
+    }
+    assert_eq!(host.windows("n1/d1/Speed"), once);
+    assert!(host.engine.take_notices().is_empty());
+    // The next session goes on as if nothing came twice.
+    host.send(BIRTH, node_birth(1, 21.0, 70_000), 70_000);
+    host.send(DBIRTH, device_birth(1, 140, true, 70_000), 70_000);
+    let mut oracle = Oracle::default();
+    oracle.value("n1/d1/Speed", 1000, 100.0);
+    oracle.value("n1/d1/Speed", 20_000, 120.0);
+    oracle.death("n1/d1/Speed", 30_000);
+    oracle.value("n1/d1/Speed", 70_000, 140.0);
+    let got = host.windows("n1/d1/Speed");
+    let want = oracle.windows("n1/d1/Speed", 60_000);
+    assert_eq!(got.len(), want.len());
+    for (start, w) in &want {
+        assert!(same(&got[start], w), "{start}: {} != {w}", got[start]);
+    }
+}
