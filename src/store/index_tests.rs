@@ -11,7 +11,7 @@ const DIR_BITS: u32 = 4;
 const BUCKETS: usize = 1 << DIR_BITS;
 
 fn index() -> PagedIndex {
-    PagedIndex::new(DIR_BITS)
+    PagedIndex::new(DIR_BITS, 64)
 }
 
 /// A hash with this bucket and rest; `low` fills the bits the index ignores.
@@ -59,6 +59,17 @@ fn check(ix: &PagedIndex) {
     assert!(covered.windows(2).all(|w| w[0].1 == w[1].0), "runs meet");
     assert_eq!(covered.last().unwrap().1 as usize, BUCKETS);
     assert_eq!(total, ix.len);
+    let dead = (ix.pages.iter().flat_map(|p| &p.slots))
+        .filter(|&&e| ix.is_retired(e as u16))
+        .count();
+    assert_eq!(dead, ix.dead, "the retired entries' count is exact");
+    let both = (ix.retired_old.iter().zip(&ix.retired_new))
+        .map(|(a, b)| {
+            assert_eq!(a & b, 0, "a tag is retired once");
+            (a | b).count_ones() as usize
+        })
+        .sum::<usize>();
+    assert_eq!(both, ix.retired_tags);
     let capacity: usize = ix.pages.iter().map(|p| p.slots.capacity()).sum();
     assert_eq!(
         capacity, ix.capacity,
@@ -170,6 +181,68 @@ fn removing_entries_gives_their_memory_back() {
     assert!(ix.memory_bytes() < full);
 }
 
+#[test]
+fn a_retired_tag_is_gone_at_once_and_swept_out_in_passes() {
+    let mut ix = index();
+    let hashes: Vec<u64> = (0..1_200u64).map(mix).collect();
+    let items: Vec<(u64, u16)> = (hashes.iter().enumerate())
+        .map(|(i, &x)| (x, (i % 3) as u16))
+        .collect();
+    ix.insert_many(&items);
+    let full = ix.memory_bytes();
+    ix.retire(1, 400);
+    check(&ix);
+    assert!(ix.is_retired(1) && !ix.is_retired(0));
+    assert_eq!((ix.dead(), ix.retired_tags(), ix.live_len()), (400, 1, 800));
+    for (i, &x) in hashes.iter().enumerate() {
+        let t = tags(&ix, x);
+        assert!(!t.contains(&1), "entry {i}: {t:?}");
+        if i % 3 != 1 {
+            assert!(t.contains(&((i % 3) as u16)), "entry {i}");
+        }
+    }
+    // A little at a time: a page per call at least, the tag held until nothing is left.
+    let mut calls = 0;
+    while ix.dead() > 0 {
+        ix.sweep(1);
+        calls += 1;
+        check(&ix);
+        assert!(ix.dead() == 0 || ix.is_retired(1));
+    }
+    assert!(calls > 1, "{calls} calls");
+    assert!(!ix.is_retired(1) && ix.retired_tags() == 0);
+    assert_eq!(ix.len(), 800);
+    assert!(ix.memory_bytes() < full, "memory given back");
+    // Freed, the tag goes in again.
+    ix.insert_many(&[(hashes[1], 1)]);
+    assert!(tags(&ix, hashes[1]).contains(&1));
+}
+
+#[test]
+fn a_tag_retired_during_a_pass_waits_for_the_next_one() {
+    let mut ix = index();
+    let items: Vec<(u64, u16)> = (0..600u64).map(|i| (mix(i), (i % 4) as u16)).collect();
+    ix.insert_many(&items);
+    ix.retire(0, 150);
+    ix.sweep(1); // the pass begins: tag 0 is in it from its first page
+    ix.retire(1, 150);
+    check(&ix);
+    // Sweep to the end of the first pass: tag 0 is gone, tag 1 is not yet free.
+    while ix.sweep_at != 0 {
+        ix.sweep(1);
+        check(&ix);
+    }
+    assert!(!ix.is_retired(0) && ix.is_retired(1));
+    assert_eq!(ix.retired_tags(), 1);
+    assert!(
+        ix.dead() > 0,
+        "tag 1's entries in the pages passed before it was retired"
+    );
+    ix.sweep_all();
+    check(&ix);
+    assert_eq!((ix.dead(), ix.retired_tags(), ix.len()), (0, 0, 300));
+}
+
 /// A well-mixed hash of `i` (splitmix64's finaliser).
 fn mix(i: u64) -> u64 {
     let mut z = i.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -187,6 +260,10 @@ enum Op {
     Many(Vec<u64>, u16),
     /// Remove a batch.
     RemoveMany(Vec<(u64, u16)>),
+    /// Retire a tag (the model drops its entries at once).
+    Retire(u16),
+    /// Sweep about this many entries.
+    Sweep(usize),
 }
 
 /// Hashes from a small set of buckets and rests (so that equal ones are common), with
@@ -202,6 +279,8 @@ fn op() -> impl Strategy<Value = Op> {
         3 => hash().prop_map(Op::Query),
         1 => (proptest::collection::vec(hash(), 0..40), 0u16..4).prop_map(|(v, t)| Op::Many(v, t)),
         1 => proptest::collection::vec((hash(), 0u16..4), 0..40).prop_map(Op::RemoveMany),
+        1 => (0u16..4).prop_map(Op::Retire),
+        1 => (0usize..60).prop_map(Op::Sweep),
     ]
 }
 
@@ -221,7 +300,10 @@ proptest! {
         let mut ix = index();
         let mut model: BTreeMap<(u64, u16), usize> = BTreeMap::new();
         for op in ops {
+            // A retired tag is inserted and removed again only once the sweep freed it.
+            let retired = |ix: &PagedIndex, t: u16| ix.is_retired(t);
             match op {
+                Op::Insert(_, t) | Op::Remove(_, t) | Op::Many(_, t) if retired(&ix, t) => {}
                 Op::Insert(x, t) => {
                     ix.insert(x, t);
                     *model.entry(model_key(x, t)).or_default() += 1;
@@ -258,7 +340,8 @@ proptest! {
                     }
                     prop_assert!(ix.memory_bytes() <= bound, "{} > {bound}", ix.memory_bytes());
                 }
-                Op::RemoveMany(items) => {
+                Op::RemoveMany(mut items) => {
+                    items.retain(|&(_, t)| !retired(&ix, t));
                     let mut want = 0;
                     for &(x, t) in &items {
                         if let Some(n) = model.get_mut(&model_key(x, t)).filter(|n| **n > 0) {
@@ -268,10 +351,21 @@ proptest! {
                     }
                     prop_assert_eq!(ix.remove_many(&items), want);
                 }
+                Op::Retire(t) => {
+                    if !retired(&ix, t) {
+                        let n: usize = model.iter().filter(|(k, _)| k.1 == t).map(|(_, n)| n).sum();
+                        model.retain(|k, _| k.1 != t);
+                        ix.retire(t, n);
+                    }
+                }
+                Op::Sweep(budget) => ix.sweep(budget),
             }
             check(&ix);
         }
-        prop_assert_eq!(ix.len(), model.values().sum::<usize>());
+        prop_assert_eq!(ix.live_len(), model.values().sum::<usize>());
+        ix.sweep_all();
+        check(&ix);
+        prop_assert_eq!((ix.len(), ix.retired_tags()), (model.values().sum::<usize>(), 0));
     }
 
     /// The interpolating search finds what a binary search finds, in any sorted bucket.

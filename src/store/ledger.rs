@@ -5,8 +5,10 @@
 //! - A lookup answers exactly what a map of every recorded (pipeline, ID) → record time
 //!   would: memory only decides which chunks a lookup reads, never what it answers
 //!   (`store::tests::ledger_model`, `store::tests::ledger_oracle`).
-//! - Memory per ID is bounded and small: 4 bytes of index per ID in the window, and a few
-//!   bytes per group of chunks (~0.2 byte per ID); nothing else grows with the IDs.
+//! - Memory per ID is bounded and small: 4 bytes of index per ID in the window, the entries
+//!   of expired groups that the index's sweep has not reached yet (at most ~1/8 of them,
+//!   half a byte per ID; see `index.rs`), and a few bytes per group of chunks (~0.2 byte
+//!   per ID); nothing else grows with the IDs.
 //! - No cliff: a lookup reads one bucket of the index and, only on a hit, the groups its
 //!   tag names (one, while fewer than 2^16 groups are indexed); nothing a lookup does grows
 //!   with the number of IDs but the cache misses of a larger index and store
@@ -52,7 +54,8 @@
 //! # What a lookup costs (ten million IDs, full checkpoints of 24-byte IDs)
 //!
 //! - Memory: 40 MB of index entries (4 bytes per ID) plus ~1.5 MB of directory, slack and
-//!   headers (measured: 4.28 bytes per ID); groups ~30,000 × 56 bytes = 1.7 MB.
+//!   headers, and the expired entries the sweep has yet to reach (measured: 4.28 bytes per
+//!   ID before they waited for a sweep, 4.38 since); groups ~30,000 × 56 bytes = 1.7 MB.
 //! - A fresh ID (the common case): hash (~20 ns), one bucket of ~150 entries (interpolation:
 //!   two or three cache lines): no read. A false hit, probability `n / 2^32` = 0.23%, reads
 //!   one group (~12 KiB from sled, cold at this size: ~100 µs): ~0.25 µs per lookup.
@@ -60,14 +63,22 @@
 //!   scanned without decoding them into strings.
 //! - Inserts and expiry: a checkpoint's entries sorted and merged page by page (each page
 //!   touched once, a few hundred bytes moved), and the expired groups read back from the
-//!   tree to hash their IDs (the oldest, so cold).
+//!   tree for their keys (the oldest, so cold; sled loads the leaves to delete them anyway).
+//!   Their index entries go with their tag ([`PagedIndex::retire`]): no per-ID work in the
+//!   index but the sweep's sequential walk, 16 entries per expired ID. Only a group whose
+//!   tag is shared (past 2^16 indexed groups) has its IDs hashed and taken out one by one.
 //!
 //! Measured (`cargo bench --bench ledger`, store API only, shipped bounds, jemalloc, this
 //! 2-core box shared with other builds): CPU per event (lookup, insert, expiry, commit and
-//! fsync) 1.5-1.65 µs at 100,000 IDs in the window, 2.0 at 1M, 3.9 at 10M, where the
-//! index (40 MB) and the store (450 MB) no longer fit in any cache: 0.40 of the 100k rate,
-//! short of issue 33's 0.8. The fingerprint table before fell off a cliff instead: at
-//! 9.8 million IDs 57 events/s, each lookup reading every unindexed chunk.
+//! fsync) 1.5-1.65 µs at 100,000 IDs in the window on a quiet box, 2.0 at 1M, 3.9 at 10M,
+//! where the index (40 MB) and the store (450 MB) no longer fit in any cache. Expiry by
+//! retired tags (above) took a fifth of that off: with `CAIRN_LEDGER_IDS=100000,10000000`,
+//! run before and after it back to back (load average 8-10 throughout), 10M went from
+//! 6.07 to 4.92 µs per event (100k: 2.48-3.08 and 2.55-3.02), the ratio to 100k by CPU
+//! from 0.46 to 0.57, still short of issue 33's 0.8 (the rest: the index's cache misses,
+//! two or three per lookup and per insert, and sled on a 450 MB tree; `docs/performance.md`).
+//! The fingerprint table before fell off a cliff instead: at 9.8 million IDs 57 events/s,
+//! each lookup reading every unindexed chunk.
 //!
 //! # The memory bound (`[storage] ledger_index_max`)
 //!
@@ -94,7 +105,7 @@ use std::hash::{BuildHasher, Hasher};
 
 use serde::{Deserialize, Serialize};
 
-use super::index::{PagedIndex, dir_bits_for};
+use super::index::{PagedIndex, SWEEP_PER_DEAD, dir_bits_for};
 
 /// Most entries in one chunk (a handful in unit tests, so that their small batches span
 /// several chunks, as large ones do in production).
@@ -322,6 +333,8 @@ pub(crate) struct Ledgers {
     /// indexed at once.
     shared: HashMap<u16, Vec<Owner>>,
     next_tag: u16,
+    /// Entries the index's sweep owes for tags retired since it last ran.
+    to_sweep: usize,
 }
 
 /// Where a chunk went in memory: whether it was indexed.
@@ -336,13 +349,14 @@ impl Ledgers {
     /// Empty ledgers whose index will be kept within `bound` bytes.
     pub fn new(bound: usize) -> Self {
         Ledgers {
-            index: PagedIndex::new(dir_bits_for(bound)),
+            index: PagedIndex::new(dir_bits_for(bound), TAG_SPACE),
             ledgers: Vec::new(),
             names: Vec::new(),
             pids: HashMap::new(),
             owner: HashMap::new(),
             shared: HashMap::new(),
             next_tag: 0,
+            to_sweep: 0,
         }
     }
 
@@ -386,10 +400,25 @@ impl Ledgers {
         self.index.memory_bytes()
     }
 
-    /// Entries in the index (tests).
+    /// Entries in the index, those of retired tags left out (tests).
     #[cfg(test)]
     pub fn index_len(&self) -> usize {
-        self.index.len()
+        self.index.live_len()
+    }
+
+    /// Whether the index holds at most `bound` bytes after inserting entries with these
+    /// hashes. If not, and entries of retired tags are still there, they are swept out
+    /// first: the bound counts them, and they must not leave a chunk unindexed.
+    fn fits(&mut self, hashes: &[u64], bound: usize) -> bool {
+        let fits = |ix: &PagedIndex| ix.bytes_to_hold(hashes).is_some_and(|b| b <= bound);
+        if fits(&self.index) {
+            return true;
+        }
+        if self.index.dead() == 0 {
+            return false;
+        }
+        self.index.sweep_all();
+        fits(&self.index)
     }
 
     /// Chunks in groups the memory bound left out of the index.
@@ -460,7 +489,7 @@ impl Ledgers {
             .flat_map(|c| c.hashes.iter().copied())
             .collect();
         let mut inserts = Vec::with_capacity(all.len());
-        if self.index.bytes_to_hold(&all).is_some_and(|b| b <= bound) {
+        if self.fits(&all, bound) {
             for c in chunks {
                 self.place(c, true, &mut inserts);
             }
@@ -469,10 +498,7 @@ impl Ledgers {
         }
         let mut added = Added::Indexed;
         for c in chunks {
-            let fits = self
-                .index
-                .bytes_to_hold(&c.hashes)
-                .is_some_and(|b| b <= bound);
+            let fits = self.fits(&c.hashes, bound);
             inserts.clear();
             if self.place(c, fits, &mut inserts) == Added::Unindexed {
                 added = Added::Unindexed;
@@ -541,8 +567,15 @@ impl Ledgers {
     /// A tag for a new indexed group: one no other indexed group has, while there is one.
     /// Tags are 16 bits to keep an index entry at 4 bytes; past 2^16 indexed groups at once a
     /// tag is shared, and a hit on it reads every group that has it: slower, never wrong.
+    ///
+    /// A retired tag (its group dropped, its entries not yet swept out of the index) is
+    /// given to no one: the sweep would take the new group's entries out with the old ones.
+    /// If retired tags are all that is left, the sweep frees them at once.
     fn take_tag(&mut self, owner: Owner) -> u16 {
-        let all_taken = self.owner.len() >= TAG_SPACE;
+        if self.owner.is_empty() && self.index.retired_tags() >= TAG_SPACE {
+            self.index.sweep_all();
+        }
+        let all_taken = self.owner.len() + self.index.retired_tags() >= TAG_SPACE;
         let tag = loop {
             let t = self.next_tag;
             self.next_tag = if usize::from(t) + 1 >= TAG_SPACE {
@@ -550,7 +583,8 @@ impl Ledgers {
             } else {
                 t + 1
             };
-            if all_taken || !self.owner.contains_key(&t) {
+            let owned = self.owner.contains_key(&t);
+            if (all_taken && owned) || (!all_taken && !owned && !self.index.is_retired(t)) {
                 break t;
             }
         };
@@ -593,8 +627,10 @@ impl Ledgers {
     }
 
     /// Drop the oldest group of `pid`, which must be `seq`, whose chunks' entries have these
-    /// hashes (read from the tree before its chunks were deleted). Its index entries go
-    /// into `removals`, for [`Ledgers::remove_entries`].
+    /// hashes (read from the tree before its chunks were deleted). If its tag is its own,
+    /// the tag is retired: the index's sweep takes its entries out (see
+    /// [`PagedIndex::retire`]). If another group shares it, its entries go into `removals`,
+    /// for [`Ledgers::remove_entries`], one by one.
     pub(crate) fn drop_oldest(
         &mut self,
         pid: u32,
@@ -610,6 +646,20 @@ impl Ledgers {
         l.bytes = l.bytes.saturating_sub(g.bytes);
         debug_assert_eq!(g.entries, hashes.len() as u64, "every entry is dropped");
         match g.tag {
+            Some(tag) if !self.shared.contains_key(&tag) => {
+                let n = usize::try_from(g.entries).expect("entries fit in memory");
+                // Every entry with the tag is the group's, but for those of groups that
+                // shared it, dropped in this commit and waiting in `removals`.
+                #[cfg(test)]
+                assert_eq!(
+                    self.index.count_tag(tag),
+                    n + removals.iter().filter(|r| r.1 == tag).count(),
+                    "group {seq} of {pid}: its tag {tag}'s entries are its own ({g:?})"
+                );
+                self.index.retire(tag, n);
+                self.to_sweep = self.to_sweep.saturating_add(n * SWEEP_PER_DEAD);
+                self.release_tag(tag, (pid, seq));
+            }
             Some(tag) => {
                 removals.extend(hashes.iter().map(|&h| (h, tag)));
                 self.release_tag(tag, (pid, seq));
@@ -620,8 +670,10 @@ impl Ledgers {
         }
     }
 
-    /// Take the entries of dropped groups out of the index, all at once. An entry of another
-    /// group with the same bits and tag is the same entry, so which one goes does not matter.
+    /// Take the entries of dropped groups out of the index, all at once: those of shared
+    /// tags one by one (an entry of another group with the same bits and tag is the same
+    /// entry, so which one goes does not matter), and the sweep's share for the retired
+    /// ones.
     pub(crate) fn remove_entries(&mut self, removals: &[(u64, u16)]) {
         let found = self.index.remove_many(removals);
         debug_assert_eq!(
@@ -629,6 +681,7 @@ impl Ledgers {
             removals.len(),
             "every entry of an indexed group is indexed"
         );
+        self.index.sweep(std::mem::take(&mut self.to_sweep));
     }
 
     /// Up to `limit` unindexed groups of `pid`, oldest first.
@@ -639,8 +692,20 @@ impl Ledgers {
 
     /// Index unindexed group `seq` of `pid`, whose entries have these hashes, if that keeps
     /// the index within `bound`. Returns whether it did.
+    ///
+    /// The hashes are read from the group's key range in the tree, and the newest group's
+    /// runs to the end of its pipeline's keys: read after a commit's transaction, that range
+    /// also holds the chunks the commit is about to add, which sort after the group's own.
+    /// Only the group's own entries are indexed here (the first `entries`): indexing the new
+    /// ones too left them in the index twice, and their copy under this tag outlived them.
     pub(crate) fn promote(&mut self, pid: u32, seq: u64, hashes: &[u64], bound: usize) -> bool {
-        let fits = self.index.bytes_to_hold(hashes).is_some_and(|b| b <= bound);
+        let l = &self.ledgers[pid as usize];
+        let Some(g) = l.group(seq).filter(|_| l.unindexed.contains(&seq)) else {
+            return false;
+        };
+        let own = usize::try_from(g.entries).map_or(hashes.len(), |n| n.min(hashes.len()));
+        let hashes = &hashes[..own];
+        let fits = self.fits(hashes, bound);
         if !fits || !self.ledgers[pid as usize].unindexed.remove(&seq) {
             return false;
         }
