@@ -486,12 +486,9 @@ impl Engine {
         let name = spec.name.clone();
 
         // Invariant 5: an event ID seen within the window (in record time) is skipped.
-        let seen = self.dedup_get(base, &name, &ev.event_id)?;
-        if let Some(seen_ms) = seen {
-            if now.saturating_sub(seen_ms) < spec.dedup_window_ms {
-                self.progress.pipelines[p].counters.duplicates += 1;
-                return Ok(EventOutcome::Duplicate);
-            }
+        if self.seen_within_window(base, p, &ev.event_id)? {
+            self.progress.pipelines[p].counters.duplicates += 1;
+            return Ok(EventOutcome::Duplicate);
         }
 
         let (time_ms, slots) = match self.slots(p, &ev, rec) {
@@ -923,6 +920,19 @@ impl Engine {
             Some(v) => Ok(v.clone()),
             None => base.state(p, skey),
         }
+    }
+
+    /// Whether pipeline `p` accepted `id` within its dedup window (in record time).
+    fn seen_within_window<R: ReadState>(
+        &self,
+        base: &R,
+        p: usize,
+        id: &str,
+    ) -> Result<bool, ReadError> {
+        let spec = &self.specs[p];
+        Ok(self
+            .dedup_get(base, &spec.name, id)?
+            .is_some_and(|seen| self.clock(p).saturating_sub(seen) < spec.dedup_window_ms))
     }
 
     fn dedup_get<R: ReadState>(

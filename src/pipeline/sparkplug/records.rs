@@ -135,13 +135,9 @@ impl Engine {
         let message_id =
             (topic.kind != sparkplug::Kind::NDeath).then(|| sparkplug::message_id(&topic, message));
         if let Some(id) = &message_id {
-            let now = self.clock(p);
-            let name = &self.specs[p].name;
-            if let Some(seen) = self.dedup_get(base, name, id)? {
-                if now.saturating_sub(seen) < self.specs[p].dedup_window_ms {
-                    self.progress.pipelines[p].counters.duplicates += 1;
-                    return Ok(Outcome::Duplicate);
-                }
+            if self.seen_within_window(base, p, id)? {
+                self.progress.pipelines[p].counters.duplicates += 1;
+                return Ok(Outcome::Duplicate);
             }
         }
         let out = self.sparkplug_message(base, p, rec, &topic, &payload, message)?;
