@@ -411,9 +411,8 @@ impl Engine {
     ) -> Result<Outcome, ReadError> {
         let name = self.specs[p].name.clone();
         let content_id = dead_letter_id(&rec.topic, &rec.payload);
-        let seen = self.dedup_get(base, &name, &content_id)?;
         let now = self.clock(p);
-        if seen.is_some_and(|t| now.saturating_sub(t) < self.specs[p].dedup_window_ms) {
+        if self.seen_within_window(base, p, &content_id)? {
             self.progress.pipelines[p].counters.duplicates += 1;
             return Ok(Outcome::Duplicate);
         }

@@ -132,8 +132,13 @@ impl Engine {
         // already over (or a newer one, whose `bdSeq` it does not carry) and changes
         // nothing.
         let message = sparkplug::message_hash(&rec.topic, &rec.payload);
-        let message_id =
-            (topic.kind != sparkplug::Kind::NDeath).then(|| sparkplug::message_id(&topic, message));
+        // Bounded as a value's ID is (`max_id_len`, no control character: what the ledger
+        // may hold); past it every value's ID, which holds the same parts and more, is
+        // refused too, so no value of the message can count twice either.
+        let max = self.specs[p].max_id_len;
+        let message_id = (topic.kind != sparkplug::Kind::NDeath)
+            .then(|| sparkplug::message_id(&topic, message))
+            .filter(|id| id.len() <= max && !id.chars().any(char::is_control));
         if let Some(id) = &message_id {
             if self.seen_within_window(base, p, id)? {
                 self.progress.pipelines[p].counters.duplicates += 1;

@@ -698,3 +698,33 @@ fn a_message_delivered_again_changes_no_session() {
         assert!(same(&got[start], w), "{start}: {} != {w}", got[start]);
     }
 }
+
+/// A message ID is bounded as a value's is: on a topic whose IDs escape past `max_id_len`,
+/// no ledger entry exceeds it and the values are refused; the same bytes again are the same
+/// dead letter, not a second one (nothing counted, nothing panics).
+#[test]
+fn a_message_id_past_max_id_len_enters_no_ledger() {
+    let mut host = Host::new(vec![spec("max_id_len = 64")]);
+    let node = "n%".repeat(20); // 80 bytes escaped
+    let birth = format!("spBv1.0/plant1/NBIRTH/{node}");
+    let data = format!("spBv1.0/plant1/NDATA/{node}");
+    for (round, want) in [
+        Outcome::DeadLetter {
+            reason: "id_too_long",
+        },
+        Outcome::Duplicate,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        host.send(&birth, node_birth(0, 20.0, 1000), 1000);
+        let temp = payload(
+            Some(1),
+            vec![m(None, 1, t::DOUBLE, Value::Double(21.0), 2000)],
+        );
+        assert_eq!(host.send(&data, temp, 2000), vec![want], "round {round}");
+    }
+    host.checkpoint();
+    assert!(host.store.dedup.keys().all(|(_, id)| id.len() <= 64));
+    assert!(host.store.state.is_empty());
+}
