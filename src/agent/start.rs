@@ -73,6 +73,9 @@ pub(crate) fn recover(
         sync.clone(),
         cfg.store_bounds(),
     )?;
+    // A store of an older layout is rewritten before anything reads its states: later, a
+    // checkpoint committing beside the loop would move states it reads (`store/rows.rs`).
+    store.upgrade_layout()?;
     // Two segments: room to roll one and finish the batch in flight, and for the store
     // to checkpoint what was already ingested (see `disk`).
     let mut space = SpaceGuard::new(

@@ -223,7 +223,7 @@ fn from_data_dir(cfg: &Config, unanswered: &[String]) -> Result<Value, Failure> 
         .map_err(Failure::runtime)?;
     v["checkpoint"] = json!({"id": p.checkpoint_id, "next_offset": p.next_offset,
                              "committed_at_ms": last.map(|c| c.committed_at_ms),
-                             "keys": store.state_len(), "store_bytes": store.size_on_disk()});
+                             "keys": store.state_len().map_err(Failure::runtime)?, "store_bytes": store.size_on_disk()});
     v["store"] = json!({"size_bytes": crate::metrics::dir_size_bytes(&store_dir),
                         "live_bytes_estimate": store.live_bytes().map_err(Failure::runtime)?});
     v["pipelines"] = p

@@ -10,7 +10,7 @@
 //! opened to its siblings. The plain data it produces lives in
 //! [`crate::model`].
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use super::bound::{KeyBytes, result_bytes};
 use super::field::Format;
@@ -183,6 +183,10 @@ pub struct Engine {
     /// What Sparkplug sessions had to say since the live loop last took them (see
     /// [`Engine::take_notices`]); not part of any checkpoint.
     notices: Vec<Notice>,
+    /// The distinct state keys in `batch.state`: the store keeps every pipeline's state of
+    /// one key in one row, one write per checkpoint whatever the pipelines
+    /// (`checkpoint.max_keys` counts these).
+    rows: HashSet<Vec<u8>>,
 }
 
 impl Engine {
@@ -208,6 +212,7 @@ impl Engine {
             batch: Batch::default(),
             touched: BTreeMap::new(),
             notices: Vec::new(),
+            rows: HashSet::new(),
         }
     }
 
@@ -231,7 +236,7 @@ impl Engine {
     /// State keys the next checkpoint writes (or deletes), over all pipelines, Sparkplug
     /// session entries included.
     pub fn pending_keys(&self) -> u64 {
-        (self.batch.state.len() + self.batch.sparkplug.len()) as u64
+        (self.rows.len() + self.batch.sparkplug.len()) as u64
     }
 
     /// Apply one log record to every pipeline whose topic filter matches it. The record must
@@ -533,14 +538,20 @@ impl Engine {
         })
     }
 
+    /// Write (`None`: delete) one key's state in the checkpoint's batch.
+    fn put_state(&mut self, pipeline: String, skey: Vec<u8>, state: Option<KeyState>) {
+        if !self.rows.contains(&skey) {
+            self.rows.insert(skey.clone());
+        }
+        self.batch.state.insert((pipeline, skey), state);
+    }
+
     /// Write one key's (or window's) new state and emit it as the pipeline's mode says.
     fn store_state(&mut self, p: usize, slot: Slot, new: KeyState) {
         let name = self.specs[p].name.clone();
         let pp = &mut self.progress.pipelines[p];
         pp.max_version = pp.max_version.max(new.version);
-        self.batch
-            .state
-            .insert((name, slot.skey.clone()), Some(new.clone()));
+        self.put_state(name, slot.skey.clone(), Some(new.clone()));
         match self.specs[p].emit {
             Emit::Changelog => self.emit(p, &slot.skey, &new, slot.topic),
             Emit::Upsert => {
@@ -857,7 +868,7 @@ impl Engine {
                     );
                     self.emit(p, &k, &st, topic);
                 }
-                self.batch.state.insert((name.clone(), k), None);
+                self.put_state(name.clone(), k, None);
                 self.progress.pipelines[p].keys -= 1;
             }
         }
@@ -969,6 +980,7 @@ impl Engine {
             }
         }
         self.progress.checkpoint_id += 1;
+        self.rows.clear();
         Checkpoint {
             progress: self.progress.clone(),
             batch: std::mem::take(&mut self.batch),

@@ -61,7 +61,9 @@ struct LedgerWrites {
 
 /// Every tree's writes for one checkpoint, built before the transaction.
 struct Writes {
+    /// States that did not fit their row (see `rows.rs`).
     state: sled::Batch,
+    rows: sled::Batch,
     sparkplug: sled::Batch,
     dedup: sled::Batch,
     outbox: sled::Batch,
@@ -112,7 +114,8 @@ impl Store {
             "checkpoint ids are consecutive"
         );
         let b = &cp.batch;
-        let state = state_batch(b)?;
+        self.upgrade_layout()?;
+        let (rows, state) = self.state_writes(&b.state)?;
         let sparkplug = sparkplug_batch(b)?;
         let Fresh {
             batch: mut dedup,
@@ -172,6 +175,7 @@ impl Store {
         let progress = progress_with_ledger_sizes(&plan.ledger_entries, &cp.progress, &lw);
         let writes = Writes {
             state,
+            rows,
             sparkplug,
             dedup: std::mem::take(&mut lw.batch),
             outbox,
@@ -338,10 +342,11 @@ impl Store {
     /// All trees in one sled transaction: a checkpoint is wholly visible or not at all.
     fn transaction(&self, w: &Writes) -> Result<(), StoreError> {
         // Every checkpoint tree, in the order of `trees()` (what a savepoint copies):
-        // meta, state, dedup, outbox, dead, checkpoints, sparkplug.
+        // meta, state, dedup, outbox, dead, checkpoints, sparkplug, rows.
         self.trees()[..]
             .transaction(|tx| {
                 tx[1].apply_batch(&w.state)?;
+                tx[7].apply_batch(&w.rows)?;
                 tx[6].apply_batch(&w.sparkplug)?;
                 tx[2].apply_batch(&w.dedup)?;
                 tx[3].apply_batch(&w.outbox)?;
@@ -508,22 +513,6 @@ impl Store {
         }
         Ok(())
     }
-}
-
-/// The state tree's writes: a key's new state, or its removal.
-fn state_batch(b: &Batch) -> Result<sled::Batch, StoreError> {
-    let mut state = sled::Batch::default();
-    for ((p, skey), v) in &b.state {
-        let key = pkey(p, skey);
-        match v {
-            Some(s) => {
-                let value = bounded("state", &key, encode(s))?;
-                state.insert(key, value);
-            }
-            None => state.remove(key),
-        }
-    }
-    Ok(state)
 }
 
 /// The Sparkplug session entries' writes (each bounded by the session module's limits on

@@ -56,15 +56,22 @@
 //!   the default holds ~15 million); beyond it chunks stay unindexed and lookups read them,
 //!   slower but exact (see [`ledger`]).
 //!
-//! # Layout (store format 3)
+//! # Layout (store format 4)
 //!
 //! One tree per kind; pipeline-scoped keys start with `pipeline_name 0x00` (names cannot
-//! contain NUL). `state`: p·skey → KeyState; `dedup`: p·min_seen·checkpoint·part → a chunk
+//! contain NUL). `rows`: skey → every pipeline's state for that key ([`rows`]); `state`:
+//! p·skey → KeyState, for a state too large to share its row; `dedup`: p·min_seen·checkpoint·part → a chunk
 //! of ledger entries ([`ledger`]); `outbox`: first_seq → a chunk of outputs ([`outbox`]);
 //! `dead`: offset·p → DeadLetter; `sparkplug`: p·key → a Sparkplug session entry (issue 31);
-//! `meta`: `progress` → Progress, `format` → 3,
+//! `meta`: `progress` → Progress, `format` → 4,
 //! `dead_letters` → [`DeadLetterStats`], `ledger_windows` → each pipeline's dedup window;
 //! `checkpoints`: id → CheckpointInfo (the newest [`CHECKPOINT_HISTORY`]).
+//!
+//! Format 4 is format 3 with the states in rows: format 3 kept one `state` key per
+//! pipeline and state key, so a checkpoint wrote each input key once per pipeline (issue
+//! 33). A format-3 (or -2) store is read as it is and upgraded by the agent at start
+//! ([`Store::upgrade_layout`], `store::rows::store_tests`); a build before format 4 refuses
+//! a store or savepoint after it.
 //!
 //! Format 3 is format 2 with a `generation` in each pipeline's progress (and the progress of
 //! pipelines no longer configured kept): a format-2 store is read as generation 1 for every
@@ -194,7 +201,10 @@ pub(crate) struct BoundFigures {
 }
 
 /// The layout this build writes (see the module docs).
-pub(crate) const STORE_FORMAT: u32 = 3;
+pub(crate) const STORE_FORMAT: u32 = 4;
+/// Format 3: format 4 with a key per pipeline and state key in `state` and no `rows`. Read
+/// as it is, and upgraded by the agent before it processes ([`rows`]).
+const STORE_FORMAT_V3: u32 = 3;
 /// The older layout this build still reads: the same trees, a progress record without
 /// generations and with counters that have no `filtered`.
 const STORE_FORMAT_V2: u32 = 2;
@@ -207,6 +217,7 @@ mod index;
 mod ledger;
 mod open;
 mod read;
+mod rows;
 mod sinks;
 mod v2;
 pub use copy::StoreCopy;
@@ -253,7 +264,7 @@ pub enum StoreError {
         limit: usize,
     },
     #[error(
-        "the store at {path} has layout {found}, this cairn reads layouts 2 and {STORE_FORMAT}. Move it \
+        "the store at {path} has layout {found}, this cairn reads layouts 2 to {STORE_FORMAT}. Move it \
          aside (`mv {path} {path}.old`) and start again: the state is rebuilt from the log if \
          it still starts at offset 0 (`cairn inspect log --limit 1`)"
     )]
@@ -294,7 +305,13 @@ pub struct Store {
     dir: PathBuf,
     sync: Durability,
     meta: sled::Tree,
+    /// States that did not fit their row, and a format-3 store's states
+    /// (`pipeline 0x00 skey` → KeyState).
     state: sled::Tree,
+    /// Every pipeline's state for one stored key (skey → a row, see [`rows`]).
+    rows: sled::Tree,
+    /// The store's layout is older than format 4 (see [`rows`]).
+    legacy: std::sync::atomic::AtomicBool,
     dedup: sled::Tree,
     outbox: sled::Tree,
     dead: sled::Tree,
@@ -650,28 +667,33 @@ impl Store {
         pipelines: &[&str],
         progress: &Progress,
     ) -> Result<(), StoreError> {
-        let mut batches = [
-            sled::Batch::default(),
-            sled::Batch::default(),
-            sled::Batch::default(),
-        ];
+        self.upgrade_layout()?;
+        let (rows, spill) = self.forget_states(pipelines)?;
+        let mut batches = [spill, sled::Batch::default(), sled::Batch::default()];
         for pipeline in pipelines {
             let prefix = pkey(pipeline, &[]);
-            let trees = [&self.state, &self.dedup, &self.sparkplug];
+            let trees = [&self.dedup, &self.sparkplug];
             for (i, tree) in trees.into_iter().enumerate() {
                 for k in tree.scan_prefix(&prefix).keys() {
-                    batches[i].remove(k?);
+                    batches[i + 1].remove(k?);
                 }
             }
         }
         let backfill = backfill_record(progress)?;
         let progress = encode(progress);
-        let trees = [&self.meta, &self.state, &self.dedup, &self.sparkplug];
+        let trees = [
+            &self.meta,
+            &self.state,
+            &self.dedup,
+            &self.sparkplug,
+            &self.rows,
+        ];
         trees[..]
             .transaction(|tx| {
                 tx[1].apply_batch(&batches[0])?;
                 tx[2].apply_batch(&batches[1])?;
                 tx[3].apply_batch(&batches[2])?;
+                tx[4].apply_batch(&rows)?;
                 tx[0].insert(PROGRESS_KEY, progress.as_slice())?;
                 tx[0].insert(BACKFILL_KEY, backfill.as_slice())?;
                 tx[0].insert(FORMAT_KEY, &STORE_FORMAT.to_be_bytes())?;

@@ -39,6 +39,8 @@ impl Store {
         let store = Store {
             meta: t("meta")?,
             state: t("state")?,
+            rows: t("rows")?,
+            legacy: Default::default(),
             dedup: t("dedup")?,
             outbox: t("outbox")?,
             dead: t("dead")?,
@@ -73,12 +75,14 @@ impl Store {
             }
             None => 1,
         };
-        if found != STORE_FORMAT && found != STORE_FORMAT_V2 {
+        if found != STORE_FORMAT && found != STORE_FORMAT_V3 && found != STORE_FORMAT_V2 {
             return Err(StoreError::Format {
                 path: self.dir.clone(),
                 found,
             });
         }
+        self.legacy
+            .store(found != STORE_FORMAT, std::sync::atomic::Ordering::Release);
         Ok(())
     }
 

@@ -103,19 +103,12 @@ impl Store {
         &self,
         pipeline: Option<&str>,
     ) -> impl Iterator<Item = Result<(String, Vec<u8>, KeyState), StoreError>> + '_ {
-        let it = match pipeline {
-            Some(p) => self.state.scan_prefix(pkey(p, &[])),
-            None => self.state.iter(),
-        };
-        it.map(|r| {
-            let (k, v) = r?;
-            let (p, skey) = split_pkey(&k)?;
-            Ok((p, skey.to_vec(), decode("state", &v)?))
-        })
+        self.all_states(pipeline)
     }
 
-    pub(crate) fn state_len(&self) -> usize {
-        self.state.len()
+    /// States stored over all pipelines (walks every row).
+    pub(crate) fn state_len(&self) -> Result<usize, StoreError> {
+        self.count_states()
     }
 
     /// Every ledger entry: (pipeline, event ID, seen_ms), chunk by chunk.
@@ -199,14 +192,7 @@ impl ReadState for Store {
     }
 
     fn state(&self, pipeline: &str, skey: &[u8]) -> Result<Option<KeyState>, ReadError> {
-        match self
-            .state
-            .get(pkey(pipeline, skey))
-            .map_err(|e| read_err(e.into()))?
-        {
-            None => Ok(None),
-            Some(v) => decode("state", &v).map(Some).map_err(read_err),
-        }
+        self.stored_state(pipeline, skey).map_err(read_err)
     }
 
     fn dedup(&self, pipeline: &str, event_id: &str) -> Result<Option<u64>, ReadError> {
@@ -235,15 +221,7 @@ impl ReadState for Store {
     }
 
     fn window_keys(&self, pipeline: &str, from: u64, to: u64) -> Result<Vec<Vec<u8>>, ReadError> {
-        let lo = pkey(pipeline, &from.to_be_bytes());
-        let hi = pkey(pipeline, &to.to_be_bytes());
-        let plen = pipeline.len() + 1;
-        self.state
-            .range(lo..hi)
-            .map(|r| {
-                r.map(|(k, _)| k[plen..].to_vec())
-                    .map_err(|e| read_err(e.into()))
-            })
-            .collect()
+        self.state_keys_in(pipeline, &from.to_be_bytes(), &to.to_be_bytes())
+            .map_err(read_err)
     }
 }

@@ -5,7 +5,7 @@
 //! # Guarantees
 //!
 //! - **A savepoint is exactly one checkpoint.** [`Store::write_savepoint`] copies every
-//!   checkpoint tree (`meta`, `state`, `dedup`, `outbox`, `dead`, `checkpoints`, `sparkplug`). It is consistent because nothing commits while it runs: the agent calls
+//!   checkpoint tree (`meta`, `state`, `dedup`, `outbox`, `dead`, `checkpoints`, `sparkplug`, `rows`). It is consistent because nothing commits while it runs: the agent calls
 //!   it on its own thread between two checkpoints (the same thread that commits and deletes
 //!   outbox entries), and `cairn savepoint create` holds the store lock, so no agent runs.
 //!   The progress record is read before and after the copy and must not have changed (an
@@ -88,7 +88,8 @@ mod check;
 
 /// The checkpoint trees, in file order; an entry's tree byte is the index here.
 /// `sparkplug` came last (issue 31), so savepoints written before it read unchanged.
-pub(crate) const TREES: [&str; 7] = [
+/// `rows` came with store format 4 (issue 33).
+pub(crate) const TREES: [&str; 8] = [
     "meta",
     "state",
     "dedup",
@@ -96,6 +97,7 @@ pub(crate) const TREES: [&str; 7] = [
     "dead",
     "checkpoints",
     "sparkplug",
+    "rows",
 ];
 
 /// What a savepoint file's header says, plus where it is and how big.
@@ -272,7 +274,7 @@ impl<W: Write> Write for CrcWriter<W> {
 impl Store {
     /// Every checkpoint tree, in one order: a savepoint copies these, and the checkpoint
     /// transaction (`commit.rs`) spans them, indexing them by this order.
-    pub(super) fn trees(&self) -> [&sled::Tree; 7] {
+    pub(super) fn trees(&self) -> [&sled::Tree; 8] {
         [
             &self.meta,
             &self.state,
@@ -281,6 +283,7 @@ impl Store {
             &self.dead,
             &self.checkpoints,
             &self.sparkplug,
+            &self.rows,
         ]
     }
 
@@ -304,6 +307,7 @@ impl Store {
         let trees = [
             &self.meta,
             &self.state,
+            &self.rows,
             &self.dead,
             &self.checkpoints,
             &self.sparkplug,

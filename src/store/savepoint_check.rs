@@ -10,7 +10,7 @@
 //!   by a store, and sled would put it in a blob file it never fsyncs;
 //! - keys ascend within a tree and trees come in order, as the writer walks them;
 //! - each key and value decodes as its tree's type (`state`: a pipeline-scoped key and a
-//!   `KeyState`; `dedup`: a ledger chunk; `outbox`: a sequence number and a chunk of outputs;
+//!   `KeyState`; `rows`: a row of states; `dedup`: a ledger chunk; `outbox`: a sequence number and a chunk of outputs;
 //!   `dead`: a dead letter; `checkpoints`: a checkpoint record; `meta`: the layout, the
 //!   progress record under that layout, the backfill cursors, the dead-letter counts);
 //! - the layout is one this build reads, and the progress record names the header's
@@ -178,9 +178,9 @@ fn check_entry(tree: usize, k: &[u8], v: &[u8], meta: &mut Meta) -> Result<(), S
                     v.try_into()
                         .map_err(|_| StoreError::Corrupt("bad layout record".into()))?,
                 );
-                if f != STORE_FORMAT && f != STORE_FORMAT_V2 {
+                if !(STORE_FORMAT_V2..=STORE_FORMAT).contains(&f) {
                     return Err(StoreError::Corrupt(format!(
-                        "layout {f}, this cairn reads layouts {STORE_FORMAT_V2} and {STORE_FORMAT}"
+                        "layout {f}, this cairn reads layouts {STORE_FORMAT_V2} to {STORE_FORMAT}"
                     )));
                 }
                 meta.format = Some(f);
@@ -202,6 +202,7 @@ fn check_entry(tree: usize, k: &[u8], v: &[u8], meta: &mut Meta) -> Result<(), S
             split_pkey(k)?;
             decode::<KeyState>("state", v)?;
         }
+        7 => super::super::rows::check_row(v)?,
         2 => {
             split_pkey(k)?;
             decode::<super::super::ledger::Chunk>("ledger chunk", v)?;

@@ -595,17 +595,17 @@ fn a_crafted_savepoint_with_valid_checksums_is_refused_before_anything_is_moved(
     let state = good
         .entries
         .iter()
-        .position(|e| e.0 == 1)
-        .expect("a state entry");
+        .position(|e| e.0 == 7)
+        .expect("a row of states");
     let crafted = dir.path().join("crafted.cairn");
     type Craft = Box<dyn Fn(&mut Parts)>;
     let variants: Vec<(&str, Craft)> = vec![
         (
-            "state: undecodable state",
+            "rows: undecodable state row",
             Box::new(move |p| p.entries[state].2 = vec![0xff; 16]),
         ),
         (
-            "a state entry of 1048600 bytes, over the 7168 bytes a store ever writes",
+            "a rows entry of 1048600 bytes, over the 7168 bytes a store ever writes",
             Box::new(move |p| {
                 p.entries[state].2 = vec![0; (1 << 20) + 24 - p.entries[state].1.len()]
             }),
@@ -615,8 +615,9 @@ fn a_crafted_savepoint_with_valid_checksums_is_refused_before_anything_is_moved(
             Box::new(|p| p.next_offset = 1),
         ),
         (
-            "state: key without pipeline",
-            Box::new(move |p| p.entries[state].1 = b"no pipeline here".to_vec()),
+            // A well-formed row (not spilled, one entry for pipeline "x") whose state is not one.
+            "rows: undecodable state",
+            Box::new(move |p| p.entries[state].2 = vec![0, 1, 1, b'x', 2, 0xff, 0xff]),
         ),
         (
             "out of order",

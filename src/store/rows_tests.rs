@@ -1,0 +1,202 @@
+//! Rows against the in-memory model: shared rows, spilled states, windows that close, and
+//! the upgrade of a format-3 store, whole and after a crash part way.
+
+use std::collections::BTreeMap;
+
+use super::super::*;
+use crate::fsio;
+use crate::model::Record;
+use crate::pipeline::engine::{Engine, ReadState};
+use crate::pipeline::memory::MemState;
+use crate::pipeline::spec::PipelineSpec;
+
+fn spec(name: &str, aggregate: &str, window: &str) -> PipelineSpec {
+    crate::config::pipeline_from_toml(&format!(
+        r#"name = "{name}"
+topics = ["m/#"]
+format = "delimited"
+event_id = "0"
+key = "1"
+value = "2"
+event_time = "3"
+aggregate = "{aggregate}"
+{window}
+output_topic = "out/{name}/{{key}}"
+max_key_len = 64
+max_keys = 100000"#
+    ))
+    .unwrap()
+}
+
+/// Four percentile pipelines (their sketches grow with spread values, past what one row
+/// holds for all four), a sum, and a windowed count whose windows close.
+fn specs() -> Vec<PipelineSpec> {
+    let mut v: Vec<PipelineSpec> = ["p50", "p90", "p95", "p99"]
+        .iter()
+        .map(|a| spec(&format!("q_{a}"), a, ""))
+        .collect();
+    v.push(spec("total", "sum", ""));
+    v.push(spec(
+        "per_second",
+        "max",
+        "window = { size = \"1s\", allowed_lateness = \"0s\" }",
+    ));
+    v
+}
+
+fn rec(offset: u64, key: &str, value: f64, time_ms: u64) -> Record {
+    Record {
+        offset,
+        received_at_ms: 1_000_000 + offset,
+        topic: "m/x".into(),
+        payload: format!("E{offset}/{key}/{value}/{time_ms}").into_bytes(),
+        qos: 1,
+        retain: false,
+    }
+}
+
+fn stored(store: &Store) -> BTreeMap<(String, Vec<u8>), KeyState> {
+    store
+        .states(None)
+        .map(|r| {
+            let (p, k, s) = r.unwrap();
+            ((p, k), s)
+        })
+        .collect()
+}
+
+fn assert_as_model(store: &Store, model: &MemState, when: &str) {
+    let got = stored(store);
+    assert_eq!(got.len(), model.state.len(), "{when}: states stored");
+    for ((p, k), s) in &model.state {
+        assert_eq!(
+            got.get(&(p.clone(), k.clone())),
+            Some(s),
+            "{when}: {p} {k:?}"
+        );
+        assert_eq!(
+            store.state(p, k).unwrap().as_ref(),
+            Some(s),
+            "{when}: read {p}"
+        );
+    }
+    assert_eq!(store.state_len().unwrap(), model.state.len(), "{when}");
+}
+
+/// Run `n` records through an engine over `store`, committing every `every` records to
+/// the store and the model alike.
+fn run(store: &Store, model: &mut MemState, from: u64, n: u64, every: u64) {
+    let mut engine = Engine::new(specs(), store.progress().unwrap());
+    for i in from..from + n {
+        let key = format!("k{}", i % 2);
+        // Spread values: every percentile sketch gains buckets for a long while.
+        let value = 1.021f64.powi((i % 1500) as i32) * if i % 2 == 0 { 1.0 } else { -1.0 };
+        engine.apply(store, &rec(i, &key, value, i * 97)).unwrap();
+        if (i + 1) % every == 0 || i + 1 == from + n {
+            let cp = engine.take_checkpoint();
+            store.commit(&cp, 0).unwrap();
+            model.commit(&cp);
+            assert_as_model(store, model, &format!("after record {i}"));
+        }
+    }
+}
+
+#[test]
+fn pipelines_sharing_keys_share_rows_spill_what_does_not_fit_and_read_as_the_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    let mut model = MemState::default();
+    run(&store, &mut model, 0, 1500, 37);
+    let keys: std::collections::BTreeSet<&Vec<u8>> = model.state.keys().map(|(_, k)| k).collect();
+    assert!(
+        store.rows.len() <= keys.len(),
+        "a row per stored key at most"
+    );
+    assert!(!store.state.is_empty(), "some states were spilled");
+    assert!(
+        model.state.len() > store.state.len() * 2,
+        "most states are in rows"
+    );
+    let windows = model
+        .state
+        .keys()
+        .filter(|(p, _)| p == "per_second")
+        .count();
+    assert!(windows < 1500 * 97 / 1000, "closed windows were deleted");
+    drop(store);
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    assert_as_model(&store, &model, "reopened");
+}
+
+#[test]
+fn a_checkpoint_counts_a_key_once_whatever_the_pipelines() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    let mut engine = Engine::new(specs(), store.progress().unwrap());
+    engine.apply(&store, &rec(0, "a", 1.0, 10)).unwrap();
+    engine.apply(&store, &rec(1, "a", 2.0, 20)).unwrap();
+    // Five pipelines share "a"; the windowed one keys by window and key.
+    assert_eq!(engine.pending_keys(), 2);
+    engine.apply(&store, &rec(2, "b", 2.0, 30)).unwrap();
+    assert_eq!(engine.pending_keys(), 4);
+    store.commit(&engine.take_checkpoint(), 0).unwrap();
+    assert_eq!(engine.pending_keys(), 0);
+    assert_eq!(store.rows.len(), 4);
+}
+
+/// Put every state of `store` back in format 3's layout (`pipeline 0x00 skey` in `state`),
+/// except the rows of keys `keep` accepts: what a crash part way through an upgrade leaves.
+fn as_format_3(store: &Store, keep: impl Fn(&[u8]) -> bool) {
+    for r in store.rows.iter() {
+        let (k, v) = r.unwrap();
+        if keep(&k) {
+            continue;
+        }
+        let row: super::Row = decode("row", &v).unwrap();
+        for (p, s) in row.entries {
+            store.state.insert(pkey(&p, &k), s).unwrap();
+        }
+        store.rows.remove(&k).unwrap();
+    }
+    store.meta.insert(FORMAT_KEY, &3u32.to_be_bytes()).unwrap();
+    store.sync().unwrap();
+}
+
+#[test]
+fn a_format_3_store_reads_as_it_is_and_the_upgrade_moves_every_state_whole_or_again() {
+    for partial in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+        let mut model = MemState::default();
+        run(&store, &mut model, 0, 800, 50);
+        as_format_3(&store, |k| partial && k.ends_with(b"k1"));
+        drop(store);
+
+        let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+        assert!(store.legacy_layout());
+        assert_as_model(&store, &model, "format 3, read as it is");
+        assert_eq!(
+            store.meta.get(FORMAT_KEY).unwrap().unwrap().as_ref(),
+            3u32.to_be_bytes(),
+            "reading does not rewrite it"
+        );
+        store.upgrade_layout().unwrap();
+        assert!(!store.legacy_layout());
+        assert_as_model(&store, &model, "upgraded");
+        assert_eq!(
+            store.meta.get(FORMAT_KEY).unwrap().unwrap().as_ref(),
+            STORE_FORMAT.to_be_bytes()
+        );
+        let spilled: usize = store.state.len();
+        assert!(
+            spilled * 2 < model.state.len(),
+            "{partial}: moved into rows"
+        );
+        // And processing goes on from there as the model does.
+        run(&store, &mut model, 800, 300, 41);
+        drop(store);
+        let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+        assert!(!store.legacy_layout());
+        assert_as_model(&store, &model, "reopened after the upgrade");
+    }
+}
