@@ -3,7 +3,7 @@
 //! write batch (checking each value's bound), run the transaction, then bring the in-memory
 //! ledger index and outbox up to what the trees now hold, and fsync.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use sled::Transactional;
 
@@ -42,6 +42,8 @@ struct Plan {
     windows: Option<BTreeMap<String, u64>>,
     /// The outputs the outbox admits.
     outputs: Vec<(u64, Output)>,
+    /// Upserts a newer one of their key in the same batch superseded: never written.
+    superseded: Vec<u64>,
     /// The dead-letter counts before this commit.
     dead: DeadLetterStats,
     /// The sinks' staged positions, encoded.
@@ -197,6 +199,9 @@ impl Store {
             mem.windows = windows;
         }
         self.update_ledger(mem, lw)?;
+        for seq in plan.superseded {
+            mem.outbox.note_superseded(seq);
+        }
         self.update_outbox(mem, out_chunks, out_bytes)?;
         Ok(info)
     }
@@ -280,10 +285,12 @@ impl Store {
             configured.contains(p.as_str()) || mem.ledgers.get(p).is_some_and(|l| l.entries() > 0)
         });
         let windows = (windows != mem.windows).then_some(windows);
+        let (outputs, superseded) = admitted_outputs(mem, b);
         Plan {
             expire,
             windows,
-            outputs: admitted_outputs(mem, b),
+            outputs,
+            superseded,
             dead: mem.dead,
             sinks: self.take_sink_positions(mem),
             ledger_entries: mem
@@ -532,16 +539,37 @@ fn sparkplug_batch(b: &Batch) -> Result<sled::Batch, StoreError> {
     Ok(batch)
 }
 
-/// The outputs the outbox takes: IDs already waiting are not inserted again (invariant 6).
-fn admitted_outputs(mem: &Mem, b: &Batch) -> Vec<(u64, Output)> {
-    let mut fresh = Vec::with_capacity(b.outputs.len());
+/// The outputs the outbox takes: IDs already waiting are not inserted again (invariant 6),
+/// and an upsert that a newer upsert of its key in the same batch supersedes is not
+/// written at all (the outbox would mark it done as the newer one went in: with many
+/// pipelines' upserts flushed at every log commit, most of a checkpoint's outputs were
+/// written only to be dropped in the same commit; issue 33). Returns them and the
+/// superseded ones' sequence numbers.
+fn admitted_outputs(mem: &Mem, b: &Batch) -> (Vec<(u64, Output)>, Vec<u64>) {
+    // Per key, the highest version of the upserts after the one looked at.
+    let mut newer_upsert: HashMap<&str, u64> = HashMap::new();
+    let mut superseded = Vec::new();
+    let mut keep = vec![true; b.outputs.len()];
+    for (i, (seq, out)) in b.outputs.iter().enumerate().rev() {
+        let (key, version) = outbox::split_id(&out.id);
+        if newer_upsert.get(key).is_some_and(|&v| v > version) {
+            keep[i] = false;
+            superseded.push(*seq);
+        }
+        if out.latest_only {
+            let v = newer_upsert.entry(key).or_insert(version);
+            *v = (*v).max(version);
+        }
+    }
+    superseded.reverse();
+    let mut fresh = Vec::with_capacity(b.outputs.len() - superseded.len());
     let mut seen_ids = HashSet::new();
-    for (seq, out) in &b.outputs {
-        if mem.outbox.admits(&out.id) && seen_ids.insert(out.id.as_str()) {
+    for ((seq, out), keep) in b.outputs.iter().zip(keep) {
+        if keep && mem.outbox.admits(&out.id) && seen_ids.insert(out.id.as_str()) {
             fresh.push((*seq, out.clone()));
         }
     }
-    fresh
+    (fresh, superseded)
 }
 
 /// The outbox writes, and the bytes (key and value) of each chunk for `outbox.max_size`.

@@ -20,7 +20,9 @@
 //!   of its key done: it carries the key's whole state, so a consumer that keeps the highest
 //!   version per key loses nothing, and after an outage the broker gets one result per key
 //!   instead of every intermediate version (a replay of 1M events over 100k keys left about
-//!   980k waiting before, 100k now). Changelog outputs are never superseded. After a restart
+//!   980k waiting before, 100k now). An upsert superseded within its own checkpoint is not
+//!   written at all (`commit.rs`), and reported as superseded all the same. Changelog
+//!   outputs are never superseded. After a restart
 //!   the same rule, applied while loading the chunks in order, marks the same entries done.
 //!
 //! Keys are told apart by a 128-bit hash of their text (two keyed SipHash halves); a
@@ -66,7 +68,7 @@ pub(crate) fn make_chunks(outputs: Vec<(u64, Output)>) -> Vec<(u64, Vec<(u64, Ou
 /// An output ID's key and version: `pipeline/key[/window]` and the number after the last
 /// `/` (keys are escaped, so they hold no `/`). An ID of another shape is a key of its own
 /// with version 0.
-fn split_id(id: &str) -> (&str, u64) {
+pub(crate) fn split_id(id: &str) -> (&str, u64) {
     match id.rsplit_once('/') {
         Some((key, v)) => match v.parse() {
             Ok(v) => (key, v),
@@ -202,7 +204,8 @@ impl OutboxMem {
         Some(Some(first))
     }
 
-    fn note_superseded(&mut self, seq: u64) {
+    /// Report `seq` as superseded (see [`OutboxMem::take_superseded`]).
+    pub(crate) fn note_superseded(&mut self, seq: u64) {
         if let Some(v) = &mut self.superseded {
             if v.len() < SUPERSEDED_MAX {
                 v.push(seq);

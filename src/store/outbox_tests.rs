@@ -101,3 +101,49 @@ fn changelog_results_all_wait_and_their_bytes_grow_with_the_events() {
         store.outbox_bytes()
     );
 }
+
+/// Issue 33: an upsert that a newer upsert of its key in the same checkpoint supersedes is
+/// not written, and is reported as superseded as if it had been written and then dropped;
+/// changelog outputs are all written.
+#[test]
+fn an_upsert_superseded_within_its_checkpoint_is_never_written_but_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    let mut engine = Engine::new(
+        vec![spec("upsert"), {
+            let mut s = spec("changelog");
+            s.name = "c".into();
+            s
+        }],
+        store.progress().unwrap(),
+    );
+    for (off, key) in [(0, 1), (1, 2), (2, 1), (3, 1)] {
+        engine.apply(&store, &rec(off, key)).unwrap();
+        engine.flush_upserts(); // as the live loop does after each log commit
+    }
+    let cp = engine.take_checkpoint();
+    let upserts: Vec<u64> = (cp.batch.outputs.iter())
+        .filter(|(_, o)| o.latest_only)
+        .map(|(s, _)| *s)
+        .collect();
+    assert_eq!(upserts.len(), 4, "one upsert per event, each flushed");
+    let changelog = cp.batch.outputs.len() - upserts.len();
+    assert_eq!(changelog, 4);
+    store.commit(&cp, 0).unwrap();
+    // Kept: K2's and K1's newest upserts, and every changelog output.
+    assert_eq!(store.outbox_len(), 2 + changelog);
+    let ids: Vec<String> = (store.outbox_from(0).map(|r| r.unwrap().1.id))
+        .filter(|id| id.starts_with("p/"))
+        .collect();
+    assert_eq!(ids, ["p/K2/1", "p/K1/3"]);
+    assert_eq!(
+        store.outbox_take_superseded(),
+        Some(vec![upserts[0], upserts[2]]),
+        "K1's first two upserts, reported once"
+    );
+    assert_eq!(store.outbox_take_superseded(), Some(vec![]));
+    drop(store);
+    // Reopened: the same outbox.
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    assert_eq!(store.outbox_len(), 2 + changelog);
+}
