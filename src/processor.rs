@@ -679,6 +679,16 @@ impl Processor {
         }
     }
 
+    /// See [`Engine::upserts_waiting`].
+    pub fn upserts_waiting(&self) -> bool {
+        self.engine.upserts_waiting()
+    }
+
+    /// See [`Engine::next_output_seq`].
+    pub fn next_output_seq(&self) -> u64 {
+        self.engine.next_output_seq()
+    }
+
     /// Emit the upserts touched since the last flush (see [`Engine::flush_upserts`]).
     pub fn flush_upserts(&mut self) {
         self.engine.flush_upserts();

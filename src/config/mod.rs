@@ -200,9 +200,8 @@ pub struct LogConfig {
 pub struct CheckpointConfig {
     pub interval: Duration,
     pub max_records: u64,
-    /// Distinct state keys written (each once, however many pipelines keep state for it:
-    /// their states share one stored row): a checkpoint is taken at this many, to bound the
-    /// memory its transaction takes.
+    /// Distinct state keys written, summed over pipelines: a checkpoint is taken at this
+    /// many, to bound the memory its transaction takes.
     pub max_keys: u64,
 }
 

@@ -10,7 +10,7 @@
 //! opened to its siblings. The plain data it produces lives in
 //! [`crate::model`].
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 
 use super::bound::{KeyBytes, result_bytes};
 use super::field::Format;
@@ -183,10 +183,6 @@ pub struct Engine {
     /// What Sparkplug sessions had to say since the live loop last took them (see
     /// [`Engine::take_notices`]); not part of any checkpoint.
     notices: Vec<Notice>,
-    /// The distinct state keys in `batch.state`: the store keeps every pipeline's state of
-    /// one key in one row, one write per checkpoint whatever the pipelines
-    /// (`checkpoint.max_keys` counts these).
-    rows: HashSet<Vec<u8>>,
 }
 
 impl Engine {
@@ -212,7 +208,6 @@ impl Engine {
             batch: Batch::default(),
             touched: BTreeMap::new(),
             notices: Vec::new(),
-            rows: HashSet::new(),
         }
     }
 
@@ -234,9 +229,12 @@ impl Engine {
     }
 
     /// State keys the next checkpoint writes (or deletes), over all pipelines, Sparkplug
-    /// session entries included.
+    /// session entries included. Counted per pipeline although pipelines that share a key
+    /// share its stored row: what a checkpoint's transaction holds grows with the states it
+    /// writes, and counting rows instead let 16 pipelines over 1,000 keys reach a peak RSS
+    /// of 157 MiB (issue 33; 58 MiB counted so).
     pub fn pending_keys(&self) -> u64 {
-        (self.rows.len() + self.batch.sparkplug.len()) as u64
+        (self.batch.state.len() + self.batch.sparkplug.len()) as u64
     }
 
     /// Apply one log record to every pipeline whose topic filter matches it. The record must
@@ -540,9 +538,6 @@ impl Engine {
 
     /// Write (`None`: delete) one key's state in the checkpoint's batch.
     fn put_state(&mut self, pipeline: String, skey: Vec<u8>, state: Option<KeyState>) {
-        if !self.rows.contains(&skey) {
-            self.rows.insert(skey.clone());
-        }
         self.batch.state.insert((pipeline, skey), state);
     }
 
@@ -980,7 +975,6 @@ impl Engine {
             }
         }
         self.progress.checkpoint_id += 1;
-        self.rows.clear();
         Checkpoint {
             progress: self.progress.clone(),
             batch: std::mem::take(&mut self.batch),
@@ -1004,6 +998,16 @@ impl Engine {
     /// the store.
     pub fn pending_outputs(&self) -> &[(u64, Output)] {
         &self.batch.outputs
+    }
+
+    /// Upserts touched since the last flush, not yet emitted.
+    pub fn upserts_waiting(&self) -> bool {
+        !self.touched.is_empty()
+    }
+
+    /// The sequence number the next output gets.
+    pub fn next_output_seq(&self) -> u64 {
+        self.progress.outbox_seq
     }
 
     /// Dead letters made since the last checkpoint, in log order: the journal names each

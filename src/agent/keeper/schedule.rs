@@ -91,8 +91,7 @@ impl Schedule {
 
     /// Too many records applied, or state keys written, since the last commit: checkpoint
     /// now. The keys bound the memory the checkpoint's transaction takes (a copy of a sled
-    /// leaf per key, a row per key for all pipelines); the records, the overlay and what
-    /// replay redoes.
+    /// leaf per key); the records, the overlay and what replay redoes.
     pub(crate) fn size_due(records: u64, keys: u64, cfg: &CheckpointConfig) -> bool {
         records >= cfg.max_records || keys >= cfg.max_keys
     }

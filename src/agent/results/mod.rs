@@ -458,6 +458,12 @@ impl Results {
         Ok(())
     }
 
+    /// Some connected sink has more than `slack` results before `next_seq` still to send:
+    /// upserts are then better held back (see `Agent::flush_upserts`).
+    pub(crate) fn behind(&self, next_seq: u64, slack: u64) -> bool {
+        any_behind(self.sinks.iter().map(|s| &s.cursor), next_seq, slack)
+    }
+
     /// Nothing awaits an acknowledgement.
     pub(crate) fn idle(&self) -> bool {
         self.sinks.iter().all(|s| s.cursor.idle())
@@ -630,9 +636,38 @@ impl Results {
     }
 }
 
+/// See [`Results::behind`]: a sink that is not connected sends nothing either way, so it
+/// holds nothing back.
+fn any_behind<'a>(
+    mut cursors: impl Iterator<Item = &'a cursor::Cursor>,
+    next_seq: u64,
+    slack: u64,
+) -> bool {
+    cursors.any(|c| c.is_connected() && c.cursor().saturating_add(slack) < next_seq)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn upserts_wait_only_for_a_connected_sink_more_than_the_slack_behind() {
+        let mut near = cursor::Cursor::new(1000);
+        near.connected();
+        let far = cursor::Cursor::new(0);
+        assert!(
+            !any_behind([&near, &far].into_iter(), 2024, 1024),
+            "far is down"
+        );
+        assert!(any_behind([&near].into_iter(), 2025, 1024));
+        let mut far = far;
+        far.connected();
+        assert!(any_behind([&near, &far].into_iter(), 1025, 1024));
+        assert!(
+            !any_behind([&far].into_iter(), u64::MAX, u64::MAX),
+            "no overflow"
+        );
+    }
 
     #[test]
     fn the_outbox_is_full_at_its_entry_bound_or_its_byte_bound() {
