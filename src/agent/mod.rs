@@ -657,7 +657,6 @@ impl Agent {
             .retry_held(&mut self.log, &self.cfg, self.clock.as_ref())
     }
 
-    /// The results room sends what it can.
     /// Emit the upserts touched since the last flush, unless a connected sink is more than
     /// [`UPSERT_SLACK`] results behind: then they wait (each key's newest state replacing
     /// the last) until it has caught up, or the checkpoint, which emits them all. Returns
@@ -678,6 +677,7 @@ impl Agent {
         true
     }
 
+    /// The results room sends what it can.
     fn publish(&mut self) -> Result<(), AgentError> {
         let now = self.now();
         self.results
