@@ -26,9 +26,10 @@ impl Store {
 
     /// Names of the pipelines that have state or ledger entries in the store, whether or not
     /// the progress record knows them (a store written before dormant pipelines were kept
-    /// can hold state whose pipeline it forgot). One seek per pipeline, not a scan.
+    /// can hold state whose pipeline it forgot). One seek per pipeline in the trees keyed by
+    /// pipeline; the rows, keyed by state key, are walked (their names are read in place).
     pub fn pipelines_with_data(&self) -> Result<Vec<String>, StoreError> {
-        let mut names = std::collections::BTreeSet::new();
+        let mut names = self.row_pipelines()?;
         for tree in [&self.state, &self.dedup, &self.sparkplug] {
             let mut from = Vec::new();
             while let Some(kv) = tree.range(from.as_slice()..).next() {

@@ -280,6 +280,22 @@ impl Store {
         Ok(keys)
     }
 
+    /// The pipelines that have a state in some row (walks the rows): an upgraded store's
+    /// states are all there, those of a pipeline its progress record forgot too.
+    pub(super) fn row_pipelines(&self) -> Result<std::collections::BTreeSet<String>, StoreError> {
+        let mut names = std::collections::BTreeSet::new();
+        for (n, r) in self.rows.iter().enumerate() {
+            super::release_while_walking(n);
+            let (_, v) = r?;
+            for (p, _) in row_ref(&v)?.entries {
+                if !names.contains(p) {
+                    names.insert(p.to_string());
+                }
+            }
+        }
+        Ok(names)
+    }
+
     /// States stored, over all pipelines (walks the rows).
     pub(super) fn count_states(&self) -> Result<usize, StoreError> {
         let mut n = self.state.len();

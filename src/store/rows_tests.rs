@@ -200,3 +200,25 @@ fn a_format_3_store_reads_as_it_is_and_the_upgrade_moves_every_state_whole_or_ag
         assert_as_model(&store, &model, "reopened after the upgrade");
     }
 }
+
+/// A store whose progress record forgot a pipeline is refused by what
+/// `pipelines_with_data` finds: every pipeline with a state, also when its states are in
+/// rows only and its ledger is gone.
+#[test]
+fn every_pipeline_with_a_state_in_a_row_is_found() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    let mut model = MemState::default();
+    run(&store, &mut model, 0, 200, 50);
+    let mut names: Vec<String> = specs().iter().map(|s| s.name.clone()).collect();
+    names.sort();
+    assert_eq!(store.pipelines_with_data().unwrap(), names);
+    store.dedup.clear().unwrap();
+    store.state.clear().unwrap();
+    assert!(!store.rows.is_empty());
+    assert_eq!(
+        store.pipelines_with_data().unwrap(),
+        names,
+        "from the rows alone"
+    );
+}
