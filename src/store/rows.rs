@@ -396,10 +396,8 @@ impl Store {
             self.meta.get(FORMAT_KEY)?.as_deref() == Some(&STORE_FORMAT_V2.to_be_bytes()[..]);
         let mut meta = sled::Batch::default();
         if old_v2 && self.meta.get(PROGRESS_KEY)?.is_some() {
-            let mut progress = self.progress()?;
-            for p in &mut progress.pipelines {
-                p.backfill = None; // kept under its own record
-            }
+            // Backfill cursors are not in it (`serde(skip)`): they keep their own record.
+            let progress = self.progress()?;
             meta.insert(
                 PROGRESS_KEY,
                 bounded("meta", PROGRESS_KEY, encode(&progress))?,
