@@ -491,6 +491,9 @@ impl Agent {
             Some((cp, settled)) => {
                 let floor = keeper::retention_floor(&cp.progress, &self.cfg);
                 let taken = (self.clock.wall_ms(), began, settled);
+                // sled's transaction locks the whole store while it runs: the loop stays
+                // off it meanwhile (`keeper/commit.rs`).
+                self.proc.store().hold_outbox_deletes(true)?;
                 let sent = self.keeper.commit(cp, floor, taken);
                 self.failed_checkpoint(sent.map_err(AgentError::from))?;
             }
@@ -523,6 +526,7 @@ impl Agent {
         let Some((info, began, settled)) = self.failed_checkpoint(done)? else {
             return Ok(());
         };
+        self.proc.store().hold_outbox_deletes(false)?;
         // Outputs acknowledged by every sink while their checkpoint committed went into the
         // outbox all the same: they leave it now.
         let acked: Vec<(u64, String)> = self.proc.inflight().map_or_else(Vec::new, |cp| {

@@ -424,7 +424,7 @@ impl Store {
         // Chunks whose every entry a newer upsert superseded. Not fsynced, like deletions on
         // PUBACK: after a crash loading marks the same entries superseded again.
         for first in emptied {
-            self.remove_outbox_chunk(first)?;
+            self.delete_outbox_chunk(first)?;
         }
         Ok(())
     }

@@ -346,6 +346,9 @@ struct Mem {
     warned_windows: std::collections::BTreeSet<String>,
     /// The sinks' settled positions for the next commit (`sinks.rs`), encoded.
     sinks: Option<Vec<u8>>,
+    /// Outbox chunks emptied while a checkpoint commits beside the loop, deleted once it is
+    /// done (`Some` while it runs: [`Store::hold_outbox_deletes`]).
+    held_deletes: Option<Vec<u64>>,
 }
 
 impl Mem {
@@ -359,6 +362,7 @@ impl Mem {
             windows: Default::default(),
             warned_windows: Default::default(),
             sinks: None,
+            held_deletes: None,
         }
     }
 }
@@ -456,7 +460,20 @@ impl Store {
     /// the old copy of its leaf to them, outside any checkpoint, and a burst (a drained
     /// backlog's results, acknowledged together when mosquitto sends the PUBACKs it queued
     /// behind the backlog) deleted chunk after chunk with nothing running them.
-    fn remove_outbox_chunk(&self, first: u64) -> Result<(), StoreError> {
+    ///
+    /// While a checkpoint commits beside the loop the delete is held until it is done
+    /// ([`Store::hold_outbox_deletes`]).
+    fn remove_outbox_chunk(&self, mem: &mut Mem, first: u64) -> Result<(), StoreError> {
+        match mem.held_deletes.as_mut() {
+            Some(held) => {
+                held.push(first);
+                Ok(())
+            }
+            None => self.delete_outbox_chunk(first),
+        }
+    }
+
+    fn delete_outbox_chunk(&self, first: u64) -> Result<(), StoreError> {
         self.outbox.remove(first.to_be_bytes())?;
         let deleted = self.chunks_deleted.fetch_add(1, Ordering::Relaxed) + 1;
         if deleted % DELETE_RELEASE_EVERY == 0 {

@@ -157,7 +157,7 @@ impl Store {
         }
         // Superseded whole before a crash let their deletion be forgotten.
         for first in emptied {
-            self.remove_outbox_chunk(first)?;
+            self.delete_outbox_chunk(first)?;
         }
         Ok(())
     }

@@ -69,7 +69,7 @@ impl Store {
         };
         let chunk = self.outbox_chunk(&mut mem, first)?;
         if let Some(emptied) = mem.outbox.ack(seq, id) {
-            self.remove_outbox_chunk(emptied)?;
+            self.remove_outbox_chunk(&mut mem, emptied)?;
             return Ok(true);
         }
         let (first, runs) = mem

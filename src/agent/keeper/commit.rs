@@ -21,6 +21,15 @@
 //! Measured (`benches/compare/`, intervals): a 5 s checkpoint at ~7,000 events/s held the
 //! loop for ~200 ms with its fsync on the loop, and 75-90 ms with only its transaction
 //! there: long enough to make it the p99 latency of every result.
+//!
+//! **Beside is not apart.** sled's transaction holds a process-wide lock from its first
+//! write to its commit, and every `get`, `insert`, `remove` and iterator step of any tree
+//! waits for it. So the loop stays off the store while a commit runs: outbox deletes on
+//! PUBACK are held until it is done (`Store::hold_outbox_deletes`). What still waits is a
+//! sink's read of an outbox chunk not in memory, and a dedup lookup whose in-memory index
+//! cannot rule an ID out (a false hit, or a ledger past the index bound): it must read the
+//! ledger chunk (`docs/performance.md`, "The loop and
+//! sled's transaction lock").
 
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, sync_channel};
