@@ -10,8 +10,8 @@
 //!
 //! In memory, per chunk: its sequence range and a bit per entry that is done (acknowledged,
 //! or superseded); per output key (the ID without its version) the newest waiting entry; and
-//! a few decoded chunks, so that the publisher reads what was just committed without
-//! decoding it again.
+//! up to [`CACHE_CHUNKS`] decoded chunks: what was just committed, and what the sinks send
+//! next, read ahead before a commit keeps the store from the loop (`Store::outbox_prefetch`).
 //!
 //! - **No going back.** An output whose version is at or below that of a waiting output of
 //!   the same key is not inserted: this is how inserting an ID already waiting is a no-op
@@ -37,7 +37,14 @@ use crate::model::Output;
 
 pub(crate) const CHUNK_ENTRIES: usize = 256;
 pub(crate) const CHUNK_BYTES: usize = 4 * 1024;
-const CACHE_CHUNKS: usize = 16;
+/// Decoded chunks kept: the newest a commit wrote, and those read ahead for the sinks while
+/// a commit runs ([`PREFETCH_CHUNKS`]). At most ~4 KiB each on disk.
+const CACHE_CHUNKS: usize = 128;
+/// Chunks read ahead of the sinks' cursors before a commit starts, over all sinks: what a
+/// sink sends while the commit's transaction keeps the store from the loop. Under a
+/// backlog a commit holding 741 outbox chunks took 50-120 ms, while the sink sent ~20,000
+/// results/s (~27 a chunk): up to ~90 chunks.
+pub(crate) const PREFETCH_CHUNKS: usize = 96;
 /// Superseded sequences kept for [`OutboxMem::take_superseded`] between two takes; past it
 /// the taker is told to count again from the outbox instead (replay at start commits many
 /// checkpoints before anyone takes them).
@@ -294,6 +301,21 @@ impl OutboxMem {
             }
         }
         None
+    }
+
+    /// The first sequences of the (at most `n`) chunks holding waiting entries at or after
+    /// `from`, in order.
+    pub(crate) fn chunks_from(&self, from: u64, n: usize) -> Vec<u64> {
+        let mut out = Vec::new();
+        let mut at = from;
+        while out.len() < n {
+            let Some((_, first)) = self.next_from(at) else {
+                break;
+            };
+            out.push(first);
+            at = first + self.chunks.get(&first).map_or(1, |m| m.n.max(1));
+        }
+        out
     }
 
     pub(crate) fn cached(&mut self, first: u64) -> Option<ChunkEntries> {

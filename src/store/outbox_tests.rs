@@ -186,3 +186,52 @@ fn deletes_held_while_a_checkpoint_commits_happen_when_it_is_done_and_a_crash_re
     let back: Vec<_> = store.outbox_from(0).map(Result::unwrap).collect();
     assert_eq!(back, again, "the same entries, the same IDs");
 }
+
+#[test]
+fn chunks_read_ahead_are_sent_from_memory_while_a_commit_would_keep_the_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    let mut engine = Engine::new(vec![spec("changelog")], store.progress().unwrap());
+    outage(&store, &mut engine, 0, 10_000, 50);
+    let all: Vec<_> = store.outbox_from(0).map(Result::unwrap).collect();
+    // The cursor somewhere in the middle; reopen so that no chunk is in memory yet.
+    let from = all[1_000].0;
+    drop(engine);
+    drop(store);
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    let chunks = crate::store::PREFETCH_CHUNKS;
+    store.outbox_prefetch(from, chunks).unwrap();
+    // Take the chunks out of the tree behind the store's back: what the read-ahead holds
+    // is served from memory, and the first chunk past it is not there.
+    let firsts: Vec<u64> = store
+        .outbox
+        .iter()
+        .keys()
+        .map(|k| u64::from_be_bytes(k.unwrap().as_ref().try_into().unwrap()))
+        .collect();
+    for f in &firsts {
+        store.outbox.remove(f.to_be_bytes()).unwrap();
+    }
+    let mut read = 0;
+    for e in store.outbox_from(from) {
+        match e {
+            Ok((seq, out)) => {
+                assert_eq!((seq, &out), (all[1_000 + read].0, &all[1_000 + read].1));
+                read += 1;
+            }
+            Err(_) => break,
+        }
+    }
+    let at = firsts.partition_point(|f| *f <= from) - 1;
+    assert!(
+        firsts.len() - at > chunks,
+        "the outage wrote {} chunks from the cursor on, no more than the read-ahead",
+        firsts.len() - at
+    );
+    assert!(read >= chunks * 10, "{read} entries read from memory");
+    assert!(read < all.len() - 1_000, "everything was in memory: {read}");
+    assert!(
+        store.outbox_from(from).nth(read).unwrap().is_err(),
+        "past the read-ahead"
+    );
+}

@@ -25,10 +25,10 @@
 //! **Beside is not apart.** sled's transaction holds a process-wide lock from its first
 //! write to its commit, and every `get`, `insert`, `remove` and iterator step of any tree
 //! waits for it. So the loop stays off the store while a commit runs: outbox deletes on
-//! PUBACK are held until it is done (`Store::hold_outbox_deletes`). What still waits is a
-//! sink's read of an outbox chunk not in memory, and a dedup lookup whose in-memory index
-//! cannot rule an ID out (a false hit, or a ledger past the index bound): it must read the
-//! ledger chunk (`docs/performance.md`, "The loop and
+//! PUBACK are held until it is done (`Store::hold_outbox_deletes`), and the chunks the
+//! sinks send next are read before it starts (`Results::prefetch`). What still waits is a
+//! dedup lookup whose in-memory index cannot rule an ID out (a false hit, or a ledger past
+//! the index bound): it must read the ledger chunk (`docs/performance.md`, "The loop and
 //! sled's transaction lock").
 
 use std::sync::Arc;

@@ -282,6 +282,16 @@ impl Results {
         Ok(())
     }
 
+    /// Read ahead what each sink sends next from the outbox, before a checkpoint's commit
+    /// keeps the store from the loop (`Store::outbox_prefetch`).
+    pub(crate) fn prefetch(&self, proc: &Processor) -> Result<(), AgentError> {
+        let each = (crate::store::PREFETCH_CHUNKS / self.sinks.len().max(1)).max(4);
+        for s in &self.sinks {
+            proc.store().outbox_prefetch(s.cursor.cursor(), each)?;
+        }
+        Ok(())
+    }
+
     /// Sink `i`'s destination acknowledged a result: delete the outbox entries it settles
     /// for every sink they are routed to.
     pub(crate) fn acked(
