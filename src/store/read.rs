@@ -72,8 +72,8 @@ impl Store {
     /// results room sends them without the store: called just before a checkpoint's commit
     /// starts, whose transaction would make every read wait for it (see
     /// [`Store::hold_outbox_deletes`]). Under a backlog the room read them one by one as it
-    /// went, each read stopping the loop until the commit was done (41 stops of up to
-    /// 111 ms in a 2-minute run; issue 33).
+    /// went, each read stopping the loop until the commit was done (27 stops of up to
+    /// 128 ms in one run of the latency bench, 1 with the read-ahead; issue 33).
     pub(crate) fn outbox_prefetch(&self, from: u64, chunks: usize) -> Result<(), StoreError> {
         let mut mem = self.lock();
         for first in mem.outbox.chunks_from(from, chunks) {
@@ -104,7 +104,9 @@ impl Store {
             let mut mem = self.lock();
             match hold {
                 true => {
-                    mem.held_deletes.get_or_insert_with(Vec::new);
+                    // Every commit's hold is released when it settles, before the next.
+                    debug_assert!(mem.held_deletes.is_none(), "a hold never released");
+                    mem.held_deletes = Some(Vec::new());
                     return Ok(());
                 }
                 false => mem.held_deletes.take().unwrap_or_default(),
