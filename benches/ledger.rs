@@ -24,11 +24,20 @@
 //! of the last level to it (mean of its runs), by events/s and by events per CPU-second, is
 //! checked against issue 33's 0.8. Figures are printed, never asserted.
 //!
+//! `CAIRN_LEDGER_BESIDE=1` commits as the agent does (issue 33, item 2): each checkpoint's
+//! commit and fsync on a thread of its own while the events go on, their lookups reading the
+//! checkpoint in flight first, then the store; a checkpoint waits for the one before. Each
+//! level then also prints how long the steady events' store lookups took: p99, p99.9, the
+//! longest, and how many took over a millisecond (a lookup waits while a commit holds the
+//! store's lock).
+//!
 //! `CAIRN_LEDGER_IDS` (comma-separated) replaces the levels, e.g. `100000,1000000` for a
 //! quick run. `CAIRN_LEDGER_FILL_BUDGET` (seconds, default 900) stops a fill that takes
 //! longer, and reports how far it got (a ledger with a cliff would otherwise never finish).
 
 use std::process::Command;
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::Instant;
 
 /// The agent's allocator and options (`src/main.rs`): what the ledger costs in `cairn run`.
@@ -101,7 +110,14 @@ fn id_of(i: u64) -> String {
 }
 
 struct Level {
-    store: Store,
+    store: Arc<Store>,
+    /// `CAIRN_LEDGER_BESIDE`: the checkpoint committing beside the events, and its commit
+    /// (returning its seconds).
+    beside: bool,
+    inflight: Option<(Arc<Checkpoint>, JoinHandle<f64>)>,
+    /// Each store lookup's time in µs, once `timing` is on (the steady events).
+    timing: bool,
+    waits: Vec<f32>,
     progress: Progress,
     batch: Batch,
     window_ms: u64,
@@ -124,7 +140,11 @@ impl Level {
             ..Default::default()
         }];
         Level {
-            store,
+            store: Arc::new(store),
+            beside: std::env::var_os("CAIRN_LEDGER_BESIDE").is_some(),
+            inflight: None,
+            timing: false,
+            waits: Vec::new(),
             progress,
             batch: Batch::default(),
             window_ms,
@@ -149,12 +169,21 @@ impl Level {
         };
         let key = (PIPELINE.to_string(), id);
         self.lookups += 1;
-        let seen = match self.batch.dedup.get(&key) {
-            Some(&t) => Some(t),
+        let in_flight = || {
+            let (cp, _) = self.inflight.as_ref()?;
+            cp.batch.dedup.get(&key).copied()
+        };
+        let seen = match self.batch.dedup.get(&key).copied().or_else(in_flight) {
+            Some(t) => Some(t),
             None => {
                 let t = Instant::now();
                 let seen = self.store.dedup(PIPELINE, &key.1).expect("lookup");
-                self.lookup_s += t.elapsed().as_secs_f64();
+
+                let took = t.elapsed().as_secs_f64();
+                self.lookup_s += took;
+                if self.timing {
+                    self.waits.push((took * 1e6) as f32);
+                }
                 seen
             }
         };
@@ -185,10 +214,36 @@ impl Level {
             progress: self.progress.clone(),
             batch,
         };
-        let t = Instant::now();
-        self.store.commit(&cp, 0).expect("commit");
-        self.commit_s += t.elapsed().as_secs_f64();
+        if !self.beside {
+            let t = Instant::now();
+            self.store.commit(&cp, 0).expect("commit");
+            self.commit_s += t.elapsed().as_secs_f64();
+            return;
+        }
+        self.settle();
+        let cp = Arc::new(cp);
+        let (store, mine) = (self.store.clone(), cp.clone());
+        let commit = std::thread::spawn(move || {
+            let t = Instant::now();
+            store.commit(&mine, 0).expect("commit");
+            t.elapsed().as_secs_f64()
+        });
+        self.inflight = Some((cp, commit));
     }
+
+    /// Wait for the checkpoint committing beside, if any.
+    fn settle(&mut self) {
+        if let Some((_, commit)) = self.inflight.take() {
+            self.commit_s += commit.join().expect("the commit thread");
+        }
+    }
+}
+
+/// The `q` quantile of `v` (sorted here), 0 if empty.
+fn quantile(v: &mut [f32], q: f64) -> f32 {
+    v.sort_unstable_by(f32::total_cmp);
+    let i = ((v.len() as f64 * q) as usize).min(v.len().saturating_sub(1));
+    v.get(i).copied().unwrap_or(0.0)
 }
 
 /// Run one level in this process and print its figures as one `level ...` line.
@@ -227,6 +282,7 @@ fn run_level(n: u64, budget_s: f64) {
     let cpu1 = cpu_s();
     let mut steady = 0;
     let steady_max = steady_events();
+    l.timing = true;
     while steady < steady_max {
         l.event();
         steady += 1;
@@ -234,7 +290,12 @@ fn run_level(n: u64, budget_s: f64) {
             break;
         }
     }
+    l.settle();
     let steady_s = t1.elapsed().as_secs_f64();
+    let waits_1ms = l.waits.iter().filter(|&&w| w > 1_000.0).count();
+    let wait_p99 = quantile(&mut l.waits, 0.99);
+    let wait_p999 = quantile(&mut l.waits, 0.999);
+    let wait_max = l.waits.last().copied().unwrap_or(0.0);
     let cpu_us = (cpu_s() - cpu1) * 1e6 / steady as f64;
     let rate = steady as f64 / steady_s;
     let lookup_us = (l.lookup_s - lookup_s0) * 1e6 / steady as f64;
@@ -253,9 +314,12 @@ fn run_level(n: u64, budget_s: f64) {
     println!(
         "level {n} filled {filled} complete {complete} fill_s {fill_s:.1} steady_rate {rate:.0} \
          index {index} entries {entries} rss {rss} rss0 {rss0} disk {disk} dups {} of {} \
-         lookup_us {lookup_us:.2} commit_us {commit_us:.2} cpu_us {cpu_us:.2} tenths {}",
+         lookup_us {lookup_us:.2} commit_us {commit_us:.2} cpu_us {cpu_us:.2} \
+         wait_p99 {wait_p99:.0} wait_p999 {wait_p999:.0} wait_max {wait_max:.0} \
+         waits_1ms {waits_1ms} timed {} tenths {}",
         l.found - found0,
         l.lookups - lookups0,
+        l.waits.len(),
         tenths.join(",")
     );
     drop(l);
@@ -350,6 +414,18 @@ fn main() {
             mib(num("disk")),
             field(line, "tenths"),
         );
+        if std::env::var_os("CAIRN_LEDGER_BESIDE").is_some() {
+            println!(
+                "{:>10} beside: store lookups p99 {:.0} µs, p99.9 {:.0} µs, longest {:.0} µs; \
+                 {} of {} over 1 ms",
+                "",
+                num("wait_p99"),
+                num("wait_p999"),
+                num("wait_max"),
+                field(line, "waits_1ms"),
+                field(line, "timed"),
+            );
+        }
         results.push((n, num("steady_rate"), num("cpu_us")));
     }
     let (first, last) = (levels[0], levels[levels.len() - 1]);

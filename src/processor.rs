@@ -58,7 +58,7 @@ use crate::store::{CheckpointInfo, Store, StoreError};
 #[cfg(test)]
 mod changes_model;
 pub mod generations;
-mod inflight;
+pub(crate) mod inflight;
 pub(crate) mod last_run;
 mod open;
 pub(crate) mod plan;

@@ -15,7 +15,8 @@
 //! 2. **Footprint with a subscriber.** The compare's backlog (1M inputs over 100k keys, 2%
 //!    duplicates) drained by a fresh agent at the shipped settings while the subscriber
 //!    reads every result: peak RSS, RSS after 10 s idle. Then a fresh agent given
-//!    `CAIRN_TARGETS_IDLE_EVENTS` (100,000) inputs over 1,000 keys: RSS after 10 s idle.
+//!    `CAIRN_TARGETS_IDLE_EVENTS` (100,000) inputs over 1,000 keys: RSS after 10 s idle
+//!    (`CAIRN_TARGETS_IDLE_SMAPS=FILE` copies the agent's /proc smaps then).
 //! 3. **Steady.** A fresh agent fed `CAIRN_TARGETS_STEADY_EVENTS` (10,000,000) inputs with
 //!    unique IDs (the shipped 7-day dedup window keeps every one) at a paced rate
 //!    (`CAIRN_TARGETS_STEADY_RATE`, else `CAIRN_TARGETS_STEADY_FRACTION` (0.65) of part 1's
@@ -289,6 +290,9 @@ fn idle_1k(port: u16, publisher: &Publisher, t0: Instant) -> f64 {
     std::thread::sleep(IDLE);
     let p = c.stats().expect("running");
     let rss = p.rss_mib();
+    if let Some(out) = std::env::var_os("CAIRN_TARGETS_IDLE_SMAPS") {
+        let _ = std::fs::copy(format!("/proc/{}/smaps", p.pid), out);
+    }
     println!(
         "  {rate:.0} events/s{}; peak RSS {:.1} MiB, after idle {rss:.1} MiB",
         if all { "" } else { " (INCOMPLETE)" },

@@ -1,7 +1,10 @@
 //! `Store::commit`: one checkpoint as one sled transaction plus a real fsync (the module
 //! docs of `store` say why each step is there). The steps, in order: build every tree's
 //! write batch (checking each value's bound), run the transaction, then bring the in-memory
-//! ledger index and outbox up to what the trees now hold, and fsync.
+//! ledger index and outbox up to what the trees now hold, and fsync. The index's share of
+//! that (sweeping out expired entries, merging in the new ones) takes milliseconds, and it
+//! is done in slices, each a short hold of the store's lock handed to a waiting lookup
+//! when it ends: the commit runs beside the agent's loop, whose lookups take the same lock.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
@@ -17,6 +20,13 @@ use super::{
 };
 use crate::model::{DeadLetter, Output, Progress};
 use crate::pipeline::engine::{Batch, Checkpoint};
+
+/// Most index pages (up to 512 entries each) a commit merges its new entries into per hold
+/// of the store's lock (a few hundred µs; see [`Store::index_added`]).
+const INDEX_PAGES: usize = 256;
+/// Most index entries the sweep walks per hold of the store's lock (a few hundred µs; see
+/// [`Store::sweep_and_promote`]).
+const SWEEP_SLICE: usize = 32 * 1024;
 
 /// A ledger group a commit drops: every entry in it has expired.
 struct Dropped {
@@ -192,17 +202,21 @@ impl Store {
             sinks: plan.sinks,
         };
         self.transaction(&writes)?;
-        let mut mem = self.lock();
-        let mem = &mut *mem;
-        mem.dead = dead_stats;
-        if let Some((windows, _)) = lw.windows.take() {
-            mem.windows = windows;
-        }
-        self.update_ledger(mem, lw)?;
-        for seq in plan.superseded {
-            mem.outbox.note_superseded(seq);
-        }
-        self.update_outbox(mem, out_chunks, out_bytes)?;
+        let freed = {
+            let mut mem = self.lock();
+            let mem = &mut *mem;
+            mem.dead = dead_stats;
+            if let Some((windows, _)) = lw.windows.take() {
+                mem.windows = windows;
+            }
+            for seq in plan.superseded {
+                mem.outbox.note_superseded(seq);
+            }
+            self.update_outbox(mem, out_chunks, out_bytes)?;
+            Self::drop_expired(mem, lw.dropped)
+        };
+        let was_full = self.sweep_and_promote(freed)?;
+        self.index_added(&lw.added, was_full);
         Ok(info)
     }
 
@@ -380,31 +394,78 @@ impl Store {
             })
     }
 
-    /// After the transaction: the ledger's groups and index follow the tree (durable after
-    /// the fsync that follows; if that fails the process stops, and this memory with it).
-    fn update_ledger(&self, mem: &mut Mem, lw: LedgerWrites) -> Result<(), StoreError> {
-        let bound = self.bounds.ledger_index_bytes();
+    /// After the transaction: the ledger's groups and index let go of the expired groups
+    /// (durable after the fsync that follows; if that fails the process stops, and this
+    /// memory with it). Returns the pipelines whose ledgers they were.
+    fn drop_expired(mem: &mut Mem, dropped: Vec<Dropped>) -> BTreeSet<String> {
         let mut freed = BTreeSet::new();
         let mut removals = Vec::new();
-        for d in lw.dropped {
+        for d in dropped {
             mem.ledgers
                 .drop_oldest(d.pid, d.seq, &d.hashes, &mut removals);
             freed.insert(d.pipeline);
         }
         mem.ledgers.remove_entries(&removals);
-        // Room freed by expiry goes first to groups the bound left out of the index.
-        for p in freed {
-            self.promote(mem, &p, bound)?;
+        freed
+    }
+
+    /// Then the index's sweep takes out the dropped groups' entries ([`SWEEP_SLICE`] walked
+    /// per hold of the lock, as [`Store::index_added`] does and for the same reason: ~16
+    /// entries walked per ID expired, 2-3 ms for a checkpoint's 20,000), and room freed by
+    /// expiry goes first to groups the bound left out of the index (`freed`: whose ledgers
+    /// lost groups). Returns whether chunks are still left out of the index.
+    fn sweep_and_promote(&self, freed: BTreeSet<String>) -> Result<bool, StoreError> {
+        loop {
+            let mut mem = self.lock();
+            let more = mem.ledgers.sweep_owed(SWEEP_SLICE);
+            parking_lot::MutexGuard::unlock_fair(mem);
+            if !more {
+                break;
+            }
         }
-        let full = mem.ledgers.unindexed_chunks() > 0;
-        if mem.ledgers.add_chunks(&lw.added, bound) == Added::Unindexed && !full {
+        let bound = self.bounds.ledger_index_bytes();
+        let mut mem = self.lock();
+        for p in freed {
+            self.promote(&mut mem, &p, bound)?;
+        }
+        Ok(mem.ledgers.unindexed_chunks() > 0)
+    }
+
+    /// After the transaction: the checkpoint's new ledger chunks go into the groups, and
+    /// their entries into the index [`INDEX_PAGES`] pages per hold of the lock, each hold
+    /// handed straight to a lookup waiting. Merging a checkpoint's 20,000 IDs takes 6-12 ms
+    /// (every page of a 1M-entry index touched once), and the loop's dedup lookups, which
+    /// take the lock too, waited for all of it while the commit ran beside the loop (issue
+    /// 33; `cargo bench --bench ledger` with `CAIRN_LEDGER_BESIDE=1` shows the waits).
+    /// Until its entry is in, a lookup of one of this checkpoint's IDs may miss in the
+    /// index: the loop reads the checkpoint in flight first (`processor/inflight.rs`) until
+    /// the commit is done, so such a lookup never gets this far. `was_full`: chunks were
+    /// left out of the index already (the journal said so then).
+    fn index_added(&self, added: &[NewChunk], was_full: bool) {
+        let bound = self.bounds.ledger_index_bytes();
+        let (placed, inserts, dir_bits) = {
+            let mut mem = self.lock();
+            let (placed, inserts) = mem.ledgers.place_chunks(added, bound);
+            (placed, inserts, mem.ledgers.dir_bits())
+        };
+        let mut sorted = super::index::Sorted::new(dir_bits, &inserts);
+        loop {
+            let mut mem = self.lock();
+            let more = mem.ledgers.merge_some(&mut sorted, INDEX_PAGES);
+            // Straight to a lookup waiting, if any: else this thread would take the lock
+            // back for the next pages before the waiter woke, and it would wait them all.
+            parking_lot::MutexGuard::unlock_fair(mem);
+            if !more {
+                break;
+            }
+        }
+        if placed == Added::Unindexed && !was_full {
             crate::event!(warn, "ledger_index_full";
                 "store: the dedup ledger index reached storage.ledger_index_max ({bound} \
                  bytes): new ledger chunks are not indexed, and every lookup reads them \
                  (exact, but slower); raise the bound or shorten dedup_window"
             );
         }
-        Ok(())
     }
 
     /// After the transaction: the outbox in memory follows the tree.

@@ -154,6 +154,29 @@ fn entry(dir_bits: u32, hash: u64, tag: u16) -> (usize, u32) {
     (bucket, (rest << 16) | u32::from(tag))
 }
 
+/// Entries to add, as the index files them (bucket, then rest and tag), sorted: built
+/// without the index at hand (only its directory size), then merged a few pages at a time
+/// ([`PagedIndex::merge_some`]).
+pub(crate) struct Sorted {
+    dir_bits: u32,
+    entries: Vec<(usize, u32)>,
+    /// How many [`PagedIndex::merge_some`] merged so far.
+    at: usize,
+}
+
+impl Sorted {
+    pub(crate) fn new(dir_bits: u32, items: &[(u64, u16)]) -> Sorted {
+        let mut entries: Vec<(usize, u32)> =
+            items.iter().map(|&(h, t)| entry(dir_bits, h, t)).collect();
+        entries.sort_unstable();
+        Sorted {
+            dir_bits,
+            entries,
+            at: 0,
+        }
+    }
+}
+
 /// Capacity for `len` entries: `len` rounded up to a whole step.
 fn stepped(len: usize) -> usize {
     len.div_ceil(STEP) * STEP
@@ -449,36 +472,53 @@ impl PagedIndex {
     /// order instead of jumping to a cold cache line for each (issue 33: at ten million
     /// entries, one at a time cost ~1 µs per event more than at a hundred thousand).
     pub(crate) fn insert_many(&mut self, items: &[(u64, u16)]) {
-        if items.is_empty() {
-            return;
+        debug_assert!(!self.any_retired(items), "a retired tag is inserted again");
+        let mut sorted = Sorted::new(self.dir_bits, items);
+        while self.merge_some(&mut sorted, usize::MAX) {}
+    }
+
+    /// The directory's size in bits: what [`Sorted::new`] needs to know.
+    pub(crate) fn dir_bits(&self) -> u32 {
+        self.dir_bits
+    }
+
+    /// Whether an entry of these would carry a retired tag (never, when the caller is right).
+    pub(crate) fn any_retired(&self, items: &[(u64, u16)]) -> bool {
+        items.iter().any(|&(_, t)| self.is_retired(t))
+    }
+
+    /// Merge the entries of `s` into the next `pages` pages they fall in (each page once),
+    /// going on from where the last call stopped. Returns whether any are left. Between
+    /// two calls the index is whole: each page holds all of its entries from `s` or none.
+    pub(crate) fn merge_some(&mut self, s: &mut Sorted, pages: usize) -> bool {
+        debug_assert_eq!(s.dir_bits, self.dir_bits, "sorted for another directory");
+        let es = &s.entries;
+        if s.at == es.len() {
+            return false;
         }
         assert!(
-            self.len + items.len() <= MAX_ENTRIES,
+            self.len + (es.len() - s.at) <= MAX_ENTRIES,
             "PagedIndex: more than 2^31 entries"
         );
         if self.pages.is_empty() {
             self.allocate();
         }
-        debug_assert!(
-            items.iter().all(|&(_, t)| !self.is_retired(t)),
-            "a retired tag is inserted again"
-        );
-        let mut es: Vec<(usize, u32)> = items.iter().map(|&(h, t)| self.entry(h, t)).collect();
-        es.sort_unstable();
-        let mut i = 0;
-        let mut touched = Vec::new();
-        while i < es.len() {
+        let mut i = s.at;
+        for _ in 0..pages {
+            if i == es.len() {
+                break;
+            }
             let p = self.dir[es[i].0].0 as usize;
             let end = self.pages[p].end as usize;
             let j = i + es[i..].partition_point(|e| e.0 < end);
             self.merge_into(p, &es[i..j]);
-            touched.push(p);
+            self.len += j - i;
+            // Splitting moves only this page's buckets: the entries left lie beyond them.
+            self.split_while_full(p);
             i = j;
         }
-        self.len += es.len();
-        for p in touched {
-            self.split_while_full(p);
-        }
+        s.at = i;
+        i < es.len()
     }
 
     /// Merge `new` (sorted by bucket and entry, all in page `p`'s buckets) into page `p`,

@@ -387,3 +387,42 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn entries_merged_a_page_at_a_time_are_each_found_once_their_page_is_merged() {
+    let mut ix = index();
+    let old: Vec<(u64, u16)> = (0..400u64).map(|i| (mix(i), 1)).collect();
+    ix.insert_many(&old);
+    let new: Vec<(u64, u16)> = (400..1_000u64).map(|i| (mix(i), 2)).collect();
+    let mut whole = index();
+    whole.insert_many(&old);
+    whole.insert_many(&new);
+    let mut s = Sorted::new(ix.dir_bits(), &new);
+    let mut calls = 0;
+    loop {
+        let more = ix.merge_some(&mut s, 1);
+        calls += 1;
+        check(&ix);
+        // The old entries throughout; a new one exactly when its bucket's page is done,
+        // i.e. when it lies among the sorted entries merged so far.
+        for &(x, _) in &old {
+            assert!(tags(&ix, x).contains(&1));
+        }
+        let merged: std::collections::BTreeSet<(usize, u32)> =
+            s.entries[..s.at].iter().copied().collect();
+        for &(x, t) in &new {
+            let e = entry(DIR_BITS, x, t);
+            assert_eq!(tags(&ix, x).contains(&2), merged.contains(&e), "{x:#x}");
+        }
+        if !more {
+            break;
+        }
+    }
+    assert!(calls > 2, "{calls} calls");
+    assert_eq!(ix.len(), whole.len());
+    assert_eq!(
+        ix.pages.iter().map(|p| &p.slots).collect::<Vec<_>>(),
+        whole.pages.iter().map(|p| &p.slots).collect::<Vec<_>>(),
+        "the same index as one batched insert"
+    );
+}

@@ -105,7 +105,7 @@ use std::hash::{BuildHasher, Hasher};
 
 use serde::{Deserialize, Serialize};
 
-use super::index::{PagedIndex, SWEEP_PER_DEAD, dir_bits_for};
+use super::index::{self, PagedIndex, SWEEP_PER_DEAD, dir_bits_for};
 
 /// Most entries in one chunk (a handful in unit tests, so that their small batches span
 /// several chunks, as large ones do in production).
@@ -484,6 +484,20 @@ impl Ledgers {
     /// chunk at a time, each indexed if it still fits. Returns `Unindexed` if any was left
     /// out (see the module docs).
     pub(crate) fn add_chunks(&mut self, chunks: &[NewChunk], bound: usize) -> Added {
+        let (added, inserts) = self.place_chunks(chunks, bound);
+        self.index.insert_many(&inserts);
+        added
+    }
+
+    /// [`Ledgers::add_chunks`] but for the batched insert, which it leaves to the caller:
+    /// the entries it returns go into the index with [`index::Sorted`] and
+    /// [`Ledgers::merge_some`], a few pages at a time, while lookups go on between
+    /// (`commit.rs`). Until they are all in, a lookup of one may miss.
+    pub(crate) fn place_chunks(
+        &mut self,
+        chunks: &[NewChunk],
+        bound: usize,
+    ) -> (Added, Vec<(u64, u16)>) {
         let all: Vec<u64> = chunks
             .iter()
             .flat_map(|c| c.hashes.iter().copied())
@@ -493,8 +507,8 @@ impl Ledgers {
             for c in chunks {
                 self.place(c, true, &mut inserts);
             }
-            self.index.insert_many(&inserts);
-            return Added::Indexed;
+            debug_assert!(!self.index.any_retired(&inserts), "a retired tag is given");
+            return (Added::Indexed, inserts);
         }
         let mut added = Added::Indexed;
         for c in chunks {
@@ -505,7 +519,18 @@ impl Ledgers {
             }
             self.index.insert_many(&inserts);
         }
-        added
+        (added, Vec::new())
+    }
+
+    /// The index's directory size (for [`index::Sorted::new`]).
+    pub(crate) fn dir_bits(&self) -> u32 {
+        self.index.dir_bits()
+    }
+
+    /// Merge the next `pages` pages' worth of `sorted` into the index (see
+    /// [`PagedIndex::merge_some`]); returns whether any entries are left.
+    pub(crate) fn merge_some(&mut self, sorted: &mut index::Sorted, pages: usize) -> bool {
+        self.index.merge_some(sorted, pages)
     }
 
     /// Put a chunk into a group: the newest if that has room and is indexed (or not) as the
@@ -670,10 +695,10 @@ impl Ledgers {
         }
     }
 
-    /// Take the entries of dropped groups out of the index, all at once: those of shared
-    /// tags one by one (an entry of another group with the same bits and tag is the same
-    /// entry, so which one goes does not matter), and the sweep's share for the retired
-    /// ones.
+    /// Take the entries of dropped groups whose tags were shared out of the index, one by
+    /// one (an entry of another group with the same bits and tag is the same entry, so which
+    /// one goes does not matter). The retired tags' entries are the sweep's
+    /// ([`Ledgers::sweep_owed`]).
     pub(crate) fn remove_entries(&mut self, removals: &[(u64, u16)]) {
         let found = self.index.remove_many(removals);
         debug_assert_eq!(
@@ -681,7 +706,16 @@ impl Ledgers {
             removals.len(),
             "every entry of an indexed group is indexed"
         );
-        self.index.sweep(std::mem::take(&mut self.to_sweep));
+    }
+
+    /// Walk about `budget` of the entries the sweep owes for tags retired so far (see
+    /// [`PagedIndex::sweep`]). Returns whether some are still owed. A commit pays all it
+    /// owes before it adds entries, a slice at a time (`commit.rs`, `sweep_owed`).
+    pub(crate) fn sweep_owed(&mut self, budget: usize) -> bool {
+        let now = budget.min(self.to_sweep);
+        self.index.sweep(now);
+        self.to_sweep -= now;
+        self.to_sweep > 0
     }
 
     /// Up to `limit` unindexed groups of `pid`, oldest first.
@@ -858,6 +892,7 @@ mod tests {
             let mut removals = Vec::new();
             l.drop_oldest(pid, i, &chunk_hashes(&h, "p", &chunk(i)), &mut removals);
             l.remove_entries(&removals);
+            while l.sweep_owed(1_000) {}
             assert!(!found(&l, i).contains(&i));
             for j in i + 1..n {
                 assert!(found(&l, j).contains(&j), "E{j} after dropping {i}");

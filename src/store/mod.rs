@@ -83,11 +83,12 @@
 //! an ID index): about seven sled writes per event, the largest cost of processing
 //! (issue 7's profile). Format 2 writes one value per chunk of a few hundred.
 
+use parking_lot::{Mutex, MutexGuard};
 use std::fs;
 use std::hash::RandomState;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde::{Deserialize, Serialize};
 
@@ -484,9 +485,7 @@ impl Store {
     }
 
     fn lock(&self) -> MutexGuard<'_, Mem> {
-        self.mem
-            .lock()
-            .expect("only the agent's thread uses the store")
+        self.mem.lock()
     }
 
     pub fn dir(&self) -> &Path {

@@ -1249,3 +1249,78 @@ fn sparkplug_sessions_are_checkpointed_savepointed_and_reset_with_their_pipeline
         .unwrap();
     assert_eq!(store.sparkplug.len(), 0);
 }
+
+#[test]
+fn lookups_beside_a_commit_find_every_recorded_id_and_no_other() {
+    // The index takes a commit's entries a few pages at a time (`commit.rs`,
+    // `index_added`), releasing the lock between them so that the loop's lookups go on. Beside such a
+    // commit, a lookup through the checkpoint in flight (as the loop makes it) must find
+    // every ID recorded before and by that checkpoint, and none never recorded.
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    let mut s = spec();
+    s.dedup_window_ms = 1 << 40;
+    s.max_keys = 100_000;
+    let mut engine = Engine::new(vec![s], store.progress().unwrap());
+    let ev = |offset: u64| Record {
+        offset,
+        received_at_ms: 1_000_000 + offset,
+        topic: "payments/x".into(),
+        payload: format!("E{offset}/K{}/1", offset % 50).into_bytes(),
+        qos: 1,
+        retain: false,
+    };
+    // 2,000 IDs per checkpoint: 250 of the unit tests' chunks, spread over every page of
+    // the unit tests' index (4 buckets a page), merged a few pages at a time.
+    const N: u64 = 2_000;
+    for o in 0..N {
+        engine.apply(&store, &ev(o)).unwrap();
+    }
+    store.commit(&engine.take_checkpoint(), 0).unwrap();
+    for o in N..2 * N {
+        engine.apply(&store, &ev(o)).unwrap();
+    }
+    let cp = engine.take_checkpoint();
+    let layered = crate::processor::inflight::Layered {
+        batch: Some(&cp.batch),
+        base: &store,
+    };
+    let seen = |o: u64| {
+        use crate::pipeline::engine::ReadState;
+        layered.dedup("balances", &format!("E{o}")).unwrap()
+    };
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let mut rounds = 0u64;
+    std::thread::scope(|t| {
+        t.spawn(|| {
+            store.commit(&cp, 0).unwrap();
+            done.store(true, std::sync::atomic::Ordering::SeqCst);
+        });
+        let mut o = 0;
+        while !done.load(std::sync::atomic::Ordering::SeqCst) || rounds < 2 * N {
+            for recorded in [o % N, N + o % N] {
+                assert_eq!(seen(recorded), Some(1_000_000 + recorded), "E{recorded}");
+            }
+            assert_eq!(
+                seen(2 * N + o % 97),
+                None,
+                "E{} was never recorded",
+                2 * N + o % 97
+            );
+            o += 7;
+            rounds += 1;
+        }
+    });
+    // And the store alone, once the commit is done.
+    use crate::pipeline::engine::ReadState;
+    for o in 0..2 * N {
+        assert_eq!(
+            store.dedup("balances", &format!("E{o}")).unwrap(),
+            Some(1_000_000 + o)
+        );
+    }
+    assert_eq!(
+        store.dedup("balances", &format!("E{}", 2 * N)).unwrap(),
+        None
+    );
+}

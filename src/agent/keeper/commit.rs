@@ -29,7 +29,9 @@
 //! sinks send next are read before it starts (`Results::prefetch`). What still waits is a
 //! dedup lookup whose in-memory index cannot rule an ID out (a false hit, or a ledger past
 //! the index bound): it must read the ledger chunk (`docs/performance.md`, "The loop and
-//! sled's transaction lock").
+//! sled's transaction lock"). The store's own lock is the other thing the two share: after
+//! the transaction the commit brings the ledger index up to date a few pages at a time and
+//! hands the lock to a waiting lookup between them (`store/commit.rs`, `index_added`).
 
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, sync_channel};
