@@ -1253,9 +1253,10 @@ fn sparkplug_sessions_are_checkpointed_savepointed_and_reset_with_their_pipeline
 #[test]
 fn lookups_beside_a_commit_find_every_recorded_id_and_no_other() {
     // The index takes a commit's entries a few pages at a time (`commit.rs`,
-    // `index_added`), releasing the lock between them so that the loop's lookups go on. Beside such a
-    // commit, a lookup through the checkpoint in flight (as the loop makes it) must find
-    // every ID recorded before and by that checkpoint, and none never recorded.
+    // `index_added`), releasing the lock between them so that the loop's lookups go on.
+    // Beside such a commit, a lookup through the checkpoint in flight (as the loop makes
+    // it) must find every ID recorded before and by that checkpoint, and none never
+    // recorded.
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
     let mut s = spec();
@@ -1289,15 +1290,13 @@ fn lookups_beside_a_commit_find_every_recorded_id_and_no_other() {
         use crate::pipeline::engine::ReadState;
         layered.dedup("balances", &format!("E{o}")).unwrap()
     };
-    let done = std::sync::atomic::AtomicBool::new(false);
     let mut rounds = 0u64;
     std::thread::scope(|t| {
-        t.spawn(|| {
-            store.commit(&cp, 0).unwrap();
-            done.store(true, std::sync::atomic::Ordering::SeqCst);
-        });
+        // A commit that panics ends the loop below too (it is finished), and the join
+        // fails the test rather than leave it spinning.
+        let commit = t.spawn(|| store.commit(&cp, 0).unwrap());
         let mut o = 0;
-        while !done.load(std::sync::atomic::Ordering::SeqCst) || rounds < 2 * N {
+        while !commit.is_finished() || rounds < 2 * N {
             for recorded in [o % N, N + o % N] {
                 assert_eq!(seen(recorded), Some(1_000_000 + recorded), "E{recorded}");
             }
@@ -1310,6 +1309,7 @@ fn lookups_beside_a_commit_find_every_recorded_id_and_no_other() {
             o += 7;
             rounds += 1;
         }
+        commit.join().expect("the commit beside the lookups");
     });
     // And the store alone, once the commit is done.
     use crate::pipeline::engine::ReadState;
