@@ -32,7 +32,8 @@
 //! store's lock).
 //!
 //! `CAIRN_LEDGER_IDS` (comma-separated) replaces the levels, e.g. `100000,1000000` for a
-//! quick run. `CAIRN_LEDGER_FILL_BUDGET` (seconds, default 900) stops a fill that takes
+//! quick run. `CAIRN_LEDGER_CACHE` (bytes) replaces sled's `cache_size` of 16 MiB.
+//! `CAIRN_LEDGER_FILL_BUDGET` (seconds, default 900) stops a fill that takes
 //! longer, and reports how far it got (a ledger with a cliff would otherwise never finish).
 
 use std::process::Command;
@@ -132,8 +133,12 @@ struct Level {
 
 impl Level {
     fn open(dir: &std::path::Path, window_ms: u64) -> Level {
+        let cache = std::env::var("CAIRN_LEDGER_CACHE")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(16 << 20);
         let store =
-            Store::open_with(dir, 16 << 20, fsio::real(), StoreBounds::default()).expect("store");
+            Store::open_with(dir, cache, fsio::real(), StoreBounds::default()).expect("store");
         let mut progress = store.progress().expect("progress");
         progress.pipelines = vec![PipelineProgress {
             name: PIPELINE.into(),

@@ -8,7 +8,10 @@
 //! - Memory per ID is bounded and small: 4 bytes of index per ID in the window, the entries
 //!   of expired groups that the index's sweep has not reached yet (at most ~1/8 of them,
 //!   half a byte per ID; see `index.rs`), and a few bytes per group of chunks (~0.2 byte
-//!   per ID); nothing else grows with the IDs.
+//!   per ID); nothing else grows with the IDs. The chunks a lookup or an expiry reads from
+//!   disk go through sled's cache, and are counted in it at once ([`super::count_in_cache`]):
+//!   before, sled left a page read once uncounted until its LRU shard saw 63 more accesses,
+//!   and a steady run held tens of MiB of such leaves beyond `cache_size`.
 //! - No cliff: a lookup reads one bucket of the index and, only on a hit, the groups its
 //!   tag names (one, while fewer than 2^16 groups are indexed); nothing a lookup does grows
 //!   with the number of IDs but the cache misses of a larger index and store
@@ -115,6 +118,11 @@ pub(crate) const CHUNK_BYTES: usize = 4 * 1024;
 /// Most bytes (keys and values) of the chunks of one group: a hit reads them all. Small in
 /// unit tests, so that groups of two or three of their small chunks are common.
 pub(crate) const GROUP_BYTES: u64 = if cfg!(test) { 300 } else { 12 * 1024 };
+/// The newest groups of a pipeline, ~770 KiB of chunks (about 20,000 IDs at full checkpoints):
+/// what a redelivery or a retry re-sends usually falls in them, and their leaves were
+/// written lately. A lookup that reads an older group makes sled count its leaves
+/// ([`super::count_in_cache`]); one that reads these does not need to.
+pub(crate) const RECENT_GROUPS: u64 = 64;
 /// Most wholly expired groups dropped per pipeline in one checkpoint beyond the number of
 /// chunks it adds (bounds the transaction; the rest go at the next ones).
 pub(crate) const EXPIRE_GROUPS_MAX: usize = if cfg!(test) { 2 } else { 64 };
@@ -428,6 +436,14 @@ impl Ledgers {
             .flat_map(|l| l.unindexed.iter().filter_map(|&s| l.group(s)))
             .map(|g| g.chunks)
             .sum()
+    }
+
+    /// Whether group `seq` of `pid` is among its newest [`RECENT_GROUPS`]: written lately,
+    /// so its leaves are most likely in sled's cache and already counted there.
+    pub fn is_recent(&self, pid: u32, seq: u64) -> bool {
+        let l = &self.ledgers[pid as usize];
+        let end = l.first_seq.saturating_add(l.groups.len() as u64);
+        seq.saturating_add(RECENT_GROUPS) >= end
     }
 
     /// The key range of group `seq` of `pid`: its first suffix, and the next group's (none

@@ -245,15 +245,22 @@ impl ReadState for Store {
             .candidates(pid, hash, &mut mem.tags, &mut mem.groups);
         // An ID accepted again after its entry expired is in two groups: the newest counts.
         let mut best = None;
+        let mut read = Vec::new();
         for &seq in &mem.groups {
             let chunks = self
                 .ledger_group(&mem.ledgers, pipeline, pid, seq)
                 .map_err(read_err)?;
+            read.clear();
             for kv in chunks {
-                let (_, v) = kv.map_err(|e| read_err(e.into()))?;
+                let (k, v) = kv.map_err(|e| read_err(e.into()))?;
                 let seen = ledger::chunk_get(&v, event_id.as_bytes())
                     .map_err(|_| read_err(bad_chunk()))?;
                 best = best.max(seen);
+                read.push(k);
+            }
+            // A false hit, or a duplicate of an old ID, reads a group that is usually cold.
+            if !mem.ledgers.is_recent(pid, seq) {
+                self.count_group_in_cache(&read);
             }
         }
         Ok(best)
