@@ -438,12 +438,16 @@ impl Ledgers {
             .sum()
     }
 
-    /// Whether group `seq` of `pid` is among its newest [`RECENT_GROUPS`]: written lately,
-    /// so its leaves are most likely in sled's cache and already counted there.
-    pub fn is_recent(&self, pid: u32, seq: u64) -> bool {
+    /// Whether a lookup's read of group `seq` of `pid` is likely cold, so that sled must be
+    /// made to count its leaves ([`super::count_in_cache`]): not among the newest
+    /// [`RECENT_GROUPS`] (written lately, in the cache and counted there), and indexed. An
+    /// unindexed group is read by every lookup of its pipeline, so its leaves are accessed
+    /// all the time; counting it on each of those reads would multiply the cost of the
+    /// slow path past the index bound.
+    pub fn reads_cold(&self, pid: u32, seq: u64) -> bool {
         let l = &self.ledgers[pid as usize];
         let end = l.first_seq.saturating_add(l.groups.len() as u64);
-        seq.saturating_add(RECENT_GROUPS) >= end
+        seq.saturating_add(RECENT_GROUPS) < end && !l.unindexed.contains(&seq)
     }
 
     /// The key range of group `seq` of `pid`: its first suffix, and the next group's (none
@@ -964,6 +968,52 @@ mod tests {
         assert_eq!(l.expired(pid, 59, 10), [0, 1]);
         assert_eq!(l.expired(pid, 59, 1), [0]);
         assert!(l.get("q").is_none(), "another pipeline has no ledger");
+    }
+
+    #[test]
+    fn only_old_indexed_groups_are_cold_reads() {
+        let h = std::hash::RandomState::new();
+        let mut l = Ledgers::new(0);
+        let n = RECENT_GROUPS + 6;
+        // One group per chunk (300 bytes each), the first n indexed, the next n not.
+        for i in 0..2 * n {
+            let c = Chunk {
+                max_seen_ms: i,
+                entries: vec![(format!("E{i}"), i)],
+            };
+            let bound = if i < n { usize::MAX } else { 0 };
+            l.add_chunk(
+                "p",
+                chunk_suffix(i, i, 0),
+                i,
+                300,
+                &chunk_hashes(&h, "p", &c),
+                bound,
+            );
+        }
+        let pid = l.pid("p").unwrap();
+        assert!(l.reads_cold(pid, 0), "the oldest indexed group");
+        assert!(
+            l.reads_cold(pid, n - 1),
+            "the newest indexed group, now old"
+        );
+        assert!(!l.reads_cold(pid, n), "unindexed: read by every lookup");
+        assert!(!l.reads_cold(pid, 2 * n - 1), "the newest group");
+        let mut fresh = Ledgers::new(0);
+        for i in 0..RECENT_GROUPS + 1 {
+            let c = Chunk {
+                max_seen_ms: i,
+                entries: vec![(format!("E{i}"), i)],
+            };
+            let hashes = chunk_hashes(&h, "p", &c);
+            fresh.add_chunk("p", chunk_suffix(i, i, 0), i, 300, &hashes, usize::MAX);
+        }
+        let pid = fresh.pid("p").unwrap();
+        assert!(
+            fresh.reads_cold(pid, 0),
+            "one group older than the recent ones"
+        );
+        assert!(!fresh.reads_cold(pid, 1), "the oldest of the recent ones");
     }
 
     #[test]

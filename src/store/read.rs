@@ -259,7 +259,7 @@ impl ReadState for Store {
                 read.push(k);
             }
             // A false hit, or a duplicate of an old ID, reads a group that is usually cold.
-            if !mem.ledgers.is_recent(pid, seq) {
+            if mem.ledgers.reads_cold(pid, seq) {
                 self.count_group_in_cache(&read);
             }
         }
