@@ -639,6 +639,12 @@ impl Agent {
             self.mqtt.rest();
             self.results.rest();
         }
+        if self.figures.trim.take_code(now, work) {
+            match memory::reclaim_code_pages() {
+                Ok(bytes) => log::debug!("asked the kernel to reclaim {bytes} bytes of code"),
+                Err(e) => log::debug!("code pages not reclaimed: {e}"),
+            }
+        }
         Ok(())
     }
 
