@@ -124,6 +124,14 @@ impl Config {
         let mut c = Config { doc };
         let listen = format!("127.0.0.1:{metrics_port}");
         c.set("metrics", "listen", Setting::Text(&listen));
+        // To try another `outbox.inflight` than the shipped 100 (CAIRN_TARGETS_INFLIGHT),
+        // with the channel the config check asks for it (2 × (ingest_batch 20 + inflight)).
+        if let Ok(v) = std::env::var("CAIRN_TARGETS_INFLIGHT") {
+            let inflight: u64 = v.parse().expect("CAIRN_TARGETS_INFLIGHT is a number");
+            c.set("outbox", "inflight", Setting::Int(inflight));
+            let channel = (2 * (20 + inflight)).max(1024);
+            c.set("mqtt", "channel_capacity", Setting::Int(channel));
+        }
         c.pipeline(emit);
         c
     }

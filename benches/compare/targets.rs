@@ -27,7 +27,8 @@
 //! 4. **Pipelines.** Not run here: `benches/pipelines.rs` measures it; the command is printed.
 //!
 //! `CAIRN_TARGETS_ONLY=latency,footprint,idle,steady` runs a subset (all when unset);
-//! `CAIRN_TARGETS_PEAK_EVENTS` sets the inputs per flat-out run (100,000).
+//! `CAIRN_TARGETS_PEAK_EVENTS` sets the inputs per flat-out run (100,000);
+//! `CAIRN_TARGETS_INFLIGHT` gives every agent another `outbox.inflight` than the shipped 100.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
