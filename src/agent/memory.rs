@@ -22,8 +22,9 @@ pub(crate) const TRIM_SETTLE: Duration = Duration::from_secs(1);
 const RELEASE_ROUNDS: usize = 64;
 
 /// How long work must have stopped before the binary's code pages are reclaimed
-/// ([`reclaim_code_pages`]): the next work faults back in what it runs, a few milliseconds
-/// of reads, so not at every pause of a slow stream.
+/// ([`reclaim_code_pages`]): the next work faults back in what it runs (no delay that
+/// could be measured from outside, `docs/performance.md`), but not at every pause of a
+/// slow stream.
 pub(crate) const CODE_SETTLE: Duration = Duration::from_secs(5);
 
 /// When freed heap was last handed back, and the work done by then (checkpoints +
@@ -96,15 +97,18 @@ pub(crate) fn return_free_memory() {
 /// counts them until then. This is that reclaim done now: the pages the idle loop needs
 /// fault back in from the file at the next turn, the rest stay out until used.
 ///
-/// Only mappings of the executable's own inode are asked. `MADV_PAGEOUT` reclaims, it never
-/// discards: a page that was written (the relocated read-only data, a debugger's breakpoint)
-/// is anonymous and, with no swap, stays (with swap it may go there, as under pressure); a page another process maps is left alone.
+/// Only mappings of the executable are asked (its device and inode, or its path: on some
+/// overlay file systems the two name the file differently). `MADV_PAGEOUT` reclaims, it
+/// never discards: a page that was written (the relocated read-only data, a debugger's
+/// breakpoint) is anonymous and, with no swap, stays (with swap it may go there, as under
+/// pressure); a page another process maps is left alone.
 pub(crate) fn reclaim_code_pages() -> std::io::Result<u64> {
     use std::os::unix::fs::MetadataExt;
     let exe = std::fs::metadata("/proc/self/exe")?;
+    let path = std::fs::read_link("/proc/self/exe")?;
     let maps = std::fs::read_to_string("/proc/self/maps")?;
     let mut asked = 0u64;
-    for (start, end) in exe_mappings(&maps, exe.dev(), exe.ino()) {
+    for (start, end) in exe_mappings(&maps, (exe.dev(), exe.ino()), &path) {
         let len = end - start;
         // SAFETY: the range is one whole mapping of this process, read from its own maps;
         // MADV_PAGEOUT only moves its pages out (reclaim), it changes no contents.
@@ -118,20 +122,24 @@ pub(crate) fn reclaim_code_pages() -> std::io::Result<u64> {
 }
 
 /// The `(start, end)` address ranges of the mappings in `maps` (the text of
-/// `/proc/self/maps`) of the file with device `dev` and inode `ino`.
-fn exe_mappings(maps: &str, dev: u64, ino: u64) -> Vec<(usize, usize)> {
-    // A line: `start-end perms offset major:minor inode path`, numbers in hex but the inode.
-    let major = libc::major(dev) as u64;
-    let minor = libc::minor(dev) as u64;
+/// `/proc/self/maps`) of the file with `(device, inode)` `file`, or at `path`.
+fn exe_mappings(maps: &str, file: (u64, u64), path: &std::path::Path) -> Vec<(usize, usize)> {
+    // A line: `start-end perms offset major:minor inode path`, numbers in hex but the inode;
+    // the path (which may hold spaces) is the rest of the line after the inode's padding.
+    let (dev, ino) = file;
+    let major = u64::from(libc::major(dev));
+    let minor = u64::from(libc::minor(dev));
     maps.lines()
         .filter_map(|line| {
-            let mut f = line.split_ascii_whitespace();
+            let mut f = line.splitn(6, ' ');
             let (range, _perms, _offset, device, inode) =
                 (f.next()?, f.next()?, f.next()?, f.next()?, f.next()?);
+            let named = f.next().map(str::trim_start);
             let (maj, min) = device.split_once(':')?;
-            let same = u64::from_str_radix(maj, 16).ok()? == major
+            let same = (u64::from_str_radix(maj, 16).ok()? == major
                 && u64::from_str_radix(min, 16).ok()? == minor
-                && inode.parse::<u64>().ok()? == ino;
+                && inode.parse::<u64>().ok()? == ino)
+                || named.is_some_and(|n| !n.is_empty() && std::path::Path::new(n) == path);
             let (s, e) = range.split_once('-')?;
             let (s, e) = (
                 usize::from_str_radix(s, 16).ok()?,
@@ -219,16 +227,31 @@ mod tests {
 bad line
 ";
         let dev = libc::makedev(0xfe, 0x01);
+        let cairn = [
+            (0x55d0c0a00000, 0x55d0c0b00000),
+            (0x55d0c0b00000, 0x55d0c1000000),
+            (0x55d0c1000000, 0x55d0c1001000),
+        ];
+        let nowhere = std::path::Path::new("/nowhere");
+        let mut by_inode = cairn.to_vec();
+        by_inode.push((0x7f0000400000, 0x7f0000500000));
+        assert_eq!(exe_mappings(maps, (dev, 1234), nowhere), by_inode);
+        let by_path = exe_mappings(maps, (dev, 4321), std::path::Path::new("/usr/bin/cairn"));
         assert_eq!(
-            exe_mappings(maps, dev, 1234),
-            vec![
-                (0x55d0c0a00000, 0x55d0c0b00000),
-                (0x55d0c0b00000, 0x55d0c1000000),
-                (0x55d0c1000000, 0x55d0c1001000),
-                (0x7f0000400000, 0x7f0000500000),
-            ]
+            by_path,
+            cairn.to_vec(),
+            "an overlay's numbers, the same path"
         );
-        assert!(exe_mappings(maps, dev, 4321).is_empty());
+        assert!(exe_mappings(maps, (dev, 4321), nowhere).is_empty());
+        let spaced = "7f0000200000-7f0000300000 r-xp 00000000 00:2a 7 /opt/my cairn/cairn\n";
+        assert_eq!(
+            exe_mappings(
+                spaced,
+                (dev, 1),
+                std::path::Path::new("/opt/my cairn/cairn")
+            ),
+            vec![(0x7f0000200000, 0x7f0000300000)]
+        );
     }
 
     #[test]
