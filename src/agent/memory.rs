@@ -274,13 +274,19 @@ bad line
             }
             kib
         };
-        let before = resident();
-        let asked = reclaim_code_pages().expect("madvise(MADV_PAGEOUT) on our own mappings");
-        let after = resident();
-        assert!(asked > 0, "found no mapping of /proc/self/exe");
-        assert!(
-            after < before / 2,
-            "resident KiB of the binary: {before} before, {after} after"
-        );
+        // Other tests run beside this one and fault their code back in between the reclaim
+        // and the count; a reclaim that works halves the count in one of a few tries.
+        let mut tries = Vec::new();
+        for _ in 0..3 {
+            let before = resident();
+            let asked = reclaim_code_pages().expect("madvise(MADV_PAGEOUT) on our own mappings");
+            assert!(asked > 0, "found no mapping of /proc/self/exe");
+            let after = resident();
+            tries.push((before, after));
+            if after < before / 2 {
+                return;
+            }
+        }
+        panic!("resident KiB of the binary (before, after) did not halve: {tries:?}");
     }
 }
