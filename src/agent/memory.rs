@@ -5,7 +5,8 @@
 //! reuse. The second is jemalloc's to do, on a timer (`src/main.rs`); the first is done here,
 //! while work goes on and once it stops (issues 7 and 16). And once work stops, the pages of
 //! the binary's own code that start-up and the burst touched are handed to the kernel's
-//! reclaim ([`reclaim_code_pages`]).
+//! reclaim ([`reclaim_code_pages`]); an agent that never stops does the same a minute after
+//! start and every ten minutes.
 
 use std::time::{Duration, Instant};
 
@@ -27,6 +28,13 @@ const RELEASE_ROUNDS: usize = 64;
 /// slow stream.
 pub(crate) const CODE_SETTLE: Duration = Duration::from_secs(5);
 
+/// When an agent that never rests reclaims its code pages anyway: first this long after
+/// start (the start-up code, configuration, recovery and replay, is done by then and never
+/// runs again), then every [`CODE_BUSY_INTERVAL`] (code that a rare event ran, a sink's
+/// reconnect or a savepoint). The busy loop faults back in what it runs, once.
+pub(crate) const CODE_FIRST_BUSY: Duration = Duration::from_secs(60);
+pub(crate) const CODE_BUSY_INTERVAL: Duration = Duration::from_secs(600);
+
 /// When freed heap was last handed back, and the work done by then (checkpoints +
 /// acknowledged results): an idle agent has nothing to give back, except once after start
 /// (recovery and replay are work the count does not see).
@@ -38,6 +46,8 @@ pub(crate) struct Trim {
     changed: Instant,
     /// Whether the code pages were reclaimed since the work count last changed.
     code_reclaimed: bool,
+    /// When the code pages are reclaimed even if work goes on.
+    code_busy_at: Instant,
 }
 
 impl Trim {
@@ -48,6 +58,7 @@ impl Trim {
             seen: 0,
             changed: now,
             code_reclaimed: false,
+            code_busy_at: now + CODE_FIRST_BUSY,
         }
     }
 
@@ -64,11 +75,16 @@ impl Trim {
     }
 
     /// Whether to reclaim the code pages now: once each time work has stopped for
-    /// [`CODE_SETTLE`] (and once after start, if no work comes).
+    /// [`CODE_SETTLE`] (and once after start, if no work comes); and, while work goes on,
+    /// [`CODE_FIRST_BUSY`] after start and every [`CODE_BUSY_INTERVAL`] after the last.
     pub(crate) fn take_code(&mut self, now: Instant, work: u64) -> bool {
         self.see(now, work);
-        let due = !self.code_reclaimed && now >= self.changed + CODE_SETTLE;
-        self.code_reclaimed |= due;
+        let due =
+            (!self.code_reclaimed && now >= self.changed + CODE_SETTLE) || now >= self.code_busy_at;
+        if due {
+            self.code_reclaimed = true;
+            self.code_busy_at = now + CODE_BUSY_INTERVAL;
+        }
         due
     }
 
@@ -212,6 +228,25 @@ mod tests {
         assert!(!t.take_code(t0 + s(100), 9), "once per rest");
         assert!(!t.take_code(t0 + s(101), 10));
         assert!(t.take_code(t0 + s(106), 10), "the next rest");
+    }
+
+    #[test]
+    fn a_busy_agent_reclaims_a_minute_after_start_then_every_ten_minutes() {
+        let t0 = Instant::now();
+        let mut t = Trim::new(t0);
+        let ms = Duration::from_millis;
+        let mut at = Vec::new();
+        // Work every 100 ms for 25 minutes: it never rests.
+        for i in 1..=15_000u32 {
+            if t.take_code(t0 + ms(100) * i, u64::from(i)) {
+                at.push(i / 10);
+            }
+        }
+        assert_eq!(at, vec![60, 660, 1260], "seconds after start");
+        // And when it stops, the rest reclaims as before, whatever the busy schedule says.
+        assert!(!t.take_code(t0 + ms(1_504_900), 15_000));
+        assert!(t.take_code(t0 + ms(1_505_000), 15_000), "rested 5 s");
+        assert!(!t.take_code(t0 + ms(1_600_000), 15_000), "once per rest");
     }
 
     #[test]
