@@ -23,7 +23,11 @@
 //!    peak, else 10,000/s), a line every 10 s. Throughput per tenth of the sending time:
 //!    results read in each tenth / its length. Results that fall behind and arrive after the
 //!    last input was sent count nowhere (a catch-up burst would flatter the last tenth);
-//!    the backlog left when sending ended and the time it took to clear are printed.
+//!    the backlog left when sending ended and the time it took to clear are printed. Each
+//!    line also has the agent's CPU per input acknowledged since the last; issue 33's "no
+//!    cliff" target is read from it as the agent's capacity: CPU per input with 100k-400k IDs
+//!    in the dedup window over CPU per input for the last million before sending ended (the
+//!    store's ledger alone, without the rest of an input's path, is `benches/ledger.rs`).
 //! 4. **Pipelines.** Not run here: `benches/pipelines.rs` measures it; the command is printed.
 //!
 //! `CAIRN_TARGETS_ONLY=latency,footprint,idle,steady` runs a subset (all when unset);
@@ -95,6 +99,10 @@ pub(crate) struct Steady {
     pub(crate) end_rss: f64,
     pub(crate) store_mib: f64,
     pub(crate) index_mib: Option<f64>,
+    /// The agent's CPU (user + system) per input it acknowledged, µs: while the dedup
+    /// window held [`EARLY_IDS`] IDs, and over the last [`LATE_IDS`] before sending ended.
+    pub(crate) cpu_early_us: Option<f64>,
+    pub(crate) cpu_late_us: Option<f64>,
 }
 
 impl Steady {
@@ -102,6 +110,25 @@ impl Steady {
     fn ratio(&self) -> Option<f64> {
         (self.tenths.len() == 10).then(|| self.tenths[9] / self.tenths[0])
     }
+
+    /// What the agent could take with the full window over what it could take with the
+    /// early one, from CPU per input (issue 33, item 1: within 0.8x).
+    fn capacity_ratio(&self) -> Option<f64> {
+        Some(self.cpu_early_us? / self.cpu_late_us?)
+    }
+}
+
+/// The dedup window's IDs (inputs acknowledged, every ID unique) over which the steady run's
+/// early CPU per input is taken, and how many of the last ones the late figure covers.
+const EARLY_IDS: std::ops::Range<f64> = 100_000.0..400_000.0;
+const LATE_IDS: f64 = 1_000_000.0;
+
+/// CPU µs per input between the first line at or past `from` inputs acknowledged and the
+/// first at or past `to`, from the steady run's (acknowledged, CPU seconds) lines.
+fn cpu_per_input(lines: &[(f64, f64)], from: f64, to: f64) -> Option<f64> {
+    let a = lines.iter().find(|l| l.0 >= from)?;
+    let b = lines.iter().find(|l| l.0 >= to)?;
+    (b.0 > a.0).then(|| (b.1 - a.1) * 1e6 / (b.0 - a.0))
 }
 
 /// Every figure of this part; `None` where a sub-part did not run.
@@ -313,7 +340,7 @@ fn steady(port: u16, publisher: &Publisher, t0: Instant, rate: u64, events: u64)
         events as f64 / rate as f64
     );
     println!(
-        "  {:>6} {:>10} {:>10} {:>10} {:>9} {:>8} {:>8} {:>8} {:>9} {:>9}",
+        "  {:>6} {:>10} {:>10} {:>10} {:>9} {:>8} {:>8} {:>8} {:>9} {:>9} {:>6}",
         "s",
         "published",
         "acked",
@@ -323,7 +350,8 @@ fn steady(port: u16, publisher: &Publisher, t0: Instant, rate: u64, events: u64)
         "RSS MiB",
         "peak",
         "store MiB",
-        "index MiB"
+        "index MiB",
+        "µs/in"
     );
     let mut c = Cairn::shipped(port, "changelog");
     c.start_connected();
@@ -337,6 +365,10 @@ fn steady(port: u16, publisher: &Publisher, t0: Instant, rate: u64, events: u64)
     let mut last_results = 0u64;
     let mut last_secs = 0.0;
     let stats = c.stats().expect("running");
+    let tps = ticks_per_second();
+    // (inputs acknowledged, the agent's CPU seconds) at each line, and when sending ended.
+    let mut lines: Vec<(f64, f64)> = Vec::new();
+    let mut acked_at_send: Option<f64> = None;
     std::thread::scope(|s| {
         let sender = s.spawn(|| {
             publisher.send(
@@ -365,16 +397,29 @@ fn steady(port: u16, publisher: &Publisher, t0: Instant, rate: u64, events: u64)
             if now >= line_at || done {
                 let mut lat = std::mem::take(&mut *sink.shared.latencies_us.lock().unwrap());
                 lat.sort_unstable();
+                let acked = c.metric("cairn_acked_total");
+                let cpu = stats.cpu_ticks() as f64 / tps;
+                let us_per_input = acked.and_then(|a| {
+                    let (a0, c0) = lines.last().copied().unwrap_or((0.0, 0.0));
+                    (a > a0).then(|| (cpu - c0) * 1e6 / (a - a0))
+                });
+                if let Some(a) = acked {
+                    lines.push((a, cpu));
+                    if sent_at.is_some() && acked_at_send.is_none() {
+                        acked_at_send = Some(a);
+                    }
+                }
                 println!(
-                    "  {secs:>6.0} {:>10} {:>10} {results:>10} {:>9.0} {:>8.2} {:>8.1} {:>8.1} {:>9.1} {:>9}",
+                    "  {secs:>6.0} {:>10} {:>10} {results:>10} {:>9.0} {:>8.2} {:>8.1} {:>8.1} {:>9.1} {:>9} {:>6}",
                     published.load(Ordering::SeqCst),
-                    fmt(c.metric("cairn_acked_total"), 0),
+                    fmt(acked, 0),
                     (results - last_results) as f64 / (secs - last_secs).max(1e-3),
                     percentile_ms(&lat, 0.99),
                     stats.rss_mib(),
                     stats.hwm_mib(),
                     dir_size(&c.data_dir().join("store")) as f64 / MIB,
                     fmt(c.metric("cairn_ledger_index_bytes").map(|b| b / MIB), 1),
+                    fmt(us_per_input, 1),
                 );
                 (last_results, last_secs) = (results, secs);
                 line_at += STEADY_LINE;
@@ -420,6 +465,9 @@ fn steady(port: u16, publisher: &Publisher, t0: Instant, rate: u64, events: u64)
         end_rss: stats.rss_mib(),
         store_mib: dir_size(&c.data_dir().join("store")) as f64 / MIB,
         index_mib: c.metric("cairn_ledger_index_bytes").map(|b| b / MIB),
+        cpu_early_us: cpu_per_input(&lines, EARLY_IDS.start, EARLY_IDS.end),
+        cpu_late_us: acked_at_send
+            .and_then(|end| cpu_per_input(&lines, (end - LATE_IDS).max(0.0), end)),
     };
     drop(sink);
     c.terminate();
@@ -563,6 +611,21 @@ pub(crate) fn print(t: &Targets) {
     target_line(
         "steady: last tenth / first tenth rate",
         st.and_then(Steady::ratio),
+        ">=",
+        0.8,
+    );
+    println!(
+        "  agent CPU per input: {} µs with {}k-{}k IDs in the window, {} µs over the last {}k \
+         before sending ended",
+        fmt(st.and_then(|s| s.cpu_early_us), 1),
+        EARLY_IDS.start / 1e3,
+        EARLY_IDS.end / 1e3,
+        fmt(st.and_then(|s| s.cpu_late_us), 1),
+        LATE_IDS / 1e3
+    );
+    target_line(
+        "steady: capacity at 10M IDs / early (CPU)",
+        st.and_then(Steady::capacity_ratio),
         ">=",
         0.8,
     );
