@@ -624,7 +624,7 @@ pub(crate) fn print(t: &Targets) {
         LATE_IDS / 1e3
     );
     target_line(
-        "steady: capacity at 10M IDs / early (CPU)",
+        "steady: capacity at the end / early (CPU)",
         st.and_then(Steady::capacity_ratio),
         ">=",
         0.8,
