@@ -21,9 +21,9 @@ use super::{
 use crate::model::{DeadLetter, Output, Progress};
 use crate::pipeline::engine::{Batch, Checkpoint};
 
-/// Most index pages (up to 512 entries each) a commit merges its new entries into per hold
-/// of the store's lock (a few hundred µs; see [`Store::index_added`]).
-const INDEX_PAGES: usize = 256;
+/// About how many entries of index pages a commit merges its new entries into per hold of
+/// the store's lock: 512 KiB of pages, a few hundred µs (see [`Store::index_added`]).
+const INDEX_WALK: usize = 131_072;
 /// Most index entries the sweep walks per hold of the store's lock (a few hundred µs; see
 /// [`Store::sweep_and_promote`]).
 const SWEEP_SLICE: usize = 32 * 1024;
@@ -432,7 +432,7 @@ impl Store {
     }
 
     /// After the transaction: the checkpoint's new ledger chunks go into the groups, and
-    /// their entries into the index [`INDEX_PAGES`] pages per hold of the lock, each hold
+    /// their entries into the index about [`INDEX_WALK`] entries of pages per hold of the lock, each hold
     /// handed straight to a lookup waiting. Merging a checkpoint's 20,000 IDs takes 6-12 ms
     /// (every page of a 1M-entry index touched once), and the loop's dedup lookups, which
     /// take the lock too, waited for all of it while the commit ran beside the loop (issue
@@ -451,7 +451,7 @@ impl Store {
         let mut sorted = super::index::Sorted::new(dir_bits, &inserts);
         loop {
             let mut mem = self.lock();
-            let more = mem.ledgers.merge_some(&mut sorted, INDEX_PAGES);
+            let more = mem.ledgers.merge_some(&mut sorted, INDEX_WALK);
             // Straight to a lookup waiting, if any: else this thread would take the lock
             // back for the next pages before the waiter woke, and it would wait them all.
             parking_lot::MutexGuard::unlock_fair(mem);

@@ -62,11 +62,24 @@
 //!
 //! The directory (a page number and a start offset per bucket: 512 KiB at the default
 //! bound) is allocated at the first insert. Pages start as empty runs of [`PAGE_BUCKETS`]
-//! buckets and split past [`PAGE_MAX`] entries; a page's capacity grows and shrinks in
-//! steps of [`STEP`] entries, so at most a step per page is slack. At ten million entries:
-//! 40 MB of entries, ~1 MB of slack, 0.5 MB of directory, ~0.4 MB of page headers: 4.2
-//! bytes per entry (measured: `benches/ledger.rs`), and ~0.1 more for the retired entries
-//! waiting for the sweep (4.38 measured in the steady state), plus two 8 KiB bitmaps.
+//! buckets and split past [`PAGE_MAX`] entries (64 KiB). A small page's capacity grows and
+//! shrinks in steps of [`STEP`] entries; past [`SMALL_MAX`] (8 KiB) a page is *large*: at
+//! least [`BIG_MIN`] entries (16 KiB) and a whole number of 4 KiB memory pages.
+//!
+//! Why large pages: the allocator serves objects under 16 KiB from slabs of its size
+//! classes, and a slab goes back to the system only when every object in it is freed.
+//! Pages of up to 2 KiB, as before, grew through the 1,280-, 1,536-, 1,792- and 2,048-byte
+//! classes together (an index that only grows fills its pages evenly), and each class they
+//! left stayed in slabs that a few pages still held: in the steady run 1.4 bytes of holes
+//! per ID beside the 4.4 of the index, ~13 MiB at ten million. 16 KiB and up is served
+//! whole memory pages at a time; a page that grows or shrinks gives its old ones back. Most
+//! of a page moves when a checkpoint's entries merge into it either way, so a large page
+//! costs a merge no more than many small ones, as long as a checkpoint touches most pages
+//! (at 20,000 IDs a checkpoint and ~1,000 pages at ten million entries, it does).
+//!
+//! At ten million entries: 40 MB of entries, ~2 MB of slack (half a memory page a page),
+//! 0.5 MB of directory, a few KiB of page headers, and ~0.1 bytes per entry for the
+//! retired entries waiting for the sweep, plus two 8 KiB bitmaps.
 //! [`PagedIndex::bytes_to_hold`] says, before any insert, what inserting some hashes would
 //! take at most, so that the ledger keeps the index within `ledger_index_max`.
 
@@ -81,10 +94,21 @@ pub(crate) const REST_BITS: u32 = if cfg!(test) { 5 } else { 16 };
 /// Buckets of each page at the first insert: an insert moves the start of every later
 /// bucket in its page, so a page never spans more.
 const PAGE_BUCKETS: usize = if cfg!(test) { 4 } else { 256 };
-/// A page of more entries than this splits (if it spans more than one bucket).
-const PAGE_MAX: usize = if cfg!(test) { 12 } else { 512 };
-/// A page's capacity grows and shrinks in steps of this many entries.
+/// A page of more entries than this splits (if it spans more than one bucket): 64 KiB.
+const PAGE_MAX: usize = if cfg!(test) { 12 } else { 16_384 };
+/// A small page's capacity grows and shrinks in steps of this many entries.
 const STEP: usize = if cfg!(test) { 2 } else { 16 };
+/// A page of more entries than this is large: its capacity is at least [`BIG_MIN`] entries
+/// and a whole number of [`BIG_STEP`]s. 8 KiB of entries.
+const SMALL_MAX: usize = if cfg!(test) { 6 } else { 2_048 };
+/// A large page's least capacity: 16 KiB, jemalloc's smallest size served by whole memory
+/// pages of their own (an extent) instead of a slot in a slab shared with other objects.
+const BIG_MIN: usize = if cfg!(test) { 8 } else { 4_096 };
+/// A large page's capacity grows and shrinks in steps of this many entries: a 4 KiB
+/// memory page.
+const BIG_STEP: usize = if cfg!(test) { 4 } else { 1_024 };
+/// Most slack [`stepped`] leaves above a length: what each half of a split may add.
+const MAX_SLACK: usize = max3(STEP, BIG_STEP, BIG_MIN - SMALL_MAX);
 /// Page headers added at a time when a split needs one more.
 const PAGES_STEP: usize = 64;
 /// Most entries the index holds (a bucket's start offset is a `u32`).
@@ -177,9 +201,24 @@ impl Sorted {
     }
 }
 
-/// Capacity for `len` entries: `len` rounded up to a whole step.
+const fn max3(a: usize, b: usize, c: usize) -> usize {
+    let ab = if a > b { a } else { b };
+    if ab > c { ab } else { c }
+}
+
+/// The step a page of `len` entries grows and shrinks by.
+fn step(len: usize) -> usize {
+    if len <= SMALL_MAX { STEP } else { BIG_STEP }
+}
+
+/// Capacity for `len` entries: `len` rounded up to a whole step, and a large page at least
+/// [`BIG_MIN`] (see the module docs, "Memory").
 fn stepped(len: usize) -> usize {
-    len.div_ceil(STEP) * STEP
+    if len <= SMALL_MAX {
+        len.div_ceil(STEP) * STEP
+    } else {
+        (len.div_ceil(BIG_STEP) * BIG_STEP).max(BIG_MIN)
+    }
 }
 
 /// The first position in `s` (sorted) whose entry is at least `key`. The entries' rests are
@@ -456,7 +495,7 @@ impl PagedIndex {
         let (p, lo, hi) = self.range(bucket);
         let at = lo + lower_bound(&self.pages[p].slots[lo..hi], e);
         if self.pages[p].slots.len() == self.pages[p].slots.capacity() {
-            self.set_capacity(p, self.pages[p].slots.len() + STEP);
+            self.set_capacity(p, stepped(self.pages[p].slots.len() + 1));
         }
         let page = &mut self.pages[p];
         page.slots.insert(at, e);
@@ -487,10 +526,12 @@ impl PagedIndex {
         items.iter().any(|&(_, t)| self.is_retired(t))
     }
 
-    /// Merge the entries of `s` into the next `pages` pages they fall in (each page once),
-    /// going on from where the last call stopped. Returns whether any are left. Between
-    /// two calls the index is whole: each page holds all of its entries from `s` or none.
-    pub(crate) fn merge_some(&mut self, s: &mut Sorted, pages: usize) -> bool {
+    /// Merge the entries of `s` into the next pages they fall in (each page once), going on
+    /// from where the last call stopped, until pages of `walk` entries or more were merged
+    /// (at least one page): a merge moves most of its page. Returns whether any are left.
+    /// Between two calls the index is whole: each page holds all of its entries from `s` or
+    /// none.
+    pub(crate) fn merge_some(&mut self, s: &mut Sorted, walk: usize) -> bool {
         debug_assert_eq!(s.dir_bits, self.dir_bits, "sorted for another directory");
         let es = &s.entries;
         if s.at == es.len() {
@@ -504,7 +545,8 @@ impl PagedIndex {
             self.allocate();
         }
         let mut i = s.at;
-        for _ in 0..pages {
+        let mut walked = 0;
+        while walked < walk.max(1) {
             if i == es.len() {
                 break;
             }
@@ -512,6 +554,7 @@ impl PagedIndex {
             let end = self.pages[p].end as usize;
             let j = i + es[i..].partition_point(|e| e.0 < end);
             self.merge_into(p, &es[i..j]);
+            walked += self.pages[p].slots.len();
             self.len += j - i;
             // Splitting moves only this page's buckets: the entries left lie beyond them.
             self.split_while_full(p);
@@ -645,9 +688,9 @@ impl PagedIndex {
     /// Give memory back as a window shrinks, with a step of room left so that an insert
     /// after a remove does not reallocate at once.
     fn give_back(&mut self, p: usize) {
-        let slots = &self.pages[p].slots;
-        if slots.capacity() >= slots.len() + 3 * STEP {
-            self.set_capacity(p, stepped(slots.len()) + STEP);
+        let (len, cap) = (self.pages[p].slots.len(), self.pages[p].slots.capacity());
+        if cap >= len + 3 * step(len) {
+            self.set_capacity(p, stepped(len + step(len)));
         }
     }
 
@@ -752,13 +795,13 @@ impl PagedIndex {
         Some(bytes + self.split_bytes(splits))
     }
 
-    /// What `splits` page splits may add: a header and two steps each (each half keeps a
-    /// step of slack at most), and the growth of the header array.
+    /// What `splits` page splits may add: a header and twice [`MAX_SLACK`] each (each half
+    /// rounds its length up by that at most), and the growth of the header array.
     fn split_bytes(&self, splits: usize) -> usize {
         if splits == 0 {
             return 0;
         }
-        splits * (size_of::<Page>() + 2 * STEP * size_of::<u32>())
+        splits * (size_of::<Page>() + 2 * MAX_SLACK * size_of::<u32>())
             + (splits + PAGES_STEP) * size_of::<Page>()
     }
 }

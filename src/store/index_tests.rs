@@ -29,8 +29,8 @@ fn tags(ix: &PagedIndex, hash: u64) -> Vec<u16> {
 
 /// The layout's invariants: the pages cover the buckets in runs, each bucket's start lies
 /// within its page and after the one before, every bucket's entries are sorted, a page
-/// over the split size holds a single bucket, capacities are whole steps, and `len`
-/// counts every entry.
+/// over the split size holds a single bucket, capacities are whole steps (a large page's
+/// whole memory pages), and `len` counts every entry.
 fn check(ix: &PagedIndex) {
     if ix.pages.is_empty() {
         assert_eq!(ix.len, 0);
@@ -50,7 +50,12 @@ fn check(ix: &PagedIndex) {
         }
         assert_eq!(ix.dir[page.first as usize].1, 0);
         assert!(page.slots.len() <= PAGE_MAX || page.end - page.first == 1);
-        assert_eq!(page.slots.capacity() % STEP, 0, "capacity in whole steps");
+        let cap = page.slots.capacity();
+        assert_eq!(cap % STEP, 0, "capacity in whole steps");
+        assert!(
+            cap <= SMALL_MAX || (cap >= BIG_MIN && cap % BIG_STEP == 0),
+            "a large page's capacity is whole memory pages, {BIG_MIN} at least: {cap}"
+        );
         total += page.slots.len();
     }
     let mut covered: Vec<(u32, u32)> = ix.pages.iter().map(|p| (p.first, p.end)).collect();
@@ -173,7 +178,7 @@ fn removing_entries_gives_their_memory_back() {
     check(&ix);
     let slots: usize = ix.pages.iter().map(|p| p.slots.capacity()).sum();
     assert!(
-        slots <= ix.len() + 4 * STEP * ix.pages.len(),
+        slots <= ix.len() + 3 * BIG_STEP * ix.pages.len(),
         "{slots} slots of capacity for {} entries in {} pages",
         ix.len(),
         ix.pages.len()

@@ -547,10 +547,10 @@ impl Ledgers {
         self.index.dir_bits()
     }
 
-    /// Merge the next `pages` pages' worth of `sorted` into the index (see
+    /// Merge the next pages' worth (about `walk` entries of them) of `sorted` into the index (see
     /// [`PagedIndex::merge_some`]); returns whether any entries are left.
-    pub(crate) fn merge_some(&mut self, sorted: &mut index::Sorted, pages: usize) -> bool {
-        self.index.merge_some(sorted, pages)
+    pub(crate) fn merge_some(&mut self, sorted: &mut index::Sorted, walk: usize) -> bool {
+        self.index.merge_some(sorted, walk)
     }
 
     /// Put a chunk into a group: the newest if that has room and is indexed (or not) as the
