@@ -432,11 +432,12 @@ impl Store {
     }
 
     /// After the transaction: the checkpoint's new ledger chunks go into the groups, and
-    /// their entries into the index about [`INDEX_WALK`] entries of pages per hold of the lock, each hold
-    /// handed straight to a lookup waiting. Merging a checkpoint's 20,000 IDs takes 6-12 ms
-    /// (every page of a 1M-entry index touched once), and the loop's dedup lookups, which
-    /// take the lock too, waited for all of it while the commit ran beside the loop (issue
-    /// 33; `cargo bench --bench ledger` with `CAIRN_LEDGER_BESIDE=1` shows the waits).
+    /// their entries into the index, about [`INDEX_WALK`] entries of pages per hold of the
+    /// lock, each hold handed straight to a lookup waiting. Merging a checkpoint's 20,000
+    /// IDs takes 6-12 ms (every page of a 1M-entry index touched once), and the loop's
+    /// dedup lookups, which take the lock too, waited for all of it while the commit ran
+    /// beside the loop (issue 33; `cargo bench --bench ledger` with `CAIRN_LEDGER_BESIDE=1`
+    /// shows the waits).
     /// Until its entry is in, a lookup of one of this checkpoint's IDs may miss in the
     /// index: the loop reads the checkpoint in flight first (`processor/inflight.rs`) until
     /// the commit is done, so such a lookup never gets this far. `was_full`: chunks were

@@ -78,7 +78,7 @@
 //! (at 20,000 IDs a checkpoint and ~1,000 pages at ten million entries, it does).
 //!
 //! At ten million entries: 40 MB of entries, ~2 MB of slack (half a memory page a page),
-//! 0.5 MB of directory, a few KiB of page headers, and ~0.1 bytes per entry for the
+//! 0.5 MB of directory, some tens of KiB of page headers, and ~0.1 bytes per entry for the
 //! retired entries waiting for the sweep, plus two 8 KiB bitmaps.
 //! [`PagedIndex::bytes_to_hold`] says, before any insert, what inserting some hashes would
 //! take at most, so that the ledger keeps the index within `ledger_index_max`.

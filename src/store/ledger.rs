@@ -547,8 +547,8 @@ impl Ledgers {
         self.index.dir_bits()
     }
 
-    /// Merge the next pages' worth (about `walk` entries of them) of `sorted` into the index (see
-    /// [`PagedIndex::merge_some`]); returns whether any entries are left.
+    /// Merge `sorted` into the next pages of the index it falls in, about `walk` entries of
+    /// pages (see [`PagedIndex::merge_some`]); returns whether any entries are left.
     pub(crate) fn merge_some(&mut self, sorted: &mut index::Sorted, walk: usize) -> bool {
         self.index.merge_some(sorted, walk)
     }
