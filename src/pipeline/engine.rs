@@ -419,7 +419,7 @@ impl Engine {
             self.progress.pipelines[p].counters.duplicates += 1;
             return Ok(Outcome::Duplicate);
         }
-        self.remember(&name, content_id, now);
+        self.remember(p, content_id, now);
         self.progress.pipelines[p].counters.dead_letters += 1;
         // Bounded here, where it is made: a topic may be 64 KiB and a detail may quote a
         // sender's field; cut, the letter fits one stored entry (invariant 7).
@@ -439,8 +439,9 @@ impl Engine {
     }
 
     /// Put an ID in the dedup ledger at record time `now`.
-    fn remember(&mut self, name: &str, id: String, now: u64) {
-        self.batch.dedup.insert((name.to_string(), id), now);
+    fn remember(&mut self, p: usize, id: String, now: u64) {
+        let name = self.specs[p].name.clone();
+        self.batch.dedup.insert((name, id), now);
     }
 
     fn apply_one<R: ReadState>(
@@ -483,9 +484,7 @@ impl Engine {
         ev: Parsed,
         given: Given,
     ) -> Result<EventOutcome, ReadError> {
-        let spec = &self.specs[p];
         let now = self.clock(p);
-        let name = spec.name.clone();
 
         // Invariant 5: an event ID seen within the window (in record time) is skipped.
         if self.seen_within_window(base, p, &ev.event_id)? {
@@ -518,7 +517,7 @@ impl Engine {
         pp.counters.applied += 1;
         pp.keys += new_keys;
         pp.max_event_time_ms = pp.max_event_time_ms.max(time_ms);
-        self.remember(&name, ev.event_id.clone(), now);
+        self.remember(p, ev.event_id, now);
         let mut version = 0;
         for (slot, new) in slots.into_iter().zip(states) {
             version = new.version;

@@ -148,8 +148,7 @@ impl Engine {
         let out = self.sparkplug_message(base, p, rec, &topic, &payload, message)?;
         if let Some(id) = message_id {
             let now = self.clock(p);
-            let name = self.specs[p].name.clone();
-            self.remember(&name, id, now);
+            self.remember(p, id, now);
         }
         Ok(out)
     }
