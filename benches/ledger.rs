@@ -172,17 +172,16 @@ impl Level {
         } else {
             id_of(i)
         };
-        let key = (PIPELINE.to_string(), id);
         self.lookups += 1;
         let in_flight = || {
             let (cp, _) = self.inflight.as_ref()?;
-            cp.batch.dedup.get(&key).copied()
+            cp.batch.dedup.get(0, PIPELINE, &id)
         };
-        let seen = match self.batch.dedup.get(&key).copied().or_else(in_flight) {
+        let seen = match self.batch.dedup.get(0, PIPELINE, &id).or_else(in_flight) {
             Some(t) => Some(t),
             None => {
                 let t = Instant::now();
-                let seen = self.store.dedup(PIPELINE, &key.1).expect("lookup");
+                let seen = self.store.dedup(PIPELINE, &id).expect("lookup");
 
                 let took = t.elapsed().as_secs_f64();
                 self.lookup_s += took;
@@ -195,7 +194,7 @@ impl Level {
         if seen.is_some_and(|t| now - t < self.window_ms) {
             self.found += 1;
         } else {
-            self.batch.dedup.insert(key, now);
+            self.batch.dedup.insert(0, PIPELINE, &id, now);
         }
         self.batch.records += 1;
         if self.batch.records == PER_CHECKPOINT {

@@ -27,8 +27,8 @@ impl MemState {
                 None => self.state.remove(&(p.clone(), k.clone())),
             };
         }
-        for ((p, id), seen) in &cp.batch.dedup {
-            self.dedup.insert((p.clone(), id.clone()), *seen);
+        for (p, id, seen) in cp.batch.dedup.iter() {
+            self.dedup.insert((p.to_string(), id.to_string()), seen);
         }
         for (p, cutoff) in &cp.batch.dedup_expired_at_or_before {
             self.dedup.retain(|(q, _), seen| q != p || *seen > *cutoff);

@@ -3,6 +3,7 @@
 //! last checkpoint and the record, so replay recomputes exactly what a crash lost
 //! (invariant 3; guarded by `tests/it/model.rs`).
 
+pub mod batch_ledger;
 pub(crate) mod bound;
 pub(crate) mod describe;
 pub mod engine;

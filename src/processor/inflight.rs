@@ -71,7 +71,7 @@ impl<R: ReadState> ReadState for Layered<'_, R> {
 
     fn dedup(&self, pipeline: &str, event_id: &str) -> Result<Option<u64>, ReadError> {
         if let Some(b) = self.batch {
-            if let Some(&seen) = b.dedup.get(&(pipeline.to_string(), event_id.to_string())) {
+            if let Some(seen) = b.dedup.get(0, pipeline, event_id) {
                 return Ok(Some(seen));
             }
         }
@@ -173,7 +173,7 @@ mod tests {
         b.state.insert(("p".into(), wkey(20, "b")), None);
         b.state.insert(("p".into(), wkey(25, "n")), Some(st()));
         b.state.insert(("p".into(), wkey(40, "late")), Some(st()));
-        b.dedup.insert(("p".into(), "e1".into()), 7);
+        b.dedup.insert(0, "p", "e1", 7);
         let l = Layered {
             batch: Some(&b),
             base: &base,

@@ -224,11 +224,11 @@ impl Store {
     /// writes, what the index will add, and how many each pipeline starts.
     fn ledger_fresh(&self, cp: &Checkpoint) -> Result<Fresh, StoreError> {
         let mut by_pipeline: BTreeMap<&str, Vec<(String, u64)>> = BTreeMap::new();
-        for ((p, id), seen) in &cp.batch.dedup {
+        for (p, id, seen) in cp.batch.dedup.iter() {
             by_pipeline
-                .entry(p.as_str())
+                .entry(p)
                 .or_default()
-                .push((id.clone(), *seen));
+                .push((id.to_string(), seen));
         }
         let mut batch = sled::Batch::default();
         let mut added = Vec::new();

@@ -642,7 +642,7 @@ fn a_value_over_the_entry_bound_is_refused_before_anything_is_written() {
     // A 200 KB event ID (issue 10 found one in a ledger chunk, which sled put in a blob).
     cp.batch
         .dedup
-        .insert(("balances".into(), "x".repeat(200_000)), 1_000);
+        .insert(0, "balances", &"x".repeat(200_000), 1_000);
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| store.commit(&cp, 0)));
     match result {
         // Debug builds: the assertion names the bug.
@@ -877,9 +877,7 @@ mod ledger_oracle {
             self.checkpoint_id += 1;
             let mut batch = Batch::default();
             for ((p, id), t) in std::mem::take(&mut self.batch) {
-                batch
-                    .dedup
-                    .insert((PIPELINES[p].to_string(), id.clone()), t);
+                batch.dedup.insert(p, PIPELINES[p], &id, t);
                 self.oracle.insert((p, id), t);
             }
             for p in 0..3 {

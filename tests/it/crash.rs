@@ -856,7 +856,7 @@ fn preload_ledger(path: &Path, pipeline: &str, n: u64) {
     for i in 0..n {
         batch
             .dedup
-            .insert((pipeline.to_string(), format!("pre-{i}")), now - n + i);
+            .insert(0, pipeline, &format!("pre-{i}"), now - n + i);
     }
     store
         .commit(&Checkpoint { progress, batch }, now)

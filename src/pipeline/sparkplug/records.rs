@@ -148,7 +148,7 @@ impl Engine {
         let out = self.sparkplug_message(base, p, rec, &topic, &payload, message)?;
         if let Some(id) = message_id {
             let now = self.clock(p);
-            self.remember(p, id, now);
+            self.remember(p, &id, now);
         }
         Ok(out)
     }
