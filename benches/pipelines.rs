@@ -447,9 +447,10 @@ fn main() {
 // -------------------------------------------------------------- processor ----------
 
 /// The processor over a real store, no broker: `CAIRN_PIPELINES_ONLY=processor`. Records
-/// are applied as the live loop applies them (upserts flushed every 20, the ingest batch),
-/// with a checkpoint whenever the shipped `max_records`/`max_keys` say one is due. Prints
-/// time in apply and in checkpoints separately, per input.
+/// are applied as the live loop applies them (upserts flushed every 20, the ingest batch;
+/// `CAIRN_PIPELINES_FLUSH=N` flushes every N instead, as an agent whose results wait for a
+/// busy sink does), with a checkpoint whenever the shipped `max_records`/`max_keys` say one
+/// is due. Prints time in apply and in checkpoints separately, per input.
 fn processor_main() {
     use cairn::fsio;
     use cairn::processor::Processor;
@@ -459,7 +460,15 @@ fn processor_main() {
         .split(',')
         .filter_map(|c| c.trim().parse().ok())
         .collect();
-    println!("processor: {INPUTS} inputs over {KEYS} keys, real store, no broker");
+    let flush_every: u64 = std::env::var("CAIRN_PIPELINES_FLUSH")
+        .ok()
+        .and_then(|f| f.parse().ok())
+        .filter(|&f| f > 0)
+        .unwrap_or(20);
+    println!(
+        "processor: {INPUTS} inputs over {KEYS} keys, real store, no broker, upserts flushed \
+         every {flush_every} records"
+    );
     for n in counts {
         let dir = tempfile::tempdir().unwrap();
         let specs: Vec<_> = (0..n)
@@ -489,7 +498,7 @@ fn processor_main() {
             };
             let a = Instant::now();
             proc.apply(&rec).unwrap();
-            if i % 20 == 19 {
+            if i % flush_every == flush_every - 1 {
                 proc.flush_upserts();
             }
             apply_s += a.elapsed().as_secs_f64();
