@@ -353,6 +353,43 @@ fn late_events_within_lateness_update_their_window_beyond_it_are_dead_letters() 
 }
 
 #[test]
+fn an_upsert_window_closed_before_its_flush_is_still_emitted_with_its_last_state() {
+    // The engine no longer keeps its own copy of a waiting upsert's state: the flush reads
+    // the batch's, and an eviction must hand the state over before the batch forgets it.
+    let mut spec = json_spec(Aggregate::Sum);
+    spec.event_time = Some(Field::parse("/ts", &Format::Json).unwrap());
+    spec.window = Some(WindowSpec {
+        size_ms: 60_000,
+        allowed_lateness_ms: 30_000,
+        slide_ms: None,
+    });
+    spec.output_topic = "balances/{key}/{window_start}".into();
+    spec.emit = Emit::Upsert;
+    let mut h = Harness::new(vec![spec]);
+    let ev = |id: &str, amount: i64, ts: u64| {
+        format!(r#"{{"id":"{id}","account":"A","amount":{amount},"ts":{ts}}}"#)
+    };
+    h.feed(&ev("E1", 1, 0));
+    h.feed(&ev("E2", 2, 30_000));
+    // Watermark 65000 closes window 0 with both its events still waiting as one upsert.
+    h.feed(&ev("E3", 4, 95_000));
+    assert_eq!(h.mem.state.len(), 0, "nothing committed yet");
+    h.checkpoint();
+    let outs: Vec<(String, serde_json::Value)> = h
+        .mem
+        .outbox
+        .values()
+        .map(|o| (o.id.clone(), serde_json::from_slice(&o.payload).unwrap()))
+        .collect();
+    let ids: Vec<&str> = outs.iter().map(|(id, _)| id.as_str()).collect();
+    assert_eq!(ids, ["balances/A/0/2", "balances/A/60000/1"]);
+    assert_eq!(outs[0].1["value"].as_i64(), Some(3));
+    assert_eq!(outs[1].1["value"].as_i64(), Some(4));
+    // Window 0 was evicted from state; the open one is there.
+    assert_eq!(h.mem.state.len(), 1);
+}
+
+#[test]
 fn upsert_emits_one_output_per_touched_key_per_checkpoint() {
     let mut h = Harness::new(vec![json_spec(Aggregate::Sum)]);
     for i in 0..5 {
