@@ -22,6 +22,8 @@
 //! | `retention.after_delete` | retention deleted segments (dir synced), the next checkpoint not yet run |
 //! | `ingest.before_puback`, `ingest.after_puback` | around the acks of a committed batch |
 //! | `checkpoint.before_commit`, `checkpoint.after_commit` | around a checkpoint's transaction (on the commit thread, beside the live loop) |
+//! | `checkpoint.ledger_written` | a checkpoint's ledger chunks are written, its transaction not yet run |
+//! | `store.flush_chunks` (`on`) | flush sled's buffers once the ledger chunks are written (as its flusher may) |
 //! | `checkpoint.before_fsync`, `checkpoint.after_fsync` | around the fsync of sled's `db` |
 //! | `backfill.after_slice` | a backfill slice was applied, not yet checkpointed |
 //! | `outbox.before_publish`, `outbox.after_publish` | around handing a result to MQTT (from the outbox, or before its checkpoint) |

@@ -1,6 +1,7 @@
 //! `Store::commit`: one checkpoint as one sled transaction plus a real fsync (the module
 //! docs of `store` say why each step is there). The steps, in order: build every tree's
-//! write batch (checking each value's bound), run the transaction, then bring the in-memory
+//! write batch (checking each value's bound), write the ledger's new chunks (uncommitted
+//! until the transaction: [`Store::write_chunks`]), run the transaction, then bring the in-memory
 //! ledger index and outbox up to what the trees now hold, and fsync. The index's share of
 //! that (sweeping out expired entries, merging in the new ones) takes milliseconds, and it
 //! is done in slices, each a short hold of the store's lock handed to a waiting lookup
@@ -37,8 +38,9 @@ struct Dropped {
 }
 
 /// The ledger's new chunks of one commit (see [`Store::ledger_fresh`]).
-struct Fresh {
-    batch: sled::Batch,
+pub(super) struct Fresh {
+    /// Encoded: key, value. Written before the transaction (see [`Store::write_chunks`]).
+    pub(super) chunks: Vec<(Vec<u8>, Vec<u8>)>,
     added: Vec<NewChunk>,
     /// Chunks started per pipeline.
     new_chunks: BTreeMap<String, usize>,
@@ -64,6 +66,7 @@ struct Plan {
 
 /// The ledger's part of a commit.
 struct LedgerWrites {
+    /// The transaction's part: the expired chunks it deletes.
     batch: sled::Batch,
     added: Vec<NewChunk>,
     dropped: Vec<Dropped>,
@@ -77,6 +80,7 @@ struct Writes {
     state: sled::Batch,
     rows: sled::Batch,
     sparkplug: sled::Batch,
+    /// Expired ledger chunks deleted; the new ones are written before (`write_chunks`).
     dedup: sled::Batch,
     outbox: sled::Batch,
     dead: sled::Batch,
@@ -130,10 +134,11 @@ impl Store {
         let (rows, state) = self.state_writes(&b.state)?;
         let sparkplug = sparkplug_batch(b)?;
         let Fresh {
-            batch: mut dedup,
+            chunks,
             added,
             new_chunks,
         } = self.ledger_fresh(cp)?;
+        let mut dedup = sled::Batch::default();
         // What depends on memory is decided under the lock, briefly: the loop's dedup
         // lookups and outbox reads take it too, and they go on while a checkpoint commits
         // beside the loop (`agent/keeper/commit.rs`). Only commits change the ledger's
@@ -201,7 +206,20 @@ impl Store {
             windows: lw.windows.as_ref().map(|(_, v)| v.clone()),
             sinks: plan.sinks,
         };
-        self.transaction(&writes)?;
+        // Every value is encoded and within its bound: nothing below refuses the checkpoint
+        // but the disk.
+        self.write_chunks(&chunks)?;
+        drop(chunks);
+        let fp = |name| crate::failpoint::hit(name).map_err(io_err(&self.dir));
+        let committed = fp("checkpoint.ledger_written").and_then(|()| self.transaction(&writes));
+        if let Err(e) = committed {
+            self.unwrite_chunks(&lw.added);
+            return Err(e);
+        }
+        self.committed_id.store(
+            cp.progress.checkpoint_id,
+            std::sync::atomic::Ordering::Release,
+        );
         let freed = {
             let mut mem = self.lock();
             let mem = &mut *mem;
@@ -222,7 +240,7 @@ impl Store {
 
     /// The ledger's new chunks from this checkpoint's entries (no memory read): their
     /// writes, what the index will add, and how many each pipeline starts.
-    fn ledger_fresh(&self, cp: &Checkpoint) -> Result<Fresh, StoreError> {
+    pub(super) fn ledger_fresh(&self, cp: &Checkpoint) -> Result<Fresh, StoreError> {
         let mut by_pipeline: BTreeMap<&str, Vec<(String, u64)>> = BTreeMap::new();
         for (p, id, seen) in cp.batch.dedup.iter() {
             by_pipeline
@@ -230,7 +248,7 @@ impl Store {
                 .or_default()
                 .push((id.to_string(), seen));
         }
-        let mut batch = sled::Batch::default();
+        let mut chunks = Vec::new();
         let mut added = Vec::new();
         let mut new_chunks: BTreeMap<String, usize> = BTreeMap::new();
         for (p, entries) in by_pipeline {
@@ -238,7 +256,7 @@ impl Store {
                 let key = pkey(p, &suffix);
                 let value = bounded("dedup", &key, encode(&chunk))?;
                 let bytes = (key.len() + value.len()) as u64;
-                batch.insert(key, value);
+                chunks.push((key, value));
                 *new_chunks.entry(p.to_string()).or_default() += 1;
                 added.push(NewChunk {
                     pipeline: p.to_string(),
@@ -254,7 +272,7 @@ impl Store {
             }
         }
         Ok(Fresh {
-            batch,
+            chunks,
             added,
             new_chunks,
         })
@@ -358,6 +376,44 @@ impl Store {
             }
         }
         cutoffs
+    }
+
+    /// Write a checkpoint's new ledger chunks, before its transaction and outside it.
+    ///
+    /// They are new keys named by the checkpoint's ID, which no committed checkpoint has
+    /// used, so until the transaction commits they are *uncommitted*: lookups and expiry
+    /// skip them ([`Store::ledger_range`]), and the next open deletes any a crash left
+    /// ([`Store::load_ledger`]). After the transaction they are part of it, and sled's log
+    /// (a prefix survives a crash, the transaction after them) makes them durable with it.
+    ///
+    /// One write each, not one batch: a sled batch or transaction holds every page version
+    /// it makes until it ends, and at 16 pipelines over one stream the chunks were most of
+    /// a checkpoint's writes (issue 33: a 20,000-record checkpoint's transaction peaked near
+    /// 70 MB, and writing the chunks so took the agent's peak RSS from 133 to 98 MiB).
+    pub(super) fn write_chunks(&self, chunks: &[(Vec<u8>, Vec<u8>)]) -> Result<(), StoreError> {
+        for (k, v) in chunks {
+            self.dedup.insert(k.as_slice(), v.as_slice())?;
+        }
+        // What sled's flusher (every 500 ms) or a full buffer does at its own moment: the
+        // crash tests make it certain, so that a crash finds the chunks in the file.
+        if crate::failpoint::enabled("store.flush_chunks") {
+            self.db.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Delete the chunks [`Store::write_chunks`] wrote for a checkpoint whose transaction
+    /// failed. Best effort: any left are uncommitted, skipped, and deleted at the next open.
+    fn unwrite_chunks(&self, added: &[NewChunk]) {
+        for c in added {
+            if let Err(e) = self.dedup.remove(pkey(&c.pipeline, &c.suffix)) {
+                crate::event!(warn, "ledger_chunk_unwritten";
+                    "store: a ledger chunk of a failed checkpoint stays until the next start \
+                     ({e}); it is skipped meanwhile"
+                );
+                return;
+            }
+        }
     }
 
     /// All trees in one sled transaction: a checkpoint is wholly visible or not at all.

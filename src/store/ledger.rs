@@ -153,6 +153,12 @@ pub(crate) fn chunk_suffix(min_seen_ms: u64, checkpoint_id: u64, part: u32) -> S
     k
 }
 
+/// The checkpoint that wrote the chunk whose key suffix is `suffix` (`None`: not a chunk's).
+pub(crate) fn chunk_checkpoint(suffix: &[u8]) -> Option<u64> {
+    let s: &Suffix = suffix.try_into().ok()?;
+    Some(u64::from_be_bytes(s[8..16].try_into().expect("8 bytes")))
+}
+
 /// Cut one checkpoint's entries of one pipeline into chunks: (key suffix, chunk).
 pub(crate) fn make_chunks(
     mut entries: Vec<(String, u64)>,

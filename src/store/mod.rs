@@ -10,6 +10,11 @@
 //!   (the agent's fsync thread), and the checkpoint is durable only once that has run. A checkpoint that did not complete does not exist:
 //!   recovery sees the previous one and replays from its `next_offset` (invariant 2;
 //!   `tests/it/checkpoint.rs::a_crash_before_commit_leaves_the_previous_checkpoint`).
+//!   One part goes before the transaction: the ledger's new chunks, new keys named by the
+//!   checkpoint's ID (a large transaction held every write several times over; see
+//!   `commit.rs`). Until the transaction commits they answer no lookup, and an open deletes
+//!   any a crash left (`store::tests::ledger_chunks_of_a_checkpoint_that_never_committed_answer_nothing_and_go_at_open`,
+//!   failpoint `checkpoint.ledger_written` in `tests/it/crash.rs`).
 //! - `next_offset` never decreases and `checkpoint_id` rises by one per commit
 //!   (`store::tests::commit_advances_progress`).
 //! - Inserting an outbox entry whose ID is already waiting is a no-op
@@ -88,7 +93,7 @@ use std::fs;
 use std::hash::RandomState;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use serde::{Deserialize, Serialize};
 
@@ -331,6 +336,9 @@ pub struct Store {
     bounds: StoreBounds,
     /// Outbox chunks deleted so far, for [`Store::remove_outbox_chunk`].
     chunks_deleted: AtomicUsize,
+    /// The ID of the last committed checkpoint: ledger chunks of a later one are not
+    /// committed yet, or were left by a crash (see [`Store::ledger_range`]).
+    committed_id: AtomicU64,
 }
 
 struct Mem {
@@ -540,20 +548,34 @@ impl Store {
         pipeline: &str,
         pid: u32,
         seq: u64,
-    ) -> Result<sled::Iter, StoreError> {
+    ) -> Result<impl Iterator<Item = sled::Result<(sled::IVec, sled::IVec)>>, StoreError> {
         let range = ledgers
             .group_range(pid, seq)
             .ok_or_else(|| StoreError::Corrupt("a ledger group in memory is missing".into()))?;
         Ok(self.ledger_range(pipeline, range))
     }
 
-    /// The chunks of `pipeline` in a group's key `range`: one range scan of the tree.
-    fn ledger_range(&self, pipeline: &str, (first, next): ledger::GroupRange) -> sled::Iter {
+    /// The committed chunks of `pipeline` in a group's key `range`: one range scan of the
+    /// tree. A checkpoint's chunks are written before its transaction (`commit.rs`), so the
+    /// newest group's open range can hold chunks of a checkpoint not committed yet: they
+    /// are skipped, by the checkpoint ID in their key.
+    fn ledger_range(
+        &self,
+        pipeline: &str,
+        (first, next): ledger::GroupRange,
+    ) -> impl Iterator<Item = sled::Result<(sled::IVec, sled::IVec)>> {
         let hi = match next {
             Some(n) => pkey(pipeline, &n),
             None => pipeline_end(pipeline),
         };
-        self.dedup.range(pkey(pipeline, &first)..hi)
+        let at = pipeline.len() + 1;
+        let committed = self.committed_id.load(Ordering::Acquire);
+        self.dedup
+            .range(pkey(pipeline, &first)..hi)
+            .filter(move |kv| match kv {
+                Ok((k, _)) => ledger::chunk_checkpoint(&k[at..]).is_none_or(|id| id <= committed),
+                Err(_) => true,
+            })
     }
 
     /// The keys of group `seq`'s chunks and the [`ledger::id_hash`]es of their entries:
@@ -737,6 +759,7 @@ impl Store {
             }
         }
         let backfill = backfill_record(progress)?;
+        let committed = progress.checkpoint_id;
         let progress = encode(progress);
         let trees = [
             &self.meta,
@@ -760,6 +783,7 @@ impl Store {
                 sled::transaction::TransactionError::Storage(e) => StoreError::Sled(e),
                 sled::transaction::TransactionError::Abort(()) => unreachable!("never aborts"),
             })?;
+        self.committed_id.store(committed, Ordering::Release);
         let mut mem = self.lock();
         // One index serves every pipeline, and dropping a pipeline's entries from it needs
         // their hashes, which are in the chunks just deleted: build it again from the tree.

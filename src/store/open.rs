@@ -50,6 +50,7 @@ impl Store {
             hasher: RandomState::new(),
             bounds,
             chunks_deleted: Default::default(),
+            committed_id: Default::default(),
             db,
             dir: dir.to_path_buf(),
             sync,
@@ -87,9 +88,18 @@ impl Store {
     }
 
     /// Rebuild the ledger's groups and index from the tree (see [`ledger`]): every chunk
-    /// is read once, its entries hashed, none decoded into strings.
+    /// is read once, its entries hashed, none decoded into strings. Chunks of a checkpoint
+    /// after the last committed one were written before a transaction that a crash (or an
+    /// error) stopped: they are deleted, and never indexed. Kept, they would answer for IDs
+    /// no checkpoint recorded, and replay (after a config edit, of other records) would
+    /// drop those IDs as duplicates.
     pub(super) fn load_ledger(&self, mem: &mut Mem) -> Result<(), StoreError> {
         let bound = self.bounds.ledger_index_bytes();
+        let committed = self.progress()?.checkpoint_id;
+        self.committed_id
+            .store(committed, std::sync::atomic::Ordering::Release);
+        let mut uncommitted = sled::Batch::default();
+        let mut removed = 0u64;
         // Chunks go in a batch at a time, sorted into the index together.
         let mut batch: Vec<ledger::NewChunk> = Vec::new();
         let mut pending = 0;
@@ -100,6 +110,11 @@ impl Store {
             let suffix: ledger::Suffix = suffix
                 .try_into()
                 .map_err(|_| StoreError::Corrupt("a ledger key of another length".into()))?;
+            if ledger::chunk_checkpoint(&suffix).is_some_and(|id| id > committed) {
+                uncommitted.remove(k);
+                removed += 1;
+                continue;
+            }
             let mut hashes = Vec::new();
             let (max_seen, _) = ledger::scan_chunk(&v, |id, _| {
                 hashes.push(ledger::id_hash(&self.hasher, &p, id));
@@ -120,6 +135,14 @@ impl Store {
             }
         }
         mem.ledgers.add_chunks(&batch, bound);
+        if removed > 0 {
+            self.dedup.apply_batch(uncommitted)?;
+            self.sync()?;
+            crate::event!(info, "ledger_uncommitted_removed";
+                "store: deleted {removed} dedup ledger chunks of a checkpoint that never \
+                 committed (written before its transaction, which a crash stopped)"
+            );
+        }
         let unindexed = mem.ledgers.unindexed_chunks();
         if unindexed > 0 {
             crate::event!(warn, "ledger_index_full";

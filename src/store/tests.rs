@@ -740,6 +740,88 @@ fn a_full_ledger_index_leaves_chunks_unindexed_and_still_finds_every_duplicate()
     assert_ne!(fresh, dup);
 }
 
+/// A checkpoint's ledger chunks are written before its transaction (`commit.rs`). If the
+/// transaction never runs (a crash between the two), the chunks answer for no lookup, and
+/// the next open deletes them: kept, they would make the same IDs duplicates when replay
+/// (of other records, after a config edit) accepts them again. Lookups here read the
+/// chunks' groups from the tree, as a full index makes them: the newest group's open key
+/// range holds the uncommitted chunks.
+#[test]
+fn ledger_chunks_of_a_checkpoint_that_never_committed_answer_nothing_and_go_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let bounds = StoreBounds {
+        ledger_index_max_bytes: 512,
+        ..StoreBounds::default()
+    };
+    let store = Store::open_with(&path, 1 << 20, fsio::real(), bounds).unwrap();
+    let mut s = spec();
+    s.dedup_window_ms = 1_000_000;
+    let mut engine = Engine::new(vec![s.clone()], store.progress().unwrap());
+    let ev = |offset: u64, id: u64| Record {
+        offset,
+        received_at_ms: 1_000_000 + offset,
+        topic: "payments/x".into(),
+        payload: format!("E{id}/A/1").into_bytes(),
+        qos: 1,
+        retain: false,
+    };
+    for i in 0..100u64 {
+        engine.apply(&store, &ev(i, i)).unwrap();
+        if i % 50 == 49 {
+            store.commit(&engine.take_checkpoint(), 0).unwrap();
+        }
+    }
+    assert!(store.bound_figures().ledger_unindexed_chunks > 0);
+    for i in 100..150u64 {
+        engine.apply(&store, &ev(i, i)).unwrap();
+    }
+    let cp = engine.take_checkpoint();
+    assert_eq!(cp.progress.checkpoint_id, 3);
+    let fresh = store.ledger_fresh(&cp).unwrap();
+    store.write_chunks(&fresh.chunks).unwrap();
+    // The crash: no transaction.
+    let seen = |store: &Store, id: &str| ReadState::dedup(store, "balances", id).unwrap();
+    assert_eq!(seen(&store, "E120"), None, "an uncommitted chunk answered");
+    assert_eq!(seen(&store, "E10"), Some(1_000_010));
+    drop(store);
+    let store = Store::open_with(&path, 1 << 20, fsio::real(), bounds).unwrap();
+    let ids: Vec<u64> = store
+        .dedup
+        .iter()
+        .keys()
+        .map(|k| {
+            let k = k.unwrap();
+            ledger::chunk_checkpoint(&k[b"balances".len() + 1..]).unwrap()
+        })
+        .collect();
+    assert!(ids.iter().all(|&id| id <= 2), "left at open: {ids:?}");
+    assert_eq!(store.dedup_len("balances"), 100);
+    assert_eq!(seen(&store, "E120"), None);
+    // Replay after a config edit that takes fewer of the records: it accepts E100..E119
+    // again, and its checkpoint, with the same ID, records only them. Chunks left from
+    // before would now count as committed, E120..E149 with them.
+    let mut engine = Engine::new(vec![s], store.progress().unwrap());
+    for i in 100..120u64 {
+        let out = engine.apply(&store, &ev(i, i)).unwrap();
+        assert_ne!(
+            out,
+            vec![crate::pipeline::engine::Outcome::Duplicate],
+            "E{i}"
+        );
+    }
+    let cp = engine.take_checkpoint();
+    assert_eq!(cp.progress.checkpoint_id, 3);
+    store.commit(&cp, 0).unwrap();
+    assert_eq!(seen(&store, "E110"), Some(1_000_110));
+    assert_eq!(
+        seen(&store, "E140"),
+        None,
+        "a chunk of the crashed checkpoint answered"
+    );
+    assert_eq!(store.dedup_len("balances"), 120);
+}
+
 #[test]
 fn room_freed_by_expiry_indexes_the_unindexed_chunks_again() {
     let dir = tempfile::tempdir().unwrap();
