@@ -208,10 +208,12 @@ impl Store {
         };
         // Every value is encoded and within its bound: nothing below refuses the checkpoint
         // but the disk.
-        self.write_chunks(&chunks)?;
-        drop(chunks);
         let fp = |name| crate::failpoint::hit(name).map_err(io_err(&self.dir));
-        let committed = fp("checkpoint.ledger_written").and_then(|()| self.transaction(&writes));
+        let committed = self
+            .write_chunks(&chunks)
+            .and_then(|()| fp("checkpoint.ledger_written"))
+            .and_then(|()| self.transaction(&writes));
+        drop(chunks);
         if let Err(e) = committed {
             self.unwrite_chunks(&lw.added);
             return Err(e);

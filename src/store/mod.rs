@@ -573,7 +573,10 @@ impl Store {
         self.dedup
             .range(pkey(pipeline, &first)..hi)
             .filter(move |kv| match kv {
-                Ok((k, _)) => ledger::chunk_checkpoint(&k[at..]).is_none_or(|id| id <= committed),
+                Ok((k, _)) => k
+                    .get(at..)
+                    .and_then(ledger::chunk_checkpoint)
+                    .is_none_or(|id| id <= committed),
                 Err(_) => true,
             })
     }
