@@ -28,6 +28,9 @@
 //!
 //! - Key: `pipeline 0x00 | min_seen_ms u64 BE | checkpoint_id u64 BE | part u32 BE`.
 //! - Value: [`Chunk`]: its greatest record time and its entries, sorted by ID.
+//! - Written just before the checkpoint's transaction, not in it (`Store::write_chunks`): a
+//!   chunk whose checkpoint ID is above the last committed one is no part of the ledger.
+//!   Reads skip it ([`chunk_checkpoint`]), and an open deletes it.
 //! - A checkpoint's entries are sorted by (record time, ID) and cut into parts of at most
 //!   [`CHUNK_ENTRIES`] entries and about [`CHUNK_BYTES`] encoded bytes. Small on purpose: sled
 //!   writes a whole leaf node (up to ~17 values) as one log item, and an item over 128 KiB
