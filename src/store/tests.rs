@@ -691,31 +691,39 @@ fn bounded_helper_passes_values_at_the_bound_and_refuses_one_byte_more() {
     }
 }
 
-#[test]
-fn a_full_ledger_index_leaves_chunks_unindexed_and_still_finds_every_duplicate() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("store");
-    // 512 bytes: the unit tests' directory (256 bytes) and about fifty entries; their
-    // chunks hold 8.
-    let bounds = StoreBounds {
+/// 512 bytes of ledger index: the unit tests' directory (256 bytes) and about fifty
+/// entries; their chunks hold 8. Most chunks go unindexed, and lookups read them.
+fn tiny_ledger_index() -> StoreBounds {
+    StoreBounds {
         ledger_index_max_bytes: 512,
         ..StoreBounds::default()
-    };
-    let store = Store::open_with(&path, 1 << 20, fsio::real(), bounds).unwrap();
-    let mut s = spec();
-    s.dedup_window_ms = 1_000_000;
-    s.max_keys = 100_000;
-    let mut engine = Engine::new(vec![s.clone()], store.progress().unwrap());
-    let ev = |offset: u64, id: u64| Record {
+    }
+}
+
+/// Event `E<id>` of one unit to key `A`, at log offset `offset` (record time 1,000,000 ms on).
+fn id_event(offset: u64, id: u64) -> Record {
+    Record {
         offset,
         received_at_ms: 1_000_000 + offset,
         topic: "payments/x".into(),
         payload: format!("E{id}/A/1").into_bytes(),
         qos: 1,
         retain: false,
-    };
+    }
+}
+
+#[test]
+fn a_full_ledger_index_leaves_chunks_unindexed_and_still_finds_every_duplicate() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let bounds = tiny_ledger_index();
+    let store = Store::open_with(&path, 1 << 20, fsio::real(), bounds).unwrap();
+    let mut s = spec();
+    s.dedup_window_ms = 1_000_000;
+    s.max_keys = 100_000;
+    let mut engine = Engine::new(vec![s.clone()], store.progress().unwrap());
     for i in 0..400u64 {
-        engine.apply(&store, &ev(i, i)).unwrap();
+        engine.apply(&store, &id_event(i, i)).unwrap();
         if i % 50 == 49 {
             store.commit(&engine.take_checkpoint(), 0).unwrap();
         }
@@ -734,9 +742,13 @@ fn a_full_ledger_index_leaves_chunks_unindexed_and_still_finds_every_duplicate()
     let mut engine = Engine::new(vec![s], store.progress().unwrap());
     let dup = vec![crate::pipeline::engine::Outcome::Duplicate];
     for i in 0..400u64 {
-        assert_eq!(engine.apply(&store, &ev(400 + i, i)).unwrap(), dup, "E{i}");
+        assert_eq!(
+            engine.apply(&store, &id_event(400 + i, i)).unwrap(),
+            dup,
+            "E{i}"
+        );
     }
-    let fresh = engine.apply(&store, &ev(800, 10_000)).unwrap();
+    let fresh = engine.apply(&store, &id_event(800, 10_000)).unwrap();
     assert_ne!(fresh, dup);
 }
 
@@ -750,31 +762,20 @@ fn a_full_ledger_index_leaves_chunks_unindexed_and_still_finds_every_duplicate()
 fn ledger_chunks_of_a_checkpoint_that_never_committed_answer_nothing_and_go_at_open() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("store");
-    let bounds = StoreBounds {
-        ledger_index_max_bytes: 512,
-        ..StoreBounds::default()
-    };
+    let bounds = tiny_ledger_index();
     let store = Store::open_with(&path, 1 << 20, fsio::real(), bounds).unwrap();
     let mut s = spec();
     s.dedup_window_ms = 1_000_000;
     let mut engine = Engine::new(vec![s.clone()], store.progress().unwrap());
-    let ev = |offset: u64, id: u64| Record {
-        offset,
-        received_at_ms: 1_000_000 + offset,
-        topic: "payments/x".into(),
-        payload: format!("E{id}/A/1").into_bytes(),
-        qos: 1,
-        retain: false,
-    };
     for i in 0..100u64 {
-        engine.apply(&store, &ev(i, i)).unwrap();
+        engine.apply(&store, &id_event(i, i)).unwrap();
         if i % 50 == 49 {
             store.commit(&engine.take_checkpoint(), 0).unwrap();
         }
     }
     assert!(store.bound_figures().ledger_unindexed_chunks > 0);
     for i in 100..150u64 {
-        engine.apply(&store, &ev(i, i)).unwrap();
+        engine.apply(&store, &id_event(i, i)).unwrap();
     }
     let cp = engine.take_checkpoint();
     assert_eq!(cp.progress.checkpoint_id, 3);
@@ -803,7 +804,7 @@ fn ledger_chunks_of_a_checkpoint_that_never_committed_answer_nothing_and_go_at_o
     // before would now count as committed, E120..E149 with them.
     let mut engine = Engine::new(vec![s], store.progress().unwrap());
     for i in 100..120u64 {
-        let out = engine.apply(&store, &ev(i, i)).unwrap();
+        let out = engine.apply(&store, &id_event(i, i)).unwrap();
         assert_ne!(
             out,
             vec![crate::pipeline::engine::Outcome::Duplicate],

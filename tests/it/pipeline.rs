@@ -291,8 +291,8 @@ fn the_dedup_window_is_measured_in_record_time() {
     assert_eq!(h.engine.progress().pipelines[0].dedup_entries, 2);
 }
 
-#[test]
-fn late_events_within_lateness_update_their_window_beyond_it_are_dead_letters() {
+/// A sum over one-minute event-time windows (`/ts`) with 30 s of allowed lateness.
+fn minute_windows(emit: Emit) -> PipelineSpec {
     let mut spec = json_spec(Aggregate::Sum);
     spec.event_time = Some(Field::parse("/ts", &Format::Json).unwrap());
     spec.window = Some(WindowSpec {
@@ -301,8 +301,13 @@ fn late_events_within_lateness_update_their_window_beyond_it_are_dead_letters() 
         slide_ms: None,
     });
     spec.output_topic = "balances/{key}/{window_start}".into();
-    spec.emit = Emit::Changelog;
-    let mut h = Harness::new(vec![spec]);
+    spec.emit = emit;
+    spec
+}
+
+#[test]
+fn late_events_within_lateness_update_their_window_beyond_it_are_dead_letters() {
+    let mut h = Harness::new(vec![minute_windows(Emit::Changelog)]);
     let ev = |id: &str, amount: i64, ts: &str| {
         format!(r#"{{"id":"{id}","account":"A","amount":{amount},"ts":{ts}}}"#)
     };
@@ -356,16 +361,7 @@ fn late_events_within_lateness_update_their_window_beyond_it_are_dead_letters() 
 fn an_upsert_window_closed_before_its_flush_is_still_emitted_with_its_last_state() {
     // The engine no longer keeps its own copy of a waiting upsert's state: the flush reads
     // the batch's, and an eviction must hand the state over before the batch forgets it.
-    let mut spec = json_spec(Aggregate::Sum);
-    spec.event_time = Some(Field::parse("/ts", &Format::Json).unwrap());
-    spec.window = Some(WindowSpec {
-        size_ms: 60_000,
-        allowed_lateness_ms: 30_000,
-        slide_ms: None,
-    });
-    spec.output_topic = "balances/{key}/{window_start}".into();
-    spec.emit = Emit::Upsert;
-    let mut h = Harness::new(vec![spec]);
+    let mut h = Harness::new(vec![minute_windows(Emit::Upsert)]);
     let ev = |id: &str, amount: i64, ts: u64| {
         format!(r#"{{"id":"{id}","account":"A","amount":{amount},"ts":{ts}}}"#)
     };
