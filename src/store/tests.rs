@@ -712,22 +712,28 @@ fn id_event(offset: u64, id: u64) -> Record {
     }
 }
 
-#[test]
-fn a_full_ledger_index_leaves_chunks_unindexed_and_still_finds_every_duplicate() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("store");
-    let bounds = tiny_ledger_index();
-    let store = Store::open_with(&path, 1 << 20, fsio::real(), bounds).unwrap();
+/// A store at `path` with [`tiny_ledger_index`] that has committed events `E0`..`E<n-1>`
+/// ([`id_event`]), 50 a checkpoint; with the spec and the engine that applied them.
+fn ids_past_a_tiny_index(path: &std::path::Path, n: u64) -> (Store, PipelineSpec, Engine) {
+    let store = Store::open_with(path, 1 << 20, fsio::real(), tiny_ledger_index()).unwrap();
     let mut s = spec();
     s.dedup_window_ms = 1_000_000;
-    s.max_keys = 100_000;
     let mut engine = Engine::new(vec![s.clone()], store.progress().unwrap());
-    for i in 0..400u64 {
+    for i in 0..n {
         engine.apply(&store, &id_event(i, i)).unwrap();
         if i % 50 == 49 {
             store.commit(&engine.take_checkpoint(), 0).unwrap();
         }
     }
+    (store, s, engine)
+}
+
+#[test]
+fn a_full_ledger_index_leaves_chunks_unindexed_and_still_finds_every_duplicate() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let bounds = tiny_ledger_index();
+    let (store, s, _) = ids_past_a_tiny_index(&path, 400);
     let f = store.bound_figures();
     assert!(
         f.ledger_index_bytes <= 512 && f.ledger_index_bytes > 256,
@@ -763,16 +769,7 @@ fn ledger_chunks_of_a_checkpoint_that_never_committed_answer_nothing_and_go_at_o
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("store");
     let bounds = tiny_ledger_index();
-    let store = Store::open_with(&path, 1 << 20, fsio::real(), bounds).unwrap();
-    let mut s = spec();
-    s.dedup_window_ms = 1_000_000;
-    let mut engine = Engine::new(vec![s.clone()], store.progress().unwrap());
-    for i in 0..100u64 {
-        engine.apply(&store, &id_event(i, i)).unwrap();
-        if i % 50 == 49 {
-            store.commit(&engine.take_checkpoint(), 0).unwrap();
-        }
-    }
+    let (store, s, mut engine) = ids_past_a_tiny_index(&path, 100);
     assert!(store.bound_figures().ledger_unindexed_chunks > 0);
     for i in 100..150u64 {
         engine.apply(&store, &id_event(i, i)).unwrap();

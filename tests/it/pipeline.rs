@@ -291,6 +291,15 @@ fn the_dedup_window_is_measured_in_record_time() {
     assert_eq!(h.engine.progress().pipelines[0].dedup_entries, 2);
 }
 
+/// The outbox after a checkpoint: each result's ID and JSON payload, in outbox order.
+fn outbox_json(h: &Harness) -> Vec<(String, serde_json::Value)> {
+    h.mem
+        .outbox
+        .values()
+        .map(|o| (o.id.clone(), serde_json::from_slice(&o.payload).unwrap()))
+        .collect()
+}
+
 /// A sum over one-minute event-time windows (`/ts`) with 30 s of allowed lateness.
 fn minute_windows(emit: Emit) -> PipelineSpec {
     let mut spec = json_spec(Aggregate::Sum);
@@ -328,12 +337,7 @@ fn late_events_within_lateness_update_their_window_beyond_it_are_dead_letters() 
         dead("bad_event_time")
     );
     h.checkpoint();
-    let outs: Vec<(String, serde_json::Value)> = h
-        .mem
-        .outbox
-        .values()
-        .map(|o| (o.id.clone(), serde_json::from_slice(&o.payload).unwrap()))
-        .collect();
+    let outs = outbox_json(&h);
     let ids: Vec<&str> = outs.iter().map(|(id, _)| id.as_str()).collect();
     assert_eq!(
         ids,
@@ -371,12 +375,7 @@ fn an_upsert_window_closed_before_its_flush_is_still_emitted_with_its_last_state
     h.feed(&ev("E3", 4, 95_000));
     assert_eq!(h.mem.state.len(), 0, "nothing committed yet");
     h.checkpoint();
-    let outs: Vec<(String, serde_json::Value)> = h
-        .mem
-        .outbox
-        .values()
-        .map(|o| (o.id.clone(), serde_json::from_slice(&o.payload).unwrap()))
-        .collect();
+    let outs = outbox_json(&h);
     let ids: Vec<&str> = outs.iter().map(|(id, _)| id.as_str()).collect();
     assert_eq!(ids, ["balances/A/0/2", "balances/A/60000/1"]);
     assert_eq!(outs[0].1["value"].as_i64(), Some(3));
