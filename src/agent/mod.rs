@@ -494,7 +494,7 @@ impl Agent {
                 // sled's transaction locks the whole store while it runs: the loop stays
                 // off it meanwhile (`keeper/commit.rs`).
                 self.proc.store().hold_outbox_deletes(true)?;
-                self.results.prefetch(&self.proc)?;
+                self.results.prefetch(&self.proc, cp.batch.outputs.len())?;
                 let sent = self.keeper.commit(cp, floor, taken);
                 self.failed_checkpoint(sent.map_err(AgentError::from))?;
             }

@@ -233,7 +233,7 @@ use ledger::Ledgers;
 use outbox::OutboxMem;
 
 mod savepoint;
-pub(crate) use outbox::PREFETCH_CHUNKS;
+pub(crate) use outbox::prefetch_chunks;
 pub(crate) use savepoint::restore_savepoint;
 pub use savepoint::{
     SAVEPOINT_FORMAT_VERSION, SAVEPOINT_PROGRESS_EVERY, SavepointInfo, list_savepoints,

@@ -40,17 +40,33 @@ pub(crate) const CHUNK_BYTES: usize = 4 * 1024;
 /// Decoded chunks kept: the newest a commit wrote, and those read ahead for the sinks while
 /// a commit runs ([`PREFETCH_CHUNKS`]). At most ~4 KiB each on disk.
 const CACHE_CHUNKS: usize = 128;
-/// Chunks read ahead of the sinks' cursors before a commit starts, over all sinks: what a
-/// sink sends while the commit's transaction keeps the store from the loop. Under a
-/// backlog a commit holding ~750 outbox chunks took 23-92 ms, while the sink sent ~20,000
-/// results/s (~27 a chunk): up to ~70 chunks.
+/// Most chunks read ahead of the sinks' cursors before a commit starts, over all sinks:
+/// what a sink sends while the commit's transaction keeps the store from the loop. Under a
+/// backlog a commit of 20,000 outputs (~750 outbox chunks) took 23-92 ms, while the sink
+/// sent ~20,000 results/s (~27 a chunk): up to ~70 chunks.
 pub(crate) const PREFETCH_CHUNKS: usize = 96;
+/// Outputs a commit writes for each chunk read ahead ([`prefetch_chunks`]): the figures
+/// above, ~20,000 outputs for ~70 chunks, rounded to be generous.
+const PREFETCH_OUTPUTS_PER_CHUNK: usize = 256;
+/// Fewest chunks read ahead for each sink, however small the commit.
+pub(crate) const PREFETCH_MIN: usize = 4;
 /// Superseded sequences kept for [`OutboxMem::take_superseded`] between two takes; past it
 /// the taker is told to count again from the outbox instead (replay at start commits many
 /// checkpoints before anyone takes them).
 const SUPERSEDED_MAX: usize = 1 << 16;
 
 pub(crate) type ChunkEntries = Arc<Vec<(u64, Output)>>;
+
+/// Chunks to read ahead for each of `sinks` before a commit of `outputs` outputs: as many
+/// as a sink sends while it runs, which grows with its size. Always [`PREFETCH_CHUNKS`]
+/// read ahead, a commit of 1,536 state keys at 16 pipelines (one every ~100 records) wrote
+/// ~57 chunks while the prefetch read 96 ahead: the 128 cached chunks could not hold both,
+/// and each prefetch decoded again chunks the sink then never reached before newer upserts
+/// superseded them, a sixteenth of the loop's time (issue 33).
+pub(crate) fn prefetch_chunks(outputs: usize, sinks: usize) -> usize {
+    let all = (outputs / PREFETCH_OUTPUTS_PER_CHUNK).min(PREFETCH_CHUNKS);
+    (all / sinks.max(1)).max(PREFETCH_MIN)
+}
 
 /// Cut outputs (in sequence order) into chunks of consecutive sequence numbers:
 /// (first seq, entries).
@@ -346,6 +362,23 @@ mod tests {
                 latest_only,
             },
         )
+    }
+
+    #[test]
+    fn the_read_ahead_grows_with_the_commit_up_to_its_bound_and_is_shared_by_the_sinks() {
+        let cases = [
+            // (outputs, sinks, chunks for each sink, why)
+            (0, 1, PREFETCH_MIN, "never fewer than the least"),
+            (1_536, 1, 6, "a small commit: a few chunks"),
+            (20_000, 1, 78, "the measured ~70 at 20,000 outputs"),
+            (usize::MAX, 1, PREFETCH_CHUNKS, "the bound holds"),
+            (usize::MAX, 3, PREFETCH_CHUNKS / 3, "shared by the sinks"),
+            (usize::MAX, 0, PREFETCH_CHUNKS, "no sink: as one"),
+            (usize::MAX, 64, PREFETCH_MIN, "each sink the least at most"),
+        ];
+        for (outputs, sinks, want, why) in cases {
+            assert_eq!(prefetch_chunks(outputs, sinks), want, "{why}");
+        }
     }
 
     #[test]

@@ -199,7 +199,7 @@ fn chunks_read_ahead_are_sent_from_memory_while_a_commit_would_keep_the_store() 
     drop(engine);
     drop(store);
     let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
-    let chunks = crate::store::PREFETCH_CHUNKS;
+    let chunks = super::outbox::PREFETCH_CHUNKS;
     store.outbox_prefetch(from, chunks).unwrap();
     // Take the chunks out of the tree behind the store's back: what the read-ahead holds
     // is served from memory, and the first chunk past it is not there.

@@ -282,10 +282,11 @@ impl Results {
         Ok(())
     }
 
-    /// Read ahead what each sink sends next from the outbox, before a checkpoint's commit
-    /// keeps the store from the loop (`Store::outbox_prefetch`).
-    pub(crate) fn prefetch(&self, proc: &Processor) -> Result<(), AgentError> {
-        let each = (crate::store::PREFETCH_CHUNKS / self.sinks.len().max(1)).max(4);
+    /// Read ahead what each sink sends next from the outbox, before the commit of a
+    /// checkpoint of `outputs` outputs keeps the store from the loop
+    /// (`Store::outbox_prefetch`).
+    pub(crate) fn prefetch(&self, proc: &Processor, outputs: usize) -> Result<(), AgentError> {
+        let each = crate::store::prefetch_chunks(outputs, self.sinks.len());
         for s in &self.sinks {
             proc.store().outbox_prefetch(s.cursor.cursor(), each)?;
         }
