@@ -504,20 +504,16 @@ impl Processor {
                 e.panic
             );
             let keep = rec.too_large().map_or(&rec.payload[..], |t| t.prefix);
-            let base = inflight::Layered {
-                batch: self.inflight.as_deref().map(|c| &c.batch),
-                base: &*self.store,
-            };
+            let base =
+                inflight::Layered::new(self.inflight.as_deref().map(|c| &c.batch), &*self.store);
             return Ok(self
                 .engine
                 .refuse_at(&base, target, rec, "internal", &detail, keep)?);
         }
         let engine = &mut self.engine;
         // The checkpoint in flight, if any, reads as if it had committed.
-        let store = &inflight::Layered {
-            batch: self.inflight.as_deref().map(|c| &c.batch),
-            base: &*self.store,
-        };
+        let store =
+            &inflight::Layered::new(self.inflight.as_deref().map(|c| &c.batch), &*self.store);
         // Unwind safety: after a panic the engine is never used again (`poisoned`), and
         // the store is only read here, so nothing half-changed is observed.
         let run = catch_unwind(AssertUnwindSafe(|| {

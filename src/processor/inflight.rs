@@ -13,17 +13,57 @@
 //! engine's answer does not change, since it compares the entry's own record time with
 //! the window (`store::ledger`, "Expiry").
 
+use std::cell::RefCell;
+
 use crate::pipeline::engine::{Batch, ReadError, ReadState};
 use crate::pipeline::sparkplug::session::Entry;
 use crate::pipeline::value::KeyState;
+use crate::store::{LastRow, Store};
 
-/// `batch` (the checkpoint in flight, if any) over `base` (the store).
+/// `batch` (the checkpoint in flight, if any) over `base` (the store). Made for one record
+/// (or one slice of records under the same checkpoint in flight) and then dropped: it keeps
+/// the last stored row it read ([`LastRow`]), which is right only that long.
 pub(crate) struct Layered<'a, R> {
-    pub(crate) batch: Option<&'a Batch>,
-    pub(crate) base: &'a R,
+    batch: Option<&'a Batch>,
+    base: &'a R,
+    last: RefCell<LastRow>,
 }
 
-impl<R: ReadState> Layered<'_, R> {
+/// What [`Layered`] reads below the layer: a store may serve a row it read for one pipeline
+/// to the next ([`LastRow`]); any other reader reads each state alone.
+pub(crate) trait Below: ReadState {
+    fn state_after(
+        &self,
+        pipeline: &str,
+        skey: &[u8],
+        last: &mut LastRow,
+    ) -> Result<Option<KeyState>, ReadError> {
+        let _ = last;
+        self.state(pipeline, skey)
+    }
+}
+
+impl Below for Store {
+    fn state_after(
+        &self,
+        pipeline: &str,
+        skey: &[u8],
+        last: &mut LastRow,
+    ) -> Result<Option<KeyState>, ReadError> {
+        self.stored_state_after(pipeline, skey, last)
+            .map_err(|e| ReadError(e.to_string()))
+    }
+}
+
+impl<'a, R: Below> Layered<'a, R> {
+    pub(crate) fn new(batch: Option<&'a Batch>, base: &'a R) -> Self {
+        Layered {
+            batch,
+            base,
+            last: RefCell::default(),
+        }
+    }
+
     /// Keys of `pipeline` in `[lo, ..)` from `base`, merged with the layer's writes in the
     /// same map: added where it writes a value, removed where it deletes. `within` says
     /// where the range ends.
@@ -59,14 +99,15 @@ impl<R: ReadState> Layered<'_, R> {
     }
 }
 
-impl<R: ReadState> ReadState for Layered<'_, R> {
+impl<R: Below> ReadState for Layered<'_, R> {
     fn state(&self, pipeline: &str, skey: &[u8]) -> Result<Option<KeyState>, ReadError> {
         if let Some(b) = self.batch {
             if let Some(v) = b.state.get(&(pipeline.to_string(), skey.to_vec())) {
                 return Ok(v.clone());
             }
         }
-        self.base.state(pipeline, skey)
+        self.base
+            .state_after(pipeline, skey, &mut self.last.borrow_mut())
     }
 
     fn dedup(&self, pipeline: &str, event_id: &str) -> Result<Option<u64>, ReadError> {
@@ -125,6 +166,8 @@ mod tests {
     /// A base of state keys only (what `window_keys` and `state` read).
     struct Base(BTreeMap<(String, Vec<u8>), KeyState>);
 
+    impl Below for Base {}
+
     impl ReadState for Base {
         fn state(&self, p: &str, k: &[u8]) -> Result<Option<KeyState>, ReadError> {
             Ok(self.0.get(&(p.to_string(), k.to_vec())).cloned())
@@ -174,10 +217,7 @@ mod tests {
         b.state.insert(("p".into(), wkey(25, "n")), Some(st()));
         b.state.insert(("p".into(), wkey(40, "late")), Some(st()));
         b.dedup.insert(0, "p", "e1", 7);
-        let l = Layered {
-            batch: Some(&b),
-            base: &base,
-        };
+        let l = Layered::new(Some(&b), &base);
         assert_eq!(
             l.window_keys("p", 0, 35).unwrap(),
             vec![wkey(10, "a"), wkey(25, "n"), wkey(30, "c")],
@@ -189,10 +229,7 @@ mod tests {
         assert!(l.state("p", &wkey(10, "a")).unwrap().is_some());
         assert_eq!(l.dedup("p", "e1").unwrap(), Some(7));
         assert_eq!(l.dedup("q", "e1").unwrap(), None);
-        let none = Layered {
-            batch: None,
-            base: &base,
-        };
+        let none = Layered::new(None, &base);
         assert_eq!(none.window_keys("p", 0, 35).unwrap().len(), 3);
     }
 }

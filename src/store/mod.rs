@@ -234,6 +234,7 @@ use outbox::OutboxMem;
 
 mod savepoint;
 pub(crate) use outbox::prefetch_chunks;
+pub(crate) use rows::LastRow;
 pub(crate) use savepoint::restore_savepoint;
 pub use savepoint::{
     SAVEPOINT_FORMAT_VERSION, SAVEPOINT_PROGRESS_EVERY, SavepointInfo, list_savepoints,

@@ -83,15 +83,19 @@ fn assert_as_model(store: &Store, model: &MemState, when: &str) {
     assert_eq!(store.state_len().unwrap(), model.state.len(), "{when}");
 }
 
+/// Record `i` of a run over `keys` keys, `ms_apart` in event time. Spread values: every
+/// percentile sketch gains buckets for a long while.
+fn spread(i: u64, keys: u64, ms_apart: u64) -> Record {
+    let value = 1.021f64.powi((i % 1500) as i32) * if i % 2 == 0 { 1.0 } else { -1.0 };
+    rec(i, &format!("k{}", i % keys), value, i * ms_apart)
+}
+
 /// Run `n` records through an engine over `store`, committing every `every` records to
 /// the store and the model alike.
 fn run(store: &Store, model: &mut MemState, from: u64, n: u64, every: u64) {
     let mut engine = Engine::new(specs(), store.progress().unwrap());
     for i in from..from + n {
-        let key = format!("k{}", i % 2);
-        // Spread values: every percentile sketch gains buckets for a long while.
-        let value = 1.021f64.powi((i % 1500) as i32) * if i % 2 == 0 { 1.0 } else { -1.0 };
-        engine.apply(store, &rec(i, &key, value, i * 97)).unwrap();
+        engine.apply(store, &spread(i, 2, 97)).unwrap();
         if (i + 1) % every == 0 || i + 1 == from + n {
             let cp = engine.take_checkpoint();
             store.commit(&cp, 0).unwrap();
@@ -126,6 +130,40 @@ fn pipelines_sharing_keys_share_rows_spill_what_does_not_fit_and_read_as_the_mod
     drop(store);
     let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
     assert_as_model(&store, &model, "reopened");
+}
+
+#[test]
+fn states_read_as_the_loop_reads_them_beside_a_commit_are_the_in_memory_engines() {
+    // As the agent's loop: each record applied through a read layer of its own over the
+    // checkpoint in flight, whose commit runs on another thread meanwhile. The layer serves
+    // the row it read for one pipeline to the next (`LastRow`), spilled states and a
+    // windowed pipeline's keys (another row) included. 53 keys, so that most keys a record
+    // reads are not in the checkpoint in flight but in the store; ~500 records in a window,
+    // so that a key's window has state when the key comes again. The oracle: the same
+    // records through an engine over the in-memory store, with the same checkpoints.
+    use crate::processor::inflight::Layered;
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    let mut engine = Engine::new(specs(), store.progress().unwrap());
+    let mut oracle = MemState::default();
+    let mut oracle_engine = Engine::new(specs(), store.progress().unwrap());
+    let mut i = 0;
+    while i < 1500 {
+        let cp = engine.take_checkpoint();
+        oracle.commit(&oracle_engine.take_checkpoint());
+        std::thread::scope(|t| {
+            let commit = t.spawn(|| store.commit(&cp, 0).unwrap());
+            for _ in 0..37 {
+                let layer = Layered::new(Some(&cp.batch), &store);
+                let r = spread(i, 53, 2);
+                let got = engine.apply(&layer, &r).unwrap();
+                assert_eq!(got, oracle_engine.apply(&oracle, &r).unwrap(), "record {i}");
+                i += 1;
+            }
+            commit.join().expect("the commit beside the loop");
+        });
+        assert_as_model(&store, &oracle, &format!("before record {i}"));
+    }
 }
 
 #[test]

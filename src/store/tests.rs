@@ -1360,10 +1360,7 @@ fn lookups_beside_a_commit_find_every_recorded_id_and_no_other() {
         engine.apply(&store, &ev(o)).unwrap();
     }
     let cp = engine.take_checkpoint();
-    let layered = crate::processor::inflight::Layered {
-        batch: Some(&cp.batch),
-        base: &store,
-    };
+    let layered = crate::processor::inflight::Layered::new(Some(&cp.batch), &store);
     let seen = |o: u64| {
         use crate::pipeline::engine::ReadState;
         layered.dedup("balances", &format!("E{o}")).unwrap()
