@@ -20,6 +20,7 @@ use super::parse::{Parsed, parse};
 use super::refusal::Refusal;
 use super::sparkplug::session::{Entry, Notice};
 use super::spec::{Aggregate, Emit, PipelineSpec};
+use super::state_key::{at, at_mut};
 use super::topic::{check_publish_topic, escape_key, matches, render};
 use super::value::{Extra, KeyState};
 
@@ -540,13 +541,19 @@ impl Engine {
     }
 
     /// Write (`None`: delete) one key's state in the checkpoint's batch.
-    fn put_state(&mut self, pipeline: String, skey: Vec<u8>, state: Option<KeyState>) {
-        self.batch.state.insert((pipeline, skey), state);
+    /// The name is copied only for a key new to the batch.
+    fn put_state(&mut self, p: usize, skey: Vec<u8>, state: Option<KeyState>) {
+        let name = &self.specs[p].name;
+        match at_mut(&mut self.batch.state, name, &skey) {
+            Some(v) => *v = state,
+            None => {
+                self.batch.state.insert((name.clone(), skey), state);
+            }
+        }
     }
 
     /// Write one key's (or window's) new state and emit it as the pipeline's mode says.
     fn store_state(&mut self, p: usize, slot: Slot, new: KeyState) {
-        let name = self.specs[p].name.clone();
         let pp = &mut self.progress.pipelines[p];
         pp.max_version = pp.max_version.max(new.version);
         match self.specs[p].emit {
@@ -558,7 +565,7 @@ impl Engine {
             // Emitted once, when the watermark closes the window (`evict_closed`).
             Emit::Final => {}
         }
-        self.put_state(name, slot.skey, Some(new));
+        self.put_state(p, slot.skey, Some(new));
     }
 
     /// For a twa pipeline with tumbling windows: each window of `slots` whose value at its
@@ -752,7 +759,7 @@ impl Engine {
         // The batch's state is read in place: the next state is a new value either way, and a
         // clone of the old one (a sketch of up to 8 KiB) would be thrown away at once.
         let stored;
-        let old = match self.batch.state.get(&(spec.name.clone(), skey.to_vec())) {
+        let old = match at(&self.batch.state, &spec.name, skey) {
             Some(v) => v.as_ref(),
             None => {
                 stored = base.state(&spec.name, skey)?;
@@ -880,7 +887,7 @@ impl Engine {
                     // Its upsert is still to be flushed, and the batch forgets it now.
                     *held = Some(st);
                 }
-                self.put_state(name.clone(), k, None);
+                self.put_state(p, k, None);
                 self.progress.pipelines[p].keys -= 1;
             }
         }
@@ -938,7 +945,7 @@ impl Engine {
         p: &str,
         skey: &[u8],
     ) -> Result<Option<KeyState>, ReadError> {
-        match self.batch.state.get(&(p.to_string(), skey.to_vec())) {
+        match at(&self.batch.state, p, skey) {
             Some(v) => Ok(v.clone()),
             None => base.state(p, skey),
         }
@@ -1009,11 +1016,7 @@ impl Engine {
         for ((p, skey), (topic, held)) in touched {
             let st = match held {
                 Some(st) => st,
-                None => match self
-                    .batch
-                    .state
-                    .get(&(self.specs[p].name.clone(), skey.clone()))
-                {
+                None => match at(&self.batch.state, &self.specs[p].name, &skey) {
                     Some(Some(st)) => st.clone(),
                     // Not reached: only an eviction takes a touched state out of the batch,
                     // and it leaves the state here. A bug must not stop the agent.

@@ -19,6 +19,7 @@ pub(crate) mod refusal;
 pub(crate) mod sketch;
 pub mod sparkplug;
 pub mod spec;
+pub(crate) mod state_key;
 pub mod time;
 pub(crate) mod topic;
 pub(crate) mod value;

@@ -17,6 +17,7 @@ use std::cell::RefCell;
 
 use crate::pipeline::engine::{Batch, ReadError, ReadState};
 use crate::pipeline::sparkplug::session::Entry;
+use crate::pipeline::state_key::at;
 use crate::pipeline::value::KeyState;
 use crate::store::{LastRow, Store};
 
@@ -102,7 +103,7 @@ impl<'a, R: Below> Layered<'a, R> {
 impl<R: Below> ReadState for Layered<'_, R> {
     fn state(&self, pipeline: &str, skey: &[u8]) -> Result<Option<KeyState>, ReadError> {
         if let Some(b) = self.batch {
-            if let Some(v) = b.state.get(&(pipeline.to_string(), skey.to_vec())) {
+            if let Some(v) = at(&b.state, pipeline, skey) {
                 return Ok(v.clone());
             }
         }
@@ -135,7 +136,7 @@ impl<R: Below> ReadState for Layered<'_, R> {
 
     fn sparkplug(&self, pipeline: &str, key: &[u8]) -> Result<Option<Entry>, ReadError> {
         if let Some(b) = self.batch {
-            if let Some(v) = b.sparkplug.get(&(pipeline.to_string(), key.to_vec())) {
+            if let Some(v) = at(&b.sparkplug, pipeline, key) {
                 return Ok(v.clone());
             }
         }

@@ -32,7 +32,7 @@ struct View<'a, R: ReadState> {
 
 impl<R: ReadState> Entries for View<'_, R> {
     fn get(&mut self, key: &[u8]) -> Result<Option<Entry>, ReadError> {
-        match self.overlay.get(&(self.pipeline.to_string(), key.to_vec())) {
+        match crate::pipeline::state_key::at(self.overlay, self.pipeline, key) {
             Some(e) => Ok(e.clone()),
             None => self.base.sparkplug(self.pipeline, key),
         }
