@@ -244,7 +244,10 @@ fn scale(n: usize, timeout: Duration) -> Scale {
     cfg.mqtt = "keep_alive = \"60s\"\n".into();
     cfg.storage = String::new();
     cfg.log = String::new();
-    cfg.checkpoint = String::new();
+    // `CAIRN_PIPELINES_CHECKPOINT="max_keys = 4096"`: other checkpoint settings, to compare.
+    cfg.checkpoint = std::env::var("CAIRN_PIPELINES_CHECKPOINT")
+        .unwrap_or_default()
+        .replace("\\n", "\n");
     cfg.outbox = String::new();
     cfg.extra = format!("[metrics]\nlisten = \"127.0.0.1:{metrics_port}\"\n");
     let mut agent = CairnProcess::new(&cfg);
