@@ -58,11 +58,11 @@ const SUPERSEDED_MAX: usize = 1 << 16;
 pub(crate) type ChunkEntries = Arc<Vec<(u64, Output)>>;
 
 /// Chunks to read ahead for each of `sinks` before a commit of `outputs` outputs: as many
-/// as a sink sends while it runs, which grows with its size. Always [`PREFETCH_CHUNKS`]
-/// read ahead, a commit of 1,536 state keys at 16 pipelines (one every ~100 records) wrote
-/// ~57 chunks while the prefetch read 96 ahead: the 128 cached chunks could not hold both,
-/// and each prefetch decoded again chunks the sink then never reached before newer upserts
-/// superseded them, a sixteenth of the loop's time (issue 33).
+/// as a sink sends while it runs, which grows with its size. With [`PREFETCH_CHUNKS`] read
+/// ahead always, a commit at 16 pipelines (one every ~100 records, adding up to ~57 chunks:
+/// 1,536 upserts at ~27 a chunk) and the read-ahead did not fit the 128 cached chunks
+/// together, and each read-ahead decoded again chunks the sink then never reached before
+/// newer upserts superseded them: a tenth of the loop's samples (issue 33).
 pub(crate) fn prefetch_chunks(outputs: usize, sinks: usize) -> usize {
     let all = (outputs / PREFETCH_OUTPUTS_PER_CHUNK).min(PREFETCH_CHUNKS);
     (all / sinks.max(1)).max(PREFETCH_MIN)
