@@ -19,7 +19,7 @@ use crate::pipeline::engine::{Batch, ReadError, ReadState};
 use crate::pipeline::sparkplug::session::Entry;
 use crate::pipeline::state_key::at;
 use crate::pipeline::value::KeyState;
-use crate::store::{LastRow, Store};
+use crate::store::LastRow;
 
 /// `batch` (the checkpoint in flight, if any) over `base` (the store). Made for one record
 /// (or one slice of records under the same checkpoint in flight) and then dropped: it keeps
@@ -30,8 +30,8 @@ pub(crate) struct Layered<'a, R> {
     last: RefCell<LastRow>,
 }
 
-/// What [`Layered`] reads below the layer: a store may serve a row it read for one pipeline
-/// to the next ([`LastRow`]); any other reader reads each state alone.
+/// What [`Layered`] reads below the layer: the store serves a row it read for one pipeline
+/// to the next ([`LastRow`], `store/read.rs`); any other reader reads each state alone.
 pub(crate) trait Below: ReadState {
     fn state_after(
         &self,
@@ -41,18 +41,6 @@ pub(crate) trait Below: ReadState {
     ) -> Result<Option<KeyState>, ReadError> {
         let _ = last;
         self.state(pipeline, skey)
-    }
-}
-
-impl Below for Store {
-    fn state_after(
-        &self,
-        pipeline: &str,
-        skey: &[u8],
-        last: &mut LastRow,
-    ) -> Result<Option<KeyState>, ReadError> {
-        self.stored_state_after(pipeline, skey, last)
-            .map_err(|e| ReadError(e.to_string()))
     }
 }
 

@@ -203,6 +203,18 @@ fn read_err(e: StoreError) -> ReadError {
     ReadError(e.to_string())
 }
 
+impl crate::processor::inflight::Below for Store {
+    fn state_after(
+        &self,
+        pipeline: &str,
+        skey: &[u8],
+        last: &mut super::LastRow,
+    ) -> Result<Option<KeyState>, ReadError> {
+        self.stored_state_after(pipeline, skey, last)
+            .map_err(read_err)
+    }
+}
+
 impl ReadState for Store {
     fn sparkplug(
         &self,
