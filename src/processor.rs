@@ -355,6 +355,9 @@ pub struct Processor {
     /// where the quarantine may prune once it is durable (below every backfill cursor that
     /// checkpoint holds, which the engine may have passed by the time the fsync is done).
     unsynced_prunes: std::collections::VecDeque<(Offset, Offset)>,
+    /// A slice read back from the log stops once the batch writes this many state keys
+    /// (`checkpoint.max_keys`, [`Processor::set_key_bound`]); unbounded until set.
+    key_bound: u64,
 }
 
 impl Processor {
@@ -424,6 +427,7 @@ impl Processor {
             readers: slice::Readers::default(),
             defer_sync: false,
             unsynced_prunes: std::collections::VecDeque::new(),
+            key_bound: u64::MAX,
         }
     }
 
@@ -468,6 +472,23 @@ impl Processor {
     /// State keys the next checkpoint writes (see [`Engine::pending_keys`]).
     pub fn pending_keys(&self) -> u64 {
         self.engine.pending_keys()
+    }
+
+    /// Bound the state keys a batch applied from the log back (the replay at start,
+    /// catch-up, backfill) may write before its checkpoint: `checkpoint.max_keys`. A slice
+    /// stops at it as at its record count, and the replay checkpoints there. Without it a
+    /// slice of 512 records over 16 pipelines wrote up to 8,192 keys before anyone looked,
+    /// and the replay at start looked only at `max_records`: 16 pipelines over 100,000 keys
+    /// held ~7,000 keys a checkpoint in a drain and could hold 320,000 in a replay, where
+    /// the bound says 1,536 (issue 33).
+    pub fn set_key_bound(&mut self, max_keys: u64) {
+        self.key_bound = max_keys.max(1);
+    }
+
+    /// The batch writes as many state keys as a slice may let it (see
+    /// [`Processor::set_key_bound`]).
+    pub(crate) fn keys_full(&self) -> bool {
+        self.pending_keys() >= self.key_bound
     }
 
     /// Apply one record. A stand-in for an oversized input becomes a `too_large` dead

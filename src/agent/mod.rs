@@ -421,6 +421,8 @@ impl Agent {
         let now = self.now();
         let hold = self.hold();
         let max = Work::slice_max(self.cfg.checkpoint.max_records);
+        // A slice also stops at `checkpoint.max_keys` (a reload may have changed it).
+        self.proc.set_key_bound(self.cfg.checkpoint.max_keys);
         let from = self.proc.next_offset();
         let took = self
             .work

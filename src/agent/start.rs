@@ -213,6 +213,7 @@ fn replay(
             }
         }
     };
+    proc.set_key_bound(cfg.checkpoint.max_keys);
     let stats = proc.replay_held(
         log,
         cfg.checkpoint.max_records,

@@ -127,9 +127,11 @@ impl Processor {
         }
     }
 
-    /// Take up to `max` records of `lane` from `log` and apply them; `hold` is asked before
-    /// each record and may stop the slice, `outcome` hears what each record gave. The
-    /// slice's reader is kept for the next one on the same lane.
+    /// Take up to `max` records of `lane` from `log` and apply them, stopping early once the
+    /// batch writes as many state keys as [`Processor::set_key_bound`] allows (ended as
+    /// [`End::Max`]: the lane has more); `hold` is asked before each record and may stop the
+    /// slice, `outcome` hears what each record gave. The slice's reader is kept for the
+    /// next one on the same lane.
     pub(crate) fn read_slice(
         &mut self,
         log: &Log,
@@ -146,7 +148,7 @@ impl Processor {
         let mut fresh = false;
         let mut reader = self.readers.take(lane);
         let end = loop {
-            if taken >= max {
+            if taken >= max || self.keys_full() {
                 break End::Max;
             }
             let Some((from, to)) = self.lane_span(lane, log) else {
@@ -274,7 +276,8 @@ impl Processor {
     }
 
     /// Re-apply every durable record from the checkpoint's `next_offset`, committing every
-    /// `max_records`. `progress` is called after each checkpoint (for STATUS lines).
+    /// `max_records`, or sooner where the key bound says so ([`Processor::set_key_bound`]).
+    /// `progress` is called after each checkpoint (for STATUS lines).
     pub fn replay(
         &mut self,
         log: &Log,
@@ -327,13 +330,17 @@ impl Processor {
             stats.records += taken;
             stats.to = self.next_offset();
             let commit = held.as_ref().is_none_or(|h| h.commit);
-            if self.pending_records() >= max_records && commit {
+            let full = self.pending_records() >= max_records || self.keys_full();
+            let mut checkpointed = false;
+            if full && commit && self.pending_records() > 0 {
                 self.checkpoint(now_ms())?;
+                checkpointed = true;
                 stats.checkpoints += 1;
                 stats.millis = started.elapsed().as_millis() as u64;
                 progress(&stats);
             }
-            if end != End::Max {
+            // A slice that took nothing and freed nothing would be taken again as it was.
+            if end != End::Max || (taken == 0 && !checkpointed) {
                 break;
             }
         }

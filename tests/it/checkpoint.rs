@@ -280,3 +280,111 @@ fn a_named_reset_drops_the_pipelines_state_and_continues_its_versions() {
     let store = Store::open(&dir.path().join("store"), 1 << 20, fsio::real()).unwrap();
     Processor::open(store, vec![changed]).expect("the new definition is accepted");
 }
+
+/// Four pipelines over one stream, `payments/#`, each summing by the same key.
+fn four_pipelines() -> Vec<PipelineSpec> {
+    (0..4)
+        .map(|i| {
+            cairn::config::pipeline_from_toml(&format!(
+                r#"name = "p{i}"
+topics = ["payments/#"]
+format = "delimited"
+event_id = "0"
+key = "1"
+value = "2"
+aggregate = "sum"
+output_topic = "p{i}/{{key}}"
+max_key_len = 64
+max_keys = 100000"#
+            ))
+            .unwrap()
+        })
+        .collect()
+}
+
+/// Every pipeline's sum per key, and each pipeline's applied count.
+fn sums(proc: &Processor) -> (Vec<(String, String, i64)>, Vec<u64>) {
+    let mut sums = Vec::new();
+    for r in proc.store().states(None) {
+        let (p, k, st) = r.unwrap();
+        let k = String::from_utf8(k).unwrap();
+        sums.push((p, k, st.value_json().as_i64().unwrap()));
+    }
+    sums.sort();
+    let applied = (proc.engine().progress().pipelines.iter())
+        .map(|p| p.counters.applied)
+        .collect();
+    (sums, applied)
+}
+
+/// `checkpoint.max_keys` bounds what records read back from the log may write before their
+/// checkpoint, as it bounds live ones (issue 33): the replay at start checkpointed only at
+/// `max_records`, and a catch-up slice took up to 512 records before anyone looked, so 16
+/// pipelines over 100,000 keys held ~7,000 keys a checkpoint where the bound said 1,536.
+/// Here 4 pipelines over distinct keys write 4 keys a record; at a bound of 40 keys every
+/// 10 records end a replay's checkpoint and a catch-up's slice, and the sums are those of
+/// a run without the bound.
+#[test]
+fn replay_and_catch_up_stop_at_the_key_bound_with_many_pipelines() {
+    let events: Vec<String> = (0..300).map(|i| format!("E{i}/k{i}/{}", i + 1)).collect();
+    let later: Vec<String> = (300..360).map(|i| format!("E{i}/k{i}/{}", i + 1)).collect();
+    let expect = {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = open_log(dir.path());
+        let refs: Vec<&str> = events.iter().chain(&later).map(String::as_str).collect();
+        log_events(&mut log, &refs);
+        let store = Store::open(&dir.path().join("store"), 1 << 20, fsio::real()).unwrap();
+        let mut proc = Processor::open(store, four_pipelines()).unwrap();
+        let stats = proc.replay(&log, 1000, &|| 0, &mut |_| {}).unwrap();
+        assert_eq!(
+            stats.checkpoints, 1,
+            "no key bound: one checkpoint at the end"
+        );
+        sums(&proc)
+    };
+    assert_eq!(expect.0.len(), 4 * 360);
+    assert_eq!(expect.1, vec![360; 4]);
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = open_log(dir.path());
+    let refs: Vec<&str> = events.iter().map(String::as_str).collect();
+    log_events(&mut log, &refs);
+    let store = Store::open(&dir.path().join("store"), 1 << 20, fsio::real()).unwrap();
+    let mut proc = Processor::open(store, four_pipelines()).unwrap();
+    proc.set_key_bound(40);
+    let mut at = Vec::new();
+    let stats = proc
+        .replay(&log, 1000, &|| 0, &mut |s| at.push(s.to))
+        .unwrap();
+    assert_eq!(stats.records, 300);
+    assert_eq!(
+        stats.checkpoints, 30,
+        "a checkpoint every 10 records (40 keys), not one at max_records"
+    );
+    let every_ten: Vec<u64> = (1..=30).map(|i| i * 10).collect();
+    assert_eq!(at, every_ten, "each at 40 keys exactly");
+    assert_eq!(proc.pending_keys(), 0);
+
+    // Catch-up: slices of up to 512 records stop at the bound too, and go on after the
+    // checkpoint from where they stopped.
+    let refs: Vec<&str> = later.iter().map(String::as_str).collect();
+    log_events(&mut log, &refs);
+    let mut taken = Vec::new();
+    loop {
+        let slice = proc.catch_up(&log, 512, &mut |_, _| {}).unwrap();
+        taken.push(slice.taken);
+        assert!(proc.pending_keys() <= 40, "{} keys", proc.pending_keys());
+        if slice.caught_up {
+            break;
+        }
+        proc.checkpoint(0).unwrap().expect("a checkpoint");
+        assert!(taken.len() < 20, "catch-up makes progress: {taken:?}");
+    }
+    assert_eq!(taken, vec![10; 6]);
+    proc.checkpoint(0).unwrap().expect("the last checkpoint");
+    assert_eq!(
+        sums(&proc),
+        expect,
+        "the same sums and counts as without the bound"
+    );
+}
