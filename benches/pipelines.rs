@@ -44,6 +44,19 @@ use support::{Broker, BrokerConfig, free_port, unique_id, wait_until};
 const INPUTS: u64 = 200_000;
 const KEYS: u64 = 1_000;
 
+/// The keys the inputs spread over: [`KEYS`], or `CAIRN_PIPELINES_KEYS` (to see how the
+/// cost per pipeline depends on how often a checkpoint meets a key again).
+fn keys() -> u64 {
+    static KEYS_SET: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *KEYS_SET.get_or_init(|| {
+        std::env::var("CAIRN_PIPELINES_KEYS")
+            .ok()
+            .map(|v| v.parse().expect("CAIRN_PIPELINES_KEYS: a number of keys"))
+            .filter(|&k| k > 0)
+            .unwrap_or(KEYS)
+    })
+}
+
 /// One aggregate per pipeline, in order; more pipelines than rows take them again.
 const AGGREGATES: [&str; 16] = [
     r#""sum""#,
@@ -105,7 +118,7 @@ fn input(i: u64) -> (u64, u64) {
     s ^= s << 13;
     s ^= s >> 7;
     s ^= s << 17;
-    (s % KEYS, (s >> 20) % 1_000)
+    (s % keys(), (s >> 20) % 1_000)
 }
 
 fn start_broker() -> Broker {
@@ -307,8 +320,9 @@ fn scale_main() {
             .unwrap_or(300),
     );
     println!(
-        "scale: a backlog of {INPUTS} inputs over {KEYS} keys drained at the shipped settings \
+        "scale: a backlog of {INPUTS} inputs over {} keys drained at the shipped settings \
          (upsert, one stream, each pipeline its own aggregate); cairn: {}",
+        keys(),
         support::agent::cairn_bin().display()
     );
     let mut rows = Vec::new();
@@ -469,8 +483,9 @@ fn processor_main() {
         .filter(|&f| f > 0)
         .unwrap_or(20);
     println!(
-        "processor: {INPUTS} inputs over {KEYS} keys, real store, no broker, upserts flushed \
-         every {flush_every} records"
+        "processor: {INPUTS} inputs over {} keys, real store, no broker, upserts flushed \
+         every {flush_every} records",
+        keys()
     );
     for n in counts {
         let dir = tempfile::tempdir().unwrap();
