@@ -270,10 +270,33 @@ fn scale(n: usize, timeout: Duration) -> Scale {
     let load0 = loadavg();
     let started = Instant::now();
     agent.start();
+    let want = INPUTS as f64 * n as f64;
+    // `CAIRN_PIPELINES_KILL_AT=0.25`: kill the agent (SIGKILL) once that share is applied
+    // and start it again: the log then holds the rest, which the replay at start takes.
+    if let Ok(at) = std::env::var("CAIRN_PIPELINES_KILL_AT") {
+        let at: f64 = at.parse().expect("CAIRN_PIPELINES_KILL_AT: a fraction");
+        wait_until(timeout, || {
+            std::thread::sleep(Duration::from_millis(20));
+            metric(metrics_port, "cairn_applied_total").is_some_and(|a| a >= at * want)
+        });
+        agent.kill();
+        agent.start();
+        wait_until(timeout, || {
+            std::thread::sleep(Duration::from_millis(20));
+            agent.run_stderr().contains("recovery: done in")
+        });
+        let err = agent.run_stderr();
+        let line = err.lines().rev().find(|l| l.contains("recovery: done in"));
+        eprintln!(
+            "  {n} pipelines, killed at {:.0}% applied; start: {}; peak RSS of the start {:.1} MiB",
+            at * 100.0,
+            line.map_or("no recovery line", |l| l.split("] ").nth(1).unwrap_or(l)),
+            status_kib(agent.pid(), "VmHWM:") as f64 / 1024.0
+        );
+    }
     let pid = agent.pid();
     // For a profiler to attach to (`perf record -p`).
     eprintln!("  draining: agent pid {pid}");
-    let want = INPUTS as f64 * n as f64;
     let drained = wait_until(timeout, || {
         std::thread::sleep(Duration::from_millis(100));
         metric(metrics_port, "cairn_applied_total").is_some_and(|a| a >= want)
