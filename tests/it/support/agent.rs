@@ -273,6 +273,13 @@ impl CairnProcess {
     /// Starts `cairn run ARGS...` with the environment set by `set_env` plus `env`.
     pub fn start_with(&mut self, args: &[&str], env: &[(&str, &str)]) {
         assert!(self.child.is_none(), "the agent is already running");
+        let arms = env.iter().any(|(k, _)| *k == "CAIRN_FAILPOINTS")
+            || self.env.iter().any(|(k, _)| k == "CAIRN_FAILPOINTS");
+        assert!(
+            !arms || cfg!(feature = "failpoints"),
+            "this test arms failpoints, which `cairn` has only when built with the \
+             `failpoints` feature: run the tests as `.ci/test` does, `cargo test --all-features`"
+        );
         self.runs += 1;
         let header = format!("=== run {} ===\n", self.runs);
         let mut file = OpenOptions::new()
