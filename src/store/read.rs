@@ -247,12 +247,14 @@ impl ReadState for Store {
     }
 
     fn dedup(&self, pipeline: &str, event_id: &str) -> Result<Option<u64>, ReadError> {
+        // Hashed before the lock, which the commit beside the loop waits for (16 pipelines
+        // take it 16 times a record).
+        let hash = ledger::id_hash(&self.hasher, pipeline, event_id.as_bytes());
         let mut mem = self.lock();
         let mem = &mut *mem;
         let Some(pid) = mem.ledgers.pid(pipeline) else {
             return Ok(None);
         };
-        let hash = ledger::id_hash(&self.hasher, pipeline, event_id.as_bytes());
         mem.ledgers
             .candidates(pid, hash, &mut mem.tags, &mut mem.groups);
         // An ID accepted again after its entry expired is in two groups: the newest counts.
