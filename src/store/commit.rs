@@ -52,8 +52,8 @@ struct Plan {
     expire: Vec<(String, u32, u64, ledger::GroupRange)>,
     /// The dedup windows to record, if they changed.
     windows: Option<BTreeMap<String, u64>>,
-    /// The outputs the outbox admits.
-    outputs: Vec<(u64, Output)>,
+    /// The outputs the outbox admits, by their place in the batch (cloned after the lock).
+    outputs: Vec<usize>,
     /// Upserts a newer one of their key in the same batch superseded: never written.
     superseded: Vec<u64>,
     /// The dead-letter counts before this commit.
@@ -144,9 +144,10 @@ impl Store {
         // beside the loop (`agent/keeper/commit.rs`). Only commits change the ledger's
         // groups, one at a time, so the groups chosen here stay as they are until the
         // update below.
+        let (keep, superseded) = superseded_outputs(b);
         let plan = {
             let mut mem = self.lock();
-            self.commit_plan(&mut mem, cp, &new_chunks)
+            self.commit_plan(&mut mem, cp, &new_chunks, (keep, superseded))
         };
         let mut dropped = Vec::with_capacity(plan.expire.len());
         for (pipeline, pid, seq, range) in plan.expire {
@@ -175,7 +176,10 @@ impl Store {
             dropped,
             windows,
         };
-        let out_chunks = outbox::make_chunks(plan.outputs);
+        let admitted = (plan.outputs.iter())
+            .map(|&i| b.outputs[i].clone())
+            .collect();
+        let out_chunks = outbox::make_chunks(admitted);
         let (outbox, out_bytes) = outbox_batch(&out_chunks)?;
         let (dead, dead_stats) =
             self.dead_letter_batch(&b.dead_letters, &cp.progress, plan.dead)?;
@@ -290,6 +294,7 @@ impl Store {
         mem: &mut Mem,
         cp: &Checkpoint,
         new_chunks: &BTreeMap<String, usize>,
+        (keep, superseded): (Vec<bool>, Vec<u64>),
     ) -> Plan {
         let b = &cp.batch;
         let configured: BTreeSet<&str> = (b.dedup_windows.iter())
@@ -319,7 +324,7 @@ impl Store {
             configured.contains(p.as_str()) || mem.ledgers.get(p).is_some_and(|l| l.entries() > 0)
         });
         let windows = (windows != mem.windows).then_some(windows);
-        let (outputs, superseded) = admitted_outputs(mem, b);
+        let outputs = admitted_outputs(mem, b, &keep);
         Plan {
             expire,
             windows,
@@ -659,13 +664,13 @@ fn sparkplug_batch(b: &Batch) -> Result<sled::Batch, StoreError> {
     Ok(batch)
 }
 
-/// The outputs the outbox takes: IDs already waiting are not inserted again (invariant 6),
-/// and an upsert that a newer upsert of its key in the same batch supersedes is not
-/// written at all (the outbox would mark it done as the newer one went in: with many
+/// The upserts that a newer upsert of their key in the same batch supersedes: they are not
+/// written at all (the outbox would mark them done as the newer one went in: with many
 /// pipelines' upserts flushed at every log commit, most of a checkpoint's outputs were
-/// written only to be dropped in the same commit; issue 33). Returns them and the
-/// superseded ones' sequence numbers.
-fn admitted_outputs(mem: &Mem, b: &Batch) -> (Vec<(u64, Output)>, Vec<u64>) {
+/// written only to be dropped in the same commit; issue 33). Returns, per output, whether
+/// it is kept, and the superseded ones' sequence numbers. Needs nothing the store's lock
+/// guards, so it runs before it.
+fn superseded_outputs(b: &Batch) -> (Vec<bool>, Vec<u64>) {
     // Per key, the highest version of the upserts after the one looked at.
     let mut newer_upsert: HashMap<&str, u64> = HashMap::new();
     let mut superseded = Vec::new();
@@ -682,14 +687,21 @@ fn admitted_outputs(mem: &Mem, b: &Batch) -> (Vec<(u64, Output)>, Vec<u64>) {
         }
     }
     superseded.reverse();
-    let mut fresh = Vec::with_capacity(b.outputs.len() - superseded.len());
+    (keep, superseded)
+}
+
+/// The outputs the outbox takes, by their place in the batch: those `keep` keeps, less the
+/// IDs already waiting (invariant 6) and the second of two equal IDs. Under the store's
+/// lock: only the outbox's IDs are looked at, and nothing is cloned here.
+fn admitted_outputs(mem: &Mem, b: &Batch, keep: &[bool]) -> Vec<usize> {
+    let mut fresh = Vec::with_capacity(keep.iter().filter(|&&k| k).count());
     let mut seen_ids = HashSet::new();
-    for ((seq, out), keep) in b.outputs.iter().zip(keep) {
+    for (i, ((_, out), &keep)) in b.outputs.iter().zip(keep).enumerate() {
         if keep && mem.outbox.admits(&out.id) && seen_ids.insert(out.id.as_str()) {
-            fresh.push((*seq, out.clone()));
+            fresh.push(i);
         }
     }
-    (fresh, superseded)
+    fresh
 }
 
 /// The outbox writes, and the bytes (key and value) of each chunk for `outbox.max_size`.
