@@ -10,18 +10,23 @@ use cairn::processor::Processor;
 use cairn::store::Store;
 
 fn spec() -> PipelineSpec {
-    cairn::config::pipeline_from_toml(
-        r#"name = "balances"
+    sum_pipeline("balances", 1000)
+}
+
+/// A pipeline `name` on `payments/#` summing field 2 by field 1, results on `name/{key}`.
+fn sum_pipeline(name: &str, max_keys: u64) -> PipelineSpec {
+    cairn::config::pipeline_from_toml(&format!(
+        r#"name = "{name}"
 topics = ["payments/#"]
 format = "delimited"
 event_id = "0"
 key = "1"
 value = "2"
 aggregate = "sum"
-output_topic = "balances/{key}"
+output_topic = "{name}/{{key}}"
 max_key_len = 64
-max_keys = 1000"#,
-    )
+max_keys = {max_keys}"#
+    ))
     .unwrap()
 }
 
@@ -284,21 +289,7 @@ fn a_named_reset_drops_the_pipelines_state_and_continues_its_versions() {
 /// Four pipelines over one stream, `payments/#`, each summing by the same key.
 fn four_pipelines() -> Vec<PipelineSpec> {
     (0..4)
-        .map(|i| {
-            cairn::config::pipeline_from_toml(&format!(
-                r#"name = "p{i}"
-topics = ["payments/#"]
-format = "delimited"
-event_id = "0"
-key = "1"
-value = "2"
-aggregate = "sum"
-output_topic = "p{i}/{{key}}"
-max_key_len = 64
-max_keys = 100000"#
-            ))
-            .unwrap()
-        })
+        .map(|i| sum_pipeline(&format!("p{i}"), 100_000))
         .collect()
 }
 
