@@ -37,11 +37,16 @@ use crate::store::Store;
 
 const CASES: u32 = 48;
 
+/// `checkpoint.max_keys` for the replays at start: small, so that a replay checkpoints
+/// every record or two (three pipelines write up to three keys a record) and its
+/// checkpoints fall between the records of a batch, as the agent's do at the bound.
+const REPLAY_KEYS: u64 = 4;
+
 /// What the cases did, summed over a run: printed after each case when `CAIRN_MODEL_STATS`
 /// is set (for the report: that the cases reach what they are about).
 mod stats {
     use std::sync::atomic::{AtomicU64, Ordering};
-    pub(super) static NAMES: [&str; 10] = [
+    pub(super) static NAMES: [&str; 11] = [
         "cases",
         "steps",
         "starts",
@@ -52,8 +57,9 @@ mod stats {
         "resets",
         "restores",
         "checkpoints in flight",
+        "replay checkpoints",
     ];
-    pub(super) static COUNTS: [AtomicU64; 10] = [const { AtomicU64::new(0) }; 10];
+    pub(super) static COUNTS: [AtomicU64; 11] = [const { AtomicU64::new(0) }; 11];
     pub(super) fn add(i: usize, n: u64) {
         COUNTS[i].fetch_add(n, Ordering::Relaxed);
     }
@@ -427,7 +433,9 @@ impl World {
             if log.next_offset() <= old.next_offset() {
                 return Ok(None);
             }
+            old.set_key_bound(REPLAY_KEYS);
             let stats = old.replay_held(log, 50, &|| 0, &mut |_| {}, &mut hold)?;
+            stats::add(10, stats.checkpoints);
             settled.extend(
                 old.store()
                     .outbox_from(0)
@@ -444,10 +452,15 @@ impl World {
         if log.next_offset() < proc.next_offset() {
             return Err(TestCaseError::fail("the log is behind the store"));
         }
-        proc.replay_held(log, 50, &|| 0, &mut |_| {}, &mut hold)
+        proc.set_key_bound(REPLAY_KEYS);
+        let replayed = proc
+            .replay_held(log, 50, &|| 0, &mut |_| {}, &mut hold)
             .map_err(|e| TestCaseError::fail(format!("replay at start failed: {e}")))?;
+        stats::add(10, replayed.checkpoints);
         self.record_all(&proc)?;
-        // The held rest, as the loop's catch-up takes it once results leave.
+        // The held rest, as the loop's catch-up takes it once results leave (in one slice:
+        // the steps below apply live records after it).
+        proc.set_key_bound(u64::MAX);
         proc.catch_up(log, u64::MAX, &mut |_, _| {})
             .map_err(|e| TestCaseError::fail(format!("catch-up failed: {e}")))?;
         self.record_all(&proc)?;
