@@ -124,6 +124,11 @@ impl Config {
         let mut c = Config { doc };
         let listen = format!("127.0.0.1:{metrics_port}");
         c.set("metrics", "listen", Setting::Text(&listen));
+        // To try another `storage.cache_size` than the shipped one (CAIRN_COMPARE_CACHE, as
+        // for the comparison's agents above).
+        if let Ok(cache) = std::env::var("CAIRN_COMPARE_CACHE") {
+            c.set("storage", "cache_size", Setting::Text(&cache));
+        }
         // To try another `outbox.inflight` than the shipped 100 (CAIRN_TARGETS_INFLIGHT),
         // with the channel the config check asks for it (2 × (ingest_batch 20 + inflight)).
         if let Ok(v) = std::env::var("CAIRN_TARGETS_INFLIGHT") {
