@@ -432,11 +432,11 @@ pub static KEYS: &[Key] = &[
     ),
     key!(
         "storage.cache_size",
-        Def::Bytes(16 * MIB),
+        Def::Bytes(4 * MIB),
         Range::Bytes(MIB, GIB),
         "size",
         Reload::Restart,
-        "sled's cache_capacity, counted in on-disk bytes; its memory use can be several times this (DESIGN §4); 8-32 MiB suits an edge box, sled's own 1 GiB lets RSS grow to several GiB",
+        "sled's cache_capacity, counted in on-disk bytes; its memory use can be several times this (DESIGN §4); 4 MiB (the default) to 32 MiB suits an edge box, sled's own 1 GiB lets RSS grow to several GiB; sled's reads it misses come from the kernel's page cache, which the kernel gives back under pressure",
         Get::Config(|c| Some(bytes(c.storage.cache_size)))
     ),
     key!(

@@ -135,7 +135,7 @@ fn a_minimal_config_gets_safe_default_limits() {
     assert_eq!(m.reconnect_max, Duration::from_secs(30));
     assert_eq!(m.channel_capacity, 1024);
     assert_eq!(cfg.storage.data_dir, PathBuf::from("/var/lib/cairn"));
-    assert_eq!(cfg.storage.cache_size, 16 << 20);
+    assert_eq!(cfg.storage.cache_size, 4 << 20);
     assert_eq!(
         cfg.log,
         LogConfig {

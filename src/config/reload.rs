@@ -235,7 +235,7 @@ mod tests {
             ("mqtt.reconnect_max", "[mqtt]\nreconnect_max = \"1m\""),
             ("mqtt.channel_capacity", "[mqtt]\nchannel_capacity = 4096"),
             ("storage.data_dir", "[storage]\ndata_dir = \"/other\""),
-            ("storage.cache_size", "[storage]\ncache_size = \"8MiB\""),
+            ("storage.cache_size", "[storage]\ncache_size = \"32MiB\""),
             (
                 "storage.ledger_index_max",
                 "[storage]\nledger_index_max = \"8MiB\"",
