@@ -436,7 +436,7 @@ pub static KEYS: &[Key] = &[
         Range::Bytes(MIB, GIB),
         "size",
         Reload::Restart,
-        "sled's cache_capacity, counted in on-disk bytes; its memory use can be several times this (DESIGN §4); 4 MiB (the default) to 32 MiB suits an edge box, sled's own 1 GiB lets RSS grow to several GiB; sled's reads it misses come from the kernel's page cache, which the kernel gives back under pressure",
+        "sled's cache_capacity, counted in on-disk bytes; its memory use can be several times this (DESIGN §4); 4 MiB (the default) to 32 MiB suits an edge box, sled's own 1 GiB lets RSS grow to several GiB; what it misses, sled reads through the kernel's page cache, which the kernel gives back under pressure",
         Get::Config(|c| Some(bytes(c.storage.cache_size)))
     ),
     key!(
