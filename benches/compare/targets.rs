@@ -32,7 +32,8 @@
 //!
 //! `CAIRN_TARGETS_ONLY=latency,footprint,idle,steady` runs a subset (all when unset);
 //! `CAIRN_TARGETS_PEAK_EVENTS` sets the inputs per flat-out run (100,000);
-//! `CAIRN_TARGETS_INFLIGHT` gives every agent another `outbox.inflight` than the shipped 100.
+//! `CAIRN_TARGETS_INFLIGHT` gives every agent another `outbox.inflight` than the shipped 100,
+//! `CAIRN_COMPARE_CACHE` another `storage.cache_size` than the shipped one.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
