@@ -4,7 +4,7 @@
 //!
 //! Each level runs in a child process of its own (so that RSS is that level's alone) on a
 //! fresh store under `target/` (a real disk) with the real fsync seam, the agent's allocator
-//! and the shipped bounds (`ledger_index_max` 64MiB, `cache_size` 16MiB, checkpoints of
+//! and the shipped bounds (`ledger_index_max` 64MiB, `cache_size` as shipped, checkpoints of
 //! 20,000 records):
 //!
 //! 1. **Fill**: N events with fresh IDs, one per millisecond of record time, so that a
@@ -32,7 +32,7 @@
 //! store's lock).
 //!
 //! `CAIRN_LEDGER_IDS` (comma-separated) replaces the levels, e.g. `100000,1000000` for a
-//! quick run. `CAIRN_LEDGER_CACHE` (bytes) replaces sled's `cache_size` of 16 MiB.
+//! quick run. `CAIRN_LEDGER_CACHE` (bytes) replaces the shipped `storage.cache_size`.
 //! `CAIRN_LEDGER_FILL_BUDGET` (seconds, default 900) stops a fill that takes
 //! longer, and reports how far it got (a ledger with a cliff would otherwise never finish).
 
@@ -136,7 +136,12 @@ impl Level {
         let cache = std::env::var("CAIRN_LEDGER_CACHE")
             .ok()
             .and_then(|v| v.parse().ok())
-            .unwrap_or(16 << 20);
+            .unwrap_or_else(
+                || match cairn::config::keys::row("storage.cache_size").default {
+                    cairn::config::keys::Def::Bytes(b) => b,
+                    _ => panic!("storage.cache_size has a size for its default"),
+                },
+            );
         let store =
             Store::open_with(dir, cache, fsio::real(), StoreBounds::default()).expect("store");
         let mut progress = store.progress().expect("progress");

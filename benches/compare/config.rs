@@ -72,8 +72,10 @@ impl Config {
             "ingest_batch",
             Setting::Int(crate::mqtt::broker_inflight()),
         );
-        // The shipped config's cache; CAIRN_COMPARE_CACHE to try another.
-        let cache = std::env::var("CAIRN_COMPARE_CACHE").unwrap_or_else(|_| "16MiB".into());
+        // The shipped config's cache (its default in the key table); CAIRN_COMPARE_CACHE to
+        // try another.
+        let cache = std::env::var("CAIRN_COMPARE_CACHE")
+            .unwrap_or_else(|_| format!("{}KiB", shipped_cache_size() / 1024));
         c.set("storage", "cache_size", Setting::Text(&cache));
         for (key, v) in [
             ("segment_size", "64MiB"),
@@ -180,5 +182,14 @@ impl Config {
 
     pub(crate) fn text(&self) -> String {
         self.doc.to_string()
+    }
+}
+
+/// `storage.cache_size` as shipped: the default in the config's key table, so that the
+/// comparison's agents follow it when it changes.
+pub(crate) fn shipped_cache_size() -> u64 {
+    match cairn::config::keys::row("storage.cache_size").default {
+        cairn::config::keys::Def::Bytes(b) => b,
+        _ => panic!("storage.cache_size has a size for its default"),
     }
 }
