@@ -457,3 +457,178 @@ fn tls_with_a_private_ca_connects_and_carries_messages() {
     mqtt.ack(m.token).unwrap();
     mqtt.shutdown();
 }
+
+/// Where each of `out-0` .. `out-{n-1}` was first seen by a subscriber, in order of first
+/// arrival: the outputs whose first arrival came after a later output's.
+fn first_seen_out_of_order(seen: &[support::Seen], n: usize) -> Vec<usize> {
+    let mut first = std::collections::HashSet::new();
+    let mut highest: Option<usize> = None;
+    let mut late = Vec::new();
+    for m in seen {
+        let Some(i) = std::str::from_utf8(&m.payload)
+            .ok()
+            .and_then(|p| p.strip_prefix("out-"))
+            .and_then(|i| i.parse::<usize>().ok())
+        else {
+            continue;
+        };
+        if i >= n || !first.insert(i) {
+            continue;
+        }
+        if highest.is_some_and(|h| i < h) {
+            late.push(i);
+        }
+        highest = highest.max(Some(i));
+    }
+    late
+}
+
+/// The guarantee's "a result goes out in order" across a cut connection whose session the
+/// broker keeps: what rumqttc re-sends and what follows it must reach a subscriber in
+/// publish order (the soak of 2026-12-06 saw a result first arrive after a later version of
+/// its key, right after a reconnect on which rumqttc reported a packet-id collision).
+#[test]
+fn results_reach_a_subscriber_in_order_through_connection_cuts() {
+    let broker = Broker::start();
+    let collector = support::Collector::start(broker.port(), "out/#");
+    let proxy = Proxy::start(broker.port());
+    let (mqtt, rx) = Mqtt::start(&config(proxy.port(), "cairn-order"), vec![], 100).unwrap();
+    connected(&rx);
+    let n = 20_000;
+    let (mut acked, mut next, mut cuts) = (0usize, 0usize, 0usize);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while acked < n {
+        assert!(Instant::now() < deadline, "only {acked} of {n} PubAcked");
+        while next < n {
+            let id = format!("out-{next}");
+            match mqtt.publish(id.clone(), "out/x", id.into_bytes(), false) {
+                Ok(()) => next += 1,
+                Err(MqttError::InflightFull { .. }) => break,
+                Err(e) => panic!("publish failed: {e}"),
+            }
+        }
+        // A cut every 1,000 acks, with the window full of unacknowledged results.
+        if acked / 1000 > cuts {
+            cuts += 1;
+            proxy.cut();
+        }
+        if let Ok(Event::PubAcked { .. }) = rx.recv_timeout(Duration::from_secs(5)) {
+            acked += 1;
+        }
+    }
+    assert!(collector.wait_for_count(n, Duration::from_secs(10)));
+    let late = first_seen_out_of_order(&collector.messages(), n);
+    assert!(
+        late.is_empty(),
+        "{} of {n} results first reached the subscriber after a later one, over {cuts} cuts: \
+         {:?}",
+        late.len(),
+        &late[..late.len().min(20)]
+    );
+    mqtt.shutdown();
+}
+
+/// A subscriber with a session the broker keeps (as the soak's watcher): every payload it
+/// receives, in arrival order, across broker restarts.
+fn persistent_subscriber(
+    port: u16,
+    filter: &str,
+) -> (
+    std::sync::Arc<std::sync::Mutex<Vec<support::Seen>>>,
+    std::sync::Arc<std::sync::atomic::AtomicBool>,
+) {
+    use rumqttc::{Client, Event as RE, MqttOptions, Packet, QoS};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+    let mut opts = MqttOptions::new(support::unique_id("order-sub"), "127.0.0.1", port);
+    opts.set_keep_alive(Duration::from_secs(5))
+        .set_clean_session(false);
+    let (client, mut conn) = Client::new(opts, 64);
+    client.subscribe(filter, QoS::AtLeastOnce).unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let subscribed = Arc::new(AtomicBool::new(false));
+    let (s2, st2, sub2) = (seen.clone(), stop.clone(), subscribed.clone());
+    std::thread::spawn(move || {
+        let _client = client;
+        while !st2.load(Ordering::SeqCst) {
+            match conn.recv_timeout(Duration::from_millis(50)) {
+                Ok(Ok(RE::Incoming(Packet::SubAck(_)))) => sub2.store(true, Ordering::SeqCst),
+                Ok(Ok(RE::Incoming(Packet::Publish(p)))) => {
+                    s2.lock().unwrap().push(support::Seen {
+                        topic: p.topic.clone(),
+                        payload: p.payload.to_vec(),
+                        retain: p.retain,
+                    })
+                }
+                Ok(Err(_)) => std::thread::sleep(Duration::from_millis(50)),
+                _ => {}
+            }
+        }
+    });
+    assert!(wait_until(Duration::from_secs(10), || subscribed
+        .load(std::sync::atomic::Ordering::SeqCst)));
+    (seen, stop)
+}
+
+/// As above, across broker restarts (SIGTERM: mosquitto keeps both sessions), the soak's
+/// "broker outage": results go on being offered while the broker is away.
+#[test]
+fn results_reach_a_subscriber_in_order_through_broker_restarts() {
+    let mut broker = Broker::start();
+    let (seen, stop) = persistent_subscriber(broker.port(), "out/#");
+    let (mqtt, rx) =
+        Mqtt::start(&config(broker.port(), "cairn-order-restart"), vec![], 100).unwrap();
+    connected(&rx);
+    let n = 12_000;
+    let (mut acked, mut next, mut outages) = (0usize, 0usize, 0usize);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while acked < n {
+        assert!(Instant::now() < deadline, "only {acked} of {n} PubAcked");
+        while next < n {
+            let id = format!("out-{next}");
+            match mqtt.publish(id.clone(), "out/x", id.into_bytes(), false) {
+                Ok(()) => next += 1,
+                Err(MqttError::InflightFull { .. }) => break,
+                Err(e) => panic!("publish failed: {e}"),
+            }
+        }
+        if acked / 3000 > outages {
+            outages += 1;
+            broker.stop();
+            // Away for a while, results still offered meanwhile.
+            let back = Instant::now() + Duration::from_millis(700);
+            while Instant::now() < back {
+                while next < n {
+                    let id = format!("out-{next}");
+                    match mqtt.publish(id.clone(), "out/x", id.into_bytes(), false) {
+                        Ok(()) => next += 1,
+                        Err(_) => break,
+                    }
+                }
+                if let Ok(Event::PubAcked { .. }) = rx.recv_timeout(Duration::from_millis(20)) {
+                    acked += 1;
+                }
+            }
+            broker.restart();
+        }
+        if let Ok(Event::PubAcked { .. }) = rx.recv_timeout(Duration::from_secs(5)) {
+            acked += 1;
+        }
+    }
+    assert!(wait_until(Duration::from_secs(20), || {
+        let s = seen.lock().unwrap();
+        let ids: std::collections::HashSet<&[u8]> = s.iter().map(|m| &m.payload[..]).collect();
+        ids.len() >= n
+    }));
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let late = first_seen_out_of_order(&seen.lock().unwrap(), n);
+    assert!(
+        late.is_empty(),
+        "{} of {n} results first reached the subscriber after a later one, over {outages} \
+         broker restarts: {:?}",
+        late.len(),
+        &late[..late.len().min(20)]
+    );
+    mqtt.shutdown();
+}
