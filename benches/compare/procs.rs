@@ -143,6 +143,39 @@ impl Stats {
     }
 }
 
+/// The whole box's CPU time so far, from `/proc/stat`'s `cpu` line, in ticks: (busy,
+/// stolen, all). Busy is everything but idle and I/O wait; stolen is time the hypervisor
+/// gave to another guest while this one wanted to run. `None` off Linux.
+pub(crate) fn box_ticks() -> Option<(u64, u64, u64)> {
+    let s = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = s.lines().find(|l| l.starts_with("cpu "))?;
+    // user nice system idle iowait irq softirq steal (guest time is inside user already).
+    let f: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .map(|v| v.parse().unwrap_or(0))
+        .collect();
+    if f.len() < 8 {
+        return None;
+    }
+    let all: u64 = f.iter().sum();
+    let idle = f[3] + f[4];
+    Some((all - idle - f[7], f[7], all))
+}
+
+/// What the box did between two [`box_ticks`]: (busy, stolen), each in % of one core (a
+/// 2-core box saturated is 200).
+pub(crate) fn box_percent(a: (u64, u64, u64), b: (u64, u64, u64)) -> (f64, f64) {
+    let all = b.2.saturating_sub(a.2) as f64;
+    if all == 0.0 {
+        return (f64::NAN, f64::NAN);
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let pct = |x: u64, y: u64| y.saturating_sub(x) as f64 / all * cores * 100.0;
+    (pct(a.0, b.0), pct(a.1, b.1))
+}
+
 pub(crate) fn ticks_per_second() -> f64 {
     // SAFETY: sysconf has no preconditions.
     let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };

@@ -11,7 +11,9 @@
 //!    each in turn give each its peak (median), then paced runs at 25, 50, 80 and 100% of
 //!    each one's own peak, long enough (`CAIRN_TARGETS_POINT_SECS`, default 20 s) that
 //!    several 5 s checkpoints land inside every Cairn run: p50/p99/p999, the rate achieved,
-//!    CPU per event, and the checkpoints that ran. Then one more point each, "80%s": 80% of
+//!    CPU per event, the checkpoints that ran, and the whole box's CPU busy and stolen by the
+//!    hypervisor (the broker and this bench's publisher and subscriber share the box, so a
+//!    point near 200% on two cores measures the box). Then one more point each, "80%s": 80% of
 //!    the rate it achieved at 100%. A 100,000-event burst runs faster than either system
 //!    keeps up with for 20 s (on the 2-core box the relay's p99 at 80% of its burst peak was
 //!    30-650 ms), so 80% of the burst peak can measure a queue; this point measures latency
@@ -46,7 +48,7 @@ use crate::agent::Cairn;
 use crate::footprint::{Foot, dir_size, drain};
 use crate::measure::{Latency, System, median, one_run, percentile_ms};
 use crate::mqtt::{Publisher, Sink, start_broker};
-use crate::procs::ticks_per_second;
+use crate::procs::{box_percent, box_ticks, ticks_per_second};
 use crate::relay::Relay;
 use crate::report::{fmt, target_line};
 use crate::{FOOT_EVENTS, FOOT_KEYS, IDLE, KEYS, RUNS, WARMUP};
@@ -81,6 +83,10 @@ pub(crate) struct Point {
     pub(crate) cpu_us: f64,
     /// Checkpoints that ran during it (Cairn only).
     pub(crate) checkpoints: Option<f64>,
+    /// The whole box during it, % of one core: busy (the agent, the broker, this bench's
+    /// publisher and subscriber, and anything else), and stolen by the hypervisor.
+    pub(crate) box_busy: f64,
+    pub(crate) box_steal: f64,
 }
 
 /// Part 1's figures of one system.
@@ -246,8 +252,13 @@ fn latency(port: u16, publisher: &Publisher, t0: Instant, secs: u64) -> (Loaded,
         let n = rate * secs;
         let cpu0 = ticks(sys);
         let ck0 = (i == 0).then(|| cairn.metric("cairn_checkpoints_total"));
+        let box0 = box_ticks();
         let (achieved, lat, all) =
             one_run(publisher, sink, sys.prefix(), "p", next[i], n, rate, t0);
+        let (box_busy, box_steal) = match (box0, box_ticks()) {
+            (Some(a), Some(b)) => box_percent(a, b),
+            _ => (f64::NAN, f64::NAN),
+        };
         next[i] += n;
         let cpu_us = match (cpu0, ticks(sys)) {
             (Some(a), Some(b)) => b.saturating_sub(a) as f64 / ticks_per_second() * 1e6 / n as f64,
@@ -265,10 +276,13 @@ fn latency(port: u16, publisher: &Publisher, t0: Instant, secs: u64) -> (Loaded,
             achieved,
             cpu_us,
             checkpoints,
+            box_busy,
+            box_steal,
         };
         println!(
             "  {:<6} {label:>4} = {rate:>6}/s for {secs} s: got {achieved:.0}/s, p50 {:.2} ms  \
-             p99 {:.2} ms  p999 {:.2} ms, CPU {cpu_us:.1} µs/event{}{}",
+             p99 {:.2} ms  p999 {:.2} ms, CPU {cpu_us:.1} µs/event, box busy {box_busy:.0}% \
+             stolen {box_steal:.0}%{}{}",
             sys.name(),
             p.lat.p50,
             p.lat.p99,
@@ -531,7 +545,7 @@ pub(crate) fn print(t: &Targets) {
         fmt(Some(t.relay.peak), 0)
     );
     println!(
-        "{:<6} | {:>7} {:>7} {:>7} {:>7} {:>7} {:>6} {:>5} | {:>7} {:>7} {:>7} {:>7} {:>7} {:>6}",
+        "{:<6} | {:>7} {:>7} {:>7} {:>7} {:>7} {:>6} {:>4} {:>5} | {:>7} {:>7} {:>7} {:>7} {:>7} {:>6} {:>4}",
         "load",
         "cairn/s",
         "got/s",
@@ -539,22 +553,24 @@ pub(crate) fn print(t: &Targets) {
         "p99",
         "p999",
         "µs/ev",
+        "box%",
         "ckpts",
         "relay/s",
         "got/s",
         "p50",
         "p99",
         "p999",
-        "µs/ev"
+        "µs/ev",
+        "box%"
     );
     let cells = |p: Option<&Point>| match p {
         Some(p) => format!(
-            "{:>7} {:>7.0} {:>7.2} {:>7.2} {:>7.2} {:>6.1}",
-            p.lat.rate, p.achieved, p.lat.p50, p.lat.p99, p.lat.p999, p.cpu_us
+            "{:>7} {:>7.0} {:>7.2} {:>7.2} {:>7.2} {:>6.1} {:>4.0}",
+            p.lat.rate, p.achieved, p.lat.p50, p.lat.p99, p.lat.p999, p.cpu_us, p.box_busy
         ),
         None => format!(
-            "{:>7} {:>7} {:>7} {:>7} {:>7} {:>6}",
-            "n/a", "", "", "", "", ""
+            "{:>7} {:>7} {:>7} {:>7} {:>7} {:>6} {:>4}",
+            "n/a", "", "", "", "", "", ""
         ),
     };
     for (i, frac) in FRACTIONS.iter().enumerate() {
@@ -576,9 +592,23 @@ pub(crate) fn print(t: &Targets) {
         cells(t.relay.sustained_80.as_ref())
     );
     println!("  (80%s: 80% of the rate each sustained at its 100% point, not of its burst peak)");
+    let stolen = |l: &Loaded| {
+        l.points
+            .iter()
+            .chain(l.sustained_80.as_ref())
+            .map(|p| format!("{:.0}", p.box_steal))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
     println!(
-        "  (latency in ms; CPU: user + system of the process per event; peak RSS in these runs: \
-         cairn {} MiB, relay {} MiB)",
+        "  (box stolen by the hypervisor, % of one core, point by point: cairn {}; relay {})",
+        stolen(&t.cairn),
+        stolen(&t.relay)
+    );
+    println!(
+        "  (latency in ms; CPU: user + system of the process per event; box%: the whole box busy \
+         during the point, % of one core, its broker and this bench's clients included; peak RSS \
+         in these runs: cairn {} MiB, relay {} MiB)",
         fmt(t.cairn.peak_rss, 1),
         fmt(t.relay.peak_rss, 1)
     );
