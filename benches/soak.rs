@@ -332,8 +332,10 @@ struct Watcher {
 struct Watch {
     /// Hash of each ID → hash of its first payload.
     payloads: HashMap<u64, u64>,
-    /// Per (pipeline, key, window, generation): the highest version among first-seen IDs.
-    versions: HashMap<(String, String, u64, u64), u64>,
+    /// Per (pipeline, key, window, generation): the highest version among first-seen IDs,
+    /// and when (wall clock, ms) it was first seen: a regression names both times, to be
+    /// found in the agent's journal.
+    versions: HashMap<(String, String, u64, u64), (u64, u64)>,
     /// Per (pipeline, key): the newest (generation, version, value) seen.
     newest: HashMap<(String, String), (u64, u64, f64)>,
     two_payloads: Vec<String>,
@@ -379,12 +381,26 @@ impl Watch {
                 self.distinct += 1;
                 self.payloads.insert(hash(id.as_bytes()), p);
                 let series = (pipeline.to_string(), key.to_string(), window, generation);
-                let last = self.versions.entry(series).or_insert(0);
-                if version <= *last && self.regressions.len() < 20 {
-                    self.regressions
-                        .push(format!("{id} after version {} (first seen)", *last));
+                let now_ms = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as u64);
+                let last = self.versions.entry(series).or_insert((0, 0));
+                if version <= last.0 && self.regressions.len() < 20 {
+                    self.regressions.push(format!(
+                        "{id} after version {} (first seen at {} ms since the epoch; this one \
+                         at {now_ms}): {}",
+                        last.0,
+                        last.1,
+                        String::from_utf8_lossy(payload)
+                    ));
+                    println!(
+                        "  regression: {}",
+                        self.regressions[self.regressions.len() - 1]
+                    );
                 }
-                *last = (*last).max(version);
+                if version > last.0 {
+                    *last = (version, now_ms);
+                }
             }
         }
         let newest = self

@@ -11,9 +11,11 @@
 //!   at most once (`a_retransmit_does_not_consume_the_fifo`).
 //! - A retransmission (`Outgoing::Publish` for a pkid that is still bound) never consumes the
 //!   FIFO (`a_retransmit_does_not_consume_the_fifo`).
-//! - When the broker lost our session, every publish that rumqttc held is queued again, in the
-//!   original order, ahead of anything not yet handed over (`a_lost_session_requeues_in_order`).
-//!   Nothing is dropped while the process lives; [`Publishes::len`] is unchanged by it.
+//! - On every new connection, with the broker's session or without it, every publish that
+//!   rumqttc held is queued again, in the original order, ahead of anything not yet handed
+//!   over (`a_lost_session_requeues_in_order`): rumqttc's own re-send follows packet ids, not
+//!   publish order (`worker.rs`, `on_connack`). Nothing is dropped while the process lives;
+//!   [`Publishes::len`] is unchanged by it.
 //! - A collision (rumqttc's `AwaitAck`, only possible if a broker acks out of order) parks the
 //!   front entry until rumqttc sends it under that pkid (`a_collision_binds_the_parked_entry`).
 
@@ -176,9 +178,9 @@ impl Publishes {
         self.bound.remove(&pkid).map(|p| p.output_id)
     }
 
-    /// The broker has no session for us: it forgot every publish rumqttc held, and rumqttc
-    /// dropped its own retransmission queue. Queue them all again, oldest first, ahead of
-    /// those not handed over yet. Returns how many.
+    /// A new connection: every publish rumqttc held is taken from it (the broker forgot
+    /// them with our session, or rumqttc would re-send them out of order). Queue them all
+    /// again, oldest first, ahead of those not handed over yet. Returns how many.
     pub(crate) fn on_session_lost(&mut self) -> usize {
         let mut lost: Vec<OutPublish> = self.bound.drain().map(|(_, p)| p).collect();
         lost.extend(self.unbound.drain(..));

@@ -129,8 +129,11 @@ pub(crate) fn build_v5(
 /// our publishes stopped our PUBACKs too: a broker sending a backlog without waiting for them
 /// then piled them up here and in the agent, and pings could go unsent. [`super::Mqtt::publish`]
 /// refuses at `publish_inflight` unacknowledged publishes (queued ones included), so rumqttc
-/// holds at most that many and never reaches this one. With the broker acking in order (MQTT
-/// 3.1.1 §4.6), a packet id is also never reused while still in flight: no collisions.
+/// holds at most that many and never reaches this one. A SUBSCRIBE takes a packet id from
+/// the same sequence, so a window of publishes can still wrap onto an id in flight: rumqttc
+/// then parks that publish (a "collision") and takes no more until its id is acknowledged,
+/// which keeps the order. What it holds when a connection ends is sent again in our order,
+/// not its own (`worker.rs`, `on_connack`).
 pub(crate) fn rumqttc_inflight(publish_inflight: u16) -> u16 {
     publish_inflight.saturating_add(1)
 }

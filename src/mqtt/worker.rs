@@ -272,15 +272,29 @@ impl Worker {
             // rumqttc dropped the acks in its channel when the last connection failed.
             q.channel_acks = 0;
             if session_present {
-                0
+                // rumqttc would re-send the unacknowledged publishes itself, in packet-id
+                // order from the id after the last PUBACK. That is not publish order:
+                // SUBSCRIBEs take ids from the same sequence, so a window of publishes wraps
+                // to id 1 early, and before any PUBACK the re-send began with the newest
+                // (`tests/it/mqtt_client.rs`,
+                // `results_held_at_a_cut_before_any_ack_are_resent_in_order`; the soak saw
+                // results of a key arrive out of order). A collision then parked one while
+                // the rest of its queue went out. So we take them all back and send them
+                // again in our order, under new ids: for QoS 1 the broker keeps nothing by
+                // our packet id, and a re-send under another id is the same duplicate that
+                // a retransmission is, dropped by ID downstream.
+                self.eventloop
+                    .pending
+                    .retain(|r| !matches!(r, Request::Publish(_)));
             } else {
                 // rumqttc dropped the requests it kept for the old session, SUBSCRIBEs too.
                 self.subs.session_lost();
-                // rumqttc has just cleared its retransmission queue, but not a parked
-                // collision, which would then wait for an ack that never comes.
-                self.eventloop.state.collision = None;
-                q.pubs.on_session_lost()
             }
+            // rumqttc has cleared its retransmission queue (or we just did), but not a parked
+            // collision, which would then wait for an ack that never comes.
+            self.eventloop.state.collision = None;
+            let n = q.pubs.on_session_lost();
+            if session_present { 0 } else { n }
         };
         if requeued > 0 {
             crate::event!(warn, "mqtt_session_lost";

@@ -577,8 +577,14 @@ fn persistent_subscriber(
 fn results_reach_a_subscriber_in_order_through_broker_restarts() {
     let mut broker = Broker::start();
     let (seen, stop) = persistent_subscriber(broker.port(), "out/#");
-    let (mqtt, rx) =
-        Mqtt::start(&config(broker.port(), "cairn-order-restart"), vec![], 100).unwrap();
+    // With an input filter, as the agent runs: the worker then also subscribes to `$SYS` on
+    // every connection, and a SUBSCRIBE takes a packet id from the publishes' sequence.
+    let (mqtt, rx) = Mqtt::start(
+        &config(broker.port(), "cairn-order-restart"),
+        vec!["in/#".into()],
+        100,
+    )
+    .unwrap();
     connected(&rx);
     let n = 12_000;
     let (mut acked, mut next, mut outages) = (0usize, 0usize, 0usize);
@@ -627,6 +633,138 @@ fn results_reach_a_subscriber_in_order_through_broker_restarts() {
         late.is_empty(),
         "{} of {n} results first reached the subscriber after a later one, over {outages} \
          broker restarts: {:?}",
+        late.len(),
+        &late[..late.len().min(20)]
+    );
+    mqtt.shutdown();
+}
+
+/// As above with a new connection each round, the broker stopped soon after it connects,
+/// as the soak's agents met it: started, a window of results out, the broker gone.
+#[test]
+fn results_reach_a_subscriber_in_order_when_the_broker_stops_soon_after_connecting() {
+    let mut broker = Broker::start();
+    let (seen, stop) = persistent_subscriber(broker.port(), "out/#");
+    let per_round = 400;
+    let rounds = 8;
+    let mut next = 0usize;
+    for round in 0..rounds {
+        let (mqtt, rx) = Mqtt::start(
+            &config(broker.port(), "cairn-order-rounds"),
+            vec!["in/#".into()],
+            100,
+        )
+        .unwrap();
+        connected(&rx);
+        let end = next + per_round;
+        let (mut acked, mut stopped) = (0usize, false);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while acked < per_round {
+            assert!(
+                Instant::now() < deadline,
+                "round {round}: only {acked} PubAcked"
+            );
+            while next < end {
+                let id = format!("out-{next}");
+                match mqtt.publish(id.clone(), "out/x", id.into_bytes(), false) {
+                    Ok(()) => next += 1,
+                    Err(_) => break,
+                }
+            }
+            if !stopped && acked >= 10 * (round + 1) {
+                stopped = true;
+                broker.stop();
+                let back = Instant::now() + Duration::from_millis(500);
+                while Instant::now() < back {
+                    while next < end {
+                        let id = format!("out-{next}");
+                        match mqtt.publish(id.clone(), "out/x", id.into_bytes(), false) {
+                            Ok(()) => next += 1,
+                            Err(_) => break,
+                        }
+                    }
+                    if let Ok(Event::PubAcked { .. }) = rx.recv_timeout(Duration::from_millis(20)) {
+                        acked += 1;
+                    }
+                }
+                broker.restart();
+            }
+            if let Ok(Event::PubAcked { .. }) = rx.recv_timeout(Duration::from_secs(5)) {
+                acked += 1;
+            }
+        }
+        mqtt.shutdown();
+    }
+    let n = per_round * rounds;
+    assert!(wait_until(Duration::from_secs(20), || {
+        let s = seen.lock().unwrap();
+        let ids: std::collections::HashSet<&[u8]> = s.iter().map(|m| &m.payload[..]).collect();
+        ids.len() >= n
+    }));
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let late = first_seen_out_of_order(&seen.lock().unwrap(), n);
+    assert!(
+        late.is_empty(),
+        "{} of {n} results first reached the subscriber after a later one: {:?}",
+        late.len(),
+        &late[..late.len().min(20)]
+    );
+}
+
+/// rumqttc re-sends what was unacknowledged when a connection ended in packet-id order,
+/// starting after the last id the broker acknowledged. That is publish order only if ids
+/// were handed out in it since that ack. A connection's SUBSCRIBEs take ids from the same
+/// sequence (the inputs' filters, then `$SYS`), so on a new connection a full window of
+/// results wraps around to id 1. With nothing acknowledged yet, the re-send then began
+/// with the newest. Here every result of that window is held from the broker, the
+/// connection is cut, and the subscriber must still see them in order.
+#[test]
+fn results_held_at_a_cut_before_any_ack_are_resent_in_order() {
+    let broker = Broker::start();
+    let (seen, stop) = persistent_subscriber(broker.port(), "out/#");
+    let proxy = Proxy::start(broker.port());
+    let (mqtt, rx) = Mqtt::start(
+        &config(proxy.port(), "cairn-order-held"),
+        vec!["in/#".into()],
+        100,
+    )
+    .unwrap();
+    connected(&rx);
+    std::thread::sleep(Duration::from_millis(300)); // the SUBSCRIBEs are answered
+    proxy.hold_upstream(true);
+    let n = 300;
+    let (mut acked, mut next, mut cut) = (0usize, 0usize, false);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while acked < n {
+        assert!(Instant::now() < deadline, "only {acked} of {n} PubAcked");
+        while next < n {
+            let id = format!("out-{next}");
+            match mqtt.publish(id.clone(), "out/x", id.into_bytes(), false) {
+                Ok(()) => next += 1,
+                Err(MqttError::InflightFull { .. }) => break,
+                Err(e) => panic!("publish failed: {e}"),
+            }
+        }
+        if !cut && next >= 100 {
+            cut = true;
+            std::thread::sleep(Duration::from_millis(200)); // all of them written
+            proxy.cut();
+            proxy.hold_upstream(false);
+        }
+        if let Ok(Event::PubAcked { .. }) = rx.recv_timeout(Duration::from_millis(200)) {
+            acked += 1;
+        }
+    }
+    assert!(wait_until(Duration::from_secs(20), || {
+        let s = seen.lock().unwrap();
+        let ids: std::collections::HashSet<&[u8]> = s.iter().map(|m| &m.payload[..]).collect();
+        ids.len() >= n
+    }));
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let late = first_seen_out_of_order(&seen.lock().unwrap(), n);
+    assert!(
+        late.is_empty(),
+        "{} of {n} results first reached the subscriber after a later one: {:?}",
         late.len(),
         &late[..late.len().min(20)]
     );

@@ -55,15 +55,14 @@ fn a_publish_the_broker_drops_us_for_is_named_and_retried_at_the_backoffs_pace()
         "one Disconnected per dropped connection: {} for {connects} connects",
         drops.len()
     );
-    // The others get through (rumqttc re-sends them in a varying order), the refused one
-    // never does.
-    acked.sort();
-    assert_eq!(acked, ["o0", "o2"]);
-    for (n_acked, unacked, up_for) in &drops {
+    // Results go out in order, also after a reconnect: the one before gets through, the
+    // refused one never does, and the one after it waits behind it. (Before 2026-12-06
+    // rumqttc re-sent in packet-id order, which let `o2` pass: the same re-sending that
+    // delivered results out of order. The agent sets a publish refused like this aside
+    // after its strikes, `agent/results/strikes.rs`, and `o2` then goes: the tests below.)
+    assert_eq!(acked, ["o0"]);
+    for (_, unacked, up_for) in &drops {
         assert_eq!(unacked.first().map(String::as_str), Some("o1"), "{drops:?}");
-        if *n_acked == 2 {
-            assert_eq!(unacked, &["o1"], "{drops:?}");
-        }
         let up_for = up_for.expect("a connection was up");
         assert!(up_for < Duration::from_secs(1), "{drops:?}");
     }
