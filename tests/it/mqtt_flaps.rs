@@ -59,7 +59,8 @@ fn a_publish_the_broker_drops_us_for_is_named_and_retried_at_the_backoffs_pace()
     // refused one never does, and the one after it waits behind it. (Before 2026-12-06
     // rumqttc re-sent in packet-id order, which let `o2` pass: the same re-sending that
     // delivered results out of order. The agent sets a publish refused like this aside
-    // after its strikes, `agent/results/strikes.rs`, and `o2` then goes: the tests below.)
+    // after its strikes, `agent/results/strikes.rs`; once given up, what follows goes:
+    // the tests below.)
     assert_eq!(acked, ["o0"]);
     for (_, unacked, up_for) in &drops {
         assert_eq!(unacked.first().map(String::as_str), Some("o1"), "{drops:?}");
