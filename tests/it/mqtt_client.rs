@@ -1,10 +1,13 @@
 //! The mqtt module against a private mosquitto: manual acks and redelivery, exact packet-id
-//! binding (through retransmits and a lost session), reconnect backoff, credentials, TLS.
+//! binding (through retransmits and a lost session), reconnect backoff, credentials, TLS,
+//! and the order in which results reach a subscriber across cuts and broker restarts.
 
 use crate::support;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::support::{Broker, BrokerConfig, Certs, Proxy, publish_all, wait_until};
@@ -458,6 +461,35 @@ fn tls_with_a_private_ca_connects_and_carries_messages() {
     mqtt.shutdown();
 }
 
+// ---------------------------------------------------------------------------------------
+// Results reach a subscriber in publish order, across cuts, restarts and reconnects
+// (guarantee 6; the soak of 2026-12-06 saw a result first arrive after a later version of
+// its key, right after a reconnect).
+
+/// What a subscriber received, in arrival order, and the switch that stops it.
+type Received = (Arc<Mutex<Vec<support::Seen>>>, Arc<AtomicBool>);
+
+/// Offers `out-{next}` .. `out-{end - 1}` until the window is full (or the link refuses
+/// while it is down); returns the next one to offer.
+fn offer(mqtt: &Mqtt, mut next: usize, end: usize) -> usize {
+    while next < end {
+        let id = format!("out-{next}");
+        if mqtt
+            .publish(id.clone(), "out/x", id.into_bytes(), false)
+            .is_err()
+        {
+            break;
+        }
+        next += 1;
+    }
+    next
+}
+
+/// One more PubAcked within `wait`?
+fn one_acked(rx: &Events, wait: Duration) -> bool {
+    matches!(rx.recv_timeout(wait), Ok(Event::PubAcked { .. }))
+}
+
 /// Where each of `out-0` .. `out-{n-1}` was first seen by a subscriber, in order of first
 /// arrival: the outputs whose first arrival came after a later output's.
 fn first_seen_out_of_order(seen: &[support::Seen], n: usize) -> Vec<usize> {
@@ -483,63 +515,31 @@ fn first_seen_out_of_order(seen: &[support::Seen], n: usize) -> Vec<usize> {
     late
 }
 
-/// The guarantee's "a result goes out in order" across a cut connection whose session the
-/// broker keeps: what rumqttc re-sends and what follows it must reach a subscriber in
-/// publish order (the soak of 2026-12-06 saw a result first arrive after a later version of
-/// its key, right after a reconnect on which rumqttc reported a packet-id collision).
-#[test]
-fn results_reach_a_subscriber_in_order_through_connection_cuts() {
-    let broker = Broker::start();
-    let collector = support::Collector::start(broker.port(), "out/#");
-    let proxy = Proxy::start(broker.port());
-    let (mqtt, rx) = Mqtt::start(&config(proxy.port(), "cairn-order"), vec![], 100).unwrap();
-    connected(&rx);
-    let n = 20_000;
-    let (mut acked, mut next, mut cuts) = (0usize, 0usize, 0usize);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while acked < n {
-        assert!(Instant::now() < deadline, "only {acked} of {n} PubAcked");
-        while next < n {
-            let id = format!("out-{next}");
-            match mqtt.publish(id.clone(), "out/x", id.into_bytes(), false) {
-                Ok(()) => next += 1,
-                Err(MqttError::InflightFull { .. }) => break,
-                Err(e) => panic!("publish failed: {e}"),
-            }
-        }
-        // A cut every 1,000 acks, with the window full of unacknowledged results.
-        if acked / 1000 > cuts {
-            cuts += 1;
-            proxy.cut();
-        }
-        if let Ok(Event::PubAcked { .. }) = rx.recv_timeout(Duration::from_secs(5)) {
-            acked += 1;
-        }
-    }
-    assert!(collector.wait_for_count(n, Duration::from_secs(10)));
-    let late = first_seen_out_of_order(&collector.messages(), n);
+/// Waits until the subscriber has all of `out-0` .. `out-{n-1}`, stops it, and asserts it
+/// saw each for the first time in publish order (`what`: the run, for the message).
+fn assert_first_seen_in_order((seen, stop): &Received, n: usize, what: &str) {
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            let s = seen.lock().unwrap();
+            let ids: HashSet<&[u8]> = s.iter().map(|m| &m.payload[..]).collect();
+            ids.len() >= n
+        }),
+        "the subscriber never got all {n} results"
+    );
+    stop.store(true, Ordering::SeqCst);
+    let late = first_seen_out_of_order(&seen.lock().unwrap(), n);
     assert!(
         late.is_empty(),
-        "{} of {n} results first reached the subscriber after a later one, over {cuts} cuts: \
-         {:?}",
+        "{} of {n} results first reached the subscriber after a later one, {what}: {:?}",
         late.len(),
         &late[..late.len().min(20)]
     );
-    mqtt.shutdown();
 }
 
 /// A subscriber with a session the broker keeps (as the soak's watcher): every payload it
 /// receives, in arrival order, across broker restarts.
-fn persistent_subscriber(
-    port: u16,
-    filter: &str,
-) -> (
-    std::sync::Arc<std::sync::Mutex<Vec<support::Seen>>>,
-    std::sync::Arc<std::sync::atomic::AtomicBool>,
-) {
+fn persistent_subscriber(port: u16, filter: &str) -> Received {
     use rumqttc::{Client, Event as RE, MqttOptions, Packet, QoS};
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::{Arc, Mutex};
     let mut opts = MqttOptions::new(support::unique_id("order-sub"), "127.0.0.1", port);
     opts.set_keep_alive(Duration::from_secs(5))
         .set_clean_session(false);
@@ -567,75 +567,73 @@ fn persistent_subscriber(
         }
     });
     assert!(wait_until(Duration::from_secs(10), || subscribed
-        .load(std::sync::atomic::Ordering::SeqCst)));
+        .load(Ordering::SeqCst)));
     (seen, stop)
 }
 
-/// As above, across broker restarts (SIGTERM: mosquitto keeps both sessions), the soak's
-/// "broker outage": results go on being offered while the broker is away.
+/// With an input filter, as the agent runs: the worker then also subscribes to `$SYS` on
+/// every connection, and a SUBSCRIBE takes a packet id from the publishes' sequence.
+fn start_publisher(port: u16, client_id: &str) -> (Mqtt, Events) {
+    let (mqtt, rx) = Mqtt::start(&config(port, client_id), vec!["in/#".into()], 100).unwrap();
+    connected(&rx);
+    (mqtt, rx)
+}
+
+#[test]
+fn results_reach_a_subscriber_in_order_through_connection_cuts() {
+    let broker = Broker::start();
+    let sub = persistent_subscriber(broker.port(), "out/#");
+    let proxy = Proxy::start(broker.port());
+    let (mqtt, rx) = start_publisher(proxy.port(), "cairn-order");
+    let n = 20_000;
+    let (mut acked, mut next, mut cuts) = (0usize, 0usize, 0usize);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while acked < n {
+        assert!(Instant::now() < deadline, "only {acked} of {n} PubAcked");
+        next = offer(&mqtt, next, n);
+        // A cut every 1,000 acks, with the window full of unacknowledged results.
+        if acked / 1000 > cuts {
+            cuts += 1;
+            proxy.cut();
+        }
+        acked += usize::from(one_acked(&rx, Duration::from_secs(5)));
+    }
+    assert_first_seen_in_order(&sub, n, &format!("over {cuts} cuts"));
+    mqtt.shutdown();
+}
+
+/// The broker stopped (SIGTERM: mosquitto keeps both sessions) for 700 ms and started
+/// again, results offered all the while: the soak's "broker outage".
+fn outage(broker: &mut Broker, mqtt: &Mqtt, rx: &Events, next: &mut usize, end: usize) -> usize {
+    broker.stop();
+    let mut acked = 0;
+    let back = Instant::now() + Duration::from_millis(700);
+    while Instant::now() < back {
+        *next = offer(mqtt, *next, end);
+        acked += usize::from(one_acked(rx, Duration::from_millis(20)));
+    }
+    broker.restart();
+    acked
+}
+
 #[test]
 fn results_reach_a_subscriber_in_order_through_broker_restarts() {
     let mut broker = Broker::start();
-    let (seen, stop) = persistent_subscriber(broker.port(), "out/#");
-    // With an input filter, as the agent runs: the worker then also subscribes to `$SYS` on
-    // every connection, and a SUBSCRIBE takes a packet id from the publishes' sequence.
-    let (mqtt, rx) = Mqtt::start(
-        &config(broker.port(), "cairn-order-restart"),
-        vec!["in/#".into()],
-        100,
-    )
-    .unwrap();
-    connected(&rx);
+    let sub = persistent_subscriber(broker.port(), "out/#");
+    let (mqtt, rx) = start_publisher(broker.port(), "cairn-order-restart");
     let n = 12_000;
     let (mut acked, mut next, mut outages) = (0usize, 0usize, 0usize);
     let deadline = Instant::now() + Duration::from_secs(120);
     while acked < n {
         assert!(Instant::now() < deadline, "only {acked} of {n} PubAcked");
-        while next < n {
-            let id = format!("out-{next}");
-            match mqtt.publish(id.clone(), "out/x", id.into_bytes(), false) {
-                Ok(()) => next += 1,
-                Err(MqttError::InflightFull { .. }) => break,
-                Err(e) => panic!("publish failed: {e}"),
-            }
-        }
+        next = offer(&mqtt, next, n);
         if acked / 3000 > outages {
             outages += 1;
-            broker.stop();
-            // Away for a while, results still offered meanwhile.
-            let back = Instant::now() + Duration::from_millis(700);
-            while Instant::now() < back {
-                while next < n {
-                    let id = format!("out-{next}");
-                    match mqtt.publish(id.clone(), "out/x", id.into_bytes(), false) {
-                        Ok(()) => next += 1,
-                        Err(_) => break,
-                    }
-                }
-                if let Ok(Event::PubAcked { .. }) = rx.recv_timeout(Duration::from_millis(20)) {
-                    acked += 1;
-                }
-            }
-            broker.restart();
+            acked += outage(&mut broker, &mqtt, &rx, &mut next, n);
         }
-        if let Ok(Event::PubAcked { .. }) = rx.recv_timeout(Duration::from_secs(5)) {
-            acked += 1;
-        }
+        acked += usize::from(one_acked(&rx, Duration::from_secs(5)));
     }
-    assert!(wait_until(Duration::from_secs(20), || {
-        let s = seen.lock().unwrap();
-        let ids: std::collections::HashSet<&[u8]> = s.iter().map(|m| &m.payload[..]).collect();
-        ids.len() >= n
-    }));
-    stop.store(true, std::sync::atomic::Ordering::SeqCst);
-    let late = first_seen_out_of_order(&seen.lock().unwrap(), n);
-    assert!(
-        late.is_empty(),
-        "{} of {n} results first reached the subscriber after a later one, over {outages} \
-         broker restarts: {:?}",
-        late.len(),
-        &late[..late.len().min(20)]
-    );
+    assert_first_seen_in_order(&sub, n, &format!("over {outages} broker restarts"));
     mqtt.shutdown();
 }
 
@@ -644,18 +642,11 @@ fn results_reach_a_subscriber_in_order_through_broker_restarts() {
 #[test]
 fn results_reach_a_subscriber_in_order_when_the_broker_stops_soon_after_connecting() {
     let mut broker = Broker::start();
-    let (seen, stop) = persistent_subscriber(broker.port(), "out/#");
-    let per_round = 400;
-    let rounds = 8;
+    let sub = persistent_subscriber(broker.port(), "out/#");
+    let (per_round, rounds) = (400, 8);
     let mut next = 0usize;
     for round in 0..rounds {
-        let (mqtt, rx) = Mqtt::start(
-            &config(broker.port(), "cairn-order-rounds"),
-            vec!["in/#".into()],
-            100,
-        )
-        .unwrap();
-        connected(&rx);
+        let (mqtt, rx) = start_publisher(broker.port(), "cairn-order-rounds");
         let end = next + per_round;
         let (mut acked, mut stopped) = (0usize, false);
         let deadline = Instant::now() + Duration::from_secs(60);
@@ -664,51 +655,16 @@ fn results_reach_a_subscriber_in_order_when_the_broker_stops_soon_after_connecti
                 Instant::now() < deadline,
                 "round {round}: only {acked} PubAcked"
             );
-            while next < end {
-                let id = format!("out-{next}");
-                match mqtt.publish(id.clone(), "out/x", id.into_bytes(), false) {
-                    Ok(()) => next += 1,
-                    Err(_) => break,
-                }
-            }
+            next = offer(&mqtt, next, end);
             if !stopped && acked >= 10 * (round + 1) {
                 stopped = true;
-                broker.stop();
-                let back = Instant::now() + Duration::from_millis(500);
-                while Instant::now() < back {
-                    while next < end {
-                        let id = format!("out-{next}");
-                        match mqtt.publish(id.clone(), "out/x", id.into_bytes(), false) {
-                            Ok(()) => next += 1,
-                            Err(_) => break,
-                        }
-                    }
-                    if let Ok(Event::PubAcked { .. }) = rx.recv_timeout(Duration::from_millis(20)) {
-                        acked += 1;
-                    }
-                }
-                broker.restart();
+                acked += outage(&mut broker, &mqtt, &rx, &mut next, end);
             }
-            if let Ok(Event::PubAcked { .. }) = rx.recv_timeout(Duration::from_secs(5)) {
-                acked += 1;
-            }
+            acked += usize::from(one_acked(&rx, Duration::from_secs(5)));
         }
         mqtt.shutdown();
     }
-    let n = per_round * rounds;
-    assert!(wait_until(Duration::from_secs(20), || {
-        let s = seen.lock().unwrap();
-        let ids: std::collections::HashSet<&[u8]> = s.iter().map(|m| &m.payload[..]).collect();
-        ids.len() >= n
-    }));
-    stop.store(true, std::sync::atomic::Ordering::SeqCst);
-    let late = first_seen_out_of_order(&seen.lock().unwrap(), n);
-    assert!(
-        late.is_empty(),
-        "{} of {n} results first reached the subscriber after a later one: {:?}",
-        late.len(),
-        &late[..late.len().min(20)]
-    );
+    assert_first_seen_in_order(&sub, per_round * rounds, "over fresh connections");
 }
 
 /// rumqttc re-sends what was unacknowledged when a connection ended in packet-id order,
@@ -716,20 +672,15 @@ fn results_reach_a_subscriber_in_order_when_the_broker_stops_soon_after_connecti
 /// were handed out in it since that ack. A connection's SUBSCRIBEs take ids from the same
 /// sequence (the inputs' filters, then `$SYS`), so on a new connection a full window of
 /// results wraps around to id 1. With nothing acknowledged yet, the re-send then began
-/// with the newest. Here every result of that window is held from the broker, the
-/// connection is cut, and the subscriber must still see them in order.
+/// with the newest (99 of 300 late before `on_connack` took the publishes back). Here every
+/// result of that window is held from the broker, the connection is cut, and the
+/// subscriber must still see them in order.
 #[test]
 fn results_held_at_a_cut_before_any_ack_are_resent_in_order() {
     let broker = Broker::start();
-    let (seen, stop) = persistent_subscriber(broker.port(), "out/#");
+    let sub = persistent_subscriber(broker.port(), "out/#");
     let proxy = Proxy::start(broker.port());
-    let (mqtt, rx) = Mqtt::start(
-        &config(proxy.port(), "cairn-order-held"),
-        vec!["in/#".into()],
-        100,
-    )
-    .unwrap();
-    connected(&rx);
+    let (mqtt, rx) = start_publisher(proxy.port(), "cairn-order-held");
     std::thread::sleep(Duration::from_millis(300)); // the SUBSCRIBEs are answered
     proxy.hold_upstream(true);
     let n = 300;
@@ -737,36 +688,15 @@ fn results_held_at_a_cut_before_any_ack_are_resent_in_order() {
     let deadline = Instant::now() + Duration::from_secs(60);
     while acked < n {
         assert!(Instant::now() < deadline, "only {acked} of {n} PubAcked");
-        while next < n {
-            let id = format!("out-{next}");
-            match mqtt.publish(id.clone(), "out/x", id.into_bytes(), false) {
-                Ok(()) => next += 1,
-                Err(MqttError::InflightFull { .. }) => break,
-                Err(e) => panic!("publish failed: {e}"),
-            }
-        }
+        next = offer(&mqtt, next, n);
         if !cut && next >= 100 {
             cut = true;
             std::thread::sleep(Duration::from_millis(200)); // all of them written
             proxy.cut();
             proxy.hold_upstream(false);
         }
-        if let Ok(Event::PubAcked { .. }) = rx.recv_timeout(Duration::from_millis(200)) {
-            acked += 1;
-        }
+        acked += usize::from(one_acked(&rx, Duration::from_millis(200)));
     }
-    assert!(wait_until(Duration::from_secs(20), || {
-        let s = seen.lock().unwrap();
-        let ids: std::collections::HashSet<&[u8]> = s.iter().map(|m| &m.payload[..]).collect();
-        ids.len() >= n
-    }));
-    stop.store(true, std::sync::atomic::Ordering::SeqCst);
-    let late = first_seen_out_of_order(&seen.lock().unwrap(), n);
-    assert!(
-        late.is_empty(),
-        "{} of {n} results first reached the subscriber after a later one: {:?}",
-        late.len(),
-        &late[..late.len().min(20)]
-    );
+    assert_first_seen_in_order(&sub, n, "after a cut before any ack");
     mqtt.shutdown();
 }
