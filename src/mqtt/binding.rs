@@ -16,15 +16,16 @@
 //!   over (`a_lost_session_requeues_in_order`): rumqttc's own re-send follows packet ids, not
 //!   publish order (`worker.rs`, `on_connack`). Nothing is dropped while the process lives;
 //!   [`Publishes::len`] is unchanged by it.
-//! - A collision (rumqttc's `AwaitAck`, only possible if a broker acks out of order) parks the
-//!   front entry until rumqttc sends it under that pkid (`a_collision_binds_the_parked_entry`).
+//! - A collision (rumqttc's `AwaitAck`: a broker that acks out of order, or a window that
+//!   wrapped onto an id in flight because a SUBSCRIBE took one) parks the front entry until
+//!   rumqttc sends it under that pkid (`a_collision_binds_the_parked_entry`).
 
 use std::collections::{HashMap, VecDeque};
 
 /// One of our publishes, kept until the broker acknowledges it (so it can be re-sent).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct OutPublish {
-    /// Position in `publish()` order; restores that order after a lost session.
+    /// Position in `publish()` order; restores that order on a new connection.
     pub seq: u64,
     pub output_id: String,
     pub topic: String,
@@ -181,7 +182,7 @@ impl Publishes {
     /// A new connection: every publish rumqttc held is taken from it (the broker forgot
     /// them with our session, or rumqttc would re-send them out of order). Queue them all
     /// again, oldest first, ahead of those not handed over yet. Returns how many.
-    pub(crate) fn on_session_lost(&mut self) -> usize {
+    pub(crate) fn requeue_all(&mut self) -> usize {
         let mut lost: Vec<OutPublish> = self.bound.drain().map(|(_, p)| p).collect();
         lost.extend(self.unbound.drain(..));
         lost.extend(self.collided.take().map(|(_, p)| p));
@@ -264,7 +265,7 @@ mod tests {
         assert_eq!(p.on_outgoing(10), Sent::Bound("o1".into()));
         assert_eq!(p.on_puback(9).as_deref(), Some("o0"));
         // o1 bound, o2 and o3 handed but unbound, o4 not handed
-        assert_eq!(p.on_session_lost(), 3);
+        assert_eq!(p.requeue_all(), 3);
         assert_eq!(p.len(), 4);
         let order: Vec<_> = p.to_send.iter().map(|x| x.output_id.clone()).collect();
         assert_eq!(order, ["o1", "o2", "o3", "o4"]);
@@ -287,7 +288,7 @@ mod tests {
         assert_eq!(p.on_puback(1).as_deref(), Some("o1"));
         // o3 is accepted but not written: not in the list.
         assert_eq!(p.unacked(), ["o0", "o2"]);
-        p.on_session_lost();
+        p.requeue_all();
         assert!(p.unacked().is_empty(), "queued again, not written yet");
     }
 

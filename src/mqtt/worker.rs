@@ -293,7 +293,7 @@ impl Worker {
             // rumqttc has cleared its retransmission queue (or we just did), but not a parked
             // collision, which would then wait for an ack that never comes.
             self.eventloop.state.collision = None;
-            let n = q.pubs.on_session_lost();
+            let n = q.pubs.requeue_all();
             if session_present { 0 } else { n }
         };
         if requeued > 0 {

@@ -41,7 +41,7 @@
 //! broker's limits first. No session is kept (clean start): a publish-only connection has
 //! nothing worth keeping in one, and on every new connection rumqttc forgets what it held
 //! and every unacknowledged publish is queued again, in order, ahead of the rest
-//! (`Publishes::on_session_lost`), to be checked against the new connection's limits. As on
+//! (`Publishes::requeue_all`), to be checked against the new connection's limits. As on
 //! the 3.1.1 path, both tasks share one thread, so nothing reaches rumqttc between a
 //! connection error (when it drains its request channel) and the moment the connection is
 //! marked down. rumqttc's v5 event loop keeps its socket private, so publishes go through

@@ -182,7 +182,7 @@ impl Worker {
                 // Clean start: rumqttc has just dropped everything it held for the last
                 // connection, but not a parked collision.
                 self.eventloop.state.collision = None;
-                let requeued = q.pubs.on_session_lost();
+                let requeued = q.pubs.requeue_all();
                 // Everything is queued again: what the caller gave up goes now.
                 for id in std::mem::take(&mut q.abandoned) {
                     if q.pubs.remove_queued(&id) {
