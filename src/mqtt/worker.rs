@@ -254,7 +254,7 @@ impl Worker {
                 q.ack_watch.left += 1;
             }
             rumqttc::Event::Outgoing(Outgoing::AwaitAck(pkid)) => {
-                crate::event!(warn, "mqtt_ack_out_of_order"; "broker acked out of order: publish waits for packet id {pkid}");
+                crate::event!(warn, "mqtt_ack_out_of_order"; "packet id {pkid} is still in flight: the next publish waits for its PUBACK (the broker acked out of order, or a SUBSCRIBE's id made the window wrap)");
                 self.inner.lock().pubs.on_await_ack(pkid);
             }
             _ => {}
