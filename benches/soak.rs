@@ -697,6 +697,114 @@ fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())
 }
 
+/// Where the inputs the state lacks went (the agent stopped): which accepted IDs the
+/// `tally` ledger lacks, by the step that published them; whether the retained log holds
+/// them; and whether one more start (a new connection, so the broker re-sends what it never
+/// had acknowledged) brings them.
+fn diagnose_loss(
+    soak: &mut Soak,
+    accepted: &[Event],
+    accepted_step: &[u64],
+    steps: &[(f64, Action)],
+    oracle: &BTreeMap<String, (u64, u64)>,
+    watcher: &Watcher,
+) {
+    println!("diagnosis:");
+    let (_, out, err) = soak
+        .agent
+        .command(&["inspect", "dedup", "--pipeline", "tally", "--json"]);
+    let ledger: HashSet<String> = out
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v["event_id"].as_str().map(str::to_string))
+        .collect();
+    if ledger.is_empty() {
+        println!("  inspect dedup gave nothing: {err}");
+    }
+    let mut missing: BTreeMap<u64, Vec<&Event>> = BTreeMap::new();
+    let mut seen = HashSet::new();
+    for (e, s) in accepted.iter().zip(accepted_step) {
+        if seen.insert(&e.id) && !ledger.contains(&e.id) {
+            missing.entry(*s).or_default().push(e);
+        }
+    }
+    let total: usize = missing.values().map(Vec::len).sum();
+    println!(
+        "  tally's ledger holds {} IDs; {total} accepted IDs are not in it",
+        ledger.len()
+    );
+    let (_, log, _) = soak
+        .agent
+        .command(&["inspect", "log", "--limit", "100000000", "--json"]);
+    let mut in_log: HashMap<String, u64> = HashMap::new();
+    let mut first_offset = None;
+    for v in log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+    {
+        let offset = v["offset"].as_u64().unwrap_or(0);
+        first_offset.get_or_insert(offset);
+        let id = v["payload"]
+            .as_str()
+            .and_then(|p| serde_json::from_str::<serde_json::Value>(p).ok())
+            .and_then(|p| p["id"].as_str().map(str::to_string));
+        if let Some(id) = id {
+            in_log.entry(id).or_insert(offset);
+        }
+    }
+    println!(
+        "  the retained log starts at offset {first_offset:?} and holds {} distinct IDs",
+        in_log.len()
+    );
+    for (step, events) in missing.iter().take(40) {
+        let (at, action) = steps
+            .get(*step as usize - 1)
+            .copied()
+            .unwrap_or((0.0, Action::Quiet));
+        let logged: Vec<u64> = events
+            .iter()
+            .filter_map(|e| in_log.get(&e.id).copied())
+            .collect();
+        println!(
+            "  step {step} ({action:?} at {at:.1} s): {} missing, first {} last {}; {} in the \
+             retained log{}",
+            events.len(),
+            events[0].id,
+            events[events.len() - 1].id,
+            logged.len(),
+            logged
+                .iter()
+                .min()
+                .map(|o| format!(" from offset {o}"))
+                .unwrap_or_default()
+        );
+    }
+    // One more start: a new connection, on which the broker re-sends what it holds.
+    let before = watcher.received();
+    if soak.start(&[]) {
+        let reached = wait_until(Duration::from_secs(90), || {
+            let w = watcher.state.lock().unwrap();
+            oracle.iter().all(|(k, (_, n))| {
+                w.newest
+                    .get(&("tally".to_string(), k.clone()))
+                    .is_some_and(|t| t.2 >= *n as f64)
+            })
+        });
+        println!(
+            "  one more start: {} results arrived; tally reached the fold: {}",
+            watcher.received() - before,
+            if reached {
+                "yes (the inputs waited in the broker)"
+            } else {
+                "no"
+            }
+        );
+        soak.stop();
+    } else {
+        println!("  one more start failed");
+    }
+}
+
 fn main() {
     let seconds = env_u64("SOAK_SECONDS").unwrap_or(120);
     let seed = env_u64("SOAK_SEED").unwrap_or(0x50A4_2026);
@@ -742,6 +850,10 @@ fn main() {
     };
     let mut stream = Stream::new(seed);
     let mut accepted: Vec<Event> = Vec::new();
+    // Per accepted event, the step that published it; per step, when it began and what it did
+    // (for the diagnosis of a loss).
+    let mut accepted_step: Vec<u64> = Vec::new();
+    let mut steps: Vec<(f64, Action)> = Vec::new();
     let mut published = 0u64;
     let t0 = Instant::now();
     let mut ok = soak.start(&[]);
@@ -752,6 +864,7 @@ fn main() {
         step += 1;
         let action = Action::pick(&mut soak.rng, soak.cut.is_some());
         *soak.tally.steps.entry(format!("{action:?}")).or_default() += 1;
+        steps.push((t0.elapsed().as_secs_f64(), action));
         let n = 100 + soak.rng.below(1_400) as usize;
         let batch = stream.batch(n);
         let msgs: Vec<(String, Vec<u8>, bool)> = batch
@@ -776,7 +889,10 @@ fn main() {
             publisher.join().expect("the publisher (every PUBACK)");
         }
         published += n as u64;
-        accepted.extend(batch.into_iter().filter_map(|(_, e)| e));
+        for e in batch.into_iter().filter_map(|(_, e)| e) {
+            accepted.push(e);
+            accepted_step.push(step);
+        }
         if step % 20 == 0 {
             let w = watcher.state.lock().unwrap();
             println!(
@@ -958,6 +1074,17 @@ fn main() {
         for line in list.iter().take(10) {
             println!("  {what}: {line}");
         }
+    }
+    if lost > 0 || !drained {
+        drop(w);
+        diagnose_loss(
+            &mut soak,
+            &accepted,
+            &accepted_step,
+            &steps,
+            &oracle,
+            &watcher,
+        );
     }
     if failed {
         println!(
