@@ -24,6 +24,7 @@ use crate::model::{QOS_TOO_LARGE, Record, TooLarge};
 use crate::mqtt::{AckToken, Incoming, Mqtt};
 
 use super::error::{AgentError, failpoint};
+use super::held_ids::{Arrival, HeldIds};
 
 /// The most that inputs held under backpressure may take, in bytes (topic, payload and
 /// bookkeeping). Past it an input is let go, unacknowledged: the broker keeps it, and once
@@ -50,7 +51,8 @@ pub(crate) struct Counts {
     pub(crate) log_commits: u64,
     /// Inputs over `log.max_payload`, logged as `too_large` stand-ins.
     pub(crate) oversize: u64,
-    /// Inputs let go under backpressure (see [`HELD_LIMIT`]).
+    /// Inputs let go under backpressure (see [`HELD_LIMIT`]), or under a packet id the
+    /// broker reused while an earlier input held it (see [`super::held_ids`]).
     pub(crate) held_let_go: u64,
     pub(crate) reconnects: u64,
 }
@@ -66,6 +68,8 @@ pub(crate) struct Ingest {
     redeliver: bool,
     /// When backpressure last went off (`None` while on).
     backpressure_off_at: Option<Instant>,
+    /// The packet ids of inputs received on this connection and not yet acknowledged.
+    held_ids: HeldIds,
     pub(crate) counts: Counts,
 }
 
@@ -80,13 +84,35 @@ impl Ingest {
             space,
             redeliver: false,
             backpressure_off_at: None,
+            held_ids: HeldIds::new(),
             counts: Counts::default(),
         }
     }
 
     /// A message arrived: `Some` to append now, `None` if held (or let go).
-    pub(crate) fn arrive(&mut self, m: Incoming) -> Option<Incoming> {
+    pub(crate) fn arrive(&mut self, m: Incoming, now: Instant) -> Option<Incoming> {
         self.counts.received += 1;
+        if let Some(id) = m.token.held_as()
+            && let Arrival::Reused { first } = self.held_ids.arrive(id)
+        {
+            // Its ack would remove the earlier input under this id from the broker (see
+            // `held_ids`): let it go; the reconnect brings both again.
+            self.counts.held_let_go += 1;
+            self.redeliver = true;
+            if !self.queue.backpressure() {
+                self.backpressure_off_at.get_or_insert(now);
+            }
+            if first {
+                crate::event!(warn, "mqtt_packet_id_reused";
+                    "the broker sent an input under packet id {} while an earlier one it holds \
+                     for us, unacknowledged, has it (mosquitto before 2.0.13 reuses ids past \
+                     65,535 unacknowledged messages): let go, and the agent reconnects so that \
+                     the broker sends both again; acknowledging it would drop the earlier one",
+                    id.1
+                );
+            }
+            return None;
+        }
         self.queue.arrive(m)
     }
 
@@ -204,6 +230,9 @@ impl Ingest {
     /// tests/it/e2e.rs, where mosquitto 2.0.11 outran `max_inflight_messages`).
     fn send_acks(&mut self, mqtt: &Mqtt) -> Result<(), AgentError> {
         for t in self.queue.acks_to_send(mqtt.ack_room()) {
+            if let Some(id) = t.held_as() {
+                self.held_ids.acked(id);
+            }
             mqtt.ack(t)?;
             self.counts.acked += 1;
         }

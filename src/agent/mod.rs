@@ -41,6 +41,7 @@
 
 mod error;
 mod figures;
+mod held_ids;
 mod host;
 mod ingest;
 mod keeper;
@@ -283,7 +284,7 @@ impl Agent {
         match ev {
             Event::Message(m) => {
                 self.host.saw(&m.topic, &m.payload, &self.mqtt);
-                if let Some(m) = self.ingest.arrive(m) {
+                if let Some(m) = self.ingest.arrive(m, self.clock.monotonic()) {
                     self.ingest
                         .append(&mut self.log, m, &self.cfg, self.clock.as_ref())?;
                 }

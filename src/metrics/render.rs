@@ -215,8 +215,9 @@ fn ingest(o: &mut Out, f: &Figures) {
     o.one(
         "cairn_held_let_go_total",
         COUNTER,
-        "Inputs received under backpressure past the bound of held ones: not appended, not \
-         acknowledged; the agent reconnects once backpressure ends and the broker re-sends them.",
+        "Inputs received under backpressure past the bound of held ones, or under a packet id \
+         an earlier unacknowledged input holds: not appended, not acknowledged; the agent \
+         reconnects once backpressure ends and the broker re-sends them.",
         f.held_let_go as f64,
     );
     o.one(

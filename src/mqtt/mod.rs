@@ -151,6 +151,15 @@ pub struct AckToken {
     qos: u8,
 }
 
+impl AckToken {
+    /// The connection and the packet id under which the broker holds this message until it
+    /// is acknowledged: `None` for QoS 0 (the broker holds nothing) and for a message that
+    /// came on an earlier connection (its ack is dropped; the broker sends it again).
+    pub fn held_as(&self) -> Option<(u64, u16)> {
+        (self.qos > 0 && self.epoch != 0).then_some((self.epoch, self.pkid))
+    }
+}
+
 /// A message received from the broker.
 #[derive(Debug)]
 pub struct Incoming {

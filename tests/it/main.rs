@@ -43,6 +43,7 @@ mod progress;
 mod readme;
 mod reload;
 mod retention;
+mod reused_ids;
 mod savepoint;
 mod sinks;
 mod snippet;
