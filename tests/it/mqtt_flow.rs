@@ -8,8 +8,8 @@
 //! (acks included) while its own outgoing window is full; with a window no larger than ours,
 //! the PUBACKs below would never arrive.
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::io::Write;
+use std::net::TcpListener;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::time::{Duration, Instant};
 
@@ -26,24 +26,6 @@ const MESSAGES: u16 = 50;
 enum Seen {
     Publish,
     PubAck(u16),
-}
-
-fn read_packet(s: &mut TcpStream) -> Option<(u8, Vec<u8>)> {
-    let mut head = [0u8; 1];
-    s.read_exact(&mut head).ok()?;
-    let (mut len, mut shift) = (0usize, 0);
-    loop {
-        let mut b = [0u8; 1];
-        s.read_exact(&mut b).ok()?;
-        len |= usize::from(b[0] & 0x7f) << shift;
-        shift += 7;
-        if b[0] & 0x80 == 0 || shift > 21 {
-            break;
-        }
-    }
-    let mut body = vec![0u8; len];
-    s.read_exact(&mut body).ok()?;
-    Some((head[0], body))
 }
 
 fn publish_packet(pkid: u16) -> Vec<u8> {
@@ -65,7 +47,7 @@ fn scripted_broker(listener: TcpListener, seen: Sender<Seen>) {
     };
     let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
     let mut publishes = 0;
-    while let Some((head, body)) = read_packet(&mut s) {
+    while let Some((head, body)) = support::read_mqtt_packet(&mut s) {
         let reply: Vec<u8> = match head >> 4 {
             1 => vec![0x20, 2, 0, 0],                // CONNECT → CONNACK, no session
             8 => vec![0x90, 3, body[0], body[1], 1], // SUBSCRIBE → SUBACK QoS 1

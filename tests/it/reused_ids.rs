@@ -15,7 +15,7 @@
 //! new connection is sent everything still in flight, in order.
 
 use std::collections::HashSet;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -24,7 +24,7 @@ use std::time::Duration;
 use serde_json::json;
 
 use crate::support::agent::{AgentConfig, CairnProcess};
-use crate::support::wait_until;
+use crate::support::{self, wait_until};
 
 /// Inputs of the first burst: past what a 2 MiB log and the 4 MiB bound of held input take,
 /// so that the last ones are let go.
@@ -48,24 +48,6 @@ fn remaining_length(mut n: usize) -> Vec<u8> {
             return out;
         }
     }
-}
-
-fn read_packet(s: &mut TcpStream) -> Option<(u8, Vec<u8>)> {
-    let mut head = [0u8; 1];
-    s.read_exact(&mut head).ok()?;
-    let (mut len, mut shift) = (0usize, 0);
-    loop {
-        let mut b = [0u8; 1];
-        s.read_exact(&mut b).ok()?;
-        len |= usize::from(b[0] & 0x7f) << shift;
-        shift += 7;
-        if b[0] & 0x80 == 0 || shift > 21 {
-            break;
-        }
-    }
-    let mut body = vec![0u8; len];
-    s.read_exact(&mut body).ok()?;
-    Some((head[0], body))
 }
 
 /// One input of the stream: its event ID and the packet id the broker gives it.
@@ -118,7 +100,7 @@ fn scripted_broker(listener: TcpListener, session: Arc<Mutex<Session>>, stop: Ar
 fn serve(mut s: TcpStream, session: &Mutex<Session>) {
     let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
     let mut subscribed_inputs = false;
-    while let Some((head, body)) = read_packet(&mut s) {
+    while let Some((head, body)) = support::read_mqtt_packet(&mut s) {
         let reply: Vec<u8> = match head >> 4 {
             1 => {
                 // CONNECT → CONNACK, with the session from the second connection on.

@@ -752,3 +752,25 @@ impl Drop for Collector {
         }
     }
 }
+
+/// One MQTT packet from a scripted broker's client: the fixed header's first byte and the
+/// body (`None` at the end of the stream). For tests that play a broker on loopback
+/// (`mqtt_flow.rs`, `reused_ids.rs`).
+pub fn read_mqtt_packet(s: &mut std::net::TcpStream) -> Option<(u8, Vec<u8>)> {
+    use std::io::Read;
+    let mut head = [0u8; 1];
+    s.read_exact(&mut head).ok()?;
+    let (mut len, mut shift) = (0usize, 0);
+    loop {
+        let mut b = [0u8; 1];
+        s.read_exact(&mut b).ok()?;
+        len |= usize::from(b[0] & 0x7f) << shift;
+        shift += 7;
+        if b[0] & 0x80 == 0 || shift > 21 {
+            break;
+        }
+    }
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body).ok()?;
+    Some((head[0], body))
+}
