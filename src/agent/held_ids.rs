@@ -49,8 +49,13 @@ impl HeldIds {
 
     /// An input arrived under `(epoch, packet id)` ([`crate::mqtt::AckToken::held_as`]).
     pub(crate) fn arrive(&mut self, (epoch, pkid): (u64, u16)) -> Arrival {
-        if epoch != self.epoch {
-            // Connections only follow one another: the old one's ids mean nothing now.
+        if epoch < self.epoch {
+            // From a connection already gone: its ack is dropped (`AckToken`), and the ids of
+            // the one now up stay as they are.
+            return Arrival::Held;
+        }
+        if epoch > self.epoch {
+            // A new connection: the old one's ids mean nothing now.
             self.epoch = epoch;
             self.bits.clear();
             self.reported = false;
@@ -110,6 +115,18 @@ mod tests {
             "the old connection's ack freed nothing"
         );
         assert_eq!(ids.arrive((2, 1)), Arrival::Held);
+    }
+
+    #[test]
+    fn an_input_from_a_connection_already_gone_leaves_the_new_ones_ids_alone() {
+        let mut ids = HeldIds::new();
+        assert_eq!(ids.arrive((5, 9)), Arrival::Held);
+        assert_eq!(
+            ids.arrive((4, 9)),
+            Arrival::Held,
+            "its ack is dropped anyway"
+        );
+        assert_eq!(ids.arrive((5, 9)), Arrival::Reused { first: true });
     }
 
     #[test]
