@@ -105,8 +105,8 @@ impl Ingest {
             if first {
                 crate::event!(warn, "mqtt_packet_id_reused";
                     "the broker sent an input under packet id {} while an earlier one it holds \
-                     for us, unacknowledged, has it (mosquitto before 2.0.13 reuses ids past \
-                     65,535 unacknowledged messages): let go, and the agent reconnects so that \
+                     for us, unacknowledged, has it (mosquitto 2.0.11 reuses ids past 65,535 \
+                     unacknowledged messages): let go, and the agent reconnects so that \
                      the broker sends both again; acknowledging it would drop the earlier one",
                     id.1
                 );
