@@ -1201,6 +1201,107 @@ struct ResultBody<'a> {
     window_start: Option<u64>,
 }
 
+/// A stored result's body as [`ResultBody`] wrote it, read back with its value's bytes as
+/// they are (numbers are never parsed and printed again).
+#[derive(serde::Deserialize)]
+struct StoredBody<'a> {
+    count: u64,
+    id: std::borrow::Cow<'a, str>,
+    key: std::borrow::Cow<'a, str>,
+    pipeline: std::borrow::Cow<'a, str>,
+    #[serde(borrow, default, deserialize_with = "raw_present")]
+    value: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow, default, deserialize_with = "raw_present")]
+    values: Option<&'a serde_json::value::RawValue>,
+    version: u64,
+    #[serde(default)]
+    window_end: Option<u64>,
+    #[serde(default)]
+    window_start: Option<u64>,
+}
+
+/// A field that is there, `null` included (which `Option` would read as absent).
+fn raw_present<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<&'de serde_json::value::RawValue>, D::Error> {
+    serde::Deserialize::deserialize(d).map(Some)
+}
+
+/// [`ResultBody`]'s fields in its order, the value as raw bytes.
+#[derive(serde::Serialize)]
+struct MovedBody<'a> {
+    count: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    generation: Option<u32>,
+    id: &'a str,
+    key: &'a str,
+    pipeline: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    value: Option<&'a serde_json::value::RawValue>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    values: Option<&'a serde_json::value::RawValue>,
+    version: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    window_end: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    window_start: Option<u64>,
+}
+
+/// `out`, a result of pipeline `pipeline`, as the engine would have emitted it in
+/// `generation`: its ID's prefix and the body's `id` and `generation` changed, nothing else
+/// (the topic carries no generation). A savepoint restore moves the restored outbox into
+/// the pipeline's new generation with this (`processor::plan`). Errors when `out` is not a
+/// result of `pipeline` the engine wrote.
+pub(crate) fn in_generation(
+    out: &Output,
+    pipeline: &str,
+    generation: u32,
+) -> Result<Output, String> {
+    let (prefix, rest) = out
+        .id
+        .split_once('/')
+        .ok_or_else(|| format!("output ID `{}` has no key", out.id))?;
+    let name = prefix.split_once('@').map_or(prefix, |(n, _)| n);
+    if name != pipeline {
+        return Err(format!(
+            "output ID `{}` is not of pipeline `{pipeline}`",
+            out.id
+        ));
+    }
+    let body: StoredBody = serde_json::from_slice(&out.payload)
+        .map_err(|e| format!("result `{}` does not read as a result body: {e}", out.id))?;
+    if body.id != out.id || body.pipeline != pipeline {
+        return Err(format!(
+            "result `{}` carries the ID `{}` of pipeline `{}`",
+            out.id, body.id, body.pipeline
+        ));
+    }
+    let new = PipelineProgress {
+        name: pipeline.to_string(),
+        generation,
+        ..PipelineProgress::default()
+    };
+    let id = format!("{}/{rest}", new.id_prefix());
+    let moved = MovedBody {
+        count: body.count,
+        generation: (generation > 1).then_some(generation),
+        id: &id,
+        key: &body.key,
+        pipeline,
+        value: body.value,
+        values: body.values,
+        version: body.version,
+        window_end: body.window_end,
+        window_start: body.window_start,
+    };
+    let payload = serde_json::to_vec(&moved).expect("a result body always serializes");
+    Ok(Output {
+        id,
+        payload,
+        ..out.clone()
+    })
+}
+
 fn start_of(skey: &[u8]) -> u64 {
     u64::from_be_bytes(skey[..8].try_into().expect("windowed key has 8-byte start"))
 }
@@ -1256,6 +1357,92 @@ mod tests {
                         String::from_utf8(as_map(&b)).unwrap()
                     );
                 }
+            }
+        }
+    }
+
+    /// A result moved into another generation (a savepoint restore) has the bytes the
+    /// engine emits for the same state in that generation: the ID and the body's `id` and
+    /// `generation`, nothing else; the value's bytes are never parsed and printed again.
+    #[test]
+    fn a_result_moved_into_a_generation_is_the_one_the_engine_emits_there() {
+        let aggs = [r#""sum""#, r#""min""#, r#"["avg", "max", "p95"]"#];
+        for agg in aggs {
+            for window in ["", "window = { size = \"1m\" }"] {
+                let spec = crate::config::pipeline_from_toml(&format!(
+                    "name = \"p_1\"\ntopics = [\"in/#\"]\nevent_id = \"/id\"\nkey = \"/k\"\n\
+                     value = \"/v\"\naggregate = {agg}\noutput_topic = \"o/{{key}}\"\n\
+                     emit = \"changelog\"\n{window}\n"
+                ))
+                .unwrap();
+                let emitted = |generation: u32| {
+                    let progress = Progress {
+                        pipelines: vec![PipelineProgress::new(&spec, generation)],
+                        ..Progress::default()
+                    };
+                    let mut e = Engine::new(vec![spec.clone()], progress);
+                    let mut outs = Vec::new();
+                    for (i, v) in ["0.1", "-1e-3", "12345.678", "-7"].iter().enumerate() {
+                        let rec = Record {
+                            offset: i as u64,
+                            received_at_ms: 1,
+                            topic: "in/a".into(),
+                            payload: format!(r#"{{"id":"e{i}","k":"k \"q\" / é","v":{v},"t":1}}"#)
+                                .into_bytes(),
+                            qos: 1,
+                            retain: false,
+                        };
+                        let state = crate::pipeline::memory::MemState::default();
+                        let got = e.apply(&state, &rec).unwrap();
+                        assert!(matches!(got[..], [Outcome::Applied { .. }]), "{got:?}");
+                        outs.extend(e.take_checkpoint().batch.outputs);
+                    }
+                    outs
+                };
+                let (one, seven) = (emitted(1), emitted(7));
+                assert_eq!(one.len(), 4);
+                for ((_, a), (_, b)) in one.iter().zip(&seven) {
+                    assert_eq!(&in_generation(a, "p_1", 7).unwrap(), b, "{agg} {window}");
+                    assert_eq!(&in_generation(b, "p_1", 1).unwrap(), a, "{agg} {window}");
+                    let nine = in_generation(b, "p_1", 9).unwrap();
+                    assert!(nine.id.starts_with("p_1@9/"), "{}", nine.id);
+                    assert_eq!(
+                        in_generation(&nine, "p_1", 7).as_ref(),
+                        Ok(b),
+                        "{agg} {window}"
+                    );
+                }
+                let (_, a) = &one[0];
+                assert!(in_generation(a, "p_2", 7).is_err(), "another pipeline's");
+                let null = serde_json::Value::Null;
+                let body = |id: &str, generation| {
+                    serde_json::to_vec(&ResultBody {
+                        count: 0,
+                        generation,
+                        id,
+                        key: "k",
+                        pipeline: "p_1",
+                        value: Some(&null),
+                        values: None,
+                        version: 3,
+                        window_end: None,
+                        window_start: None,
+                    })
+                    .unwrap()
+                };
+                let nulled = Output {
+                    payload: body("p_1/k/3", None),
+                    id: "p_1/k/3".into(),
+                    ..a.clone()
+                };
+                assert_eq!(
+                    in_generation(&nulled, "p_1", 2).unwrap().payload,
+                    body("p_1@2/k/3", Some(2)),
+                    "a null value stays"
+                );
+                let mut bad = a.clone();
+                bad.payload = b"{}".to_vec();
+                assert!(in_generation(&bad, "p_1", 7).is_err(), "not a result body");
             }
         }
     }

@@ -43,7 +43,15 @@ pub(super) fn commit(
     let progress = plan.apply(&store.progress()?, &specs);
     if plan.changes_progress() {
         let wiped: Vec<&str> = plan.wipe.iter().map(String::as_str).collect();
-        store.reset_pipelines(&wiped, &progress)?;
+        let (moved, dropped) = store.commit_start(&wiped, &progress, &plan.outbox)?;
+        if moved + dropped > 0 {
+            crate::event!(warn, "restored_outbox_moved";
+                "savepoint restored: {moved} waiting results of the restored outbox go out in \
+                 their pipeline's new generation, not under the IDs of the generation the \
+                 restore ended (newer versions of those may have gone out since the \
+                 savepoint); {dropped} of pipelines reset or dropped at this start were dropped"
+            );
+        }
     }
     plan.generations.save(store.durability())?;
     Ok(Processor::over(store, specs, progress))

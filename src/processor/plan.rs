@@ -135,6 +135,10 @@ pub(crate) struct Plan {
     pub(crate) notes: Vec<Note>,
     /// A restore marker was read: remove it once the plan is committed.
     pub(crate) clear_restored: bool,
+    /// After a restore, what becomes of the restored outbox's waiting results, per
+    /// pipeline: moved into its new generation, or dropped (`None`) with a reset or dropped
+    /// pipeline. Results of other pipelines (none stored) stay as they are.
+    pub(crate) outbox: Vec<(String, Option<u32>)>,
 }
 
 impl Plan {
@@ -159,9 +163,10 @@ impl Plan {
         }
     }
 
-    /// Whether carrying the plan out changes the stored progress record.
+    /// Whether carrying the plan out changes the stored progress record (or the outbox).
     pub(crate) fn changes_progress(&self) -> bool {
         !self.wipe.is_empty()
+            || !self.outbox.is_empty()
             || self
                 .actions
                 .iter()
@@ -439,6 +444,11 @@ pub(crate) fn decide(
             ),
         );
     }
+    let outbox = if restored {
+        restored_outbox(&actions, &wipe)
+    } else {
+        Vec::new()
+    };
     let plan = Plan {
         settle,
         actions,
@@ -446,6 +456,7 @@ pub(crate) fn decide(
         generations: gens,
         notes,
         clear_restored: restored,
+        outbox,
     };
     let after = plan.apply(progress, specs);
     let bytes = crate::store::progress_bytes_at_most(&after);
@@ -463,6 +474,22 @@ pub(crate) fn decide(
         });
     }
     Ok(plan)
+}
+
+/// After a restore: the restored outbox's results go on in their pipeline's new generation,
+/// or go with a pipeline reset or dropped at this start. Sent again under their old IDs,
+/// they would follow newer versions that went out after the savepoint, in the generation
+/// the restore ended, and set those keys back for a consumer that applies every new ID.
+fn restored_outbox(actions: &[(String, Action)], wipe: &[String]) -> Vec<(String, Option<u32>)> {
+    let mut out: Vec<(String, Option<u32>)> = actions
+        .iter()
+        .filter_map(|(name, a)| match a {
+            Action::NewGeneration { generation } => Some((name.clone(), Some(*generation))),
+            _ => None,
+        })
+        .collect();
+    out.extend(wipe.iter().map(|name| (name.clone(), None)));
+    out
 }
 
 /// Whether the log tail is settled under the last run's pipelines first: they differ from

@@ -101,7 +101,7 @@ use sled::Transactional;
 
 use crate::fsio::{Durability, SyncKind};
 use crate::model::{Backfill, DeadLetter, Output, Progress};
-use crate::pipeline::engine::{ReadError, ReadState};
+use crate::pipeline::engine::{ReadError, ReadState, in_generation};
 use crate::pipeline::value::KeyState;
 
 /// Checkpoint records kept for `cairn inspect checkpoints`.
@@ -750,7 +750,23 @@ impl Store {
         pipelines: &[&str],
         progress: &Progress,
     ) -> Result<(), StoreError> {
+        self.commit_start(pipelines, progress, &[]).map(|_| ())
+    }
+
+    /// [`Store::reset_pipelines`], and in the same transaction the outbox's waiting results
+    /// of each pipeline in `outbox` moved into the generation it names ([`in_generation`]),
+    /// or dropped for `None`. A savepoint restore asks for it: the restored outbox holds
+    /// results of the old generation that newer versions may have followed before the
+    /// restore, and sent again under their old IDs they would set those keys back
+    /// (`processor::plan`). Returns (moved, dropped).
+    pub(crate) fn commit_start(
+        &self,
+        pipelines: &[&str],
+        progress: &Progress,
+        outbox: &[(String, Option<u32>)],
+    ) -> Result<(u64, u64), StoreError> {
         self.upgrade_layout()?;
+        let (outbox_batch, moved, dropped) = self.outbox_into_generations(outbox)?;
         let (rows, spill) = self.forget_states(pipelines)?;
         let mut batches = [spill, sled::Batch::default(), sled::Batch::default()];
         for pipeline in pipelines {
@@ -771,6 +787,7 @@ impl Store {
             &self.dedup,
             &self.sparkplug,
             &self.rows,
+            &self.outbox,
         ];
         trees[..]
             .transaction(|tx| {
@@ -778,6 +795,7 @@ impl Store {
                 tx[2].apply_batch(&batches[1])?;
                 tx[3].apply_batch(&batches[2])?;
                 tx[4].apply_batch(&rows)?;
+                tx[5].apply_batch(&outbox_batch)?;
                 tx[0].insert(PROGRESS_KEY, progress.as_slice())?;
                 tx[0].insert(BACKFILL_KEY, backfill.as_slice())?;
                 tx[0].insert(FORMAT_KEY, &STORE_FORMAT.to_be_bytes())?;
@@ -796,8 +814,61 @@ impl Store {
             mem.ledgers = Ledgers::new(self.bounds.ledger_index_bytes());
             self.load_ledger(&mut mem)?;
         }
+        if moved + dropped > 0 {
+            // Keys changed with the IDs: count the waiting results again from the tree.
+            mem.outbox = OutboxMem::default();
+            self.load_outbox(&mut mem)?;
+        }
         drop(mem);
-        self.sync()
+        self.sync()?;
+        Ok((moved, dropped))
+    }
+
+    /// The outbox chunks rewritten as [`Store::commit_start`] asks: a batch for the tree,
+    /// and how many results were moved and dropped. A chunk with dropped results is cut
+    /// into runs of consecutive sequence numbers (each a chunk of its own, keyed by its
+    /// first), as every chunk must be; a moved one keeps its sequence number, so the sinks'
+    /// positions still say which results each has taken.
+    fn outbox_into_generations(
+        &self,
+        outbox: &[(String, Option<u32>)],
+    ) -> Result<(sled::Batch, u64, u64), StoreError> {
+        let mut batch = sled::Batch::default();
+        let (mut moved, mut dropped) = (0, 0);
+        if outbox.is_empty() {
+            return Ok((batch, moved, dropped));
+        }
+        let to = |id: &str| {
+            let prefix = id.split('/').next().unwrap_or(id);
+            let name = prefix.split('@').next().unwrap_or(prefix);
+            outbox.iter().find(|(n, _)| n == name).map(|(n, g)| (n, *g))
+        };
+        for kv in self.outbox.iter() {
+            let (k, v) = kv?;
+            let entries: Vec<(u64, Output)> = decode("outbox chunk", &v)?;
+            if !entries.iter().any(|(_, o)| to(&o.id).is_some()) {
+                continue;
+            }
+            let mut kept = Vec::with_capacity(entries.len());
+            for (seq, o) in entries {
+                match to(&o.id) {
+                    None => kept.push((seq, o)),
+                    Some((_, None)) => dropped += 1,
+                    Some((name, Some(generation))) => {
+                        let o = in_generation(&o, name, generation)
+                            .map_err(|why| StoreError::Corrupt(format!("outbox: {why}")))?;
+                        kept.push((seq, o));
+                        moved += 1;
+                    }
+                }
+            }
+            batch.remove(k);
+            for (first, chunk) in outbox::make_chunks(kept) {
+                let key = first.to_be_bytes();
+                batch.insert(&key, bounded("outbox", &key, encode(&chunk))?);
+            }
+        }
+        Ok((batch, moved, dropped))
     }
 }
 

@@ -171,6 +171,11 @@ impl Store {
                 ..DeadLetterStats::default()
             },
         };
+        self.load_outbox(&mut mem)
+    }
+
+    /// Count the outbox's waiting results from the tree into `mem` (empty before).
+    pub(super) fn load_outbox(&self, mem: &mut Mem) -> Result<(), StoreError> {
         let mut emptied = Vec::new();
         for kv in self.outbox.iter() {
             let (k, v) = kv?;

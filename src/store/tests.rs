@@ -1399,3 +1399,86 @@ fn lookups_beside_a_commit_find_every_recorded_id_and_no_other() {
         None
     );
 }
+
+/// A savepoint restore's start (`processor::plan`): the waiting results of one pipeline
+/// move into its new generation under the same sequence numbers, those of a pipeline reset
+/// at that start go, in one transaction that a reopened store reads back.
+#[test]
+fn a_start_moves_one_pipelines_waiting_results_into_a_generation_and_drops_anothers() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let store = Store::open(&path, 1 << 20, fsio::real()).unwrap();
+    let mut changelog = spec();
+    changelog.emit = Emit::Changelog;
+    let mut other = changelog.clone();
+    other.name = "other".into();
+    other.output_topic = "other/{key}".into();
+    let specs = vec![changelog, other];
+    let mut engine = Engine::new(specs.clone(), store.progress().unwrap());
+    for round in 0..3u64 {
+        for i in 0..40 {
+            let offset = round * 40 + i;
+            engine
+                .apply(&store, &rec(offset, &format!("E{offset}/K{}/{i}", i % 7)))
+                .unwrap();
+        }
+        store.commit(&engine.take_checkpoint(), 0).unwrap();
+    }
+    let before: Vec<(u64, Output)> = store.outbox_from(0).map(|r| r.unwrap()).collect();
+    assert_eq!(
+        before.len(),
+        240,
+        "changelog: every result of both pipelines waits"
+    );
+    let progress = store.progress().unwrap();
+    let moves = [
+        ("balances".to_string(), Some(3)),
+        ("other".to_string(), None),
+    ];
+    assert_eq!(
+        store.commit_start(&[], &progress, &moves).unwrap(),
+        (120, 120)
+    );
+    drop(store);
+    let store = Store::open(&path, 1 << 20, fsio::real()).unwrap();
+    let after: Vec<(u64, Output)> = store.outbox_from(0).map(|r| r.unwrap()).collect();
+    let expected: Vec<(u64, Output)> = before
+        .iter()
+        .filter(|(_, o)| o.id.starts_with("balances/"))
+        .map(|(s, o)| (*s, in_generation(o, "balances", 3).unwrap()))
+        .collect();
+    assert_eq!(after, expected);
+    assert_eq!(store.outbox_len(), 120);
+    for (_, o) in &after {
+        let body: serde_json::Value = serde_json::from_slice(&o.payload).unwrap();
+        assert!(o.id.starts_with("balances@3/"), "{}", o.id);
+        assert_eq!(
+            (body["id"].as_str(), body["generation"].as_u64()),
+            (Some(o.id.as_str()), Some(3))
+        );
+    }
+    // A crash before the restore marker was removed: the next start moves them again, into
+    // the generation after, and nothing went out in between (the sinks start after).
+    let again = [("balances".to_string(), Some(4))];
+    let progress = store.progress().unwrap();
+    assert_eq!(
+        store.commit_start(&[], &progress, &again).unwrap(),
+        (120, 0)
+    );
+    let fourth: Vec<(u64, Output)> = store.outbox_from(0).map(|r| r.unwrap()).collect();
+    let expected4: Vec<(u64, Output)> = expected
+        .iter()
+        .map(|(s, o)| (*s, in_generation(o, "balances", 4).unwrap()))
+        .collect();
+    assert_eq!(fourth, expected4);
+    // The pipeline's next result in its generation goes in after them, a version higher.
+    let mut progress = store.progress().unwrap();
+    progress.pipelines[0].generation = 4;
+    let mut engine = Engine::new(specs, progress);
+    engine.apply(&store, &rec(120, "E120/K0/1")).unwrap();
+    let cp = engine.take_checkpoint();
+    let (_, next) = &cp.batch.outputs[0];
+    assert!(next.id.starts_with("balances@4/K0/"), "{}", next.id);
+    store.commit(&cp, 0).unwrap();
+    assert_eq!(store.outbox_len(), 122, "and one of `other`, new");
+}

@@ -430,3 +430,40 @@ fn pipelines_whose_progress_record_cannot_fit_are_refused_dormant_ones_counted()
     let reset: Vec<String> = (0..20).map(|i| format!("a{i}")).collect();
     assert!(decide(&stored_first, &second, &reset).is_ok());
 }
+
+/// After a restore the restored outbox's results go on in their pipeline's new generation,
+/// dormant ones included, and go with a pipeline reset or dropped at that start; at any
+/// other start the outbox is left alone.
+#[test]
+fn a_restore_moves_the_restored_outbox_into_the_new_generations() {
+    let (a, b, c, d) = (spec("a", ""), spec("b", ""), spec("c", ""), spec("d", ""));
+    let left = || {
+        found(
+            vec![
+                stored(&a, 1, None),
+                stored(&b, 4, None),
+                stored(&c, 2, None),
+                stored(&d, 1, None),
+            ],
+            LastRun::Ran(vec![a.clone(), b.clone(), c.clone(), d.clone()]),
+        )
+    };
+    let restored = Found {
+        restored: Some("checkpoint 7".into()),
+        ..left()
+    };
+    let resets = ["b".to_string(), "d".to_string()];
+    let plan = decide(&restored, &[a.clone(), b.clone()], &resets).unwrap();
+    assert_eq!(
+        plan.outbox,
+        vec![
+            ("a".to_string(), Some(2)),
+            ("c".to_string(), Some(3)),
+            ("b".to_string(), None),
+            ("d".to_string(), None),
+        ]
+    );
+    assert!(plan.changes_progress());
+    let plain = decide(&left(), &[a.clone(), b.clone()], &resets).unwrap();
+    assert!(plain.outbox.is_empty(), "{:?}", plain.outbox);
+}
