@@ -805,7 +805,16 @@ fn diagnose_loss(
     }
 }
 
+/// The soak, then its exit status. Everything it started (the broker, the agent, the power-cut
+/// filesystem) is stopped by the drops when `run` returns, failed or not.
 fn main() {
+    if !run() {
+        std::process::exit(1);
+    }
+}
+
+/// Whether the soak passed.
+fn run() -> bool {
     let seconds = env_u64("SOAK_SECONDS").unwrap_or(120);
     let seed = env_u64("SOAK_SEED").unwrap_or(0x50A4_2026);
     let powercut = std::path::Path::new("/dev/fuse").exists();
@@ -1091,11 +1100,13 @@ fn main() {
             "soak: FAILED (seed {seed}); the agent's stderr: {}",
             soak.agent.stderr_path().display()
         );
-        // Keep the agent's directory for the reader.
+        // Keep the agent's directory for the reader; stop its process first.
+        soak.agent.kill();
         let kept = soak.agent.dir().to_path_buf();
         std::mem::forget(soak.agent);
         println!("kept {}", kept.display());
-        std::process::exit(1);
+        return false;
     }
     println!("soak: passed");
+    true
 }

@@ -1201,52 +1201,6 @@ struct ResultBody<'a> {
     window_start: Option<u64>,
 }
 
-/// A stored result's body as [`ResultBody`] wrote it, read back with its value's bytes as
-/// they are (numbers are never parsed and printed again).
-#[derive(serde::Deserialize)]
-struct StoredBody<'a> {
-    count: u64,
-    id: std::borrow::Cow<'a, str>,
-    key: std::borrow::Cow<'a, str>,
-    pipeline: std::borrow::Cow<'a, str>,
-    #[serde(borrow, default, deserialize_with = "raw_present")]
-    value: Option<&'a serde_json::value::RawValue>,
-    #[serde(borrow, default, deserialize_with = "raw_present")]
-    values: Option<&'a serde_json::value::RawValue>,
-    version: u64,
-    #[serde(default)]
-    window_end: Option<u64>,
-    #[serde(default)]
-    window_start: Option<u64>,
-}
-
-/// A field that is there, `null` included (which `Option` would read as absent).
-fn raw_present<'de, D: serde::Deserializer<'de>>(
-    d: D,
-) -> Result<Option<&'de serde_json::value::RawValue>, D::Error> {
-    serde::Deserialize::deserialize(d).map(Some)
-}
-
-/// [`ResultBody`]'s fields in its order, the value as raw bytes.
-#[derive(serde::Serialize)]
-struct MovedBody<'a> {
-    count: u64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    generation: Option<u32>,
-    id: &'a str,
-    key: &'a str,
-    pipeline: &'a str,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    value: Option<&'a serde_json::value::RawValue>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    values: Option<&'a serde_json::value::RawValue>,
-    version: u64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    window_end: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    window_start: Option<u64>,
-}
-
 /// `out`, a result of pipeline `pipeline`, as the engine would have emitted it in
 /// `generation`: its ID's prefix and the body's `id` and `generation` changed, nothing else
 /// (the topic carries no generation). A savepoint restore moves the restored outbox into
@@ -1268,12 +1222,19 @@ pub(crate) fn in_generation(
             out.id
         ));
     }
-    let body: StoredBody = serde_json::from_slice(&out.payload)
-        .map_err(|e| format!("result `{}` does not read as a result body: {e}", out.id))?;
-    if body.id != out.id || body.pipeline != pipeline {
+    // The body's fields in the order of their names, as `ResultBody` writes them (and the
+    // sorted map before it did), each value's bytes as they are: nothing is parsed and
+    // printed again but the two fields that change.
+    let mut body: BTreeMap<String, &serde_json::value::RawValue> =
+        serde_json::from_slice(&out.payload)
+            .map_err(|e| format!("result `{}` does not read as a result body: {e}", out.id))?;
+    let said = body
+        .get("id")
+        .map(|v| serde_json::from_str::<String>(v.get()));
+    if !matches!(said, Some(Ok(ref id)) if *id == out.id) {
         return Err(format!(
-            "result `{}` carries the ID `{}` of pipeline `{}`",
-            out.id, body.id, body.pipeline
+            "result `{}` carries another ID in its body",
+            out.id
         ));
     }
     let new = PipelineProgress {
@@ -1282,19 +1243,15 @@ pub(crate) fn in_generation(
         ..PipelineProgress::default()
     };
     let id = format!("{}/{rest}", new.id_prefix());
-    let moved = MovedBody {
-        count: body.count,
-        generation: (generation > 1).then_some(generation),
-        id: &id,
-        key: &body.key,
-        pipeline,
-        value: body.value,
-        values: body.values,
-        version: body.version,
-        window_end: body.window_end,
-        window_start: body.window_start,
-    };
-    let payload = serde_json::to_vec(&moved).expect("a result body always serializes");
+    let id_json = serde_json::value::to_raw_value(&id).expect("a string serializes");
+    let gen_json = serde_json::value::to_raw_value(&generation).expect("a number serializes");
+    body.insert("id".into(), &id_json);
+    if generation > 1 {
+        body.insert("generation".into(), &gen_json);
+    } else {
+        body.remove("generation");
+    }
+    let payload = serde_json::to_vec(&body).expect("a result body always serializes");
     Ok(Output {
         id,
         payload,
@@ -1439,6 +1396,16 @@ mod tests {
                     in_generation(&nulled, "p_1", 2).unwrap().payload,
                     body("p_1@2/k/3", Some(2)),
                     "a null value stays"
+                );
+                // A body of another shape (an older build's, say) keeps its other fields.
+                let older = Output {
+                    payload: br#"{"id":"p_1/k/3","key":"k","value":1.50}"#.to_vec(),
+                    id: "p_1/k/3".into(),
+                    ..a.clone()
+                };
+                assert_eq!(
+                    in_generation(&older, "p_1", 2).unwrap().payload,
+                    br#"{"generation":2,"id":"p_1@2/k/3","key":"k","value":1.50}"#
                 );
                 let mut bad = a.clone();
                 bad.payload = b"{}".to_vec();

@@ -43,13 +43,22 @@ pub(super) fn commit(
     let progress = plan.apply(&store.progress()?, &specs);
     if plan.changes_progress() {
         let wiped: Vec<&str> = plan.wipe.iter().map(String::as_str).collect();
-        let (moved, dropped) = store.commit_start(&wiped, &progress, &plan.outbox)?;
-        if moved + dropped > 0 {
+        let done = store.commit_start(&wiped, &progress, &plan.outbox)?;
+        if done.moved + done.dropped > 0 {
             crate::event!(warn, "restored_outbox_moved";
-                "savepoint restored: {moved} waiting results of the restored outbox go out in \
+                "savepoint restored: {} waiting results of the restored outbox go out in \
                  their pipeline's new generation, not under the IDs of the generation the \
                  restore ended (newer versions of those may have gone out since the \
-                 savepoint); {dropped} of pipelines reset or dropped at this start were dropped"
+                 savepoint); {} of pipelines reset or dropped at this start were dropped",
+                done.moved,
+                done.dropped
+            );
+        }
+        if let Some(why) = done.unmoved {
+            crate::event!(warn, "restored_outbox_unmoved";
+                "savepoint restored: some waiting results of the restored outbox stay in their \
+                 old generation ({why}); a consumer keeping the highest (generation, version) \
+                 per key is not affected"
             );
         }
     }

@@ -740,6 +740,17 @@ impl Syncer {
     }
 }
 
+/// What a start did to the restored outbox ([`Store::commit_start`]).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Moved {
+    /// Results moved into their pipeline's new generation.
+    pub(crate) moved: u64,
+    /// Results of pipelines reset or dropped, dropped.
+    pub(crate) dropped: u64,
+    /// Why the first result that could not be moved was not (it stays as it was).
+    pub(crate) unmoved: Option<String>,
+}
+
 impl Store {
     /// Forget the state, dedup ledgers and Sparkplug sessions of `pipelines` (reset, or dropped because no
     /// longer configured) and record `progress`, all in one transaction followed by the
@@ -758,15 +769,15 @@ impl Store {
     /// or dropped for `None`. A savepoint restore asks for it: the restored outbox holds
     /// results of the old generation that newer versions may have followed before the
     /// restore, and sent again under their old IDs they would set those keys back
-    /// (`processor::plan`). Returns (moved, dropped).
+    /// (`processor::plan`). Returns what became of them.
     pub(crate) fn commit_start(
         &self,
         pipelines: &[&str],
         progress: &Progress,
         outbox: &[(String, Option<u32>)],
-    ) -> Result<(u64, u64), StoreError> {
+    ) -> Result<Moved, StoreError> {
         self.upgrade_layout()?;
-        let (outbox_batch, moved, dropped) = self.outbox_into_generations(outbox)?;
+        let (outbox_batch, moved) = self.outbox_into_generations(outbox)?;
         let (rows, spill) = self.forget_states(pipelines)?;
         let mut batches = [spill, sled::Batch::default(), sled::Batch::default()];
         for pipeline in pipelines {
@@ -814,29 +825,29 @@ impl Store {
             mem.ledgers = Ledgers::new(self.bounds.ledger_index_bytes());
             self.load_ledger(&mut mem)?;
         }
-        if moved + dropped > 0 {
+        if moved.moved + moved.dropped > 0 {
             // Keys changed with the IDs: count the waiting results again from the tree.
             mem.outbox = OutboxMem::default();
             self.load_outbox(&mut mem)?;
         }
         drop(mem);
         self.sync()?;
-        Ok((moved, dropped))
+        Ok(moved)
     }
 
     /// The outbox chunks rewritten as [`Store::commit_start`] asks: a batch for the tree,
-    /// and how many results were moved and dropped. A chunk with dropped results is cut
+    /// and what became of the results. A chunk with dropped results is cut
     /// into runs of consecutive sequence numbers (each a chunk of its own, keyed by its
     /// first), as every chunk must be; a moved one keeps its sequence number, so the sinks'
     /// positions still say which results each has taken.
     fn outbox_into_generations(
         &self,
         outbox: &[(String, Option<u32>)],
-    ) -> Result<(sled::Batch, u64, u64), StoreError> {
+    ) -> Result<(sled::Batch, Moved), StoreError> {
         let mut batch = sled::Batch::default();
-        let (mut moved, mut dropped) = (0, 0);
+        let mut moved = Moved::default();
         if outbox.is_empty() {
-            return Ok((batch, moved, dropped));
+            return Ok((batch, moved));
         }
         let to = |id: &str| {
             let prefix = id.split('/').next().unwrap_or(id);
@@ -853,13 +864,19 @@ impl Store {
             for (seq, o) in entries {
                 match to(&o.id) {
                     None => kept.push((seq, o)),
-                    Some((_, None)) => dropped += 1,
-                    Some((name, Some(generation))) => {
-                        let o = in_generation(&o, name, generation)
-                            .map_err(|why| StoreError::Corrupt(format!("outbox: {why}")))?;
-                        kept.push((seq, o));
-                        moved += 1;
-                    }
+                    Some((_, None)) => moved.dropped += 1,
+                    Some((name, Some(generation))) => match in_generation(&o, name, generation) {
+                        Ok(o) => {
+                            kept.push((seq, o));
+                            moved.moved += 1;
+                        }
+                        // Not a body this build reads: sent as it is, as before the move
+                        // existed, rather than a start that fails on it.
+                        Err(why) => {
+                            moved.unmoved.get_or_insert(why);
+                            kept.push((seq, o));
+                        }
+                    },
                 }
             }
             batch.remove(k);
@@ -868,7 +885,7 @@ impl Store {
                 batch.insert(&key, bounded("outbox", &key, encode(&chunk))?);
             }
         }
-        Ok((batch, moved, dropped))
+        Ok((batch, moved))
     }
 }
 
