@@ -31,6 +31,7 @@
 //! | `outbox.before_delete`, `outbox.after_delete` | around deleting an entry on PUBACK |
 //! | `unsafe.ack_before_fsync` (`on`) | PUBACK a batch *before* its log fsync |
 //! | `unsafe.skip_store_fsync` (`on`) | skip the fsync after `sled::Db::flush()` |
+//! | `start.plan_committed` | the start plan (new generations, a restored outbox moved) is committed, the restore marker not yet removed |
 //! | `engine.panic_at_offset` (`panic:N`) | applying the log record at offset N, live or in replay |
 //!
 //! ## Why our own and not the `fail` crate

@@ -113,6 +113,11 @@ impl Processor {
         let clear_restored = plan.clear_restored;
         let running = specs.clone();
         let mut proc = commit(store, specs, plan)?;
+        crate::failpoint::hit("start.plan_committed").map_err(|source| ProcessError::DataFile {
+            op: "pass the failpoint after the start plan's commit, before",
+            file: file(restored::FILE_NAME),
+            source,
+        })?;
         if clear_restored {
             restored::clear(data_dir, from.sync).map_err(|source| ProcessError::DataFile {
                 op: "remove the savepoint-restore marker",

@@ -309,6 +309,21 @@ fn arrivals(c: &Collector, prefix: &str) -> HashMap<String, Vec<(u64, u64)>> {
 /// goes on in the new generation: per key, what arrives never goes back.
 #[test]
 fn a_restored_outbox_goes_out_in_the_new_generation_never_behind_what_went_out() {
+    restore_with_a_waiting_outbox(false);
+}
+
+/// The same, with a crash after the start committed the new generation and moved the outbox
+/// into it, before it removed the restore marker: the next start takes one more generation
+/// and moves the outbox again. Nothing went out in between, and nothing goes back.
+#[test]
+fn a_crash_after_the_restored_outbox_moved_takes_one_more_generation_and_nothing_goes_back() {
+    restore_with_a_waiting_outbox(true);
+}
+
+/// A savepoint taken while the results of 0..50 wait for a central broker that is down;
+/// 50..100 and those results go out; then the restore and a start (after a crash at
+/// `start.plan_committed` if `crash`).
+fn restore_with_a_waiting_outbox(crash: bool) {
     let local = Broker::start();
     let mut central = Broker::start();
     let ups = "[[pipeline]]\nname = \"ups\"\ntopics = [\"m/#\"]\nformat = \"delimited\"\n\
@@ -349,10 +364,32 @@ fn a_restored_outbox_goes_out_in_the_new_generation_never_behind_what_went_out()
 
     let (st, _, err) = agent.command(&["savepoint", "restore", "--latest"]);
     assert!(st.success(), "{err}");
+    let mut last = 2;
+    if crash {
+        let before = seen.messages().len();
+        agent.note("failpoints=[start.plan_committed=abort]");
+        agent.start_with_env(&[("CAIRN_FAILPOINTS", "start.plan_committed=abort")]);
+        let exit = agent.expect_exit(Duration::from_secs(30));
+        assert!(
+            !exit.success()
+                && agent
+                    .run_stderr()
+                    .contains("waiting results of the restored outbox"),
+            "the start did not stop at the failpoint after the move ({exit:?}):\n{}",
+            agent.stderr_tail(30)
+        );
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(
+            seen.messages().len(),
+            before,
+            "a result went out before the crash"
+        );
+        last = 3;
+    }
     agent.start_connected();
     assert!(
-        wait_until(Duration::from_secs(30), || reached(2)),
-        "the replay's results did not go out in generation 2: {:?}\n{}",
+        wait_until(Duration::from_secs(30), || reached(last)),
+        "the replay's results did not go out in generation {last}: {:?}\n{}",
         arrivals(&seen, "c/ups/"),
         agent.stderr_tail(20)
     );
@@ -364,13 +401,18 @@ fn a_restored_outbox_goes_out_in_the_new_generation_never_behind_what_went_out()
             got.windows(2).all(|w| w[0] <= w[1]),
             "key {key} went back: (generation, version) in arrival order {got:?}"
         );
+        if crash {
+            assert!(
+                got.iter().all(|(g, _)| *g != 2),
+                "key {key}: a result of the generation the crash ended went out: {got:?}"
+            );
+        }
     }
     assert_one_payload_per_id(&seen, "c/ups/");
     assert!(
-        agent.stderr().contains("restored_outbox_moved")
-            || agent
-                .stderr()
-                .contains("waiting results of the restored outbox"),
+        agent
+            .stderr()
+            .contains("waiting results of the restored outbox"),
         "the start did not say it moved the restored outbox:\n{}",
         agent.stderr_tail(30)
     );
