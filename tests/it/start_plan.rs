@@ -186,6 +186,19 @@ fn an_unreadable_record_of_the_last_runs_pipelines_stops_the_start_and_says_what
     );
 }
 
+/// Start the agent, publish events 0..50 on the broker at `port`, wait for their checkpoint,
+/// stop, and take a savepoint.
+fn run_then_savepoint(agent: &mut CairnProcess, port: u16) {
+    agent.start_connected();
+    publish_all(port, &(0..50).map(event).collect::<Vec<_>>());
+    assert!(wait_until(Duration::from_secs(30), || agent
+        .checkpointed_offset()
+        == Some(50)));
+    assert!(agent.terminate().success());
+    let (st, _, err) = agent.command(&["savepoint", "create"]);
+    assert!(st.success(), "{err}");
+}
+
 /// Issue 26: a savepoint restore starts a new generation for the pipelines it restores.
 /// Replay from the savepoint under settings changed since then would otherwise compute IDs
 /// that went out after the savepoint again, differently.
@@ -195,14 +208,7 @@ fn a_restored_savepoint_continues_in_a_new_generation_so_no_id_gets_a_second_pay
     let outputs = Collector::start(broker.port(), "sums/#");
     let mut cfg = AgentConfig::new(broker.port(), &pipeline("sums", "latest", ""));
     let mut agent = CairnProcess::new(&cfg);
-    agent.start_connected();
-    publish_all(broker.port(), &(0..50).map(event).collect::<Vec<_>>());
-    assert!(wait_until(Duration::from_secs(30), || agent
-        .checkpointed_offset()
-        == Some(50)));
-    assert!(agent.terminate().success());
-    let (st, _, err) = agent.command(&["savepoint", "create"]);
-    assert!(st.success(), "{err}");
+    run_then_savepoint(&mut agent, broker.port());
 
     agent.start_connected();
     publish_all(broker.port(), &(50..100).map(event).collect::<Vec<_>>());
@@ -336,14 +342,7 @@ fn restore_with_a_waiting_outbox(crash: bool) {
     // The central broker is down: the results of 0..50 wait in the outbox, and the
     // savepoint holds them.
     central.stop();
-    agent.start_connected();
-    publish_all(local.port(), &(0..50).map(event).collect::<Vec<_>>());
-    assert!(wait_until(Duration::from_secs(30), || agent
-        .checkpointed_offset()
-        == Some(50)));
-    assert!(agent.terminate().success());
-    let (st, _, err) = agent.command(&["savepoint", "create"]);
-    assert!(st.success(), "{err}");
+    run_then_savepoint(&mut agent, local.port());
 
     // Back up: the waiting results and those of 50..100 go out, up to version 20 per key.
     central.restart();
