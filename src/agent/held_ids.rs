@@ -57,11 +57,11 @@ impl HeldIds {
         if epoch > self.epoch {
             // A new connection: the old one's ids mean nothing now.
             self.epoch = epoch;
-            self.bits.clear();
+            self.bits.fill(0);
             self.reported = false;
         }
         if self.bits.is_empty() {
-            self.bits = vec![0; WORDS];
+            self.bits.resize(WORDS, 0);
         }
         let (word, bit) = (usize::from(pkid) / 64, 1u64 << (pkid % 64));
         if self.bits[word] & bit != 0 {
