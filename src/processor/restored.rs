@@ -4,7 +4,9 @@
 //! from there under today's settings. Results of those records went out once already, under
 //! whatever settings ran then (and after the savepoint the settings may have changed any
 //! number of times), so replay could give their IDs second payloads. A restore therefore
-//! starts a new generation of output IDs for every pipeline the restored store holds.
+//! starts a new generation of output IDs for every pipeline the restored store holds, and
+//! moves the restored outbox's waiting results into it (`plan::restored_outbox`): under
+//! their old IDs they could follow newer versions that went out after the savepoint.
 //!
 //! `cairn savepoint restore` writes this marker *before* it replaces the store, and the next
 //! start ([`super::plan`]) reads it, commits the new generations into the store and only
