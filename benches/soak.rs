@@ -38,9 +38,10 @@
 //! the watcher's newest result per key against the state, and every `backN` key's count at
 //! most the fold's (a backfill sees only the retained log, never more).
 //!
-//! `SOAK_SECONDS` (120) sets the length, `SOAK_SEED` the schedule; a failed start ends the
-//! soak at once with the agent's stderr. The result is printed; the process exits 1 if any
-//! check failed, so a CI run or an operator sees it.
+//! `SOAK_SECONDS` (120) sets the length, `SOAK_SEED` the schedule, `SOAK_BROKER_DEBUG` a
+//! broker log of every packet; a failed start ends the soak at once with the agent's
+//! stderr. The result is printed; the process exits 1 if any check failed, so a CI run or an
+//! operator sees it.
 
 #[path = "../tests/it/support/mod.rs"]
 mod support;
@@ -825,8 +826,15 @@ fn run() -> bool {
     if !powercut {
         println!("soak: NO POWER CUTS: /dev/fuse is missing (load `fuse`, run as root)");
     }
+    // `SOAK_BROKER_DEBUG=1`: the broker logs every packet too (packet ids of what it sends
+    // and of every PUBACK), gigabytes over a long run, for a loss the agent's journal cannot
+    // explain. A failed soak keeps the broker's log beside the agent's.
+    let mut log_types = vec!["error", "warning", "notice"];
+    if std::env::var_os("SOAK_BROKER_DEBUG").is_some() {
+        log_types.extend(["information", "debug"]);
+    }
     let broker = Broker::start_with(BrokerConfig {
-        log_types: vec!["error", "warning", "notice"],
+        log_types,
         ..BrokerConfig::default()
     });
     let cut = powercut.then(PowerCut::mount);
@@ -1100,9 +1108,14 @@ fn run() -> bool {
             "soak: FAILED (seed {seed}); the agent's stderr: {}",
             soak.agent.stderr_path().display()
         );
-        // Keep the agent's directory for the reader; stop its process first.
+        // Keep the agent's directory for the reader, the broker's log in it; stop the
+        // agent's process first.
         soak.agent.kill();
         let kept = soak.agent.dir().to_path_buf();
+        let log = soak.broker.dir().join("mosquitto.log");
+        if let Err(e) = std::fs::copy(&log, kept.join("mosquitto.log")) {
+            println!("could not keep the broker's log {}: {e}", log.display());
+        }
         std::mem::forget(soak.agent);
         println!("kept {}", kept.display());
         return false;
