@@ -358,6 +358,9 @@ pub struct Processor {
     /// A slice read back from the log stops once the batch writes this many state keys
     /// (`checkpoint.max_keys`, [`Processor::set_key_bound`]); unbounded until set.
     key_bound: u64,
+    /// Whether the last durable checkpoint has a pipeline that emits upserts backfilling
+    /// (see [`Processor::results_wait_for_checkpoint`]).
+    durable_upsert_backfill: bool,
 }
 
 impl Processor {
@@ -418,8 +421,11 @@ impl Processor {
 
     /// A processor over `store` as it is, under `specs` (no plan: the settle of a start).
     fn over(store: Store, specs: Vec<PipelineSpec>, progress: Progress) -> Processor {
+        let engine = Engine::new(specs, progress);
         Processor {
-            engine: Engine::new(specs, progress),
+            // What the store holds is where a crash would resume.
+            durable_upsert_backfill: engine.upsert_backfilling(engine.progress()),
+            engine,
             store: std::sync::Arc::new(store),
             inflight: None,
             quarantine: None,
@@ -651,7 +657,9 @@ impl Processor {
     /// The checkpoint in flight committed as `info` (visible in the store; durable once
     /// [`Processor::synced`] says so): the layer goes.
     pub(crate) fn checkpoint_committed(&mut self, info: &CheckpointInfo) {
-        self.inflight = None;
+        if let Some(cp) = self.inflight.take() {
+            self.durable_upsert_backfill = self.engine.upsert_backfilling(&cp.progress);
+        }
         let store = &self.store;
         self.engine.set_dedup_entries(|name| store.dedup_len(name));
         // The engine's progress is this checkpoint's now; it moves on before the fsync ends.
@@ -694,6 +702,26 @@ impl Processor {
                 crate::event!(warn, "quarantine_prune_failed"; "quarantine: cannot prune {}: {e}", q.path().display());
             }
         }
+    }
+
+    /// Whether results must wait for their checkpoint to be durable before they leave: while
+    /// a pipeline that emits upserts backfills, here or in the last durable checkpoint.
+    ///
+    /// Results leave before their checkpoint because a restart recomputes them: the replay
+    /// at start takes every record up to the log's durable end, past anything the run before
+    /// applied, and only then is anything sent, so the newest version per key goes out last.
+    /// A backfill is not replayed so: a restart resumes it at the last durable cursor and
+    /// takes it on between live work, flushing its upserts wherever its slices and the loop
+    /// then fall. Those are other points than the run before flushed at, so it emits
+    /// versions that run never did, below ones it already sent: a key's results would go
+    /// back in version (seen in the soak of 2026-12-07: `win@29/k26/…/119` after `…/121`).
+    /// So while one backfills, nothing leaves before it is durable, and a restart resumes
+    /// behind everything that went out. Until the checkpoint that records the end of the
+    /// backfill is durable too: a crash before it resumes the backfill, whose flushes would
+    /// fall behind live results already sent. Changelog and final results do not depend on
+    /// flushes, and a backfill of those leaves results early as before.
+    pub(crate) fn results_wait_for_checkpoint(&self) -> bool {
+        self.durable_upsert_backfill || self.engine.upsert_backfilling(self.engine.progress())
     }
 
     /// See [`Engine::upserts_waiting`].

@@ -273,6 +273,15 @@ impl Engine {
             .filter_map(|(p, pp)| pp.backfill.map(|b| (p, b)))
     }
 
+    /// Whether `progress` (the engine's own, or a checkpoint's) has a configured pipeline
+    /// that emits upserts backfilling. Which of its versions go out depends on where its
+    /// flushes fall, and a backfill resumed after a crash flushes elsewhere than the run
+    /// before it did (see `Processor::results_wait_for_checkpoint`).
+    pub fn upsert_backfilling(&self, progress: &Progress) -> bool {
+        (self.specs.iter().zip(&progress.pipelines))
+            .any(|(spec, pp)| pp.backfill.is_some() && spec.emit == Emit::Upsert)
+    }
+
     /// End pipeline `p`'s backfill: it has taken every record behind the live position, and
     /// takes live records from now on. Replay decides the same: the ending is part of the
     /// progress the next checkpoint records.

@@ -20,7 +20,7 @@ use cairn::store::Store;
 use proptest::prelude::*;
 
 use crate::support::agent::{AgentConfig, CairnProcess};
-use crate::support::{Broker, publish_all, wait_until};
+use crate::support::{Broker, Collector, publish_all, wait_until};
 
 // ---------------------------------------------------------------------------------------
 // Library: a backfilled pipeline equals the same pipeline run from the start.
@@ -540,6 +540,84 @@ fn a_kill_in_the_middle_of_a_backfill_resumes_it_without_loss_or_double_counting
     assert_eq!(
         (&back["applied"], &back["duplicates"]),
         (&1500.into(), &100.into())
+    );
+}
+
+/// `back`'s results as `results` saw them: per key, the versions in the order their IDs
+/// first arrived, and the newest value.
+fn back_results(results: &Collector) -> BTreeMap<String, (Vec<u64>, i64)> {
+    let mut ids = HashSet::new();
+    let mut out: BTreeMap<String, (Vec<u64>, i64)> = BTreeMap::new();
+    for m in results.messages() {
+        let v: serde_json::Value = serde_json::from_slice(&m.payload).unwrap();
+        if ids.insert(v["id"].as_str().unwrap().to_string()) {
+            let e = out
+                .entry(v["key"].as_str().unwrap().to_string())
+                .or_default();
+            e.0.push(v["version"].as_u64().unwrap());
+            e.1 = v["value"].as_i64().unwrap();
+        }
+    }
+    out
+}
+
+/// The soak of 2026-12-07 saw `win@29/k26/…/119` arrive after `…/121`: a backfill of
+/// upserts resumed after a crash flushes at other points than the run before it, so it
+/// emits versions that run never did, below ones it had sent. Here the first run takes
+/// slices of 512 records and pauses after each (its results would leave meanwhile), and is
+/// killed with no checkpoint since the backfill began; the second takes slices of 100. Its
+/// first flush is then at version 20 of a key whose version 103 the first run had sent. So
+/// while a backfill of upserts runs, results leave only once their checkpoint is durable.
+#[test]
+fn a_backfill_of_upserts_resumed_after_a_crash_never_sends_a_version_below_one_sent() {
+    let broker = Broker::start();
+    let (mut agent, mut cfg) = logged(&broker, (3000, 0, 0), "1h");
+    let results = Collector::start(broker.port(), "back/#");
+    cfg.checkpoint = "interval = \"1h\"\nmax_records = 100000\n".into();
+    agent.rewrite_config(&cfg);
+    agent.note("failpoints=[backfill.after_slice=pause:200@1+]");
+    agent.start_with_env(&[("CAIRN_FAILPOINTS", "backfill.after_slice=pause:200@1+")]);
+    agent.wait_connected(Duration::from_secs(20));
+    // Six slices, 1.2 s: the backfill is done, and no checkpoint has been durable since it
+    // began (the one at start records it at offset 0).
+    std::thread::sleep(Duration::from_millis(2500));
+    agent.kill();
+    let early = results.messages().len();
+    assert_eq!(
+        early,
+        0,
+        "results of a backfill of upserts left before their checkpoint:\n{}",
+        agent.stderr_tail(20)
+    );
+
+    cfg.checkpoint = "interval = \"50ms\"\nmax_records = 100\n".into();
+    agent.rewrite_config(&cfg);
+    agent.start_connected();
+    wait_done(&agent);
+    // Each key's last version (600 events each) has arrived.
+    assert!(
+        wait_until(Duration::from_secs(30), || {
+            let seen = back_results(&results);
+            seen.len() == 5 && seen.values().all(|(v, _)| v.contains(&600))
+        }),
+        "{:?}:\n{}",
+        back_results(&results),
+        agent.stderr_tail(20)
+    );
+    assert!(agent.terminate().success());
+    let want = fold(0..3000);
+    for (key, (versions, value)) in back_results(&results) {
+        assert!(
+            versions.windows(2).all(|w| w[0] < w[1]),
+            "key {key}: versions in the order they first arrived: {versions:?}"
+        );
+        assert_eq!(value, want[&key].0, "key {key}: the newest result's value");
+    }
+    assert_eq!(state(&agent, "back"), want);
+    let journal = agent.run_stderr();
+    assert!(
+        journal.contains("results leave before their checkpoint again"),
+        "{journal}"
     );
 }
 

@@ -55,8 +55,9 @@ use std::collections::HashMap;
 
 use crate::config::{Config, OutboxConfig};
 use crate::metrics::Metrics;
+use crate::model::Output;
 use crate::mqtt::{Event, Mqtt};
-use crate::processor::Processor;
+use crate::processor::{Pending, Processor};
 
 use super::error::{AgentError, failpoint};
 use mqtt::MqttSink;
@@ -106,6 +107,9 @@ pub(crate) struct Results {
     default_route: Mask,
     /// Outbox entries from this sequence on are not in the sinks' [`waiting::Waiting`] yet.
     counted_to: u64,
+    /// Results wait for their checkpoint (`Processor::results_wait_for_checkpoint`): said
+    /// in the journal when it starts and ends.
+    wait_for_checkpoint: bool,
     pub(crate) counts: Counts,
 }
 
@@ -147,6 +151,7 @@ impl Results {
             sinks,
             routes,
             counted_to: 0,
+            wait_for_checkpoint: false,
             counts: Counts::default(),
         }
     }
@@ -260,6 +265,14 @@ impl Results {
         inflight: u16,
         now: Instant,
     ) -> Result<(), AgentError> {
+        let wait = proc.results_wait_for_checkpoint();
+        self.say_wait_for_checkpoint(wait);
+        // Waiting, only what is durable goes: the outbox below the checkpoint in flight
+        // (whose entries the store may show before its fsync ends), nothing fresh.
+        let (durable_below, pending) = match wait {
+            true => (proc.pending_outputs().first_seq(), Pending::new(&[], &[])),
+            false => (None, proc.pending_outputs()),
+        };
         for i in 0..self.sinks.len() {
             let room = self.sinks[i].room(inflight, input, now);
             if room == 0 {
@@ -270,16 +283,36 @@ impl Results {
             let (routes, default) = (&self.routes, self.default_route);
             let routed =
                 |id: &str| routes.get(pipeline_of(id)).copied().unwrap_or(default) & bit != 0;
+            let durable = |e: &Result<(u64, Output), _>| !matches!((e, durable_below), (Ok((seq, _)), Some(below)) if *seq >= below);
             let (batch, next) = cursor::next_routed(
                 from,
                 room,
-                proc.store().outbox_from(from),
-                proc.pending_outputs(),
+                proc.store().outbox_from(from).take_while(durable),
+                pending,
                 routed,
             )?;
             self.sinks[i].send(batch, Some(next), input, &mut self.counts, now)?;
         }
         Ok(())
+    }
+
+    fn say_wait_for_checkpoint(&mut self, wait: bool) {
+        if std::mem::replace(&mut self.wait_for_checkpoint, wait) == wait {
+            return;
+        }
+        if wait {
+            crate::event!(info, "results_wait_for_checkpoint";
+                "results: a pipeline that emits upserts backfills; until the checkpoint that \
+                 records its end is durable, results leave once their checkpoint is durable \
+                 instead of before it (a backfill resumed after a crash would emit other \
+                 versions than the ones that went out)"
+            );
+        } else {
+            crate::event!(info, "results_leave_early";
+                "results: no backfill of upserts left to make durable; results leave before \
+                 their checkpoint again"
+            );
+        }
     }
 
     /// Read ahead what each sink sends next from the outbox, before the commit of a
