@@ -283,7 +283,10 @@ impl Results {
             let (routes, default) = (&self.routes, self.default_route);
             let routed =
                 |id: &str| routes.get(pipeline_of(id)).copied().unwrap_or(default) & bit != 0;
-            let durable = |e: &Result<(u64, Output), _>| !matches!((e, durable_below), (Ok((seq, _)), Some(below)) if *seq >= below);
+            let durable = |e: &Result<(u64, Output), _>| match (e, durable_below) {
+                (Ok((seq, _)), Some(below)) => *seq < below,
+                _ => true,
+            };
             let (batch, next) = cursor::next_routed(
                 from,
                 room,
