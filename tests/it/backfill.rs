@@ -579,7 +579,8 @@ fn a_backfill_of_upserts_resumed_after_a_crash_never_sends_a_version_below_one_s
     agent.start_with_env(&[("CAIRN_FAILPOINTS", "backfill.after_slice=pause:200@1+")]);
     agent.wait_connected(Duration::from_secs(20));
     // Six slices, 1.2 s: the backfill is done, and no checkpoint has been durable since it
-    // began (the one at start records it at offset 0).
+    // began (the one at start records it at offset 0). So the hold also covers the time
+    // after its end, while the durable checkpoint still says it backfills.
     std::thread::sleep(Duration::from_millis(2500));
     agent.kill();
     let early = results.messages().len();

@@ -5,7 +5,10 @@
 //! commit), so replay after any crash recomputes it with the same ID and the same payload.
 //! A sink therefore sends, in sequence order and at most `outbox.inflight` on the
 //! wire, first the durable outbox entries at or after its cursor, then the outputs still
-//! waiting for their checkpoint (*fresh* ones, read from the processor's memory).
+//! waiting for their checkpoint (*fresh* ones, read from the processor's memory). A backfill
+//! of upserts is the exception: it is not replayed at start, and its flushes fall elsewhere
+//! after a restart, so while one runs the caller hands over no fresh outputs
+//! (`Results::publish`).
 //!
 //! **Settled.** A PUBACK settles its output, and with it every later output already
 //! acknowledged: an output is settled once it and everything sent before it were

@@ -3,7 +3,9 @@
 //!
 //! - **What is waiting**: the durable outbox entries (the store's `outbox` tree) and the
 //!   outputs processing made since the last checkpoint (the processor's memory): both may
-//!   leave, since their inputs are durable in the log (`cursor.rs`).
+//!   leave, since their inputs are durable in the log (`cursor.rs`). Except while a
+//!   pipeline that emits upserts backfills: then only what a durable checkpoint holds
+//!   leaves (`Processor::results_wait_for_checkpoint`, [`Results::publish`]).
 //! - **Sinks** (issue 29): `local` (the input connection), `uplink` with `[uplink]`, then
 //!   each `[[sink]]`, in that order ([`Results::new`]). Each has its own
 //!   [`cursor::Cursor`] over the one queue and sends, in order, only the results of the
@@ -258,6 +260,8 @@ impl Results {
     /// Each sink sends, in order and within its inflight window, the durable outbox entries
     /// routed to it from its cursor, then the outputs still waiting for their checkpoint
     /// (`cursor::next_routed`). A sink down or refusing sends nothing and holds no other.
+    /// While results wait for their checkpoint (`Processor::results_wait_for_checkpoint`),
+    /// only entries below the checkpoint in flight go, and no fresh output.
     pub(crate) fn publish(
         &mut self,
         proc: &Processor,
