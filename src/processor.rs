@@ -361,6 +361,26 @@ pub struct Processor {
     /// Whether the last durable checkpoint has a pipeline that emits upserts backfilling
     /// (see [`Processor::results_wait_for_checkpoint`]).
     durable_upsert_backfill: bool,
+    /// How far past a checkpoint's `next_offset` the send horizon it records reaches
+    /// ([`Processor::set_send_slack`]); 0 until set, as while the start replays.
+    send_slack: u64,
+    /// The send horizon recorded last: by the checkpoint in flight, the last one committed,
+    /// or the start. It never goes back.
+    send_horizon: Offset,
+    /// The send horizon of the last durable checkpoint or of the start's record: a restart
+    /// replays at least up to it before it sends anything, so results of records below it
+    /// may leave early (see [`Processor::results_wait_for_checkpoint`]).
+    durable_send_horizon: Offset,
+}
+
+/// Why results wait for their checkpoint to be durable before they leave (see
+/// [`Processor::results_wait_for_checkpoint`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Wait {
+    /// A pipeline that emits upserts backfills, here or in the last durable checkpoint.
+    UpsertBackfill,
+    /// Processing is past the send horizon of the last durable checkpoint.
+    PastSendHorizon,
 }
 
 impl Processor {
@@ -420,9 +440,16 @@ impl Processor {
     }
 
     /// A processor over `store` as it is, under `specs` (no plan: the settle of a start).
-    fn over(store: Store, specs: Vec<PipelineSpec>, progress: Progress) -> Processor {
+    fn over(
+        store: Store,
+        specs: Vec<PipelineSpec>,
+        progress: Progress,
+    ) -> Result<Processor, ProcessError> {
+        // Without a record (a new store, or one an older build wrote) nothing is known to
+        // have left past the checkpoint.
+        let horizon = (store.send_horizon()?.unwrap_or(0)).max(progress.next_offset);
         let engine = Engine::new(specs, progress);
-        Processor {
+        Ok(Processor {
             // What the store holds is where a crash would resume.
             durable_upsert_backfill: engine.upsert_backfilling(engine.progress()),
             engine,
@@ -434,7 +461,10 @@ impl Processor {
             defer_sync: false,
             unsynced_prunes: std::collections::VecDeque::new(),
             key_bound: u64::MAX,
-        }
+            send_slack: 0,
+            send_horizon: horizon,
+            durable_send_horizon: horizon,
+        })
     }
 
     /// Consult `q` for every record applied from now on, and record a panic's attempt in
@@ -646,6 +676,9 @@ impl Processor {
             return Ok(None);
         }
         let mut cp = self.engine.take_checkpoint();
+        let reach = (cp.progress.next_offset).saturating_add(self.send_slack);
+        self.send_horizon = self.send_horizon.max(reach);
+        cp.batch.send_horizon = Some(self.send_horizon);
         let before = cp.batch.outputs.len();
         cp.batch.outputs.retain(|(seq, out)| !settled(*seq, out));
         let settled = (before - cp.batch.outputs.len()) as u64;
@@ -659,6 +692,8 @@ impl Processor {
     pub(crate) fn checkpoint_committed(&mut self, info: &CheckpointInfo) {
         if let Some(cp) = self.inflight.take() {
             self.durable_upsert_backfill = self.engine.upsert_backfilling(&cp.progress);
+            let horizon = cp.batch.send_horizon.unwrap_or(0);
+            self.durable_send_horizon = self.durable_send_horizon.max(horizon);
         }
         let store = &self.store;
         self.engine.set_dedup_entries(|name| store.dedup_len(name));
@@ -720,8 +755,59 @@ impl Processor {
     /// backfill is durable too: a crash before it resumes the backfill, whose flushes would
     /// fall behind live results already sent. Changelog and final results do not depend on
     /// flushes, and a backfill of those leaves results early as before.
-    pub(crate) fn results_wait_for_checkpoint(&self) -> bool {
-        self.durable_upsert_backfill || self.engine.upsert_backfilling(self.engine.progress())
+    ///
+    /// The replay at start stops short of the log's end where the outbox is at its bound
+    /// (a bound lowered while the agent was down, or deletions of settled results lost in
+    /// the crash, put it there sooner than the run before got), and the rest is caught up
+    /// with flushes per slice: then too a restart would send versions below ones that went
+    /// out. So each checkpoint records a *send horizon*, [`Processor::set_send_slack`] past
+    /// its offset, the replay at start goes past the outbox bound up to the last durable
+    /// one ([`Processor::replay_owes_send_horizon`]), and results of records at or past it
+    /// wait for their checkpoint. The slack covers how far processing runs ahead of the
+    /// last durable checkpoint, so live results wait only when checkpoints fall behind.
+    pub(crate) fn results_wait_for_checkpoint(&self) -> Option<Wait> {
+        if self.durable_upsert_backfill || self.engine.upsert_backfilling(self.engine.progress()) {
+            return Some(Wait::UpsertBackfill);
+        }
+        (self.engine.emits_upserts() && self.next_offset() > self.durable_send_horizon)
+            .then_some(Wait::PastSendHorizon)
+    }
+
+    /// Whether the replay at start must go on past the outbox bound: a pipeline emits
+    /// upserts and the log's records up to the last durable send horizon are not all
+    /// applied yet. Results of the run before may have left from any of them (see
+    /// [`Processor::results_wait_for_checkpoint`]). It goes at most the slack of that run
+    /// past its last durable checkpoint.
+    pub(crate) fn replay_owes_send_horizon(&self) -> bool {
+        self.engine.emits_upserts() && self.next_offset() < self.durable_send_horizon
+    }
+
+    /// The send horizon of the last durable checkpoint (see
+    /// [`Processor::results_wait_for_checkpoint`]).
+    pub(crate) fn durable_send_horizon(&self) -> Offset {
+        self.durable_send_horizon
+    }
+
+    /// Results of records up to `2 × max_records` (and a few slices) past a durable
+    /// checkpoint may leave before their own checkpoint is durable: what processing runs
+    /// ahead at most while one checkpoint commits and the next fills (a size-triggered
+    /// checkpoint makes it wait then). Set after the replay at start, which sends nothing.
+    pub(crate) fn set_send_slack(&mut self, max_records: u64) {
+        self.send_slack = max_records.saturating_mul(2).saturating_add(4096);
+    }
+
+    /// Record the send horizon for the live loop, durably, before anything is sent: the
+    /// slack past where processing is. Without it, results would wait for the first
+    /// checkpoint after a start. Nothing may be in flight (a commit would write its own).
+    pub(crate) fn record_send_horizon(&mut self) -> Result<(), ProcessError> {
+        assert!(self.inflight.is_none(), "no checkpoint in flight at start");
+        let reach = self.next_offset().saturating_add(self.send_slack);
+        if reach > self.durable_send_horizon {
+            self.store.record_send_horizon(reach)?;
+            self.send_horizon = self.send_horizon.max(reach);
+            self.durable_send_horizon = reach;
+        }
+        Ok(())
     }
 
     /// See [`Engine::upserts_waiting`].
@@ -836,8 +922,85 @@ fn settled_below(engine: &Engine, live: Offset) -> Offset {
 
 #[cfg(test)]
 mod tests {
-    use super::take_prune_point;
+    use super::{Processor, Wait, take_prune_point};
+    use crate::model::Record;
+    use crate::store::Store;
     use std::collections::VecDeque;
+
+    fn spec(emit: &str) -> crate::pipeline::spec::PipelineSpec {
+        crate::config::pipeline_from_toml(&format!(
+            "name = \"p\"\ntopics = [\"t/#\"]\nformat = \"delimited\"\nevent_id = \"0\"\n\
+             key = \"1\"\nvalue = \"2\"\naggregate = \"sum\"\nemit = \"{emit}\"\n\
+             output_topic = \"p/{{key}}\"\n"
+        ))
+        .unwrap()
+    }
+
+    fn apply(proc: &mut Processor, offsets: std::ops::Range<u64>) {
+        for offset in offsets {
+            let rec = Record {
+                offset,
+                received_at_ms: 1,
+                topic: "t/x".into(),
+                payload: format!("e{offset},k{},1", offset % 3).into_bytes(),
+                qos: 1,
+                retain: false,
+            };
+            proc.apply(&rec).unwrap();
+        }
+    }
+
+    /// Results of records past the last durable send horizon wait for their checkpoint; a
+    /// checkpoint records a horizon past its offset, the start records one before anything
+    /// is sent, it survives a reopen and never goes back, and a config without upserts
+    /// ignores it (their IDs do not depend on where flushes fall).
+    #[test]
+    fn results_past_the_durable_send_horizon_wait_until_a_checkpoint_records_one_past_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let open = || Store::open(dir.path(), 1 << 20, crate::fsio::real()).unwrap();
+        let mut proc = Processor::open(open(), vec![spec("upsert")]).unwrap();
+        assert_eq!(proc.durable_send_horizon(), 0, "a new store records none");
+        // The replay at start: no slack, nothing sent.
+        apply(&mut proc, 0..3);
+        assert_eq!(
+            proc.results_wait_for_checkpoint(),
+            Some(Wait::PastSendHorizon)
+        );
+        proc.set_send_slack(3);
+        assert_eq!(proc.send_slack, 4102, "2 × max_records + 4,096");
+        proc.send_slack = 10;
+        proc.record_send_horizon().unwrap();
+        assert_eq!(proc.durable_send_horizon(), 13);
+        assert_eq!(proc.results_wait_for_checkpoint(), None);
+        apply(&mut proc, 3..13);
+        assert_eq!(
+            proc.results_wait_for_checkpoint(),
+            None,
+            "record 12 is below 13"
+        );
+        apply(&mut proc, 13..14);
+        assert_eq!(
+            proc.results_wait_for_checkpoint(),
+            Some(Wait::PastSendHorizon)
+        );
+        proc.checkpoint(0).unwrap().unwrap();
+        assert_eq!(proc.durable_send_horizon(), 24, "14 + 10");
+        assert_eq!(proc.results_wait_for_checkpoint(), None);
+        // A smaller slack later (a reload) never moves the horizon back.
+        proc.send_slack = 1;
+        apply(&mut proc, 14..16);
+        proc.checkpoint(0).unwrap().unwrap();
+        assert_eq!(proc.durable_send_horizon(), 24);
+        drop(proc);
+
+        let proc = Processor::open(open(), vec![spec("upsert")]).unwrap();
+        assert_eq!(proc.durable_send_horizon(), 24, "read back from the store");
+        assert!(proc.replay_owes_send_horizon(), "offset 16 is below 24");
+        drop(proc);
+        let proc = Processor::open(open(), vec![spec("changelog")]).unwrap();
+        assert!(!proc.replay_owes_send_horizon());
+        assert_eq!(proc.results_wait_for_checkpoint(), None);
+    }
 
     #[test]
     fn the_quarantine_prunes_only_what_a_durable_checkpoint_settled() {

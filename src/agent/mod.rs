@@ -424,6 +424,7 @@ impl Agent {
         let max = Work::slice_max(self.cfg.checkpoint.max_records);
         // A slice also stops at `checkpoint.max_keys` (a reload may have changed it).
         self.proc.set_key_bound(self.cfg.checkpoint.max_keys);
+        self.proc.set_send_slack(self.cfg.checkpoint.max_records);
         let from = self.proc.next_offset();
         let took = self
             .work

@@ -7,7 +7,9 @@
 //!    pipelines first if the plan says so;
 //! 3. replay the log from the checkpoint, up to the outbox bound and while the disk has
 //!    room (invariant 7, replay included): what is left is the `work` part's catch-up once
-//!    results leave;
+//!    results leave. Past the bound up to the send horizon, though, where results of the
+//!    run before may have left (`Processor::results_wait_for_checkpoint`); then record the
+//!    horizon for this run;
 //! 4. the parts of the loop, the metrics server, the connections.
 //!
 //! Free functions: the loop (`agent/mod.rs`) assembles itself from [`Started`].
@@ -101,6 +103,9 @@ pub(crate) fn recover(
         }));
     }
     let stats = replay(cfg, &log, &mut proc, &mut space, started, clock)?;
+    // Before anything is sent: how far results may leave before their checkpoint.
+    proc.set_send_slack(cfg.checkpoint.max_records);
+    proc.record_send_horizon()?;
     let receipt = start_receipt(cfg, &log, &proc, clock);
     let replay_time = clock.monotonic().saturating_duration_since(started);
     let metrics = start_metrics(cfg, &proc, &stats, replay_time)?;
@@ -189,12 +194,24 @@ fn replay(
     let mut trimmed = clock.monotonic();
     let wall_ms = || clock.wall_ms();
     let mut disk_error = None;
+    let mut past_bound = false;
     let mut hold = |p: &Processor| {
         if let Some(why) = Results::full(&cfg.outbox, p) {
-            return Some(Hold {
-                why: why.to_string(),
-                commit: true,
-            });
+            if !p.replay_owes_send_horizon() {
+                return Some(Hold {
+                    why: why.to_string(),
+                    commit: true,
+                });
+            }
+            if !std::mem::replace(&mut past_bound, true) {
+                crate::event!(warn, "recovery_past_outbox_bound";
+                    "recovery: the outbox is at its bound ({why}) at offset {}, but results of \
+                     the run before may have left from records up to offset {}: replaying on \
+                     to there first, so that none goes out below a version already sent",
+                    p.next_offset(),
+                    p.durable_send_horizon()
+                );
+            }
         }
         // 0 bytes: the reserve is what keeps room for the checkpoints; here only whether
         // the disk is below it.

@@ -529,7 +529,7 @@ pub static KEYS: &[Key] = &[
         Range::Int(1, i64::MAX),
         "results",
         Reload::Sighup(|c, n| c.outbox.max_entries = n.outbox.max_entries),
-        "hours of output while the broker is away; at the bound processing waits (input is still logged and acknowledged); at least checkpoint.max_records, since one checkpoint can add a result per record",
+        "hours of output while the broker is away; at the bound processing waits (input is still logged and acknowledged); at least checkpoint.max_records, since one checkpoint can add a result per record; with upsert pipelines the replay at start may pass it by up to 2 × checkpoint.max_records + 4096 records' results (the send horizon, docs/guarantees.md)",
         Get::Config(|c| Some(c.outbox.max_entries.to_string()))
     ),
     key!(

@@ -118,6 +118,9 @@ pub struct Batch {
     pub records: u64,
     /// Sparkplug session entries: (pipeline, key) → entry; `None` deletes.
     pub sparkplug: BTreeMap<(String, Vec<u8>), Option<Entry>>,
+    /// The send horizon to record (a log offset; `None`: leave the stored one), set by the
+    /// processor (see `Processor::results_wait_for_checkpoint`).
+    pub send_horizon: Option<u64>,
 }
 
 /// A complete checkpoint: the progress after it, and the writes that reach it.
@@ -280,6 +283,12 @@ impl Engine {
     pub fn upsert_backfilling(&self, progress: &Progress) -> bool {
         (self.specs.iter().zip(&progress.pipelines))
             .any(|(spec, pp)| pp.backfill.is_some() && spec.emit == Emit::Upsert)
+    }
+
+    /// Whether a configured pipeline emits upserts: which of its versions go out depends on
+    /// where its flushes fall (see `Processor::results_wait_for_checkpoint`).
+    pub fn emits_upserts(&self) -> bool {
+        self.specs.iter().any(|spec| spec.emit == Emit::Upsert)
     }
 
     /// End pipeline `p`'s backfill: it has taken every record behind the live position, and

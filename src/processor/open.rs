@@ -63,7 +63,7 @@ pub(super) fn commit(
         }
     }
     plan.generations.save(store.durability())?;
-    Ok(Processor::over(store, specs, progress))
+    Processor::over(store, specs, progress)
 }
 
 impl Processor {
@@ -98,7 +98,7 @@ impl Processor {
         let mut store = store;
         if let Some(s) = &plan.settle {
             let progress = store.progress().map_err(ProcessError::from)?;
-            let mut old = Processor::over(store, s.specs.clone(), progress);
+            let mut old = Processor::over(store, s.specs.clone(), progress)?;
             old.set_quarantine(quarantine)?;
             let held = settle(&mut old)?;
             quarantine = old.quarantine.take().expect("attached above");

@@ -15,9 +15,9 @@ use super::ledger::{self, Added, NewChunk};
 use super::outbox;
 use super::{
     BACKFILL_KEY, CHECKPOINT_HISTORY, CheckpointInfo, DEAD_PRUNE_MAX, DEAD_STATS_KEY,
-    DeadLetterStats, FORMAT_KEY, LEDGER_WINDOWS_KEY, Mem, PROGRESS_KEY, PROMOTE_MAX, STORE_FORMAT,
-    Store, StoreError, backfill_record, bounded, dead_letter_value, decode, encode, io_err, pkey,
-    pkey_dead,
+    DeadLetterStats, FORMAT_KEY, LEDGER_WINDOWS_KEY, Mem, PROGRESS_KEY, PROMOTE_MAX,
+    SEND_HORIZON_KEY, STORE_FORMAT, Store, StoreError, backfill_record, bounded, dead_letter_value,
+    decode, encode, io_err, pkey, pkey_dead,
 };
 use crate::model::{DeadLetter, Output, Progress};
 use crate::pipeline::engine::{Batch, Checkpoint};
@@ -94,6 +94,8 @@ struct Writes {
     windows: Option<Vec<u8>>,
     /// The sinks' settled positions, when the agent staged them (`sinks.rs`).
     sinks: Option<Vec<u8>>,
+    /// The send horizon the checkpoint records, if it records one (`SEND_HORIZON_KEY`).
+    send_horizon: Option<[u8; 8]>,
 }
 
 impl Store {
@@ -209,6 +211,7 @@ impl Store {
                 .transpose()?,
             windows: lw.windows.as_ref().map(|(_, v)| v.clone()),
             sinks: plan.sinks,
+            send_horizon: b.send_horizon.map(u64::to_be_bytes),
         };
         // Every value is encoded and within its bound: nothing below refuses the checkpoint
         // but the disk.
@@ -448,6 +451,9 @@ impl Store {
                 }
                 if let Some(v) = &w.sinks {
                     tx[0].insert(super::sinks::SINKS_KEY, v.as_slice())?;
+                }
+                if let Some(v) = &w.send_horizon {
+                    tx[0].insert(SEND_HORIZON_KEY, v.as_slice())?;
                 }
                 Ok::<(), sled::transaction::ConflictableTransactionError<()>>(())
             })

@@ -69,7 +69,8 @@
 //! of ledger entries ([`ledger`]); `outbox`: first_seq → a chunk of outputs ([`outbox`]);
 //! `dead`: offset·p → DeadLetter; `sparkplug`: p·key → a Sparkplug session entry (issue 31);
 //! `meta`: `progress` → Progress, `format` → 4,
-//! `dead_letters` → [`DeadLetterStats`], `ledger_windows` → each pipeline's dedup window;
+//! `dead_letters` → [`DeadLetterStats`], `ledger_windows` → each pipeline's dedup window,
+//! `send_horizon` → a log offset (see `SEND_HORIZON_KEY`);
 //! `checkpoints`: id → CheckpointInfo (the newest [`CHECKPOINT_HISTORY`]).
 //!
 //! Format 4 is format 3 with the states in rows: format 3 kept one `state` key per
@@ -117,6 +118,12 @@ const BACKFILL_KEY: &[u8] = b"backfill";
 /// longer configured keeps expiring its ledger by it (see [`ledger`]). Kept apart from the
 /// progress record so that its layout stays unchanged; older builds ignore it.
 const LEDGER_WINDOWS_KEY: &[u8] = b"ledger_windows";
+/// The send horizon, a log offset as a big-endian `u64`: results made from records below it
+/// may have left before their checkpoint was durable, so a start replays at least that far
+/// before it sends anything (`Processor::results_wait_for_checkpoint`). Written with each
+/// checkpoint, and at start; older builds ignore it, and without it a start replays as
+/// before.
+const SEND_HORIZON_KEY: &[u8] = b"send_horizon";
 
 // The bounds on one stored entry live in `model`, where the engine and config validation
 // that make the values check them too: MAX_ENTRY_BYTES (7 KiB, key plus value, outside
@@ -521,6 +528,23 @@ impl Store {
             }
         }
         Ok(progress)
+    }
+
+    /// The send horizon the last durable checkpoint (or start) recorded, if any was (see
+    /// `SEND_HORIZON_KEY`).
+    pub(crate) fn send_horizon(&self) -> Result<Option<u64>, StoreError> {
+        match self.meta.get(SEND_HORIZON_KEY)? {
+            None => Ok(None),
+            Some(v) => u64_of(&v).map(Some),
+        }
+    }
+
+    /// Record `offset` as the send horizon, durably, outside a checkpoint: the start does,
+    /// before anything is sent, so that a crash before the first checkpoint replays what
+    /// left.
+    pub(crate) fn record_send_horizon(&self, offset: u64) -> Result<(), StoreError> {
+        self.meta.insert(SEND_HORIZON_KEY, &offset.to_be_bytes())?;
+        self.sync()
     }
 
     /// The durability seam this store syncs through (for files kept beside it).

@@ -12,7 +12,8 @@
 //! - each key and value decodes as its tree's type (`state`: a pipeline-scoped key and a
 //!   `KeyState`; `rows`: a row of states; `dedup`: a ledger chunk; `outbox`: a sequence number and a chunk of outputs;
 //!   `dead`: a dead letter; `checkpoints`: a checkpoint record; `meta`: the layout, the
-//!   progress record under that layout, the backfill cursors, the dead-letter counts);
+//!   progress record under that layout, the backfill cursors, the dead-letter counts, the
+//!   send horizon);
 //! - the layout is one this build reads, and the progress record names the header's
 //!   checkpoint and offset;
 //! - the entry count, the end marker and the CRC of the whole file.
@@ -26,8 +27,8 @@ use std::path::Path;
 
 use super::super::{
     BACKFILL_KEY, CheckpointInfo, DEAD_STATS_KEY, DeadLetterStats, FORMAT_KEY, LEDGER_WINDOWS_KEY,
-    MAX_ENTRY_BYTES, MAX_META_BYTES, PROGRESS_KEY, STORE_FORMAT, STORE_FORMAT_V2, StoreError,
-    decode, io_err, split_pkey, u64_of, v2,
+    MAX_ENTRY_BYTES, MAX_META_BYTES, PROGRESS_KEY, SEND_HORIZON_KEY, STORE_FORMAT, STORE_FORMAT_V2,
+    StoreError, decode, io_err, split_pkey, u64_of, v2,
 };
 use super::{END_MAGIC, HEADER_LEN, SavepointInfo, TRAILER_LEN, TREES, corrupt};
 use crate::model::{Backfill, DeadLetter, Output, Progress};
@@ -194,6 +195,9 @@ fn check_entry(tree: usize, k: &[u8], v: &[u8], meta: &mut Meta) -> Result<(), S
             }
             LEDGER_WINDOWS_KEY => {
                 decode::<Vec<(String, u64)>>("ledger windows", v)?;
+            }
+            SEND_HORIZON_KEY => {
+                u64_of(v)?;
             }
             // A record a later build of this format adds is left to it.
             _ => {}

@@ -545,7 +545,7 @@ fn a_kill_in_the_middle_of_a_backfill_resumes_it_without_loss_or_double_counting
 
 /// `back`'s results as `results` saw them: per key, the versions in the order their IDs
 /// first arrived, and the newest value.
-fn back_results(results: &Collector) -> BTreeMap<String, (Vec<u64>, i64)> {
+pub(crate) fn back_results(results: &Collector) -> BTreeMap<String, (Vec<u64>, i64)> {
     let mut ids = HashSet::new();
     let mut out: BTreeMap<String, (Vec<u64>, i64)> = BTreeMap::new();
     for m in results.messages() {

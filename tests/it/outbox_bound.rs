@@ -9,9 +9,9 @@
 
 use std::time::Duration;
 
-use crate::backfill::{fold, state};
+use crate::backfill::{back_results, fold, state};
 use crate::support::agent::{AgentConfig, CairnProcess};
-use crate::support::{Broker, publish_all, unique_id, wait_until};
+use crate::support::{Broker, Collector, publish_all, unique_id, wait_until};
 
 /// The bound these tests set, and what a slice may add past it (one slice of
 /// `checkpoint.max_records` records, one result each in changelog mode; the live pipeline's
@@ -239,4 +239,62 @@ fn a_checkpoint_on_a_nearly_full_disk_waits_instead_of_crash_looping() {
     assert!(agent.run_stderr().contains("checkpoints resume"));
     assert!(agent.terminate().success(), "{}", agent.stderr_tail(20));
     assert_eq!(state(&agent, "back"), fold(0..2000));
+}
+
+/// A start whose replay stops at the outbox bound (here lowered by a config edit made while
+/// the agent was down; lost deletions of settled entries do the same) must not send a
+/// key's result below a version the run before sent. That run sent each key's upserts
+/// before their checkpoint, up to version 600, and was killed with none durable; a replay
+/// cut short after five records, and a catch-up flushing every five, would emit versions it
+/// never did (2, 3, ...) after 600. So a start replays past the bound up to the send horizon
+/// the last durable checkpoint recorded: every record whose results may have left early.
+#[test]
+fn a_replay_cut_short_by_a_lowered_outbox_bound_never_sends_a_version_below_one_sent() {
+    let local = Broker::start();
+    let mut cfg = AgentConfig::new(local.port(), &pipeline("sums", "upsert", "latest"));
+    cfg.checkpoint = "interval = \"1h\"\nmax_records = 100000\n".into();
+    let mut agent = CairnProcess::new(&cfg);
+    let results = Collector::start(local.port(), "sums/#");
+    agent.start_connected();
+    publish_all(local.port(), &(0..3000).map(event).collect::<Vec<_>>());
+    let all_sent = wait_until(Duration::from_secs(30), || {
+        let seen = back_results(&results);
+        seen.len() == 5 && seen.values().all(|(v, _)| v.contains(&600))
+    });
+    assert!(
+        all_sent,
+        "{:?}:\n{}",
+        back_results(&results),
+        agent.stderr_tail(20)
+    );
+    agent.kill();
+    assert_eq!(
+        offline_status(&agent)["checkpoint"]["next_offset"].as_u64(),
+        Some(0),
+        "a checkpoint became durable in the first run: the test needs none"
+    );
+
+    cfg.outbox = "max_entries = 5\ninflight = 20\ndrain_timeout = \"1s\"\n".into();
+    cfg.checkpoint = "interval = \"50ms\"\nmax_records = 5\n".into();
+    agent.rewrite_config(&cfg);
+    agent.start_connected();
+    // Everything processed (by the replay or by catch-up) and every result gone.
+    let done = wait_until(Duration::from_secs(60), || {
+        let (st, out, _) = agent.command(&["status", "--json"]);
+        st.success()
+            && serde_json::from_str::<serde_json::Value>(&out).is_ok_and(|v| {
+                v["checkpoint"]["next_offset"] == 3000 && v["outbox"]["entries"] == 0
+            })
+    });
+    assert!(done, "{}", agent.stderr_tail(30));
+    assert!(agent.terminate().success(), "{}", agent.stderr_tail(30));
+    let want = fold(0..3000);
+    for (key, (versions, value)) in back_results(&results) {
+        assert!(
+            versions.windows(2).all(|w| w[0] < w[1]),
+            "key {key}: versions in the order they first arrived: {versions:?}"
+        );
+        assert_eq!(value, want[&key].0, "key {key}: the newest result's value");
+    }
+    assert_eq!(state(&agent, "sums"), want);
 }

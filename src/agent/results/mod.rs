@@ -59,7 +59,7 @@ use crate::config::{Config, OutboxConfig};
 use crate::metrics::Metrics;
 use crate::model::Output;
 use crate::mqtt::{Event, Mqtt};
-use crate::processor::{Pending, Processor};
+use crate::processor::{Pending, Processor, Wait};
 
 use super::error::{AgentError, failpoint};
 use mqtt::MqttSink;
@@ -111,7 +111,7 @@ pub(crate) struct Results {
     counted_to: u64,
     /// Results wait for their checkpoint (`Processor::results_wait_for_checkpoint`): said
     /// in the journal when it starts and ends.
-    wait_for_checkpoint: bool,
+    wait_for_checkpoint: Option<Wait>,
     pub(crate) counts: Counts,
 }
 
@@ -153,7 +153,7 @@ impl Results {
             sinks,
             routes,
             counted_to: 0,
-            wait_for_checkpoint: false,
+            wait_for_checkpoint: None,
             counts: Counts::default(),
         }
     }
@@ -270,12 +270,12 @@ impl Results {
         now: Instant,
     ) -> Result<(), AgentError> {
         let wait = proc.results_wait_for_checkpoint();
-        self.say_wait_for_checkpoint(wait);
+        self.say_wait_for_checkpoint(wait, proc.next_offset());
         // Waiting, only what is durable goes: the outbox below the checkpoint in flight
         // (whose entries the store may show before its fsync ends), nothing fresh.
         let (durable_below, pending) = match wait {
-            true => (proc.pending_outputs().first_seq(), Pending::new(&[], &[])),
-            false => (None, proc.pending_outputs()),
+            Some(_) => (proc.pending_outputs().first_seq(), Pending::new(&[], &[])),
+            None => (None, proc.pending_outputs()),
         };
         for i in 0..self.sinks.len() {
             let room = self.sinks[i].room(inflight, input, now);
@@ -303,22 +303,28 @@ impl Results {
         Ok(())
     }
 
-    fn say_wait_for_checkpoint(&mut self, wait: bool) {
+    fn say_wait_for_checkpoint(&mut self, wait: Option<Wait>, offset: u64) {
         if std::mem::replace(&mut self.wait_for_checkpoint, wait) == wait {
             return;
         }
-        if wait {
-            crate::event!(info, "results_wait_for_checkpoint";
+        match wait {
+            Some(Wait::UpsertBackfill) => crate::event!(info, "results_wait_for_checkpoint";
                 "results: a pipeline that emits upserts backfills; until the checkpoint that \
                  records its end is durable, results leave once their checkpoint is durable \
                  instead of before it (a backfill resumed after a crash would emit other \
                  versions than the ones that went out)"
-            );
-        } else {
-            crate::event!(info, "results_leave_early";
-                "results: no backfill of upserts left to make durable; results leave before \
-                 their checkpoint again"
-            );
+            ),
+            Some(Wait::PastSendHorizon) => crate::event!(info, "results_wait_past_send_horizon";
+                "results: processing is at offset {}, past the send horizon of the last \
+                 durable checkpoint (checkpoints fall behind); results leave once their \
+                 checkpoint is durable until one records a horizon past it (a restart replays \
+                 only up to the horizon before it sends)",
+                offset
+            ),
+            None => crate::event!(info, "results_leave_early";
+                "results: no backfill of upserts left to make durable and processing within \
+                 the send horizon; results leave before their checkpoint again"
+            ),
         }
     }
 
