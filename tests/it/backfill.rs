@@ -561,6 +561,18 @@ pub(crate) fn back_results(results: &Collector) -> BTreeMap<String, (Vec<u64>, i
     out
 }
 
+/// Per key of `results`: the versions of first-seen IDs rise, and the newest carries the
+/// sum `want` has for it.
+pub(crate) fn assert_versions_rise_to(results: &Collector, want: &BTreeMap<String, (i64, u64)>) {
+    for (key, (versions, value)) in back_results(results) {
+        assert!(
+            versions.windows(2).all(|w| w[0] < w[1]),
+            "key {key}: versions in the order they first arrived: {versions:?}"
+        );
+        assert_eq!(value, want[&key].0, "key {key}: the newest result's value");
+    }
+}
+
 /// The soak of 2026-12-07 saw `win@29/k26/…/119` arrive after `…/121`: a backfill of
 /// upserts resumed after a crash flushes at other points than the run before it, so it
 /// emits versions that run never did, below ones it had sent. Here the first run takes
@@ -607,13 +619,7 @@ fn a_backfill_of_upserts_resumed_after_a_crash_never_sends_a_version_below_one_s
     );
     assert!(agent.terminate().success());
     let want = fold(0..3000);
-    for (key, (versions, value)) in back_results(&results) {
-        assert!(
-            versions.windows(2).all(|w| w[0] < w[1]),
-            "key {key}: versions in the order they first arrived: {versions:?}"
-        );
-        assert_eq!(value, want[&key].0, "key {key}: the newest result's value");
-    }
+    assert_versions_rise_to(&results, &want);
     assert_eq!(state(&agent, "back"), want);
     let journal = agent.run_stderr();
     assert!(

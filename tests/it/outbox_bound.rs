@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use crate::backfill::{back_results, fold, state};
+use crate::backfill::{assert_versions_rise_to, back_results, fold, state};
 use crate::support::agent::{AgentConfig, CairnProcess};
 use crate::support::{Broker, Collector, publish_all, unique_id, wait_until};
 
@@ -289,12 +289,6 @@ fn a_replay_cut_short_by_a_lowered_outbox_bound_never_sends_a_version_below_one_
     assert!(done, "{}", agent.stderr_tail(30));
     assert!(agent.terminate().success(), "{}", agent.stderr_tail(30));
     let want = fold(0..3000);
-    for (key, (versions, value)) in back_results(&results) {
-        assert!(
-            versions.windows(2).all(|w| w[0] < w[1]),
-            "key {key}: versions in the order they first arrived: {versions:?}"
-        );
-        assert_eq!(value, want[&key].0, "key {key}: the newest result's value");
-    }
+    assert_versions_rise_to(&results, &want);
     assert_eq!(state(&agent, "sums"), want);
 }
