@@ -371,6 +371,11 @@ pub struct Processor {
     /// replays at least up to it before it sends anything, so results of records below it
     /// may leave early (see [`Processor::results_wait_for_checkpoint`]).
     durable_send_horizon: Offset,
+    /// Where the run before may have sent results from, while the replay at start stopped
+    /// short of it ([`Processor::owe_send_horizon`]); 0: nothing owed.
+    owed_send_horizon: Offset,
+    /// The last durable checkpoint's `next_offset`.
+    durable_next_offset: Offset,
 }
 
 /// Why results wait for their checkpoint to be durable before they leave (see
@@ -381,6 +386,9 @@ pub(crate) enum Wait {
     UpsertBackfill,
     /// Processing is past the send horizon of the last durable checkpoint.
     PastSendHorizon,
+    /// The replay at start stopped short of where the run before may have sent results
+    /// from: nothing leaves, not even what is durable, until processing gets there.
+    ReplayOwed,
 }
 
 impl Processor {
@@ -448,6 +456,7 @@ impl Processor {
         // Without a record (a new store, or one an older build wrote) nothing is known to
         // have left past the checkpoint.
         let horizon = (store.send_horizon()?.unwrap_or(0)).max(progress.next_offset);
+        let durable_next_offset = progress.next_offset;
         let engine = Engine::new(specs, progress);
         Ok(Processor {
             // What the store holds is where a crash would resume.
@@ -464,6 +473,8 @@ impl Processor {
             send_slack: 0,
             send_horizon: horizon,
             durable_send_horizon: horizon,
+            owed_send_horizon: 0,
+            durable_next_offset,
         })
     }
 
@@ -695,6 +706,7 @@ impl Processor {
             let horizon = cp.batch.send_horizon.unwrap_or(0);
             self.durable_send_horizon = self.durable_send_horizon.max(horizon);
         }
+        self.durable_next_offset = info.next_offset;
         let store = &self.store;
         self.engine.set_dedup_entries(|name| store.dedup_len(name));
         // The engine's progress is this checkpoint's now; it moves on before the fsync ends.
@@ -766,6 +778,9 @@ impl Processor {
     /// wait for their checkpoint. The slack covers how far processing runs ahead of the
     /// last durable checkpoint, so live results wait only when checkpoints fall behind.
     pub(crate) fn results_wait_for_checkpoint(&self) -> Option<Wait> {
+        if self.owes_send_horizon() {
+            return Some(Wait::ReplayOwed);
+        }
         if self.durable_upsert_backfill || self.engine.upsert_backfilling(self.engine.progress()) {
             return Some(Wait::UpsertBackfill);
         }
@@ -780,6 +795,30 @@ impl Processor {
     /// past its last durable checkpoint.
     pub(crate) fn replay_owes_send_horizon(&self) -> bool {
         self.engine.emits_upserts() && self.next_offset() < self.durable_send_horizon
+    }
+
+    /// After the replay at start, before [`Processor::record_send_horizon`]: whether it
+    /// stopped short of where results of the run before may have left from, the last
+    /// durable send horizon or `log_end` (the log's durable end at start: the run before
+    /// applied nothing past it), with a pipeline that emits upserts. It goes past the
+    /// outbox bound, so only a nearly full disk stops it there. Then, until processing gets
+    /// there, nothing is sent (durable results too would go back in version) and the
+    /// outbox bound does not hold processing ([`Processor::owes_send_horizon`]). Until a
+    /// checkpoint there is durable, not only until processing gets there: catch-up flushes
+    /// every slice, and the outputs of the last checkpoints before it still hold versions
+    /// below the newest; once one is durable, the outbox holds the newest of each key only
+    /// (a newer upsert supersedes a waiting one), and what follows is newer still.
+    pub(crate) fn owe_send_horizon(&mut self, log_end: Offset) {
+        let owed = self.durable_send_horizon.min(log_end);
+        if self.engine.emits_upserts() && self.next_offset() < owed {
+            self.owed_send_horizon = owed;
+        }
+    }
+
+    /// Whether the durable checkpoint is still short of what the replay at start owed (see
+    /// [`Processor::owe_send_horizon`]).
+    pub(crate) fn owes_send_horizon(&self) -> bool {
+        self.durable_next_offset < self.owed_send_horizon
     }
 
     /// The send horizon of the last durable checkpoint (see
@@ -993,9 +1032,18 @@ mod tests {
         assert_eq!(proc.durable_send_horizon(), 24);
         drop(proc);
 
-        let proc = Processor::open(open(), vec![spec("upsert")]).unwrap();
+        let mut proc = Processor::open(open(), vec![spec("upsert")]).unwrap();
         assert_eq!(proc.durable_send_horizon(), 24, "read back from the store");
         assert!(proc.replay_owes_send_horizon(), "offset 16 is below 24");
+        // A replay stopped at 16 (the disk) with the log's end at 20: nothing leaves until a
+        // checkpoint at 20 is durable, not when processing gets there.
+        proc.owe_send_horizon(20);
+        assert_eq!(proc.results_wait_for_checkpoint(), Some(Wait::ReplayOwed));
+        apply(&mut proc, 16..20);
+        assert!(proc.owes_send_horizon());
+        proc.checkpoint(0).unwrap().unwrap();
+        assert!(!proc.owes_send_horizon());
+        assert_eq!(proc.results_wait_for_checkpoint(), None);
         drop(proc);
         let proc = Processor::open(open(), vec![spec("changelog")]).unwrap();
         assert!(!proc.replay_owes_send_horizon());

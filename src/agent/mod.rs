@@ -247,7 +247,12 @@ impl Agent {
     /// Why processing must wait now, if it must: the outbox at its bound, or checkpoints
     /// waiting for disk room.
     fn hold(&self) -> Option<&'static str> {
-        Results::full(&self.cfg.outbox, &self.proc).or(self
+        // Until the replay's debt is paid nothing leaves, so the outbox bound cannot hold.
+        let full = match self.proc.owes_send_horizon() {
+            true => None,
+            false => Results::full(&self.cfg.outbox, &self.proc),
+        };
+        full.or(self
             .keeper
             .waiting_for_disk()
             .then_some("the disk is nearly full"))

@@ -103,7 +103,9 @@ pub(crate) fn recover(
         }));
     }
     let stats = replay(cfg, &log, &mut proc, &mut space, started, clock)?;
-    // Before anything is sent: how far results may leave before their checkpoint.
+    // Before anything is sent: what the replay still owes, and how far results may leave
+    // before their checkpoint.
+    proc.owe_send_horizon(log.durable_next());
     proc.set_send_slack(cfg.checkpoint.max_records);
     proc.record_send_horizon()?;
     let receipt = start_receipt(cfg, &log, &proc, clock);

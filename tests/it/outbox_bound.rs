@@ -292,3 +292,78 @@ fn a_replay_cut_short_by_a_lowered_outbox_bound_never_sends_a_version_below_one_
     assert_versions_rise_to(&results, &want);
     assert_eq!(state(&agent, "sums"), want);
 }
+
+/// The replay at start goes past the outbox bound up to the send horizon, but a nearly full
+/// disk stops it short (nothing may be written past the reserve). Then nothing is sent, not
+/// even what is durable, until processing has caught up with where results of the run
+/// before may have left from, and the outbox bound does not hold processing meanwhile.
+#[test]
+fn a_replay_stopped_by_a_full_disk_sends_nothing_until_it_has_caught_up_with_what_went_out() {
+    use crate::faults::{Mount, fill};
+    let local = Broker::start();
+    let mut cfg = AgentConfig::new(local.port(), &pipeline("sums", "upsert", "latest"));
+    cfg.log = "segment_size = \"1MiB\"\nmax_size = \"16MiB\"\nretention = \"1h\"\n\
+               commit_interval = \"2ms\"\nmax_payload = \"64KiB\"\n"
+        .into();
+    cfg.checkpoint = "interval = \"1h\"\nmax_records = 100000\n".into();
+    let mut agent = CairnProcess::new(&cfg);
+    let data = agent.data_dir();
+    let _mount = Mount::tmpfs(&data, "size=24m");
+    let results = Collector::start(local.port(), "sums/#");
+    agent.start_connected();
+    publish_all(local.port(), &(0..3000).map(event).collect::<Vec<_>>());
+    let all_sent = wait_until(Duration::from_secs(30), || {
+        let seen = back_results(&results);
+        seen.len() == 5 && seen.values().all(|(v, _)| v.contains(&600))
+    });
+    assert!(
+        all_sent,
+        "{:?}:\n{}",
+        back_results(&results),
+        agent.stderr_tail(20)
+    );
+    agent.kill();
+
+    cfg.checkpoint = "interval = \"50ms\"\nmax_records = 5\n".into();
+    agent.rewrite_config(&cfg);
+    let ballast = data.join("ballast");
+    let free = cairn::disk::free_bytes(&data).unwrap();
+    fill(&ballast, free - 128 * 1024);
+    let sent = results.messages().len();
+    agent.start_connected();
+    assert!(
+        wait_until(Duration::from_secs(20), || agent.run_stderr().contains(
+            "short of where results of the run before may have left from"
+        )),
+        "{}",
+        agent.stderr_tail(30)
+    );
+    assert!(
+        wait_until(Duration::from_secs(20), || agent
+            .run_stderr()
+            .contains("checkpoint waits: the disk is nearly full")),
+        "{}",
+        agent.stderr_tail(30)
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        results.messages().len(),
+        sent,
+        "results left before the replay's debt was paid:\n{}",
+        agent.stderr_tail(30)
+    );
+
+    std::fs::remove_file(&ballast).unwrap();
+    let done = wait_until(Duration::from_secs(60), || {
+        let (st, out, _) = agent.command(&["status", "--json"]);
+        st.success()
+            && serde_json::from_str::<serde_json::Value>(&out).is_ok_and(|v| {
+                v["checkpoint"]["next_offset"] == 3000 && v["outbox"]["entries"] == 0
+            })
+    });
+    assert!(done, "{}", agent.stderr_tail(30));
+    assert!(agent.terminate().success(), "{}", agent.stderr_tail(30));
+    let want = fold(0..3000);
+    assert_versions_rise_to(&results, &want);
+    assert_eq!(state(&agent, "sums"), want);
+}

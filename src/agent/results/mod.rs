@@ -274,6 +274,7 @@ impl Results {
         // Waiting, only what is durable goes: the outbox below the checkpoint in flight
         // (whose entries the store may show before its fsync ends), nothing fresh.
         let (durable_below, pending) = match wait {
+            Some(Wait::ReplayOwed) => return Ok(()),
             Some(_) => (proc.pending_outputs().first_seq(), Pending::new(&[], &[])),
             None => (None, proc.pending_outputs()),
         };
@@ -319,6 +320,12 @@ impl Results {
                  durable checkpoint (checkpoints fall behind); results leave once their \
                  checkpoint is durable until one records a horizon past it (a restart replays \
                  only up to the horizon before it sends)",
+                offset
+            ),
+            Some(Wait::ReplayOwed) => crate::event!(warn, "results_wait_for_replay";
+                "results: the replay at start stopped at offset {} (the disk is nearly full), \
+                 short of where results of the run before may have left from; nothing is sent \
+                 until a checkpoint there is durable, so that no key goes back in version",
                 offset
             ),
             None => crate::event!(info, "results_leave_early";
