@@ -387,7 +387,7 @@ pub(crate) enum Wait {
     /// Processing is past the send horizon of the last durable checkpoint.
     PastSendHorizon,
     /// The replay at start stopped short of where the run before may have sent results
-    /// from: nothing leaves, not even what is durable, until processing gets there.
+    /// from: nothing leaves, not even what is durable, until a checkpoint there is durable.
     ReplayOwed,
 }
 

@@ -241,19 +241,16 @@ fn a_checkpoint_on_a_nearly_full_disk_waits_instead_of_crash_looping() {
     assert_eq!(state(&agent, "back"), fold(0..2000));
 }
 
-/// A start whose replay stops at the outbox bound (here lowered by a config edit made while
-/// the agent was down; lost deletions of settled entries do the same) must not send a
-/// key's result below a version the run before sent. That run sent each key's upserts
-/// before their checkpoint, up to version 600, and was killed with none durable; a replay
-/// cut short after five records, and a catch-up flushing every five, would emit versions it
-/// never did (2, 3, ...) after 600. So a start replays past the bound up to the send horizon
-/// the last durable checkpoint recorded: every record whose results may have left early.
-#[test]
-fn a_replay_cut_short_by_a_lowered_outbox_bound_never_sends_a_version_below_one_sent() {
-    let local = Broker::start();
-    let mut cfg = AgentConfig::new(local.port(), &pipeline("sums", "upsert", "latest"));
-    cfg.checkpoint = "interval = \"1h\"\nmax_records = 100000\n".into();
-    let mut agent = CairnProcess::new(&cfg);
+/// The first run of the two tests below: `sums` (upsert) over 3,000 events, each key's
+/// upserts sent before their checkpoint up to version 600 (`cfg` makes none durable), then
+/// SIGKILL. `before_start` prepares the data directory (what it returns is kept).
+fn sent_early_then_killed<T>(
+    local: &Broker,
+    cfg: &AgentConfig,
+    before_start: impl FnOnce(&CairnProcess) -> T,
+) -> (CairnProcess, Collector, T) {
+    let mut agent = CairnProcess::new(cfg);
+    let kept = before_start(&agent);
     let results = Collector::start(local.port(), "sums/#");
     agent.start_connected();
     publish_all(local.port(), &(0..3000).map(event).collect::<Vec<_>>());
@@ -268,6 +265,34 @@ fn a_replay_cut_short_by_a_lowered_outbox_bound_never_sends_a_version_below_one_
         agent.stderr_tail(20)
     );
     agent.kill();
+    (agent, results, kept)
+}
+
+/// Everything up to `logged` processed (by the replay or by catch-up) and every result gone.
+fn wait_processed_and_sent(agent: &CairnProcess, logged: u64) {
+    let done = wait_until(Duration::from_secs(60), || {
+        let (st, out, _) = agent.command(&["status", "--json"]);
+        st.success()
+            && serde_json::from_str::<serde_json::Value>(&out).is_ok_and(|v| {
+                v["checkpoint"]["next_offset"] == logged && v["outbox"]["entries"] == 0
+            })
+    });
+    assert!(done, "{}", agent.stderr_tail(30));
+}
+
+/// A start whose replay stops at the outbox bound (here lowered by a config edit made while
+/// the agent was down; lost deletions of settled entries do the same) must not send a
+/// key's result below a version the run before sent. That run sent each key's upserts
+/// before their checkpoint, up to version 600, and was killed with none durable; a replay
+/// cut short after five records, and a catch-up flushing every five, would emit versions it
+/// never did (2, 3, ...) after 600. So a start replays past the bound up to the send horizon
+/// the last durable checkpoint recorded: every record whose results may have left early.
+#[test]
+fn a_replay_cut_short_by_a_lowered_outbox_bound_never_sends_a_version_below_one_sent() {
+    let local = Broker::start();
+    let mut cfg = AgentConfig::new(local.port(), &pipeline("sums", "upsert", "latest"));
+    cfg.checkpoint = "interval = \"1h\"\nmax_records = 100000\n".into();
+    let (mut agent, results, ()) = sent_early_then_killed(&local, &cfg, |_| ());
     assert_eq!(
         offline_status(&agent)["checkpoint"]["next_offset"].as_u64(),
         Some(0),
@@ -278,15 +303,7 @@ fn a_replay_cut_short_by_a_lowered_outbox_bound_never_sends_a_version_below_one_
     cfg.checkpoint = "interval = \"50ms\"\nmax_records = 5\n".into();
     agent.rewrite_config(&cfg);
     agent.start_connected();
-    // Everything processed (by the replay or by catch-up) and every result gone.
-    let done = wait_until(Duration::from_secs(60), || {
-        let (st, out, _) = agent.command(&["status", "--json"]);
-        st.success()
-            && serde_json::from_str::<serde_json::Value>(&out).is_ok_and(|v| {
-                v["checkpoint"]["next_offset"] == 3000 && v["outbox"]["entries"] == 0
-            })
-    });
-    assert!(done, "{}", agent.stderr_tail(30));
+    wait_processed_and_sent(&agent, 3000);
     assert!(agent.terminate().success(), "{}", agent.stderr_tail(30));
     let want = fold(0..3000);
     assert_versions_rise_to(&results, &want);
@@ -306,23 +323,10 @@ fn a_replay_stopped_by_a_full_disk_sends_nothing_until_it_has_caught_up_with_wha
                commit_interval = \"2ms\"\nmax_payload = \"64KiB\"\n"
         .into();
     cfg.checkpoint = "interval = \"1h\"\nmax_records = 100000\n".into();
-    let mut agent = CairnProcess::new(&cfg);
-    let data = agent.data_dir();
-    let _mount = Mount::tmpfs(&data, "size=24m");
-    let results = Collector::start(local.port(), "sums/#");
-    agent.start_connected();
-    publish_all(local.port(), &(0..3000).map(event).collect::<Vec<_>>());
-    let all_sent = wait_until(Duration::from_secs(30), || {
-        let seen = back_results(&results);
-        seen.len() == 5 && seen.values().all(|(v, _)| v.contains(&600))
+    let (mut agent, results, _mount) = sent_early_then_killed(&local, &cfg, |agent| {
+        Mount::tmpfs(&agent.data_dir(), "size=24m")
     });
-    assert!(
-        all_sent,
-        "{:?}:\n{}",
-        back_results(&results),
-        agent.stderr_tail(20)
-    );
-    agent.kill();
+    let data = agent.data_dir();
 
     cfg.checkpoint = "interval = \"50ms\"\nmax_records = 5\n".into();
     agent.rewrite_config(&cfg);
@@ -354,14 +358,7 @@ fn a_replay_stopped_by_a_full_disk_sends_nothing_until_it_has_caught_up_with_wha
     );
 
     std::fs::remove_file(&ballast).unwrap();
-    let done = wait_until(Duration::from_secs(60), || {
-        let (st, out, _) = agent.command(&["status", "--json"]);
-        st.success()
-            && serde_json::from_str::<serde_json::Value>(&out).is_ok_and(|v| {
-                v["checkpoint"]["next_offset"] == 3000 && v["outbox"]["entries"] == 0
-            })
-    });
-    assert!(done, "{}", agent.stderr_tail(30));
+    wait_processed_and_sent(&agent, 3000);
     assert!(agent.terminate().success(), "{}", agent.stderr_tail(30));
     let want = fold(0..3000);
     assert_versions_rise_to(&results, &want);
