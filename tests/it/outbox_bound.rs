@@ -171,6 +171,68 @@ fn the_replay_at_start_stops_at_the_outbox_bound_and_the_rest_follows_as_results
     assert_eq!(state(&agent, "sums"), fold(0..1000));
 }
 
+/// With a pipeline that emits upserts the replay at start goes past the outbox bound, but
+/// only up to the send horizon the last durable checkpoint recorded (`2 × max_records +
+/// 4096` records past it): the bound still holds the rest of a long log tail back.
+#[test]
+fn with_upserts_the_replay_passes_the_outbox_bound_only_up_to_the_send_horizon() {
+    const LOGGED: u64 = 10_000;
+    const SLACK_RECORDS: u64 = 2 * SLICE as u64 + 4096;
+    let both = format!(
+        "{}{}",
+        pipeline("sums", "changelog", "latest"),
+        pipeline("ups", "upsert", "latest")
+    );
+    let (local, mut central, cfg) = setup(&both);
+    let mut agent = CairnProcess::new(&cfg);
+    central.stop();
+    agent.start_connected();
+    publish_all(local.port(), &(0..LOGGED).map(event).collect::<Vec<_>>());
+    let logged = wait_until(Duration::from_secs(60), || {
+        let (st, out, _) = agent.command(&["status", "--json"]);
+        st.success()
+            && serde_json::from_str::<serde_json::Value>(&out)
+                .is_ok_and(|v| v["log"]["next_offset"].as_u64() == Some(LOGGED))
+    });
+    assert!(logged, "not all logged:\n{}", agent.stderr_tail(30));
+    assert!(agent.terminate().success(), "{}", agent.stderr_tail(30));
+    let first = offline_status(&agent)["checkpoint"]["next_offset"]
+        .as_u64()
+        .unwrap();
+    assert!(first < 500, "processing did not wait at the bound: {first}");
+
+    // The uplink still down: the replay goes past the bound to the horizon, and stops.
+    agent.start_connected();
+    let recovered = wait_until(Duration::from_secs(30), || {
+        agent.run_stderr().contains("recovery: done")
+    });
+    assert!(recovered, "{}", agent.stderr_tail(30));
+    assert!(agent.terminate().success(), "{}", agent.stderr_tail(30));
+    assert!(
+        agent.stderr().contains("replaying on to there first"),
+        "{}",
+        agent.stderr_tail(30)
+    );
+    let second = offline_status(&agent)["checkpoint"]["next_offset"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        second > first + (BOUND + SLACK) as u64,
+        "the replay stopped at the bound ({first} → {second})"
+    );
+    assert!(
+        second <= first + SLACK_RECORDS + SLICE as u64,
+        "the replay ran past the send horizon {} to {second}",
+        first + SLACK_RECORDS
+    );
+
+    central.restart();
+    agent.start_connected();
+    drain_and_stop(&mut agent, LOGGED);
+    assert_eq!(state(&agent, "sums"), fold(0..LOGGED));
+    assert_eq!(state(&agent, "ups"), fold(0..LOGGED));
+}
+
 /// Store writes under the free-space guard (issue 26): a checkpoint on a disk with less than
 /// the reserve free waits, and processing with it, instead of failing with `ENOSPC` and
 /// crash-looping the agent; with room again it goes on, and nothing is lost. The data
