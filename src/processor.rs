@@ -457,7 +457,17 @@ impl Processor {
         // have left past the checkpoint.
         let horizon = (store.send_horizon()?.unwrap_or(0)).max(progress.next_offset);
         let durable_next_offset = progress.next_offset;
-        let engine = Engine::new(specs, progress);
+        let mut engine = Engine::new(specs, progress);
+        // Pipelines over one stream share a dedup ledger (issue 33): one entry per input.
+        let groups = (engine.ledger_group_candidates().into_iter())
+            .filter_map(|members| {
+                let names: Vec<&str> = (members.iter())
+                    .map(|&p| engine.specs()[p].name.as_str())
+                    .collect();
+                Some((store.ledger_group_name(&names)?, members))
+            })
+            .collect();
+        engine.set_ledger_groups(groups);
         Ok(Processor {
             // What the store holds is where a crash would resume.
             durable_upsert_backfill: engine.upsert_backfilling(engine.progress()),

@@ -102,6 +102,65 @@ impl BatchLedger {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// Every entry as (owner, ID, record time), for the store's ledger chunks: an ID that
+    /// every member of a group accepted, all at one record time, is one entry owned by the
+    /// group (`groups`: its name and its members' pipeline names, at least two); every other
+    /// acceptance is an entry owned by its pipeline. What a pipeline accepted is the same
+    /// either way: its own entries and those of the groups it is a member of.
+    pub fn grouped<'a>(
+        &'a self,
+        groups: &'a [(String, Vec<String>)],
+        mut each: impl FnMut(&'a str, &'a str, u64),
+    ) {
+        // Members by their index among the names; a group with a member this batch never
+        // named takes nothing.
+        let groups: Vec<(&str, Vec<u32>)> = groups
+            .iter()
+            .filter(|(_, m)| m.len() >= 2)
+            .filter_map(|(g, m)| {
+                let idx = m.iter().map(|n| {
+                    let i = self.names.iter().position(|x| x == n)?;
+                    u32::try_from(i).ok()
+                });
+                Some((g.as_str(), idx.collect::<Option<Vec<u32>>>()?))
+            })
+            .collect();
+        for (id, s) in &self.ids {
+            let v = match s {
+                Seen::One(p, t) => {
+                    each(&self.names[*p as usize], id, *t);
+                    continue;
+                }
+                Seen::Many(v) => v,
+            };
+            // Entries taken by a group; only the first 128 can be (more pipelines than that
+            // accepting one ID are written one by one, as without groups).
+            let mut taken = 0u128;
+            for (g, members) in &groups {
+                let mut at = None;
+                let mut mask = 0u128;
+                let all = members.iter().all(|m| {
+                    let Some(i) = v.iter().position(|(q, _)| q == m).filter(|&i| i < 128) else {
+                        return false;
+                    };
+                    let t = v[i].1;
+                    let fits = taken & (1 << i) == 0 && *at.get_or_insert(t) == t;
+                    mask |= 1 << i;
+                    fits
+                });
+                if let (true, Some(t)) = (all, at) {
+                    taken |= mask;
+                    each(g, id, t);
+                }
+            }
+            for (i, &(p, t)) in v.iter().enumerate() {
+                if i >= 128 || taken & (1 << i) == 0 {
+                    each(&self.names[p as usize], id, t);
+                }
+            }
+        }
+    }
 }
 
 impl Seen {
@@ -212,6 +271,69 @@ mod tests {
             (Some(3), Some(6), Some(4))
         );
         assert_eq!(l.iter().count(), 3);
+    }
+
+    fn grouped(l: &BatchLedger, groups: &[(String, Vec<String>)]) -> Vec<(String, String, u64)> {
+        let mut v = Vec::new();
+        l.grouped(groups, |o, id, t| {
+            v.push((o.to_string(), id.to_string(), t))
+        });
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn an_id_every_member_accepted_at_one_time_is_the_groups_and_the_rest_stay_their_own() {
+        let names = ["a", "b", "c", "d"];
+        let mut l = BatchLedger::with_names(names);
+        let group =
+            |g: &str, m: &[&str]| (g.to_string(), m.iter().map(|s| s.to_string()).collect());
+        for (i, p) in names.iter().enumerate() {
+            l.insert(i, p, "all", 5);
+        }
+        l.insert(0, "a", "some", 6);
+        l.insert(1, "b", "some", 6);
+        l.insert(0, "a", "times", 7);
+        l.insert(1, "b", "times", 8);
+        l.insert(2, "c", "times", 8);
+        l.insert(3, "d", "one", 9);
+        let e = |o: &str, id: &str, t| (o.to_string(), id.to_string(), t);
+        assert_eq!(
+            grouped(&l, &[group("+1", &["a", "b", "c"])]),
+            [
+                e("+1", "all", 5),
+                e("a", "some", 6),
+                e("a", "times", 7),
+                e("b", "some", 6),
+                e("b", "times", 8),
+                e("c", "times", 8),
+                e("d", "all", 5),
+                e("d", "one", 9),
+            ]
+        );
+        // Two groups take what they can, each acceptance once; a group of one, or with a
+        // member the batch never named, takes nothing.
+        assert_eq!(
+            grouped(
+                &l,
+                &[
+                    group("+1", &["a", "b"]),
+                    group("+2", &["b", "c"]),
+                    group("+3", &["c", "d"]),
+                    group("+4", &["d"]),
+                    group("+5", &["a", "zz"]),
+                ]
+            ),
+            [
+                e("+1", "all", 5),
+                e("+1", "some", 6),
+                e("+2", "times", 8),
+                e("+3", "all", 5),
+                e("a", "times", 7),
+                e("d", "one", 9),
+            ]
+        );
+        assert_eq!(grouped(&l, &[]), sorted(&l));
     }
 
     #[test]

@@ -121,6 +121,9 @@ pub struct Batch {
     /// The send horizon to record (a log offset; `None`: leave the stored one), set by the
     /// processor (see `Processor::results_wait_for_checkpoint`).
     pub send_horizon: Option<u64>,
+    /// The shared ledgers the store writes this batch's entries into (see
+    /// [`Engine::set_ledger_groups`]): each one's name and its members' pipeline names.
+    pub ledger_groups: Vec<(String, Vec<String>)>,
 }
 
 /// A complete checkpoint: the progress after it, and the writes that reach it.
@@ -191,6 +194,8 @@ pub struct Engine {
     /// What Sparkplug sessions had to say since the live loop last took them (see
     /// [`Engine::take_notices`]); not part of any checkpoint.
     notices: Vec<Notice>,
+    /// Shared ledgers: each one's name and its members (indexes into `specs`).
+    ledger_groups: Vec<(String, Vec<usize>)>,
 }
 
 impl Engine {
@@ -217,7 +222,54 @@ impl Engine {
             batch,
             touched: BTreeMap::new(),
             notices: Vec::new(),
+            ledger_groups: Vec::new(),
         }
+    }
+
+    /// The pipelines that may share a dedup ledger, as sets of two or more (indexes into the
+    /// specs, in order): those that read the same topics, live (not backfilling: a backfill
+    /// has a clock of its own) and not Sparkplug B (whose entries are a session's, not a
+    /// stream's). Pipelines that read one stream nearly always accept the same IDs at the
+    /// same record time; the store then writes one ledger entry per ID for all of them,
+    /// instead of one per pipeline (issue 33: 16 pipelines over one stream held 16 entries
+    /// per input, in memory and on disk, and 16 lookups).
+    pub fn ledger_group_candidates(&self) -> Vec<Vec<usize>> {
+        let mut by_topics: BTreeMap<Vec<String>, Vec<usize>> = BTreeMap::new();
+        for (p, spec) in self.specs.iter().enumerate() {
+            if spec.format == Format::SparkplugB || self.progress.pipelines[p].backfill.is_some() {
+                continue;
+            }
+            let mut topics = spec.topics.clone();
+            topics.sort();
+            topics.dedup();
+            by_topics.entry(topics).or_default().push(p);
+        }
+        by_topics.into_values().filter(|m| m.len() >= 2).collect()
+    }
+
+    /// Share dedup ledgers: from now on, an ID that every member of a group accepts at one
+    /// record time is one ledger entry in the store, owned by the group's name (which the
+    /// store gives, [`crate::store::Store::ledger_group_name`]). Decisions do not change:
+    /// the store answers a pipeline's lookup from its own entries and its groups'
+    /// ([`ReadState::dedup`]). Members must be live and stay so for the engine's life: a
+    /// group's entries expire by the log clock.
+    pub fn set_ledger_groups(&mut self, groups: Vec<(String, Vec<usize>)>) {
+        self.ledger_groups = groups;
+        self.batch.ledger_groups = self.ledger_group_names();
+    }
+
+    /// The configured pipelines, in order.
+    pub fn specs(&self) -> &[PipelineSpec] {
+        &self.specs
+    }
+
+    fn ledger_group_names(&self) -> Vec<(String, Vec<String>)> {
+        (self.ledger_groups.iter())
+            .map(|(g, m)| {
+                let names = m.iter().map(|&p| self.specs[p].name.clone()).collect();
+                (g.clone(), names)
+            })
+            .collect()
     }
 
     /// What Sparkplug sessions reported (seq gaps, unknown metrics, DATA without a session)
@@ -1017,10 +1069,26 @@ impl Engine {
                     .push((spec.name.clone(), cutoff));
             }
         }
+        // A group's entries are kept for its longest window, by the log clock (its members
+        // are live); each member still judges an entry by its own window.
+        for (g, members) in &self.ledger_groups {
+            let window = (members.iter())
+                .map(|&p| self.specs[p].dedup_window_ms)
+                .max()
+                .unwrap_or(0);
+            self.batch.dedup_windows.push((g.clone(), window));
+            if let Some(cutoff) = self.progress.log_clock_ms.checked_sub(window) {
+                self.batch
+                    .dedup_expired_at_or_before
+                    .push((g.clone(), cutoff));
+            }
+        }
         self.progress.checkpoint_id += 1;
+        let mut next = fresh_batch(&self.specs);
+        next.ledger_groups = self.ledger_group_names();
         Checkpoint {
             progress: self.progress.clone(),
-            batch: std::mem::replace(&mut self.batch, fresh_batch(&self.specs)),
+            batch: std::mem::replace(&mut self.batch, next),
         }
     }
 

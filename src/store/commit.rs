@@ -15,9 +15,9 @@ use super::ledger::{self, Added, NewChunk};
 use super::outbox;
 use super::{
     BACKFILL_KEY, CHECKPOINT_HISTORY, CheckpointInfo, DEAD_PRUNE_MAX, DEAD_STATS_KEY,
-    DeadLetterStats, FORMAT_KEY, LEDGER_WINDOWS_KEY, Mem, PROGRESS_KEY, PROMOTE_MAX,
-    SEND_HORIZON_KEY, STORE_FORMAT, Store, StoreError, backfill_record, bounded, dead_letter_value,
-    decode, encode, io_err, pkey, pkey_dead,
+    DeadLetterStats, FORMAT_KEY, LEDGER_GROUPS_KEY, LEDGER_WINDOWS_KEY, Mem, PROGRESS_KEY,
+    PROMOTE_MAX, SEND_HORIZON_KEY, STORE_FORMAT, Store, StoreError, backfill_record, bounded,
+    dead_letter_value, decode, encode, io_err, pkey, pkey_dead,
 };
 use crate::model::{DeadLetter, Output, Progress};
 use crate::pipeline::engine::{Batch, Checkpoint};
@@ -62,6 +62,10 @@ struct Plan {
     sinks: Option<Vec<u8>>,
     /// Each ledger's entries before this commit.
     ledger_entries: BTreeMap<String, u64>,
+    /// Per pipeline, the shared ledgers it is a member of.
+    member_of: BTreeMap<String, Vec<String>>,
+    /// The shared ledgers' record, when groups were named since it was written.
+    groups: Option<Vec<u8>>,
 }
 
 /// The ledger's part of a commit.
@@ -96,6 +100,8 @@ struct Writes {
     sinks: Option<Vec<u8>>,
     /// The send horizon the checkpoint records, if it records one (`SEND_HORIZON_KEY`).
     send_horizon: Option<[u8; 8]>,
+    /// The shared ledgers, when groups were named since the record was written.
+    groups: Option<Vec<u8>>,
 }
 
 impl Store {
@@ -195,7 +201,11 @@ impl Store {
             committed_at_ms,
         };
         let checkpoints = checkpoints_batch(&info)?;
-        let progress = progress_with_ledger_sizes(&plan.ledger_entries, &cp.progress, &lw);
+        let progress =
+            progress_with_ledger_sizes((&plan.ledger_entries, &plan.member_of), &cp.progress, &lw);
+        let groups = (plan.groups)
+            .map(|v| bounded("meta", LEDGER_GROUPS_KEY, v))
+            .transpose()?;
         let writes = Writes {
             state,
             rows,
@@ -212,6 +222,7 @@ impl Store {
             windows: lw.windows.as_ref().map(|(_, v)| v.clone()),
             sinks: plan.sinks,
             send_horizon: b.send_horizon.map(u64::to_be_bytes),
+            groups,
         };
         // Every value is encoded and within its bound: nothing below refuses the checkpoint
         // but the disk.
@@ -233,6 +244,10 @@ impl Store {
             let mut mem = self.lock();
             let mem = &mut *mem;
             mem.dead = dead_stats;
+            // Only a start names groups, before its first commit: what was written is all.
+            if writes.groups.is_some() {
+                mem.groups_unrecorded = false;
+            }
             if let Some((windows, _)) = lw.windows.take() {
                 mem.windows = windows;
             }
@@ -244,19 +259,22 @@ impl Store {
         };
         let was_full = self.sweep_and_promote(freed)?;
         self.index_added(&lw.added, was_full);
+        let mut mem = self.lock();
+        mem.memo = None;
+        mem.applied_id = Some(cp.progress.checkpoint_id);
+        drop(mem);
         Ok(info)
     }
 
     /// The ledger's new chunks from this checkpoint's entries (no memory read): their
     /// writes, what the index will add, and how many each pipeline starts.
     pub(super) fn ledger_fresh(&self, cp: &Checkpoint) -> Result<Fresh, StoreError> {
+        // By owner: an ID every member of a shared ledger accepted at one time is one
+        // entry of the group's (see `LEDGER_GROUPS_KEY`).
         let mut by_pipeline: BTreeMap<&str, Vec<(String, u64)>> = BTreeMap::new();
-        for (p, id, seen) in cp.batch.dedup.iter() {
-            by_pipeline
-                .entry(p)
-                .or_default()
-                .push((id.to_string(), seen));
-        }
+        (cp.batch.dedup).grouped(&cp.batch.ledger_groups, |owner, id, seen| {
+            (by_pipeline.entry(owner).or_default()).push((id.to_string(), seen));
+        });
         let mut chunks = Vec::new();
         let mut added = Vec::new();
         let mut new_chunks: BTreeMap<String, usize> = BTreeMap::new();
@@ -340,6 +358,13 @@ impl Store {
                 .named()
                 .map(|(name, l)| (name.to_string(), l.entries()))
                 .collect(),
+            member_of: (mem.member_of.iter())
+                .map(|(p, g)| (p.clone(), g.clone()))
+                .collect(),
+            groups: mem.groups_unrecorded.then(|| {
+                let list: Vec<(&String, &Vec<String>)> = mem.ledger_groups.iter().collect();
+                encode(&list)
+            }),
         }
     }
 
@@ -454,6 +479,9 @@ impl Store {
                 }
                 if let Some(v) = &w.send_horizon {
                     tx[0].insert(SEND_HORIZON_KEY, v.as_slice())?;
+                }
+                if let Some(v) = &w.groups {
+                    tx[0].insert(LEDGER_GROUPS_KEY, v.as_slice())?;
                 }
                 Ok::<(), sled::transaction::ConflictableTransactionError<()>>(())
             })
@@ -738,21 +766,27 @@ fn checkpoints_batch(info: &CheckpointInfo) -> Result<sled::Batch, StoreError> {
 
 /// The progress record, with the ledger sizes this checkpoint leaves recorded with it
 /// (`before`: each ledger's entries before it).
+/// The progress record with each pipeline's ledger entries after this commit: its own
+/// ledger's and those of the shared ledgers it is a member of.
 fn progress_with_ledger_sizes(
-    before: &BTreeMap<String, u64>,
+    (before, member_of): (&BTreeMap<String, u64>, &BTreeMap<String, Vec<String>>),
     progress: &Progress,
     lw: &LedgerWrites,
 ) -> Progress {
-    let mut progress = progress.clone();
-    for pp in &mut progress.pipelines {
-        let mut n = before.get(&pp.name).copied().unwrap_or(0);
-        for c in lw.added.iter().filter(|c| c.pipeline == pp.name) {
+    let entries = |owner: &str| {
+        let mut n = before.get(owner).copied().unwrap_or(0);
+        for c in lw.added.iter().filter(|c| c.pipeline == owner) {
             n += c.hashes.len() as u64;
         }
-        for d in lw.dropped.iter().filter(|d| d.pipeline == pp.name) {
-            n -= d.hashes.len() as u64;
+        for d in lw.dropped.iter().filter(|d| d.pipeline == owner) {
+            n = n.saturating_sub(d.hashes.len() as u64);
         }
-        pp.dedup_entries = n;
+        n
+    };
+    let mut progress = progress.clone();
+    for pp in &mut progress.pipelines {
+        let groups = member_of.get(&pp.name).into_iter().flatten();
+        pp.dedup_entries = entries(&pp.name) + groups.map(|g| entries(g)).sum::<u64>();
     }
     progress
 }

@@ -3,8 +3,9 @@
 //! # Guarantees
 //!
 //! - A lookup answers exactly what a map of every recorded (pipeline, ID) → record time
-//!   would: memory only decides which chunks a lookup reads, never what it answers
-//!   (`store::tests::ledger_model`, `store::tests::ledger_oracle`).
+//!   would: memory only decides which chunks a lookup reads, and shared ledgers only where
+//!   an entry is kept, never what it answers (`store::tests::ledger_model`,
+//!   `store::tests::ledger_oracle`, `store::groups_tests`).
 //! - Memory per ID is bounded and small: 4 bytes of index per ID in the window, the entries
 //!   of expired groups that the index's sweep has not reached yet (at most ~1/8 of them,
 //!   half a byte per ID; see `index.rs`), and a few bytes per group of chunks (~0.2 byte
@@ -95,6 +96,19 @@
 //! other choice, and it is not safe: the ledger expires by record time, which moves only when
 //! new records are logged, so refusing input would wait forever. When expiry frees room,
 //! unindexed groups are indexed again, oldest first ([`Ledgers::unindexed`]).
+//!
+//! # Shared ledgers
+//!
+//! A ledger is named by its owner: a pipeline, or a *group* of pipelines that read one
+//! stream (`+` and a number; `LEDGER_GROUPS_KEY` records the members). An ID that every
+//! member of the group accepted in one checkpoint, at one record time, is one entry of the
+//! group's; any other acceptance is an entry of its pipeline's own ledger. A pipeline's
+//! lookup reads its own ledger and its groups' and takes the newest entry, so it answers
+//! exactly what its own ledger alone would have (`store::groups_tests`), and 16 pipelines
+//! over one stream keep one entry per input instead of 16: in the index (4 bytes each), the
+//! chunks, and what a checkpoint writes (issue 33). A group's entries expire by its
+//! members' longest window (each member still judges an entry by its own); a group that is
+//! no longer in use (its members changed) is dormant and expires like a dormant pipeline.
 //!
 //! # Expiry
 //!

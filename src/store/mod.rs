@@ -61,16 +61,17 @@
 //!   the default holds ~15 million); beyond it chunks stay unindexed and lookups read them,
 //!   slower but exact (see [`ledger`]).
 //!
-//! # Layout (store format 4)
+//! # Layout (store format 5)
 //!
 //! One tree per kind; pipeline-scoped keys start with `pipeline_name 0x00` (names cannot
 //! contain NUL). `rows`: skey → every pipeline's state for that key ([`rows`]); `state`:
 //! p·skey → KeyState, for a state too large to share its row; `dedup`: p·min_seen·checkpoint·part → a chunk
 //! of ledger entries ([`ledger`]); `outbox`: first_seq → a chunk of outputs ([`outbox`]);
 //! `dead`: offset·p → DeadLetter; `sparkplug`: p·key → a Sparkplug session entry (issue 31);
-//! `meta`: `progress` → Progress, `format` → 4,
+//! `meta`: `progress` → Progress, `format` → 5,
 //! `dead_letters` → [`DeadLetterStats`], `ledger_windows` → each pipeline's dedup window,
-//! `send_horizon` → a log offset (see `SEND_HORIZON_KEY`);
+//! `send_horizon` → a log offset (see `SEND_HORIZON_KEY`), `ledger_groups` → the shared
+//! ledgers and their members (see `LEDGER_GROUPS_KEY`);
 //! `checkpoints`: id → CheckpointInfo (the newest [`CHECKPOINT_HISTORY`]).
 //!
 //! Format 4 is format 3 with the states in rows: format 3 kept one `state` key per
@@ -78,6 +79,12 @@
 //! 33). A format-3 (or -2) store is read as it is and upgraded by the agent at start
 //! ([`Store::upgrade_layout`], `store::rows::store_tests`); a build before format 4 refuses
 //! a store or savepoint after it.
+//!
+//! Format 5 is format 4 with shared ledgers: the `dedup` tree's chunks may be owned by a
+//! group of pipelines that read one stream (`ledger_groups`) instead of by one pipeline, so
+//! 16 pipelines over one stream write one entry per input, not 16 (issue 33). A format-4
+//! store is read as it is (it has no groups); a build before format 5 refuses a store or
+//! savepoint after it.
 //!
 //! Format 3 is format 2 with a `generation` in each pipeline's progress (and the progress of
 //! pipelines no longer configured kept): a format-2 store is read as generation 1 for every
@@ -124,6 +131,13 @@ const LEDGER_WINDOWS_KEY: &[u8] = b"ledger_windows";
 /// checkpoint, and at start; older builds ignore it, and without it a start replays as
 /// before.
 const SEND_HORIZON_KEY: &[u8] = b"send_horizon";
+/// The shared ledgers, `Vec<(name, members)>`: a group's name (`+` and a number, which no
+/// pipeline name can be) owns the ledger entries of IDs that every one of its members
+/// accepted at one record time ([`Store::ledger_group_name`]). A pipeline's lookup reads its
+/// own ledger and those of the groups it is a member of. Written in the transaction of the
+/// first checkpoint that writes a group's entries; a group no member of which is configured
+/// any more is dormant and expires by its recorded window, as a pipeline's ledger does.
+const LEDGER_GROUPS_KEY: &[u8] = b"ledger_groups";
 
 // The bounds on one stored entry live in `model`, where the engine and config validation
 // that make the values check them too: MAX_ENTRY_BYTES (7 KiB, key plus value, outside
@@ -214,7 +228,10 @@ pub(crate) struct BoundFigures {
 }
 
 /// The layout this build writes (see the module docs).
-pub(crate) const STORE_FORMAT: u32 = 4;
+/// Format 4 is format 5 without shared ledgers: read as it is, nothing to upgrade. An older
+/// build refuses format 5, whose shared ledgers it would not read (it would take their
+/// entries for a dormant pipeline's, and count a duplicate of them again).
+pub(crate) const STORE_FORMAT: u32 = 5;
 /// Format 3: format 4 with a key per pipeline and state key in `state` and no `rows`. Read
 /// as it is, and upgraded by the agent before it processes ([`rows`]).
 const STORE_FORMAT_V3: u32 = 3;
@@ -367,6 +384,28 @@ struct Mem {
     /// Outbox chunks emptied while a checkpoint commits beside the loop, deleted once it is
     /// done (`Some` while it runs: [`Store::hold_outbox_deletes`]).
     held_deletes: Option<Vec<u64>>,
+    /// The shared ledgers: name → members (the `meta` record [`LEDGER_GROUPS_KEY`], and
+    /// groups named since, which the next commit records).
+    ledger_groups: std::collections::BTreeMap<String, Vec<String>>,
+    /// Whether `ledger_groups` holds a group the record does not.
+    groups_unrecorded: bool,
+    /// Per pipeline, the groups it is a member of.
+    member_of: std::collections::HashMap<String, Vec<String>>,
+    /// The checkpoint whose ledger changes memory holds in full (`None` while a commit's
+    /// are on the way): lookups may reuse [`Mem::memo`] only while it is the committed one.
+    applied_id: Option<u64>,
+    /// The last lookup in a shared ledger: the members of a group look the same ID up one
+    /// after another for each record (16 pipelines over one stream: 16 times).
+    memo: Option<GroupMemo>,
+}
+
+/// One answer of a shared ledger (see [`Mem::memo`]).
+struct GroupMemo {
+    /// The committed checkpoint it was read at.
+    at: u64,
+    group: String,
+    id: Vec<u8>,
+    seen: Option<u64>,
 }
 
 impl Mem {
@@ -381,7 +420,23 @@ impl Mem {
             warned_windows: Default::default(),
             sinks: None,
             held_deletes: None,
+            ledger_groups: Default::default(),
+            groups_unrecorded: false,
+            member_of: Default::default(),
+            applied_id: None,
+            memo: None,
         }
+    }
+
+    /// Set the shared ledgers, and who is a member of which.
+    fn set_ledger_groups(&mut self, groups: std::collections::BTreeMap<String, Vec<String>>) {
+        self.member_of.clear();
+        for (g, members) in &groups {
+            for m in members {
+                self.member_of.entry(m.clone()).or_default().push(g.clone());
+            }
+        }
+        self.ledger_groups = groups;
     }
 }
 
@@ -776,6 +831,47 @@ pub(crate) struct Moved {
 }
 
 impl Store {
+    /// The name of the shared ledger of `members` (pipeline names, two or more): the group
+    /// recorded with exactly these members if there is one, else a new name (`+` and the
+    /// next number), recorded by the next commit. A group's entries are IDs every member
+    /// accepted, so a set of members that differs in any way (a pipeline added, or back
+    /// from a backfill) is a new group, and the old one is dormant: its members still
+    /// read it until it expires.
+    pub fn ledger_group_name(&self, members: &[&str]) -> Option<String> {
+        let mut want: Vec<String> = members.iter().map(|m| m.to_string()).collect();
+        want.sort();
+        want.dedup();
+        let mut mem = self.lock();
+        let found = (mem.ledger_groups.iter())
+            .find(|(_, m)| {
+                let mut m: Vec<&String> = m.iter().collect();
+                m.sort();
+                m == want.iter().collect::<Vec<_>>()
+            })
+            .map(|(g, _)| g.clone());
+        if found.is_some() {
+            return found;
+        }
+        let next = (mem.ledger_groups.keys().map(String::as_str))
+            .chain(mem.ledgers.named().map(|(name, _)| name))
+            .filter_map(|g| g.strip_prefix('+')?.parse::<u64>().ok())
+            .max()
+            .map_or(1, |n| n.saturating_add(1));
+        let name = format!("+{next}");
+        let mut groups = mem.ledger_groups.clone();
+        groups.insert(name.clone(), want);
+        // The record must fit one `meta` value with room to spare: past that the members
+        // keep their own ledgers, as without groups (a start forgets groups whose entries
+        // expired, so only a config changed hundreds of times within a window gets here).
+        let list: Vec<(&String, &Vec<String>)> = groups.iter().collect();
+        if encode(&list).len() > crate::model::MAX_META_BYTES / 2 {
+            return None;
+        }
+        mem.set_ledger_groups(groups);
+        mem.groups_unrecorded = true;
+        Some(name)
+    }
+
     /// Forget the state, dedup ledgers and Sparkplug sessions of `pipelines` (reset, or dropped because no
     /// longer configured) and record `progress`, all in one transaction followed by the
     /// fsync, like a checkpoint: after a crash either all of it happened or none. With no
@@ -804,7 +900,34 @@ impl Store {
         let (outbox_batch, moved) = self.outbox_into_generations(outbox)?;
         let (rows, spill) = self.forget_states(pipelines)?;
         let mut batches = [spill, sled::Batch::default(), sled::Batch::default()];
-        for pipeline in pipelines {
+        // A reset pipeline leaves its groups: their entries stay its other members'. A group
+        // left with no member goes with its entries.
+        let (groups, gone_groups) = {
+            let mem = self.lock();
+            let mut groups = mem.ledger_groups.clone();
+            for members in groups.values_mut() {
+                members.retain(|m| !pipelines.contains(&m.as_str()));
+            }
+            let gone: Vec<String> = (groups.iter())
+                .filter(|(_, m)| m.is_empty())
+                .map(|(g, _)| g.clone())
+                .collect();
+            groups.retain(|_, m| !m.is_empty());
+            let changed = groups != mem.ledger_groups || mem.groups_unrecorded;
+            (changed.then_some(groups), gone)
+        };
+        let groups_record = match &groups {
+            Some(g) => {
+                let list: Vec<(&String, &Vec<String>)> = g.iter().collect();
+                Some(bounded("meta", LEDGER_GROUPS_KEY, encode(&list))?)
+            }
+            None => None,
+        };
+        let owners = pipelines
+            .iter()
+            .copied()
+            .chain(gone_groups.iter().map(String::as_str));
+        for pipeline in owners {
             let prefix = pkey(pipeline, &[]);
             let trees = [&self.dedup, &self.sparkplug];
             for (i, tree) in trees.into_iter().enumerate() {
@@ -834,6 +957,9 @@ impl Store {
                 tx[0].insert(PROGRESS_KEY, progress.as_slice())?;
                 tx[0].insert(BACKFILL_KEY, backfill.as_slice())?;
                 tx[0].insert(FORMAT_KEY, &STORE_FORMAT.to_be_bytes())?;
+                if let Some(v) = &groups_record {
+                    tx[0].insert(LEDGER_GROUPS_KEY, v.as_slice())?;
+                }
                 Ok::<(), sled::transaction::ConflictableTransactionError<()>>(())
             })
             .map_err(|e| match e {
@@ -842,13 +968,23 @@ impl Store {
             })?;
         self.committed_id.store(committed, Ordering::Release);
         let mut mem = self.lock();
+        if let Some(groups) = groups {
+            mem.set_ledger_groups(groups);
+            mem.groups_unrecorded = false;
+        }
         // One index serves every pipeline, and dropping a pipeline's entries from it needs
         // their hashes, which are in the chunks just deleted: build it again from the tree.
         // A reset is an operator's request at start, rare; a walk is the simple way.
-        if pipelines.iter().any(|p| mem.ledgers.get(p).is_some()) {
+        let owners = pipelines
+            .iter()
+            .copied()
+            .chain(gone_groups.iter().map(String::as_str));
+        if owners.into_iter().any(|p| mem.ledgers.get(p).is_some()) {
             mem.ledgers = Ledgers::new(self.bounds.ledger_index_bytes());
             self.load_ledger(&mut mem)?;
         }
+        mem.memo = None;
+        mem.applied_id = Some(committed);
         if moved.moved + moved.dropped > 0 {
             // Keys changed with the IDs: count the waiting results again from the tree.
             mem.outbox = OutboxMem::default();
@@ -929,6 +1065,8 @@ fn pkey_dead(offset: u64, pipeline: &str) -> Vec<u8> {
     k
 }
 
+#[cfg(test)]
+mod groups_tests;
 #[cfg(test)]
 mod outbox_tests;
 #[cfg(test)]

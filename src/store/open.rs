@@ -76,14 +76,16 @@ impl Store {
             }
             None => 1,
         };
-        if found != STORE_FORMAT && found != STORE_FORMAT_V3 && found != STORE_FORMAT_V2 {
+        if !(STORE_FORMAT_V2..=STORE_FORMAT).contains(&found) {
             return Err(StoreError::Format {
                 path: self.dir.clone(),
                 found,
             });
         }
-        self.legacy
-            .store(found != STORE_FORMAT, std::sync::atomic::Ordering::Release);
+        self.legacy.store(
+            found <= STORE_FORMAT_V3,
+            std::sync::atomic::Ordering::Release,
+        );
         Ok(())
     }
 
@@ -98,6 +100,8 @@ impl Store {
         let committed = self.progress()?.checkpoint_id;
         self.committed_id
             .store(committed, std::sync::atomic::Ordering::Release);
+        mem.memo = None;
+        mem.applied_id = Some(committed);
         let mut uncommitted = sled::Batch::default();
         let mut removed = 0u64;
         // Chunks go in a batch at a time, sorted into the index together.
@@ -158,6 +162,18 @@ impl Store {
     fn load(&self) -> Result<(), StoreError> {
         let mut mem = self.lock();
         self.load_ledger(&mut mem)?;
+        let groups = match self.meta.get(LEDGER_GROUPS_KEY)? {
+            Some(v) => decode::<Vec<(String, Vec<String>)>>("ledger groups", &v)?,
+            None => Vec::new(),
+        };
+        // A group with no entries left (expired, or never written) is forgotten: the
+        // record only grows with the sets of pipelines that shared a stream lately.
+        let recorded = groups.len();
+        let groups: std::collections::BTreeMap<String, Vec<String>> = (groups.into_iter())
+            .filter(|(g, _)| mem.ledgers.get(g).is_some_and(|l| l.entries() > 0))
+            .collect();
+        mem.groups_unrecorded = groups.len() != recorded;
+        mem.set_ledger_groups(groups);
         if let Some(v) = self.meta.get(LEDGER_WINDOWS_KEY)? {
             mem.windows = decode::<Vec<(String, u64)>>("ledger windows", &v)?
                 .into_iter()

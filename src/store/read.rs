@@ -6,7 +6,10 @@ use super::*;
 impl Store {
     /// Ledger entries per pipeline after the last commit (what `dedup_entries` reports).
     pub(crate) fn dedup_len(&self, pipeline: &str) -> u64 {
-        self.lock().ledgers.get(pipeline).map_or(0, |l| l.entries())
+        let mem = self.lock();
+        let entries = |name: &str| mem.ledgers.get(name).map_or(0, |l| l.entries());
+        let groups = mem.member_of.get(pipeline).into_iter().flatten();
+        entries(pipeline) + groups.map(|g| entries(g)).sum::<u64>()
     }
 
     /// The store's own bounds at the last commit (for `/metrics` and `cairn status`).
@@ -39,6 +42,13 @@ impl Store {
                 from = pkey(&p, &[]);
                 *from.last_mut().expect("pkey ends in 0") = 1;
                 names.insert(p);
+            }
+        }
+        // A shared ledger's entries are its members' data.
+        let mem = self.lock();
+        for (g, members) in &mem.ledger_groups {
+            if names.remove(g) {
+                names.extend(members.iter().cloned());
             }
         }
         Ok(names.into_iter().collect())
@@ -150,29 +160,55 @@ impl Store {
         self.count_states()
     }
 
-    /// Every ledger entry: (pipeline, event ID, seen_ms), chunk by chunk.
+    /// Every ledger entry: (pipeline, event ID, seen_ms), chunk by chunk. An entry of a
+    /// shared ledger is every member's (see `LEDGER_GROUPS_KEY`).
     pub fn dedup_entries(
         &self,
         pipeline: Option<&str>,
     ) -> impl Iterator<Item = Result<(String, String, u64), StoreError>> + '_ {
-        let it = match pipeline {
-            Some(p) => self.dedup.scan_prefix(pkey(p, &[])),
-            None => self.dedup.iter(),
+        let groups = self.lock().ledger_groups.clone();
+        let owners: Vec<Option<String>> = match pipeline {
+            Some(p) => std::iter::once(p.to_string())
+                .chain(
+                    (groups.iter())
+                        .filter(|(_, m)| m.iter().any(|m| m == p))
+                        .map(|(g, _)| g.clone()),
+                )
+                .map(Some)
+                .collect(),
+            None => vec![None],
         };
-        it.flat_map(|r| {
-            let chunk = r.map_err(StoreError::from).and_then(|(k, v)| {
-                let (p, _) = split_pkey(&k)?;
-                Ok((p, decode::<ledger::Chunk>("ledger chunk", &v)?))
-            });
-            let items: Vec<Result<(String, String, u64), StoreError>> = match chunk {
-                Ok((p, c)) => c
-                    .entries
-                    .into_iter()
-                    .map(|(id, seen)| Ok((p.clone(), id, seen)))
-                    .collect(),
-                Err(e) => vec![Err(e)],
+        let only = pipeline.map(str::to_string);
+        owners.into_iter().flat_map(move |owner| {
+            let it = match &owner {
+                Some(o) => self.dedup.scan_prefix(pkey(o, &[])),
+                None => self.dedup.iter(),
             };
-            items
+            let (groups, only) = (groups.clone(), only.clone());
+            it.flat_map(move |r| {
+                let chunk = r.map_err(StoreError::from).and_then(|(k, v)| {
+                    let (p, _) = split_pkey(&k)?;
+                    Ok((p, decode::<ledger::Chunk>("ledger chunk", &v)?))
+                });
+                let (p, c) = match chunk {
+                    Ok(pc) => pc,
+                    Err(e) => return vec![Err(e)],
+                };
+                let names: Vec<String> = match groups.get(&p) {
+                    Some(members) => (members.iter())
+                        .filter(|m| only.as_ref().is_none_or(|o| o == *m))
+                        .cloned()
+                        .collect(),
+                    None => vec![p],
+                };
+                let mut items = Vec::with_capacity(c.entries.len() * names.len());
+                for (id, seen) in c.entries {
+                    for n in &names {
+                        items.push(Ok((n.clone(), id.clone(), seen)));
+                    }
+                }
+                items
+            })
         })
     }
 
@@ -196,6 +232,44 @@ impl Store {
     /// Bytes sled reports on disk.
     pub fn size_on_disk(&self) -> u64 {
         self.db.size_on_disk().unwrap_or(0)
+    }
+}
+
+impl Store {
+    /// When ledger `name` (a pipeline's, or a group's) recorded the ID hashed `hash`, if it
+    /// did: the newest of its groups' entries for it. `mem`: the ledgers, and the lookups'
+    /// reused vectors.
+    fn ledger_get(
+        &self,
+        (ledgers, tags, groups): (&Ledgers, &mut Vec<u16>, &mut Vec<u64>),
+        name: &str,
+        hash: u64,
+        id: &[u8],
+    ) -> Result<Option<u64>, ReadError> {
+        let Some(pid) = ledgers.pid(name) else {
+            return Ok(None);
+        };
+        ledgers.candidates(pid, hash, tags, groups);
+        // An ID accepted again after its entry expired is in two groups: the newest counts.
+        let mut best = None;
+        let mut read = Vec::new();
+        for &seq in groups.iter() {
+            let chunks = self
+                .ledger_group(ledgers, name, pid, seq)
+                .map_err(read_err)?;
+            read.clear();
+            for kv in chunks {
+                let (k, v) = kv.map_err(|e| read_err(e.into()))?;
+                let seen = ledger::chunk_get(&v, id).map_err(|_| read_err(bad_chunk()))?;
+                best = best.max(seen);
+                read.push(k);
+            }
+            // A false hit, or a duplicate of an old ID, reads a group that is usually cold.
+            if ledgers.reads_cold(pid, seq) {
+                self.count_group_in_cache(&read);
+            }
+        }
+        Ok(best)
     }
 }
 
@@ -251,31 +325,50 @@ impl ReadState for Store {
         // take it 16 times a record).
         let hash = ledger::id_hash(&self.hasher, pipeline, event_id.as_bytes());
         let mut mem = self.lock();
-        let mem = &mut *mem;
-        let Some(pid) = mem.ledgers.pid(pipeline) else {
-            return Ok(None);
-        };
-        mem.ledgers
-            .candidates(pid, hash, &mut mem.tags, &mut mem.groups);
-        // An ID accepted again after its entry expired is in two groups: the newest counts.
-        let mut best = None;
-        let mut read = Vec::new();
-        for &seq in &mem.groups {
-            let chunks = self
-                .ledger_group(&mem.ledgers, pipeline, pid, seq)
-                .map_err(read_err)?;
-            read.clear();
-            for kv in chunks {
-                let (k, v) = kv.map_err(|e| read_err(e.into()))?;
-                let seen = ledger::chunk_get(&v, event_id.as_bytes())
-                    .map_err(|_| read_err(bad_chunk()))?;
-                best = best.max(seen);
-                read.push(k);
-            }
-            // A false hit, or a duplicate of an old ID, reads a group that is usually cold.
-            if mem.ledgers.reads_cold(pid, seq) {
-                self.count_group_in_cache(&read);
-            }
+        let Mem {
+            ledgers,
+            tags,
+            groups,
+            member_of,
+            applied_id,
+            memo,
+            ..
+        } = &mut *mem;
+        let id = event_id.as_bytes();
+        let mut best = self.ledger_get((ledgers, tags, groups), pipeline, hash, id)?;
+        // And the shared ledgers it is a member of (see `LEDGER_GROUPS_KEY`): an ID accepted
+        // again after its entry expired may be in both, and the newest counts. The last
+        // answer is reused while no commit has changed the ledger since (the committed
+        // checkpoint is the one memory holds in full).
+        let committed = self.committed_id.load(Ordering::Acquire);
+        let reuse = *applied_id == Some(committed);
+        for g in member_of.get(pipeline).into_iter().flatten() {
+            let known = memo
+                .as_ref()
+                .filter(|m| reuse && m.at == committed && m.group == *g && m.id == id);
+            let seen = match known {
+                Some(m) => m.seen,
+                None => {
+                    let hash = ledger::id_hash(&self.hasher, g, id);
+                    let seen = self.ledger_get((ledgers, tags, groups), g, hash, id)?;
+                    if reuse {
+                        let m = memo.get_or_insert_with(|| GroupMemo {
+                            at: committed,
+                            group: String::new(),
+                            id: Vec::new(),
+                            seen,
+                        });
+                        m.at = committed;
+                        m.group.clear();
+                        m.group.push_str(g);
+                        m.id.clear();
+                        m.id.extend_from_slice(id);
+                        m.seen = seen;
+                    }
+                    seen
+                }
+            };
+            best = best.max(seen);
         }
         Ok(best)
     }

@@ -26,9 +26,9 @@ use std::io::{BufReader, Read};
 use std::path::Path;
 
 use super::super::{
-    BACKFILL_KEY, CheckpointInfo, DEAD_STATS_KEY, DeadLetterStats, FORMAT_KEY, LEDGER_WINDOWS_KEY,
-    MAX_ENTRY_BYTES, MAX_META_BYTES, PROGRESS_KEY, SEND_HORIZON_KEY, STORE_FORMAT, STORE_FORMAT_V2,
-    StoreError, decode, io_err, split_pkey, u64_of, v2,
+    BACKFILL_KEY, CheckpointInfo, DEAD_STATS_KEY, DeadLetterStats, FORMAT_KEY, LEDGER_GROUPS_KEY,
+    LEDGER_WINDOWS_KEY, MAX_ENTRY_BYTES, MAX_META_BYTES, PROGRESS_KEY, SEND_HORIZON_KEY,
+    STORE_FORMAT, STORE_FORMAT_V2, StoreError, decode, io_err, split_pkey, u64_of, v2,
 };
 use super::{END_MAGIC, HEADER_LEN, SavepointInfo, TRAILER_LEN, TREES, corrupt};
 use crate::model::{Backfill, DeadLetter, Output, Progress};
@@ -198,6 +198,9 @@ fn check_entry(tree: usize, k: &[u8], v: &[u8], meta: &mut Meta) -> Result<(), S
             }
             SEND_HORIZON_KEY => {
                 u64_of(v)?;
+            }
+            LEDGER_GROUPS_KEY => {
+                decode::<Vec<(String, Vec<String>)>>("ledger groups", v)?;
             }
             // A record a later build of this format adds is left to it.
             _ => {}
