@@ -519,7 +519,7 @@ pub static KEYS: &[Key] = &[
         Range::Int(1, 1_000_000),
         "keys",
         Reload::Sighup(|c, n| c.checkpoint.max_keys = n.checkpoint.max_keys),
-        "each key a checkpoint writes holds a copy of a sled leaf until it commits: peak RSS 122 MiB at 20,000 records per checkpoint, 55.7-57.5 MiB bounded at 1,536 keys (issue 16); counted per pipeline, and held by records read back from the log (the replay at start, catch-up, backfill) as by live ones",
+        "each key a checkpoint writes holds a copy of a sled leaf until it commits: peak RSS 122 MiB at 20,000 records per checkpoint, 55.7-57.5 MiB bounded at 1,536 keys (issue 16); counted per stored row (a key's states of every pipeline; one per KiB of its states, at most one per state: 16 light pipelines over a key count once, as one does, issue 33), and held by records read back from the log (the replay at start, catch-up, backfill) as by live ones",
         Get::Config(|c| Some(c.checkpoint.max_keys.to_string()))
     ),
     // [outbox]

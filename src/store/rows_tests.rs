@@ -174,12 +174,45 @@ fn a_checkpoint_writes_one_row_per_key_however_many_pipelines_keep_state_for_it(
     engine.apply(&store, &rec(0, "a", 1.0, 10)).unwrap();
     engine.apply(&store, &rec(1, "a", 2.0, 20)).unwrap();
     engine.apply(&store, &rec(2, "b", 2.0, 30)).unwrap();
-    // `max_keys` counts each pipeline's: six pipelines, two keys.
-    assert_eq!(engine.pending_keys(), 12);
+    // `max_keys` counts rows: five pipelines share "a" and "b"; the windowed one keys by
+    // window and key. Each row's states are a few hundred bytes, so each weighs one.
+    assert_eq!(engine.pending_keys(), 4);
     store.commit(&engine.take_checkpoint(), 0).unwrap();
-    // Five pipelines share "a" and "b"; the windowed one keys by window and key.
     assert_eq!(store.rows.len(), 4);
     assert!(store.state.is_empty());
+}
+
+/// A row weighs what its states are worth in KiB when they enter the batch, at least one
+/// and at most one per state: 16 light pipelines over one key take one key of `max_keys`,
+/// as one pipeline does, while four grown sketches count for their size.
+#[test]
+fn max_keys_weighs_a_row_by_its_bytes_at_least_one_and_at_most_one_per_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    let light: Vec<PipelineSpec> = (0..16).map(|i| spec(&format!("s{i}"), "sum", "")).collect();
+    let mut engine = Engine::new(light, store.progress().unwrap());
+    engine.apply(&store, &rec(0, "a", 1.0, 10)).unwrap();
+    engine.apply(&store, &rec(1, "a", 2.0, 20)).unwrap();
+    assert_eq!(engine.pending_keys(), 1, "16 states of a few numbers");
+    engine.apply(&store, &rec(2, "b", 2.0, 30)).unwrap();
+    assert_eq!(engine.pending_keys(), 2);
+    drop(engine);
+
+    let mut engine = Engine::new(specs(), store.progress().unwrap());
+    let mut offset = 0;
+    // Spread values grow the sketches past a KiB each.
+    for i in 0..400u32 {
+        let v = f64::from(i + 1) * 1.7f64.powi((i % 40) as i32);
+        engine.apply(&store, &rec(offset, "a", v, 10)).unwrap();
+        offset += 1;
+    }
+    // Entered small, counted small: one row, and the windowed pipeline's.
+    assert_eq!(engine.pending_keys(), 2);
+    store.commit(&engine.take_checkpoint(), 0).unwrap();
+    engine.apply(&store, &rec(offset, "a", 1.0, 10)).unwrap();
+    // The row of "a" now holds four grown sketches and a sum: more than a KiB each, so it
+    // weighs its five states; the windowed pipeline's window row, one.
+    assert_eq!(engine.pending_keys(), 6);
 }
 
 /// Put every state of `store` back in format 3's layout (`pipeline 0x00 skey` in `state`),

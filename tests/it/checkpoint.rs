@@ -342,7 +342,8 @@ fn replay_and_catch_up_stop_at_the_key_bound_with_many_pipelines() {
     log_events(&mut log, &refs);
     let store = Store::open(&dir.path().join("store"), 1 << 20, fsio::real()).unwrap();
     let mut proc = Processor::open(store, four_pipelines()).unwrap();
-    proc.set_key_bound(40);
+    // Rows: each record's key holds the four pipelines' states in one.
+    proc.set_key_bound(10);
     let mut at = Vec::new();
     let stats = proc
         .replay(&log, 1000, &|| 0, &mut |s| at.push(s.to))
@@ -350,10 +351,10 @@ fn replay_and_catch_up_stop_at_the_key_bound_with_many_pipelines() {
     assert_eq!(stats.records, 300);
     assert_eq!(
         stats.checkpoints, 30,
-        "a checkpoint every 10 records (40 keys), not one at max_records"
+        "a checkpoint every 10 records (10 rows), not one at max_records"
     );
     let every_ten: Vec<u64> = (1..=30).map(|i| i * 10).collect();
-    assert_eq!(at, every_ten, "each at 40 keys exactly");
+    assert_eq!(at, every_ten, "each at 10 rows exactly");
     assert_eq!(proc.pending_keys(), 0);
 
     // Catch-up: slices of up to 512 records stop at the bound too, and go on after the
@@ -364,7 +365,7 @@ fn replay_and_catch_up_stop_at_the_key_bound_with_many_pipelines() {
     loop {
         let slice = proc.catch_up(&log, 512, &mut |_, _| {}).unwrap();
         taken.push(slice.taken);
-        assert!(proc.pending_keys() <= 40, "{} keys", proc.pending_keys());
+        assert!(proc.pending_keys() <= 10, "{} keys", proc.pending_keys());
         if slice.caught_up {
             break;
         }
