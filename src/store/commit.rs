@@ -764,10 +764,9 @@ fn checkpoints_batch(info: &CheckpointInfo) -> Result<sled::Batch, StoreError> {
     Ok(checkpoints)
 }
 
-/// The progress record, with the ledger sizes this checkpoint leaves recorded with it
-/// (`before`: each ledger's entries before it).
 /// The progress record with each pipeline's ledger entries after this commit: its own
-/// ledger's and those of the shared ledgers it is a member of.
+/// ledger's and those of the shared ledgers it is a member of (`before`: each ledger's
+/// entries before it).
 fn progress_with_ledger_sizes(
     (before, member_of): (&BTreeMap<String, u64>, &BTreeMap<String, Vec<String>>),
     progress: &Progress,
