@@ -50,6 +50,19 @@ struct World {
 }
 
 impl World {
+    /// A new store at `path`, its pipelines sharing no ledger yet.
+    fn new(path: std::path::PathBuf) -> World {
+        World {
+            store: World::open(&path),
+            path,
+            clock: 1_000_000,
+            checkpoint_id: 0,
+            group: None,
+            oracle: HashMap::new(),
+            batch: BTreeMap::new(),
+        }
+    }
+
     fn open(path: &std::path::Path) -> Store {
         Store::open_with(path, 1 << 20, fsio::real(), StoreBounds::default()).unwrap()
     }
@@ -174,16 +187,7 @@ impl World {
 
 fn run(ops: &[Op]) -> Result<(), TestCaseError> {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("store");
-    let mut w = World {
-        store: World::open(&path),
-        path,
-        clock: 1_000_000,
-        checkpoint_id: 0,
-        group: None,
-        oracle: HashMap::new(),
-        batch: BTreeMap::new(),
-    };
+    let mut w = World::new(dir.path().join("store"));
     w.regroup(7);
     for op in ops {
         match *op {
@@ -237,15 +241,7 @@ proptest! {
 #[test]
 fn one_entry_per_id_that_every_member_accepted_and_own_entries_for_the_rest() {
     let dir = tempfile::tempdir().unwrap();
-    let mut w = World {
-        store: World::open(&dir.path().join("store")),
-        path: dir.path().join("store"),
-        clock: 1_000_000,
-        checkpoint_id: 0,
-        group: None,
-        oracle: HashMap::new(),
-        batch: BTreeMap::new(),
-    };
+    let mut w = World::new(dir.path().join("store"));
     w.regroup(7);
     let g = w.group.clone().unwrap().0;
     w.event(7, 1).unwrap();
@@ -294,23 +290,6 @@ fn one_entry_per_id_that_every_member_accepted_and_own_entries_for_the_rest() {
     assert_eq!(with_data, ["a", "b", "c"]);
 }
 
-fn spec(name: &str, aggregate: &str, filter: &str) -> crate::pipeline::spec::PipelineSpec {
-    crate::config::pipeline_from_toml(&format!(
-        r#"name = "{name}"
-topics = ["m/#"]
-format = "delimited"
-event_id = "0"
-key = "1"
-value = "2"
-aggregate = "{aggregate}"
-{filter}
-output_topic = "out/{name}/{{key}}"
-max_key_len = 64
-max_keys = 100000"#
-    ))
-    .unwrap()
-}
-
 /// As the agent's loop: each record applied through a read layer over the checkpoint in
 /// flight, whose commit runs on another thread meanwhile, by an engine whose pipelines share
 /// a ledger; one pipeline's `where` leaves out some inputs, so their IDs are the others'
@@ -323,6 +302,7 @@ fn decisions_beside_a_commit_with_a_shared_ledger_are_the_in_memory_engines() {
     use crate::pipeline::engine::Engine;
     use crate::pipeline::memory::MemState;
     use crate::processor::inflight::Layered;
+    use crate::store::rows::store_tests::spec;
     let specs = || {
         vec![
             spec("total", "sum", ""),
@@ -335,7 +315,13 @@ fn decisions_beside_a_commit_with_a_shared_ledger_are_the_in_memory_engines() {
         received_at_ms: 1_000_000 + offset,
         topic: "m/x".into(),
         // Every ID comes about three times, some within one checkpoint.
-        payload: format!("E{}/k{}/{}", (offset * 7) % 400, offset % 13, offset % 97).into_bytes(),
+        payload: format!(
+            "E{}/k{}/{}/1000",
+            (offset * 7) % 400,
+            offset % 13,
+            offset % 97
+        )
+        .into_bytes(),
         qos: 1,
         retain: false,
     };

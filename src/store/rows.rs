@@ -519,4 +519,4 @@ mod tests {
 
 #[cfg(test)]
 #[path = "rows_tests.rs"]
-mod store_tests;
+pub(super) mod store_tests;

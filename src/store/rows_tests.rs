@@ -10,7 +10,9 @@ use crate::pipeline::engine::{Engine, ReadState};
 use crate::pipeline::memory::MemState;
 use crate::pipeline::spec::PipelineSpec;
 
-fn spec(name: &str, aggregate: &str, window: &str) -> PipelineSpec {
+/// A pipeline over delimited `id/key/value/time` inputs on `m/#`; `extra`: more of its
+/// TOML (a window, a `where`).
+pub(in crate::store) fn spec(name: &str, aggregate: &str, extra: &str) -> PipelineSpec {
     crate::config::pipeline_from_toml(&format!(
         r#"name = "{name}"
 topics = ["m/#"]
@@ -20,7 +22,7 @@ key = "1"
 value = "2"
 event_time = "3"
 aggregate = "{aggregate}"
-{window}
+{extra}
 output_topic = "out/{name}/{{key}}"
 max_key_len = 64
 max_keys = 100000"#
