@@ -864,7 +864,7 @@ fn room_freed_by_expiry_indexes_the_unindexed_chunks_again() {
 /// The ledger through the store's own API (no engine), against a plain map: random inserts,
 /// lookups, checkpoints with expiry, reopens, pipelines going dormant and coming back, in
 /// a store whose index bound ranges from nothing to plenty (issue 33).
-mod ledger_oracle {
+pub(super) mod ledger_oracle {
     use super::*;
     use crate::model::PipelineProgress;
     use crate::pipeline::engine::{Batch, Checkpoint};
@@ -874,6 +874,26 @@ mod ledger_oracle {
     const PIPELINES: [&str; 3] = ["a", "b", "c"];
     /// Each pipeline's window (ms).
     const WINDOWS: [u64; 3] = [40, 400, 4_000];
+
+    /// A lookup's answer `got` is the map's `want`, or an entry the map forgot: only an
+    /// expired one (at `clock`, by `window`), which decides nothing, may outlive it.
+    pub(in crate::store) fn same_answer(
+        got: Option<u64>,
+        want: Option<u64>,
+        (clock, window): (u64, u64),
+        what: impl Fn() -> String,
+    ) -> Result<(), TestCaseError> {
+        match (got, want) {
+            (g, w) if g == w => {}
+            (Some(g), None) => prop_assert!(
+                clock.saturating_sub(g) >= window,
+                "{}: the store found {g}, which is not expired at {clock}",
+                what()
+            ),
+            (g, w) => prop_assert!(false, "{}: store {g:?}, map {w:?}", what()),
+        }
+        Ok(())
+    }
 
     #[derive(Debug, Clone)]
     enum Op {
@@ -935,18 +955,9 @@ mod ledger_oracle {
                 Some(&t) => Some(t),
                 None => self.store.dedup(PIPELINES[p], &id).unwrap(),
             };
-            // The store may still hold an entry the map forgot: only an expired one, which
-            // decides nothing.
-            match (got, want) {
-                (g, w) if g == w => {}
-                (Some(g), None) => prop_assert!(
-                    self.clock.saturating_sub(g) >= WINDOWS[p],
-                    "{}/{id}: the store found {g}, which is not expired at {}",
-                    PIPELINES[p],
-                    self.clock
-                ),
-                (g, w) => prop_assert!(false, "{}/{id}: store {g:?}, map {w:?}", PIPELINES[p]),
-            }
+            same_answer(got, want, (self.clock, WINDOWS[p]), || {
+                format!("{}/{id}", PIPELINES[p])
+            })?;
             if want.is_none_or(|t| self.clock - t >= WINDOWS[p]) {
                 self.batch.insert(key, self.clock);
             }
