@@ -189,7 +189,7 @@ pub struct Engine {
     /// newest state is the batch's, read at the flush; a state evicted from the batch
     /// before then (a window closed) is kept here instead. Holding a second copy of every
     /// touched state cost a clone per pipeline and event: 8 KiB for a full percentile
-    /// sketch (issue 33).
+    /// sketch before sketches were packed (issue 33).
     touched: BTreeMap<(usize, Vec<u8>), (String, Option<KeyState>)>,
     /// What Sparkplug sessions had to say since the live loop last took them (see
     /// [`Engine::take_notices`]); not part of any checkpoint.
@@ -860,7 +860,7 @@ impl Engine {
             ),
         };
         // The batch's state is read in place: the next state is a new value either way, and a
-        // clone of the old one (a sketch of up to 8 KiB) would be thrown away at once.
+        // clone of the old one (a sketch of up to 512 buckets) would be thrown away at once.
         let stored;
         let old = match at(&self.batch.state, &spec.name, skey) {
             Some(v) => v.as_ref(),

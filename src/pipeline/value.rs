@@ -533,11 +533,11 @@ impl KeyState {
     }
 
     /// At least the bytes this state takes in the store (postcard), without encoding it:
-    /// every varint at its longest (a count 10 bytes, a sketch bucket 15), every optional
-    /// part of a list counted. Close enough that only a state near the entry bound needs
-    /// its exact size (`engine::check_state_size`).
+    /// a sketch exactly (it keeps its size), every other varint at its longest (a count 10
+    /// bytes), every optional part of a list counted. Close enough that only a state near
+    /// the entry bound needs its exact size (`engine::check_state_size`).
     pub(crate) fn stored_bound(&self) -> usize {
-        let sketch = |s: &Sketch| 3 + s.buckets() * 15;
+        let sketch = |s: &Sketch| s.stored_len();
         // version and count, the variant
         let multi = |m: &Multi| {
             4 + m.aggregates.len() * 4 + 3 * 12 + 22 + 17 + 1 + m.sketch.as_ref().map_or(0, sketch)
