@@ -500,6 +500,20 @@ fn processor_main() {
         .split(',')
         .filter_map(|c| c.trim().parse().ok())
         .collect();
+    // The same `CAIRN_PIPELINES_CHECKPOINT` as the scale run reads: `max_keys` and
+    // `max_records`, the shipped 1,536 and 20,000 otherwise.
+    let checkpoint: toml_edit::DocumentMut = std::env::var("CAIRN_PIPELINES_CHECKPOINT")
+        .unwrap_or_default()
+        .replace("\\n", "\n")
+        .parse()
+        .expect("CAIRN_PIPELINES_CHECKPOINT: TOML");
+    let bound = |key: &str, shipped: u64| {
+        checkpoint
+            .get(key)
+            .and_then(|v| v.as_integer())
+            .map_or(shipped, |v| v as u64)
+    };
+    let (max_keys, max_records) = (bound("max_keys", 1_536), bound("max_records", 20_000));
     let flush_every: u64 = std::env::var("CAIRN_PIPELINES_FLUSH")
         .ok()
         .and_then(|f| f.parse().ok())
@@ -543,7 +557,7 @@ fn processor_main() {
                 proc.flush_upserts();
             }
             apply_s += a.elapsed().as_secs_f64();
-            if proc.pending_records() >= 20_000 || proc.pending_keys() >= 1_536 {
+            if proc.pending_records() >= max_records || proc.pending_keys() >= max_keys {
                 keys_written += proc.pending_keys();
                 let c = Instant::now();
                 proc.checkpoint(0).unwrap();
