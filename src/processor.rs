@@ -526,6 +526,12 @@ impl Processor {
         self.engine.pending_records()
     }
 
+    /// Results made since the last checkpoint (not those of the checkpoint in flight): see
+    /// [`Engine::pending_results`].
+    pub fn results_since_checkpoint(&self) -> u64 {
+        self.engine.pending_results() as u64
+    }
+
     /// State keys the next checkpoint writes (see [`Engine::pending_keys`]).
     pub fn pending_keys(&self) -> u64 {
         self.engine.pending_keys()

@@ -458,12 +458,13 @@ impl Agent {
         Ok(())
     }
 
-    /// Enough applied since the last checkpoint to take one now (`checkpoint.max_records`,
-    /// `checkpoint.max_keys`).
+    /// Enough applied since the last checkpoint to take one now (`checkpoint.max_records`
+    /// applied or results made, `checkpoint.max_keys`).
     fn checkpoint_size_due(&self) -> bool {
         Schedule::size_due(
             self.proc.pending_records(),
             self.proc.pending_keys(),
+            self.proc.results_since_checkpoint(),
             &self.cfg.checkpoint,
         )
     }

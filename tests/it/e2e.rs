@@ -1076,6 +1076,54 @@ fn plain(pipes: &[Pipe], evs: &[Ev]) -> (Messages, Expected) {
 }
 
 #[test]
+fn a_checkpoint_is_taken_at_max_records_results_made_long_before_max_records_applied() {
+    // Results are held until their checkpoint and count against `outbox.max_entries`:
+    // many pipelines make many per record, so as many results as `max_records` make a
+    // checkpoint due too (issue 33: 16 pipelines at 4,000 records/s filled the outbox's
+    // bound and processing waited for the timed checkpoint).
+    let broker = broker_with(&[]);
+    let pipes: Vec<Pipe> = ["a", "b", "c", "d"]
+        .into_iter()
+        .map(|name| Pipe {
+            changelog: true,
+            ..Pipe::new(name, &["in"], Agg::Sum)
+        })
+        .collect();
+    let mut cfg = AgentConfig::new(broker.port(), &pipelines_toml(&pipes));
+    cfg.checkpoint = "interval = \"1h\"\nmax_records = 40\nmax_keys = 100000\n".into();
+    let mut agent = agent_with_metrics(&mut cfg);
+    agent.start_connected();
+    let live = Collector::start(broker.port(), "out/#");
+    let checkpoints = |agent: &CairnProcess| metric(agent, "cairn_checkpoints_total").unwrap();
+    let before = checkpoints(&agent);
+
+    // Each record makes one result per pipeline: 9 records, 36 results, nothing due.
+    let evs = events(0, 30, &["in/a"], 1);
+    let (msgs, exp) = plain(&pipes, &evs);
+    publish_all(broker.port(), &msgs[..9]);
+    wait_for_results(&live, &plain(&pipes, &evs[..9]).1, &agent);
+    assert_eq!(checkpoints(&agent), before, "{}", agent.stderr_tail(20));
+
+    // The 10th record's results make 40: a checkpoint, at 10 records of the 40 allowed.
+    publish_all(broker.port(), &msgs[9..10]);
+    assert!(
+        wait_until(Duration::from_secs(20), || checkpoints(&agent)
+            == before + 1.0),
+        "{} checkpoints after 40 results at max_records = 40: {}",
+        checkpoints(&agent),
+        agent.stderr_tail(20)
+    );
+    publish_all(broker.port(), &msgs[10..]);
+    wait_for_results(&live, &exp, &agent);
+    assert_eq!(
+        checkpoints(&agent),
+        before + 3.0,
+        "one per 10 records, each making 40 results"
+    );
+    stop_cleanly(&mut agent);
+}
+
+#[test]
 fn a_checkpoint_is_taken_at_max_keys_written_long_before_max_records_or_its_interval() {
     // Each key a checkpoint writes holds a copy of a sled leaf until it commits (issue 16):
     // `max_keys` bounds that, whatever the record count.
