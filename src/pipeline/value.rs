@@ -688,6 +688,44 @@ mod tests {
         assert_eq!(back, s);
     }
 
+    /// A sketch counts its exact size in `stored_bound`, with no room to spare: every state
+    /// that holds one must still never take more in the store than its bound says (the
+    /// checkpoint weighs rows by it, and `check_state_size` trusts it below the entry bound).
+    #[test]
+    fn a_state_with_a_sketch_is_never_larger_in_the_store_than_its_bound() {
+        let specs = [
+            AggregateSpec::One(Aggregate::Percentile(990)),
+            AggregateSpec::List(vec![
+                Aggregate::Sum,
+                Aggregate::Count,
+                Aggregate::Min,
+                Aggregate::Max,
+                Aggregate::Avg,
+                Aggregate::Variance,
+                Aggregate::Last,
+                Aggregate::Percentile(1),
+                Aggregate::Percentile(999),
+            ]),
+        ];
+        for spec in &specs {
+            let mut s = KeyState::first(spec, Num::Int(-1_000_000_007), u64::MAX / 2);
+            let mut x = 1e-300_f64;
+            for i in 0..3000u64 {
+                let v = match i % 4 {
+                    0 => Num::Float(x),
+                    1 => Num::Float(-x),
+                    2 => Num::Int(i as i64 * 1_000_003),
+                    _ => Num::Float(0.0),
+                };
+                s = s.apply(v, u64::MAX / 2 + i).unwrap();
+                // Floats a sum takes: below 2^53.
+                x = if x > 1e15 { 1e-300 } else { x * 1.6 };
+                let bytes = postcard::to_stdvec(&s).unwrap().len();
+                assert!(bytes <= s.stored_bound(), "{spec:?} at {i}: {bytes} bytes");
+            }
+        }
+    }
+
     /// The window [1000, 2000): 4 carried in until 1100, then 10 until 1400, 2 until 1500,
     /// no value (a death) until 1700, 6 to the end. By hand: 4*100 + 10*300 + 2*100 + 6*300
     /// = 5400 over 800 ms covered = 6.75, exactly.
