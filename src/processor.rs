@@ -356,8 +356,11 @@ pub struct Processor {
     /// checkpoint holds, which the engine may have passed by the time the fsync is done).
     unsynced_prunes: std::collections::VecDeque<(Offset, Offset)>,
     /// A slice read back from the log stops once the batch writes this many state keys
-    /// (`checkpoint.max_keys`, [`Processor::set_key_bound`]); unbounded until set.
+    /// (`checkpoint.max_keys`, [`Processor::set_batch_bound`]); unbounded until set.
     key_bound: u64,
+    /// ... or once it has made this many results (`checkpoint.max_records`); unbounded
+    /// until set.
+    result_bound: u64,
     /// Whether the last durable checkpoint has a pipeline that emits upserts backfilling
     /// (see [`Processor::results_wait_for_checkpoint`]).
     durable_upsert_backfill: bool,
@@ -480,6 +483,7 @@ impl Processor {
             defer_sync: false,
             unsynced_prunes: std::collections::VecDeque::new(),
             key_bound: u64::MAX,
+            result_bound: u64::MAX,
             send_slack: 0,
             send_horizon: horizon,
             durable_send_horizon: horizon,
@@ -537,21 +541,26 @@ impl Processor {
         self.engine.pending_keys()
     }
 
-    /// Bound the state keys a batch applied from the log back (the replay at start,
-    /// catch-up, backfill) may write before its checkpoint: `checkpoint.max_keys`. A slice
-    /// stops at it as at its record count, and the replay checkpoints there. Without it a
-    /// slice of 512 records over 16 pipelines wrote up to 8,192 keys before anyone looked,
-    /// and the replay at start looked only at `max_records`: 16 pipelines over 100,000 keys
-    /// held ~7,000 keys a checkpoint in a drain and could hold 320,000 in a replay, where
-    /// the bound says 1,536 (issue 33).
-    pub fn set_key_bound(&mut self, max_keys: u64) {
+    /// Bound the batch that records applied from the log back (the replay at start,
+    /// catch-up, backfill) may build before its checkpoint: the state keys it writes
+    /// (`checkpoint.max_keys`) and the results it makes (`checkpoint.max_records`, as the
+    /// live loop's schedule counts them). A slice stops at either as at its record count,
+    /// and the replay checkpoints there. Without the key bound a slice of 512 records over
+    /// 16 pipelines wrote up to 8,192 keys before anyone looked, and the replay at start
+    /// looked only at `max_records`: 16 pipelines over 100,000 keys held ~7,000 keys a
+    /// checkpoint in a drain and could hold 320,000 in a replay, where the bound says 1,536.
+    /// Without the results bound a replay over 16 pipelines held up to 16 × `max_records`
+    /// results (issue 33).
+    pub fn set_batch_bound(&mut self, max_keys: u64, max_results: u64) {
         self.key_bound = max_keys.max(1);
+        self.result_bound = max_results.max(1);
     }
 
-    /// The batch writes as many state keys as a slice may let it (see
-    /// [`Processor::set_key_bound`]).
-    pub(crate) fn keys_full(&self) -> bool {
+    /// The batch writes as many state keys, or has made as many results, as a slice may
+    /// let it (see [`Processor::set_batch_bound`]).
+    pub(crate) fn batch_full(&self) -> bool {
         self.pending_keys() >= self.key_bound
+            || self.results_since_checkpoint() >= self.result_bound
     }
 
     /// Apply one record. A stand-in for an oversized input becomes a `too_large` dead

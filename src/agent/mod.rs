@@ -427,8 +427,10 @@ impl Agent {
         let now = self.now();
         let hold = self.hold();
         let max = Work::slice_max(self.cfg.checkpoint.max_records);
-        // A slice also stops at `checkpoint.max_keys` (a reload may have changed it).
-        self.proc.set_key_bound(self.cfg.checkpoint.max_keys);
+        // A slice also stops at `checkpoint.max_keys` keys or `max_records` results (a reload
+        // may have changed them).
+        let c = &self.cfg.checkpoint;
+        self.proc.set_batch_bound(c.max_keys, c.max_records);
         self.proc.set_send_slack(self.cfg.checkpoint.max_records);
         let from = self.proc.next_offset();
         let took = self

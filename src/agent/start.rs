@@ -232,7 +232,7 @@ fn replay(
             }
         }
     };
-    proc.set_key_bound(cfg.checkpoint.max_keys);
+    proc.set_batch_bound(cfg.checkpoint.max_keys, cfg.checkpoint.max_records);
     let stats = proc.replay_held(
         log,
         cfg.checkpoint.max_records,

@@ -510,7 +510,7 @@ pub static KEYS: &[Key] = &[
         Range::Int(1, 1_000_000),
         "records",
         Reload::Sighup(|c, n| c.checkpoint.max_records = n.checkpoint.max_records),
-        "one checkpoint is one sled transaction held in memory (~13k 4-tree transactions/s, DESIGN §4); high enough that the interval decides below ~4,000 events/s; when not set, a smaller outbox.max_entries lowers it; as many results made since the last checkpoint (one per pipeline and record, or per key touched) make one due too: they are held until it, and count against outbox.max_entries (issue 33)",
+        "one checkpoint is one sled transaction held in memory (~13k 4-tree transactions/s, DESIGN §4); high enough that the interval decides below ~4,000 events/s; when not set, a smaller outbox.max_entries lowers it; as many results made since the last checkpoint (one per pipeline and record, or per key touched) make one due too: they are held until it, and count against outbox.max_entries; records read back from the log (the replay at start, catch-up, backfill) are bound by it as live ones (issue 33)",
         Get::Config(|c| Some(c.checkpoint.max_records.to_string()))
     ),
     key!(

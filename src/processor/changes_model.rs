@@ -434,7 +434,7 @@ impl World {
             if log.next_offset() <= old.next_offset() {
                 return Ok(None);
             }
-            old.set_key_bound(REPLAY_KEYS);
+            old.set_batch_bound(REPLAY_KEYS, 50);
             let stats = old.replay_held(log, 50, &|| 0, &mut |_| {}, &mut hold)?;
             stats::add(10, stats.checkpoints);
             settled.extend(
@@ -453,7 +453,7 @@ impl World {
         if log.next_offset() < proc.next_offset() {
             return Err(TestCaseError::fail("the log is behind the store"));
         }
-        proc.set_key_bound(REPLAY_KEYS);
+        proc.set_batch_bound(REPLAY_KEYS, 50);
         let replayed = proc
             .replay_held(log, 50, &|| 0, &mut |_| {}, &mut hold)
             .map_err(|e| TestCaseError::fail(format!("replay at start failed: {e}")))?;
@@ -461,7 +461,7 @@ impl World {
         self.record_all(&proc)?;
         // The held rest, as the loop's catch-up takes it once results leave (in one slice:
         // the steps below apply live records after it).
-        proc.set_key_bound(u64::MAX);
+        proc.set_batch_bound(u64::MAX, u64::MAX);
         proc.catch_up(log, u64::MAX, &mut |_, _| {})
             .map_err(|e| TestCaseError::fail(format!("catch-up failed: {e}")))?;
         self.record_all(&proc)?;

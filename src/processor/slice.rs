@@ -128,7 +128,7 @@ impl Processor {
     }
 
     /// Take up to `max` records of `lane` from `log` and apply them, stopping early once the
-    /// batch writes as many state keys as [`Processor::set_key_bound`] allows (ended as
+    /// batch holds as many state keys or results as [`Processor::set_batch_bound`] allows (ended as
     /// [`End::Max`]: the lane has more); `hold` is asked before each record and may stop the
     /// slice, `outcome` hears what each record gave. The slice's reader is kept for the
     /// next one on the same lane.
@@ -148,7 +148,7 @@ impl Processor {
         let mut fresh = false;
         let mut reader = self.readers.take(lane);
         let end = loop {
-            if taken >= max || self.keys_full() {
+            if taken >= max || self.batch_full() {
                 break End::Max;
             }
             let Some((from, to)) = self.lane_span(lane, log) else {
@@ -276,7 +276,7 @@ impl Processor {
     }
 
     /// Re-apply every durable record from the checkpoint's `next_offset`, committing every
-    /// `max_records`, or sooner where the key bound says so ([`Processor::set_key_bound`]).
+    /// `max_records`, or sooner where the batch's bound says so ([`Processor::set_batch_bound`]).
     /// `progress` is called after each checkpoint (for STATUS lines).
     pub fn replay(
         &mut self,
@@ -330,7 +330,7 @@ impl Processor {
             stats.records += taken;
             stats.to = self.next_offset();
             let commit = held.as_ref().is_none_or(|h| h.commit);
-            let full = self.pending_records() >= max_records || self.keys_full();
+            let full = self.pending_records() >= max_records || self.batch_full();
             let mut checkpointed = false;
             if full && commit && self.pending_records() > 0 {
                 self.checkpoint(now_ms())?;

@@ -343,7 +343,7 @@ fn replay_and_catch_up_stop_at_the_key_bound_with_many_pipelines() {
     let store = Store::open(&dir.path().join("store"), 1 << 20, fsio::real()).unwrap();
     let mut proc = Processor::open(store, four_pipelines()).unwrap();
     // Rows: each record's key holds the four pipelines' states in one.
-    proc.set_key_bound(10);
+    proc.set_batch_bound(10, u64::MAX);
     let mut at = Vec::new();
     let stats = proc
         .replay(&log, 1000, &|| 0, &mut |s| at.push(s.to))
@@ -379,4 +379,75 @@ fn replay_and_catch_up_stop_at_the_key_bound_with_many_pipelines() {
         expect,
         "the same sums and counts as without the bound"
     );
+}
+
+/// `checkpoint.max_records` bounds the results a batch read back from the log makes, as the
+/// live loop's schedule counts them (issue 33): the replay at start checkpointed at
+/// `max_records` records or `max_keys` keys, so 16 pipelines could hold 16 × `max_records`
+/// results until their checkpoint. Here 4 pipelines make 4 results a record (one upsert
+/// each per new key); at a bound of 40 results the replay checkpoints every 10 records, and
+/// catch-up slices stop there; over 5 keys the upserts collapse and the records bound is
+/// what ends the batch.
+#[test]
+fn replay_and_catch_up_stop_at_the_results_bound_with_many_pipelines() {
+    let events: Vec<String> = (0..300).map(|i| format!("E{i}/k{i}/{}", i + 1)).collect();
+    let later: Vec<String> = (300..360).map(|i| format!("E{i}/k{i}/{}", i + 1)).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = open_log(dir.path());
+    let refs: Vec<&str> = events.iter().map(String::as_str).collect();
+    log_events(&mut log, &refs);
+    let store = Store::open(&dir.path().join("store"), 1 << 20, fsio::real()).unwrap();
+    let mut proc = Processor::open(store, four_pipelines()).unwrap();
+    proc.set_batch_bound(u64::MAX, 40);
+    let mut at = Vec::new();
+    let mut results = Vec::new();
+    let stats = proc
+        .replay(&log, 1000, &|| 0, &mut |s| at.push(s.to))
+        .unwrap();
+    assert_eq!(stats.records, 300);
+    assert_eq!(
+        stats.checkpoints, 30,
+        "a checkpoint every 40 results (10 records), not one at max_records"
+    );
+    let every_ten: Vec<u64> = (1..=30).map(|i| i * 10).collect();
+    assert_eq!(at, every_ten, "each at 40 results exactly");
+    assert_eq!(proc.results_since_checkpoint(), 0);
+
+    let refs: Vec<&str> = later.iter().map(String::as_str).collect();
+    log_events(&mut log, &refs);
+    let mut taken = Vec::new();
+    loop {
+        let slice = proc.catch_up(&log, 512, &mut |_, _| {}).unwrap();
+        taken.push(slice.taken);
+        results.push(proc.results_since_checkpoint());
+        if slice.caught_up {
+            break;
+        }
+        proc.checkpoint(0).unwrap().expect("a checkpoint");
+        assert!(taken.len() < 20, "catch-up makes progress: {taken:?}");
+    }
+    assert_eq!(taken, vec![10; 6]);
+    assert!(results.iter().all(|&r| r == 40), "{results:?}");
+    proc.checkpoint(0).unwrap().expect("the last checkpoint");
+    let (sums_now, applied) = sums(&proc);
+    assert_eq!(sums_now.len(), 4 * 360);
+    assert_eq!(applied, vec![360; 4]);
+
+    // Repeated keys: 300 records over 5 keys make at most 20 results, so only the records
+    // bound ends the replay's batches.
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = open_log(dir.path());
+    let events: Vec<String> = (0..300).map(|i| format!("E{i}/k{}/1", i % 5)).collect();
+    let refs: Vec<&str> = events.iter().map(String::as_str).collect();
+    log_events(&mut log, &refs);
+    let store = Store::open(&dir.path().join("store"), 1 << 20, fsio::real()).unwrap();
+    let mut proc = Processor::open(store, four_pipelines()).unwrap();
+    proc.set_batch_bound(u64::MAX, 40);
+    let mut at = Vec::new();
+    let stats = proc
+        .replay(&log, 100, &|| 0, &mut |s| at.push(s.to))
+        .unwrap();
+    assert_eq!(at, vec![100, 200, 300], "{stats:?}");
+    let (sums_now, _) = sums(&proc);
+    assert!(sums_now.iter().all(|(_, _, v)| *v == 60), "{sums_now:?}");
 }
