@@ -308,21 +308,70 @@ fn sums(proc: &Processor) -> (Vec<(String, String, i64)>, Vec<u64>) {
     (sums, applied)
 }
 
+/// 300 records over distinct keys replayed by 4 pipelines under `bound` (keys, results: see
+/// `Processor::set_batch_bound`), then 60 more taken by catch-up slices of up to 512: the
+/// bound ends a replay's checkpoint and a catch-up's slice every 10 records. `held` reads
+/// what the bound counts, at most `limit` after each slice. Returns the processor with the
+/// last slice not yet checkpointed, and the directory it lives in.
+fn replay_and_catch_up_in_tens(
+    bound: (u64, u64),
+    held: fn(&Processor) -> u64,
+    limit: u64,
+) -> (tempfile::TempDir, Processor) {
+    let events: Vec<String> = (0..360).map(|i| format!("E{i}/k{i}/{}", i + 1)).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = open_log(dir.path());
+    let refs: Vec<&str> = events[..300].iter().map(String::as_str).collect();
+    log_events(&mut log, &refs);
+    let store = Store::open(&dir.path().join("store"), 1 << 20, fsio::real()).unwrap();
+    let mut proc = Processor::open(store, four_pipelines()).unwrap();
+    proc.set_batch_bound(bound.0, bound.1);
+    let mut at = Vec::new();
+    let stats = proc
+        .replay(&log, 1000, &|| 0, &mut |s| at.push(s.to))
+        .unwrap();
+    assert_eq!(stats.records, 300);
+    assert_eq!(
+        stats.checkpoints, 30,
+        "a checkpoint every 10 records, not one at max_records"
+    );
+    let every_ten: Vec<u64> = (1..=30).map(|i| i * 10).collect();
+    assert_eq!(at, every_ten, "each at the bound exactly");
+    assert_eq!(held(&proc), 0);
+
+    // Catch-up: slices of up to 512 records stop at the bound too, and go on after the
+    // checkpoint from where they stopped.
+    let refs: Vec<&str> = events[300..].iter().map(String::as_str).collect();
+    log_events(&mut log, &refs);
+    let mut taken = Vec::new();
+    loop {
+        let slice = proc.catch_up(&log, 512, &mut |_, _| {}).unwrap();
+        taken.push(slice.taken);
+        assert!(held(&proc) <= limit, "{} held", held(&proc));
+        if slice.caught_up {
+            break;
+        }
+        proc.checkpoint(0).unwrap().expect("a checkpoint");
+        assert!(taken.len() < 20, "catch-up makes progress: {taken:?}");
+    }
+    assert_eq!(taken, vec![10; 6]);
+    (dir, proc)
+}
+
 /// `checkpoint.max_keys` bounds what records read back from the log may write before their
 /// checkpoint, as it bounds live ones (issue 33): the replay at start checkpointed only at
 /// `max_records`, and a catch-up slice took up to 512 records before anyone looked, so 16
 /// pipelines over 100,000 keys held ~7,000 keys a checkpoint where the bound said 1,536.
-/// Here 4 pipelines over distinct keys write 4 keys a record; at a bound of 40 keys every
-/// 10 records end a replay's checkpoint and a catch-up's slice, and the sums are those of
-/// a run without the bound.
+/// Here 4 pipelines over distinct keys write one row a record (a key's states of every
+/// pipeline); at a bound of 10 rows every 10 records end a replay's checkpoint and a
+/// catch-up's slice, and the sums are those of a run without the bound.
 #[test]
 fn replay_and_catch_up_stop_at_the_key_bound_with_many_pipelines() {
-    let events: Vec<String> = (0..300).map(|i| format!("E{i}/k{i}/{}", i + 1)).collect();
-    let later: Vec<String> = (300..360).map(|i| format!("E{i}/k{i}/{}", i + 1)).collect();
     let expect = {
+        let events: Vec<String> = (0..360).map(|i| format!("E{i}/k{i}/{}", i + 1)).collect();
         let dir = tempfile::tempdir().unwrap();
         let mut log = open_log(dir.path());
-        let refs: Vec<&str> = events.iter().chain(&later).map(String::as_str).collect();
+        let refs: Vec<&str> = events.iter().map(String::as_str).collect();
         log_events(&mut log, &refs);
         let store = Store::open(&dir.path().join("store"), 1 << 20, fsio::real()).unwrap();
         let mut proc = Processor::open(store, four_pipelines()).unwrap();
@@ -336,43 +385,7 @@ fn replay_and_catch_up_stop_at_the_key_bound_with_many_pipelines() {
     assert_eq!(expect.0.len(), 4 * 360);
     assert_eq!(expect.1, vec![360; 4]);
 
-    let dir = tempfile::tempdir().unwrap();
-    let mut log = open_log(dir.path());
-    let refs: Vec<&str> = events.iter().map(String::as_str).collect();
-    log_events(&mut log, &refs);
-    let store = Store::open(&dir.path().join("store"), 1 << 20, fsio::real()).unwrap();
-    let mut proc = Processor::open(store, four_pipelines()).unwrap();
-    // Rows: each record's key holds the four pipelines' states in one.
-    proc.set_batch_bound(10, u64::MAX);
-    let mut at = Vec::new();
-    let stats = proc
-        .replay(&log, 1000, &|| 0, &mut |s| at.push(s.to))
-        .unwrap();
-    assert_eq!(stats.records, 300);
-    assert_eq!(
-        stats.checkpoints, 30,
-        "a checkpoint every 10 records (10 rows), not one at max_records"
-    );
-    let every_ten: Vec<u64> = (1..=30).map(|i| i * 10).collect();
-    assert_eq!(at, every_ten, "each at 10 rows exactly");
-    assert_eq!(proc.pending_keys(), 0);
-
-    // Catch-up: slices of up to 512 records stop at the bound too, and go on after the
-    // checkpoint from where they stopped.
-    let refs: Vec<&str> = later.iter().map(String::as_str).collect();
-    log_events(&mut log, &refs);
-    let mut taken = Vec::new();
-    loop {
-        let slice = proc.catch_up(&log, 512, &mut |_, _| {}).unwrap();
-        taken.push(slice.taken);
-        assert!(proc.pending_keys() <= 10, "{} keys", proc.pending_keys());
-        if slice.caught_up {
-            break;
-        }
-        proc.checkpoint(0).unwrap().expect("a checkpoint");
-        assert!(taken.len() < 20, "catch-up makes progress: {taken:?}");
-    }
-    assert_eq!(taken, vec![10; 6]);
+    let (_dir, mut proc) = replay_and_catch_up_in_tens((10, u64::MAX), Processor::pending_keys, 10);
     proc.checkpoint(0).unwrap().expect("the last checkpoint");
     assert_eq!(
         sums(&proc),
@@ -390,44 +403,9 @@ fn replay_and_catch_up_stop_at_the_key_bound_with_many_pipelines() {
 /// what ends the batch.
 #[test]
 fn replay_and_catch_up_stop_at_the_results_bound_with_many_pipelines() {
-    let events: Vec<String> = (0..300).map(|i| format!("E{i}/k{i}/{}", i + 1)).collect();
-    let later: Vec<String> = (300..360).map(|i| format!("E{i}/k{i}/{}", i + 1)).collect();
-    let dir = tempfile::tempdir().unwrap();
-    let mut log = open_log(dir.path());
-    let refs: Vec<&str> = events.iter().map(String::as_str).collect();
-    log_events(&mut log, &refs);
-    let store = Store::open(&dir.path().join("store"), 1 << 20, fsio::real()).unwrap();
-    let mut proc = Processor::open(store, four_pipelines()).unwrap();
-    proc.set_batch_bound(u64::MAX, 40);
-    let mut at = Vec::new();
-    let mut results = Vec::new();
-    let stats = proc
-        .replay(&log, 1000, &|| 0, &mut |s| at.push(s.to))
-        .unwrap();
-    assert_eq!(stats.records, 300);
-    assert_eq!(
-        stats.checkpoints, 30,
-        "a checkpoint every 40 results (10 records), not one at max_records"
-    );
-    let every_ten: Vec<u64> = (1..=30).map(|i| i * 10).collect();
-    assert_eq!(at, every_ten, "each at 40 results exactly");
-    assert_eq!(proc.results_since_checkpoint(), 0);
-
-    let refs: Vec<&str> = later.iter().map(String::as_str).collect();
-    log_events(&mut log, &refs);
-    let mut taken = Vec::new();
-    loop {
-        let slice = proc.catch_up(&log, 512, &mut |_, _| {}).unwrap();
-        taken.push(slice.taken);
-        results.push(proc.results_since_checkpoint());
-        if slice.caught_up {
-            break;
-        }
-        proc.checkpoint(0).unwrap().expect("a checkpoint");
-        assert!(taken.len() < 20, "catch-up makes progress: {taken:?}");
-    }
-    assert_eq!(taken, vec![10; 6]);
-    assert!(results.iter().all(|&r| r == 40), "{results:?}");
+    let (_dir, mut proc) =
+        replay_and_catch_up_in_tens((u64::MAX, 40), Processor::results_since_checkpoint, 40);
+    assert_eq!(proc.results_since_checkpoint(), 40, "the last slice's");
     proc.checkpoint(0).unwrap().expect("the last checkpoint");
     let (sums_now, applied) = sums(&proc);
     assert_eq!(sums_now.len(), 4 * 360);
