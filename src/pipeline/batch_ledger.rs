@@ -7,7 +7,8 @@
 //! entry: 35 MB for a checkpoint of 20,000 records), and a lookup compared the pipeline's
 //! name before the ID at every level of the map (with the batch's state map, keyed the same
 //! way, `memcmp` took a third of the processor's time at 16 pipelines; issue 33). Here an
-//! entry is an ID and a short list.
+//! entry is an ID and the pipelines that accepted it: a bit set with one time when they
+//! accepted it together (the usual case), a short list otherwise.
 //!
 //! Lookups hash the ID with std's randomly keyed hasher, so that IDs a sender picks cannot
 //! be made to collide. What the batch holds is deterministic; only the order the map keeps
