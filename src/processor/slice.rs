@@ -128,10 +128,10 @@ impl Processor {
     }
 
     /// Take up to `max` records of `lane` from `log` and apply them, stopping early once the
-    /// batch holds as many state keys or results as [`Processor::set_batch_bound`] allows (ended as
-    /// [`End::Max`]: the lane has more); `hold` is asked before each record and may stop the
-    /// slice, `outcome` hears what each record gave. The slice's reader is kept for the
-    /// next one on the same lane.
+    /// batch holds as many state keys or results as [`Processor::set_batch_bound`] allows
+    /// (ended as [`End::Max`]: the lane has more); `hold` is asked before each record and
+    /// may stop the slice, `outcome` hears what each record gave. The slice's reader is kept
+    /// for the next one on the same lane.
     pub(crate) fn read_slice(
         &mut self,
         log: &Log,
