@@ -18,18 +18,27 @@
 //! bucket. A list of `(i32, u64)` took 16 bytes a bucket, and up to twice that with a
 //! vector's spare room, in the checkpoint's batch and again in the one in flight: a drain
 //! of 16 pipelines (six of them sketches) over 1,000 keys with every key in one checkpoint
-//! peaked at 111.9 MiB, and at 79.1 MiB packed (issue 33). The store keeps the list as
-//! before (postcard, a zigzag varint and a varint a bucket), so stores of every format read
-//! as they did, and the size a sketch takes there is known exactly without encoding it
-//! ([`Sketch::stored_len`]), which is what a checkpoint weighs a row by.
+//! peaked at 111.9 MiB, and at 79.1 MiB packed (issue 33).
+//!
+//! The store keeps the packing itself (store format 6): a varint of [`PACKED_MARK`] plus its
+//! length, then its bytes. Before, it kept the list (postcard: the list's length, then per
+//! bucket the zigzag varint of the bucket and the varint count), about 4 bytes a bucket,
+//! since a bucket's own number takes three; packed, a bucket's distance from the one before
+//! mostly takes one, and a sketch of 156 buckets stores in 318 bytes instead of 625. A
+//! checkpoint writes a key's whole row, so every byte of a sketch is written again each
+//! time its key changes, and the span of a checkpoint is weighed in those bytes. A list
+//! still reads (a store of format 5 or before, whose lists are never that long), so stores
+//! of every format read as they did; the size a sketch takes is known exactly without
+//! encoding it ([`Sketch::stored_len`]), which is what a checkpoint weighs a row by.
 
-use serde::ser::{SerializeSeq, SerializeStruct};
+use serde::ser::{SerializeSeq, SerializeStruct, SerializeTuple};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// Mantissa bits kept: 2^7 = 128 buckets per power of two.
 pub(crate) const MANTISSA_BITS: u32 = 7;
-/// Most buckets one sketch holds. A bucket costs 2 to 13 bytes in the store (a varint key
-/// and a varint count), typically 4, so a sketch stays near 2 KiB and below 6.5 KiB at
+/// Most buckets one sketch holds. A bucket costs 2 to 13 bytes in the store (a varint
+/// distance from the bucket before, at most 3 bytes since buckets lie within ±2^20, and a
+/// varint count), typically 2 or 3, so a sketch stays near 1 KiB and below 6.5 KiB at
 /// worst. sled writes a leaf of up to ~17 values as one log item and moves items over
 /// ~128 KiB to blob files it never fsyncs, so even a leaf full of worst-case sketches
 /// must stay below that: 17 × 6.5 KiB leaves room for keys and the other aggregates.
@@ -40,6 +49,12 @@ pub(crate) const MAX_BUCKETS: usize = 512;
 pub(crate) const RELATIVE_ERROR: f64 = 1.0 / 128.0;
 
 const SHIFT: u32 = 52 - MANTISSA_BITS;
+
+/// Added to a stored packing's length, so that it reads apart from a stored list, whose
+/// first varint is its number of buckets: a list that long would not fit an entry.
+const PACKED_MARK: u64 = 1 << 20;
+/// The longest packing: every bucket's distance and count at their longest (5 and 10 bytes).
+const MAX_PACKED: usize = MAX_BUCKETS * 15;
 
 /// Counts per bucket, in ascending bucket order (which is the order of the values). Bucket 0
 /// holds zero; bucket `b > 0` holds positive values whose magnitude bits, shifted, are
@@ -54,9 +69,6 @@ pub struct Sketch {
     packed: Vec<u8>,
     /// Buckets held, at most [`MAX_BUCKETS`].
     len: u32,
-    /// The store's bytes for the buckets, without the list's length: kept as buckets
-    /// change, so [`Sketch::stored_len`] costs nothing.
-    wire: u32,
     /// Values counted (saturating), kept so that a percentile walks the buckets once.
     total: u64,
 }
@@ -91,11 +103,6 @@ fn unzigzag(z: u64) -> i32 {
 
 fn varint_len(v: u64) -> usize {
     (64 - (v | 1).leading_zeros() as usize).div_ceil(7)
-}
-
-/// A bucket's bytes in the store: postcard's zigzag varint of the bucket, the varint count.
-fn pair_wire(bucket: i32, count: u64) -> usize {
-    varint_len(zigzag(bucket)) + varint_len(count)
 }
 
 /// A varint into `out`, returning its length (at most 10).
@@ -240,7 +247,7 @@ impl Sketch {
 
     /// Exactly the bytes this sketch takes in the store (postcard).
     pub(crate) fn stored_len(&self) -> usize {
-        varint_len(u64::from(self.len)) + self.wire as usize
+        varint_len(PACKED_MARK + self.packed.len() as u64) + self.packed.len()
     }
 
     /// Replace `packed[range]` with the varints of `values` (at most three).
@@ -289,18 +296,17 @@ impl Sketch {
             Some(a) if a.bucket == bucket => {
                 let c = a.count.checked_add(n)?;
                 self.splice(a.count_at..a.end, &[c]);
-                self.wire = self.wire + varint_len(c) as u32 - varint_len(a.count) as u32;
                 self.total = self.total.saturating_add(n);
             }
             // Before `a`, whose distance is then counted from the new bucket.
             Some(a) => {
                 let values = [step(prev, bucket), n, step(Some(bucket), a.bucket)];
                 self.splice(a.start..a.count_at, &values);
-                self.grew(bucket, n);
+                self.grew(n);
             }
             None => {
                 self.push(&[step(prev, bucket), n]);
-                self.grew(bucket, n);
+                self.grew(n);
             }
         }
         if self.buckets() > MAX_BUCKETS {
@@ -309,9 +315,8 @@ impl Sketch {
         Some(())
     }
 
-    fn grew(&mut self, bucket: i32, n: u64) {
+    fn grew(&mut self, n: u64) {
         self.len += 1;
-        self.wire += pair_wire(bucket, n) as u32;
         self.total = self.total.saturating_add(n);
     }
 
@@ -359,7 +364,7 @@ impl Sketch {
         let mut prev = None;
         for (b, n) in list {
             s.push(&[step(prev, b), n]);
-            s.grew(b, n);
+            s.grew(n);
             prev = Some(b);
         }
         s
@@ -410,7 +415,64 @@ impl Sketch {
     }
 }
 
-/// In the store as it always was: `{ buckets: [(bucket, count), ...] }`.
+impl Sketch {
+    /// A sketch from a stored packing (see the module's text). One this build wrote is taken
+    /// as it is; any other that reads as a list of buckets (out of order, a bucket twice,
+    /// too many, a varint longer than it needs: a damaged store) is taken as that list is
+    /// by [`Sketch::from_stored`], so that every list of buckets still has one packing.
+    /// `None` if it does not read as a list of buckets, or a count would overflow.
+    fn from_packed(packed: Vec<u8>) -> Option<Sketch> {
+        let mut list = Vec::new();
+        let (mut at, mut prev, mut canonical) = (0, None::<i32>, true);
+        while at < packed.len() {
+            let (d, dn) = read_varint(&packed[at..])?;
+            let (count, cn) = read_varint(&packed[at + dn..])?;
+            canonical &= dn == varint_len(d) && cn == varint_len(count);
+            let bucket = match prev {
+                None => unzigzag(u64::from(u32::try_from(d).ok()?)),
+                Some(p) => {
+                    let b =
+                        i32::try_from(i64::from(p).checked_add(i64::try_from(d).ok()?)?).ok()?;
+                    canonical &= b > p;
+                    b
+                }
+            };
+            list.push((bucket, count));
+            prev = Some(bucket);
+            at += dn + cn;
+        }
+        if !canonical || list.len() > MAX_BUCKETS {
+            return Sketch::from_stored(list);
+        }
+        let total = (list.iter()).try_fold(0u64, |t, &(_, n)| Some(t.saturating_add(n)))?;
+        Some(Sketch {
+            packed,
+            len: list.len() as u32,
+            total,
+        })
+    }
+}
+
+/// A varint at the start of `bytes` and its length; `None` if it is cut short or longer
+/// than a `u64`.
+fn read_varint(bytes: &[u8]) -> Option<(u64, usize)> {
+    let mut v = 0u64;
+    for (i, &b) in bytes.iter().enumerate().take(10) {
+        let part = u64::from(b & 0x7f);
+        if i == 9 && part > 1 {
+            return None;
+        }
+        v |= part << (7 * i);
+        if b < 0x80 {
+            return Some((v, i + 1));
+        }
+    }
+    None
+}
+
+/// In the store: `{ buckets: (PACKED_MARK + n, n packed bytes) }` (postcard writes a tuple's
+/// elements with no length). Where the format is meant to be read (JSON), the list of
+/// `(bucket, count)` pairs, as it was stored before format 6.
 impl Serialize for Sketch {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         struct Pairs<'a>(&'a Sketch);
@@ -423,22 +485,97 @@ impl Serialize for Sketch {
                 seq.end()
             }
         }
+        struct Packed<'a>(&'a [u8]);
+        impl Serialize for Packed<'_> {
+            fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                let mut t = serializer.serialize_tuple(1 + self.0.len())?;
+                t.serialize_element(&(PACKED_MARK + self.0.len() as u64))?;
+                for b in self.0 {
+                    t.serialize_element(b)?;
+                }
+                t.end()
+            }
+        }
+        let readable = serializer.is_human_readable();
         let mut st = serializer.serialize_struct("Sketch", 1)?;
-        st.serialize_field("buckets", &Pairs(self))?;
+        if readable {
+            st.serialize_field("buckets", &Pairs(self))?;
+        } else {
+            st.serialize_field("buckets", &Packed(&self.packed))?;
+        }
         st.end()
     }
 }
-
+/// Reads what [`Sketch`]'s `Serialize` writes, and the list every format before 6 stored.
 impl<'de> Deserialize<'de> for Sketch {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Sketch, D::Error> {
         #[derive(Deserialize)]
         #[serde(rename = "Sketch")]
-        struct Stored {
+        struct Listed {
             buckets: Vec<(i32, u64)>,
         }
-        let stored = Stored::deserialize(deserializer)?;
-        Sketch::from_stored(stored.buckets)
-            .ok_or_else(|| serde::de::Error::custom("a sketch's bucket counts overflow"))
+        #[derive(Deserialize)]
+        #[serde(rename = "Sketch")]
+        struct Stored {
+            buckets: StoredBuckets,
+        }
+        if deserializer.is_human_readable() {
+            let listed = Listed::deserialize(deserializer)?;
+            return Sketch::from_stored(listed.buckets)
+                .ok_or_else(|| serde::de::Error::custom("a sketch's bucket counts overflow"));
+        }
+        Ok(Stored::deserialize(deserializer)?.buckets.0)
+    }
+}
+
+/// A stored sketch's buckets: a packing or a list (see the module's text).
+struct StoredBuckets(Sketch);
+
+impl<'de> Deserialize<'de> for StoredBuckets {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        // A tuple, whose length postcard does not read: the first varint says what follows.
+        deserializer.deserialize_tuple(usize::MAX, BucketsVisitor)
+    }
+}
+
+struct BucketsVisitor;
+
+impl<'de> serde::de::Visitor<'de> for BucketsVisitor {
+    type Value = StoredBuckets;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a sketch's packed buckets, or a list of (bucket, count)")
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(
+        self,
+        mut seq: A,
+    ) -> Result<StoredBuckets, A::Error> {
+        use serde::de::Error;
+        let short = || A::Error::custom("a stored sketch ends early");
+        let first: u64 = seq.next_element()?.ok_or_else(short)?;
+        let sketch = if first >= PACKED_MARK {
+            let len = usize::try_from(first - PACKED_MARK)
+                .ok()
+                .filter(|&n| n <= MAX_PACKED)
+                .ok_or_else(|| A::Error::custom("a stored sketch longer than any sketch"))?;
+            let mut packed = Vec::with_capacity(len);
+            for _ in 0..len {
+                packed.push(seq.next_element::<u8>()?.ok_or_else(short)?);
+            }
+            Sketch::from_packed(packed)
+                .ok_or_else(|| A::Error::custom("a stored sketch that is not a list of buckets"))?
+        } else {
+            // A list as formats before 6 stored it: never longer than an entry holds, but
+            // room is made as the pairs come, not on the word of the length.
+            let mut list = Vec::with_capacity(MAX_BUCKETS.min(first as usize));
+            for _ in 0..first {
+                list.push(seq.next_element::<(i32, u64)>()?.ok_or_else(short)?);
+            }
+            Sketch::from_stored(list)
+                .ok_or_else(|| A::Error::custom("a sketch's bucket counts overflow"))?
+        };
+        Ok(StoredBuckets(sketch))
     }
 }
 
@@ -583,22 +720,79 @@ mod tests {
         ]
     }
 
-    /// Checks the packed sketch against the list it stands for, in every way it is read.
+    /// Checks the packed sketch against the list it stands for, in every way it is read:
+    /// stored packed, it reads back as itself, and so does the list a store before format 6
+    /// holds for it.
     fn same(packed: &Sketch, listed: &Listed) {
         assert_eq!(packed.pairs().collect::<Vec<_>>(), listed.buckets);
         assert_eq!(packed.buckets(), listed.buckets.len());
         let bytes = postcard::to_stdvec(packed).unwrap();
-        assert_eq!(
-            bytes,
-            postcard::to_stdvec(listed).unwrap(),
-            "the store's bytes"
-        );
         assert_eq!(packed.stored_len(), bytes.len());
         assert_eq!(&postcard::from_bytes::<Sketch>(&bytes).unwrap(), packed);
+        let old = postcard::to_stdvec(listed).unwrap();
+        assert_eq!(&postcard::from_bytes::<Sketch>(&old).unwrap(), packed);
         let json = serde_json::to_string(packed).unwrap();
         assert_eq!(json, serde_json::to_string(listed).unwrap());
+        assert_eq!(&serde_json::from_str::<Sketch>(&json).unwrap(), packed);
         let total = (listed.buckets.iter()).fold(0u64, |t, &(_, n)| t.saturating_add(n));
         assert_eq!(packed.total(), total);
+    }
+
+    /// A stored packing: the marked length, then the bytes.
+    fn stored(bytes: &[u8]) -> Vec<u8> {
+        let mut out = [0u8; 10];
+        let n = put_varint(&mut out, PACKED_MARK + bytes.len() as u64);
+        [&out[..n], bytes].concat()
+    }
+
+    #[test]
+    fn a_sketch_stores_in_about_half_the_bytes_of_its_list() {
+        // Integers 0..1000, 200 of them: the benchmark's keys (issue 33).
+        let (mut s, mut listed) = (Sketch::default(), Listed::default());
+        let mut x = 7u64;
+        for _ in 0..200 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let v = (x % 1000) as f64;
+            s = s.insert(v).unwrap();
+            listed.add(bucket_of(v), 1).unwrap();
+        }
+        let (new, old) = (
+            postcard::to_stdvec(&s).unwrap().len(),
+            postcard::to_stdvec(&listed).unwrap().len(),
+        );
+        assert!(s.buckets() > 100, "{}", s.buckets());
+        assert!(new * 10 < old * 6, "{new} bytes packed, {old} listed");
+    }
+
+    #[test]
+    fn a_stored_packing_cut_short_or_too_long_is_refused() {
+        let mut s = Sketch::of(3.0);
+        for v in [5.0, -2.0, 1e9, 0.0] {
+            s = s.insert(v).unwrap();
+        }
+        let bytes = postcard::to_stdvec(&s).unwrap();
+        for cut in 1..bytes.len() {
+            assert!(
+                postcard::from_bytes::<Sketch>(&bytes[..cut]).is_err(),
+                "{cut}"
+            );
+        }
+        // A count's varint cut in the middle of the packing.
+        assert!(postcard::from_bytes::<Sketch>(&stored(&[2, 0x81])).is_err());
+        // Longer than any sketch: refused before anything is read or reserved.
+        let mut huge = [0u8; 10];
+        let n = put_varint(&mut huge, PACKED_MARK + MAX_PACKED as u64 + 1);
+        assert!(postcard::from_bytes::<Sketch>(&huge[..n]).is_err());
+        let n = put_varint(&mut huge, u64::MAX);
+        assert!(postcard::from_bytes::<Sketch>(&huge[..n]).is_err());
+        // A bucket past i32, first or by its distance.
+        assert!(
+            postcard::from_bytes::<Sketch>(&stored(&[0xff, 0xff, 0xff, 0xff, 0x1f, 1])).is_err()
+        );
+        let far = [2, 1, 0xff, 0xff, 0xff, 0xff, 0x0f, 1];
+        assert!(postcard::from_bytes::<Sketch>(&stored(&far)).is_err());
     }
 
     proptest::proptest! {
@@ -658,6 +852,27 @@ mod tests {
             let bytes = postcard::to_stdvec(&Listed { buckets: list }).unwrap();
             let read: Sketch = postcard::from_bytes(&bytes).unwrap();
             same(&read, &listed);
+        }
+
+        /// Any bytes stored as a packing (a damaged store) read as a sketch that keeps every
+        /// rule of one this build made, or are refused; never a panic.
+        #[test]
+        fn any_stored_packing_reads_as_a_sound_sketch_or_is_refused(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..700),
+        ) {
+            if let Ok(read) = postcard::from_bytes::<Sketch>(&stored(&bytes)) {
+                let pairs: Vec<(i32, u64)> = read.pairs().collect();
+                proptest::prop_assert!(pairs.windows(2).all(|w| w[0].0 < w[1].0));
+                proptest::prop_assert!(read.buckets() == pairs.len() && pairs.len() <= MAX_BUCKETS);
+                let again = postcard::to_stdvec(&read).unwrap();
+                proptest::prop_assert_eq!(read.stored_len(), again.len());
+                proptest::prop_assert_eq!(&postcard::from_bytes::<Sketch>(&again).unwrap(), &read);
+                let listed = Listed { buckets: pairs };
+                proptest::prop_assert_eq!(
+                    &postcard::from_bytes::<Sketch>(&postcard::to_stdvec(&listed).unwrap()).unwrap(),
+                    &read
+                );
+            }
         }
     }
 

@@ -61,14 +61,14 @@
 //!   the default holds ~15 million); beyond it chunks stay unindexed and lookups read them,
 //!   slower but exact (see [`ledger`]).
 //!
-//! # Layout (store format 5)
+//! # Layout (store format 6)
 //!
 //! One tree per kind; pipeline-scoped keys start with `pipeline_name 0x00` (names cannot
 //! contain NUL). `rows`: skey → every pipeline's state for that key ([`rows`]); `state`:
 //! p·skey → KeyState, for a state too large to share its row; `dedup`: p·min_seen·checkpoint·part → a chunk
 //! of ledger entries ([`ledger`]); `outbox`: first_seq → a chunk of outputs ([`outbox`]);
 //! `dead`: offset·p → DeadLetter; `sparkplug`: p·key → a Sparkplug session entry (issue 31);
-//! `meta`: `progress` → Progress, `format` → 5,
+//! `meta`: `progress` → Progress, `format` → 6,
 //! `dead_letters` → [`DeadLetterStats`], `ledger_windows` → each pipeline's dedup window,
 //! `send_horizon` → a log offset (see `SEND_HORIZON_KEY`), `ledger_groups` → the shared
 //! ledgers and their members (see `LEDGER_GROUPS_KEY`);
@@ -79,6 +79,13 @@
 //! 33). A format-3 (or -2) store is read as it is and upgraded by the agent at start
 //! ([`Store::upgrade_layout`], `store::rows::store_tests`); a build before format 4 refuses
 //! a store or savepoint after it.
+//!
+//! Format 6 is format 5 with every percentile sketch stored packed, a varint distance and
+//! count a bucket, instead of as a list of buckets and counts (`pipeline::sketch`): about
+//! half the bytes, and a checkpoint rewrites a key's whole row. A list still reads, so a
+//! format-5 store is read as it is and becomes format 6 at its first commit (every commit
+//! writes the format, in its transaction); a build before format 6 refuses a store or
+//! savepoint after it, whose sketches it would not read.
 //!
 //! Format 5 is format 4 with shared ledgers: the `dedup` tree's chunks may be owned by a
 //! group of pipelines that read one stream (`ledger_groups`) instead of by one pipeline, so
@@ -228,10 +235,12 @@ pub(crate) struct BoundFigures {
 }
 
 /// The layout this build writes (see the module docs).
-/// Format 4 is format 5 without shared ledgers: read as it is, nothing to upgrade. An older
-/// build refuses format 5, whose shared ledgers it would not read (it would take their
-/// entries for a dormant pipeline's, and count a duplicate of them again).
-pub(crate) const STORE_FORMAT: u32 = 5;
+/// Format 5 is format 6 with sketches stored as lists, and format 4 is format 5 without
+/// shared ledgers: both read as they are, nothing to upgrade. An older build refuses format
+/// 6, whose sketches it would not read, and format 5, whose shared ledgers it would not read
+/// (it would take their entries for a dormant pipeline's, and count a duplicate of them
+/// again).
+pub(crate) const STORE_FORMAT: u32 = 6;
 /// Format 3: format 4 with a key per pipeline and state key in `state` and no `rows`. Read
 /// as it is, and upgraded by the agent before it processes ([`rows`]).
 const STORE_FORMAT_V3: u32 = 3;

@@ -30,12 +30,12 @@ max_keys = 100000"#
     .unwrap()
 }
 
-/// Four percentile pipelines (their sketches grow with spread values, past what one row
-/// holds for all four), a sum, and a windowed count whose windows close.
+/// Six percentile pipelines (their sketches grow with spread values, past what one row
+/// holds for all six), a sum, and a windowed count whose windows close.
 fn specs() -> Vec<PipelineSpec> {
-    let mut v: Vec<PipelineSpec> = ["p50", "p90", "p95", "p99"]
+    let mut v: Vec<PipelineSpec> = ["p50", "p90", "p95", "p99", "p25", "p99.9"]
         .iter()
-        .map(|a| spec(&format!("q_{a}"), a, ""))
+        .map(|a| spec(&format!("q_{}", a.replace('.', "_")), a, ""))
         .collect();
     v.push(spec("total", "sum", ""));
     v.push(spec(
@@ -86,9 +86,10 @@ fn assert_as_model(store: &Store, model: &MemState, when: &str) {
 }
 
 /// Record `i` of a run over `keys` keys, `ms_apart` in event time. Spread values: every
-/// percentile sketch gains buckets for a long while.
+/// percentile sketch gains buckets for a long while, over 128 buckets apart (1.3 powers of
+/// two), so that a bucket takes three bytes in the store.
 fn spread(i: u64, keys: u64, ms_apart: u64) -> Record {
-    let value = 1.021f64.powi((i % 1500) as i32) * if i % 2 == 0 { 1.0 } else { -1.0 };
+    let value = 2f64.powf((i % 1500) as f64 * 1.3 - 975.0) * if i % 2 == 0 { 1.0 } else { -1.0 };
     rec(i, &format!("k{}", i % keys), value, i * ms_apart)
 }
 
@@ -202,9 +203,9 @@ fn max_keys_weighs_a_row_by_its_bytes_at_least_one_and_at_most_one_per_state() {
 
     let mut engine = Engine::new(specs(), store.progress().unwrap());
     let mut offset = 0;
-    // Spread values grow the sketches past a KiB each.
-    for i in 0..400u32 {
-        let v = f64::from(i + 1) * 1.7f64.powi((i % 40) as i32);
+    // Spread values grow the sketches past a KiB each: 600 buckets, a power of two apart.
+    for i in 0..600u32 {
+        let v = 2f64.powi(i as i32 - 300);
         engine.apply(&store, &rec(offset, "a", v, 10)).unwrap();
         offset += 1;
     }
@@ -212,9 +213,10 @@ fn max_keys_weighs_a_row_by_its_bytes_at_least_one_and_at_most_one_per_state() {
     assert_eq!(engine.pending_keys(), 2);
     store.commit(&engine.take_checkpoint(), 0).unwrap();
     engine.apply(&store, &rec(offset, "a", 1.0, 10)).unwrap();
-    // The row of "a" now holds four grown sketches and a sum: more than a KiB each, so it
-    // weighs its five states; the windowed pipeline's window row, one.
-    assert_eq!(engine.pending_keys(), 6);
+    // The row of "a" now holds six grown sketches and a sum (those that fit it, the rest
+    // spilled): more than a KiB each, so it weighs its seven states; the windowed
+    // pipeline's window row, one.
+    assert_eq!(engine.pending_keys(), 8);
 }
 
 /// Put every state of `store` back in format 3's layout (`pipeline 0x00 skey` in `state`),
@@ -294,4 +296,99 @@ fn every_pipeline_with_a_state_in_a_row_is_found() {
         names,
         "from the rows alone"
     );
+}
+
+/// A percentile state as formats up to 5 stored it: its sketch as a list of buckets and
+/// counts (`Agg::Percentile` is the ninth variant). `None` for any other state.
+fn listed(state: &KeyState) -> Option<Vec<u8>> {
+    let crate::pipeline::value::Agg::Percentile { permille, sketch } = &state.agg else {
+        return None;
+    };
+    let pairs: Vec<(i32, u64)> = sketch.pairs().collect();
+    let bytes = encode(&(state.version, state.count, 8u32, *permille, pairs));
+    assert_eq!(
+        &decode::<KeyState>("listed", &bytes).unwrap(),
+        state,
+        "the old layout reads"
+    );
+    Some(bytes)
+}
+
+/// Rewrite every percentile state of `store` as format 5 stored it, in its row or the
+/// `state` tree, and say format 5: the bytes those states take before and after.
+fn as_format_5(store: &Store) -> (usize, usize) {
+    let (mut before, mut after) = (0, 0);
+    let mut list = |s: &[u8]| {
+        let old = listed(&decode("state", s).unwrap())?;
+        (before, after) = (before + s.len(), after + old.len());
+        Some(old)
+    };
+    for r in store.rows.iter() {
+        let (k, v) = r.unwrap();
+        let mut row: super::Row = decode("row", &v).unwrap();
+        for (_, s) in &mut row.entries {
+            if let Some(old) = list(s) {
+                *s = old;
+            }
+        }
+        store.rows.insert(k, encode(&row)).unwrap();
+    }
+    for r in store.state.iter() {
+        let (k, v) = r.unwrap();
+        if let Some(old) = list(&v) {
+            store.state.insert(k, old).unwrap();
+        }
+    }
+    store.meta.insert(FORMAT_KEY, &5u32.to_be_bytes()).unwrap();
+    store.sync().unwrap();
+    (before, after)
+}
+
+/// Every stored state is in this build's bytes: what encoding it again gives.
+fn all_packed(store: &Store) -> bool {
+    let rows = store.rows.iter().all(|r| {
+        let (_, v) = r.unwrap();
+        let row: super::Row = decode("row", &v).unwrap();
+        (row.entries.iter()).all(|(_, s)| *s == encode(&decode::<KeyState>("state", s).unwrap()))
+    });
+    rows && store.state.iter().all(|r| {
+        let (_, v) = r.unwrap();
+        v.as_ref() == encode(&decode::<KeyState>("state", &v).unwrap()).as_slice()
+    })
+}
+
+#[test]
+fn a_format_5_store_reads_its_sketch_lists_and_is_packed_by_its_next_commits() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    let mut model = MemState::default();
+    run(&store, &mut model, 0, 400, 50);
+    assert!(all_packed(&store));
+    let (packed, listed) = as_format_5(&store);
+    assert!(!all_packed(&store));
+    // Buckets 1.3 powers of two apart: three bytes each packed, four listed.
+    assert!(
+        packed * 10 < listed * 8,
+        "sketches of {packed} bytes packed, {listed} listed"
+    );
+    drop(store);
+
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    assert_as_model(&store, &model, "format 5, read as it is");
+    assert_eq!(
+        store.meta.get(FORMAT_KEY).unwrap().unwrap().as_ref(),
+        5u32.to_be_bytes(),
+        "reading does not rewrite it"
+    );
+    // Both keys take records again: every state they hold is written again, packed, and
+    // the first commit says format 6 in its transaction.
+    run(&store, &mut model, 400, 300, 41);
+    assert!(all_packed(&store));
+    drop(store);
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    assert_eq!(
+        store.meta.get(FORMAT_KEY).unwrap().unwrap().as_ref(),
+        STORE_FORMAT.to_be_bytes()
+    );
+    assert_as_model(&store, &model, "packed, reopened");
 }
