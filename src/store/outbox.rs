@@ -39,7 +39,7 @@ pub(crate) const CHUNK_ENTRIES: usize = 256;
 pub(crate) const CHUNK_BYTES: usize = 4 * 1024;
 /// Decoded chunks kept: the newest a commit wrote, and those read ahead for the sinks while
 /// a commit runs ([`PREFETCH_CHUNKS`]). At most ~4 KiB each on disk.
-const CACHE_CHUNKS: usize = 128;
+pub(super) const CACHE_CHUNKS: usize = 128;
 /// Most chunks read ahead of the sinks' cursors before a commit starts, over all sinks:
 /// what a sink sends while the commit's transaction keeps the store from the loop. Under a
 /// backlog a commit of 20,000 outputs (~750 outbox chunks) took 23-92 ms, while the sink
@@ -69,12 +69,15 @@ pub(crate) fn prefetch_chunks(outputs: usize, sinks: usize) -> usize {
 }
 
 /// Cut outputs (in sequence order) into chunks of consecutive sequence numbers:
-/// (first seq, entries).
-pub(crate) fn make_chunks(outputs: Vec<(u64, Output)>) -> Vec<(u64, Vec<(u64, Output)>)> {
-    let mut out: Vec<(u64, Vec<(u64, Output)>)> = Vec::new();
+/// (first seq, entries). Borrowed or owned alike (`&(u64, Output)` encodes as the entry).
+pub(crate) fn make_chunks<E: std::borrow::Borrow<(u64, Output)>>(
+    outputs: impl IntoIterator<Item = E>,
+) -> Vec<(u64, Vec<E>)> {
+    let mut out: Vec<(u64, Vec<E>)> = Vec::new();
     let mut bytes = 0;
-    for (seq, o) in outputs {
-        let size = o.id.len() + o.topic.len() + o.payload.len() + 16;
+    for e in outputs {
+        let (seq, o) = e.borrow();
+        let (seq, size) = (*seq, o.id.len() + o.topic.len() + o.payload.len() + 16);
         let full = out.last().is_none_or(|(first, c)| {
             c.len() >= CHUNK_ENTRIES || bytes + size > CHUNK_BYTES || *first + c.len() as u64 != seq
         });
@@ -83,7 +86,7 @@ pub(crate) fn make_chunks(outputs: Vec<(u64, Output)>) -> Vec<(u64, Vec<(u64, Ou
             bytes = 0;
         }
         bytes += size;
-        out.last_mut().expect("pushed").1.push((seq, o));
+        out.last_mut().expect("pushed").1.push(e);
     }
     out
 }
@@ -182,9 +185,23 @@ impl OutboxMem {
     /// included) that its upserts left with nothing waiting, to delete from the tree.
     /// `bytes`: its key and value as written.
     pub(crate) fn add_chunk(&mut self, first: u64, entries: ChunkEntries, bytes: u64) -> Vec<u64> {
+        let emptied = self.add_uncached(first, &entries[..], bytes);
+        self.cache_put(first, entries);
+        emptied
+    }
+
+    /// [`OutboxMem::add_chunk`], leaving the entries out of the cache of decoded chunks
+    /// (read from the store if a sink needs them).
+    pub(crate) fn add_uncached<E: std::borrow::Borrow<(u64, Output)>>(
+        &mut self,
+        first: u64,
+        entries: &[E],
+        bytes: u64,
+    ) -> Vec<u64> {
         self.insert_waiting(first, entries.len(), bytes);
         let mut emptied = Vec::new();
-        for (i, (seq, o)) in entries.iter().enumerate() {
+        for (i, e) in entries.iter().enumerate() {
+            let (seq, o) = e.borrow();
             assert_eq!(
                 *seq,
                 first + i as u64,
@@ -203,7 +220,6 @@ impl OutboxMem {
                 }
             }
         }
-        self.cache_put(first, entries);
         emptied
     }
 
@@ -383,14 +399,14 @@ mod tests {
 
     #[test]
     fn chunks_are_cut_by_count_and_bytes() {
-        let chunks = make_chunks((0..600).map(|i| out(i, 1)).collect());
+        let chunks = make_chunks((0..600).map(|i| out(i, 1)));
         assert_eq!(chunks.len(), 4);
         assert_eq!(chunks.iter().map(|c| c.1.len()).sum::<usize>(), 600);
         for (first, entries) in &chunks {
             assert_eq!(*first, entries[0].0, "a chunk is keyed by its first seq");
             assert!(postcard::to_stdvec(entries).unwrap().len() <= CHUNK_BYTES);
         }
-        let chunks = make_chunks((0..10).map(|i| out(i, 1_000)).collect());
+        let chunks = make_chunks((0..10).map(|i| out(i, 1_000)));
         assert!(chunks.iter().all(|c| c.1.len() == 4 || c.1.len() == 2));
         assert_eq!(chunks.iter().map(|c| c.1.len()).sum::<usize>(), 10);
         let big = make_chunks(vec![out(0, 10_000)]);
@@ -404,7 +420,7 @@ mod tests {
     #[test]
     fn a_chunk_is_deleted_when_its_last_entry_is_acked() {
         let mut m = OutboxMem::default();
-        let chunks = make_chunks((0..300).map(|i| out(i, 10)).collect());
+        let chunks = make_chunks((0..300).map(|i| out(i, 10)));
         let n = chunks[0].1.len() as u64;
         let second = chunks[1].0;
         for (first, entries) in chunks {

@@ -235,3 +235,39 @@ fn chunks_read_ahead_are_sent_from_memory_while_a_commit_would_keep_the_store() 
         "past the read-ahead"
     );
 }
+
+/// A commit copies into memory only the chunks the outbox's cache keeps, its newest
+/// [`super::outbox::CACHE_CHUNKS`], which is what the cache held when every chunk went
+/// through it (issue 33: a copy of every output lived through the transaction beside the
+/// batch's own); the rest are read from the store.
+#[test]
+fn a_commit_keeps_its_newest_chunks_in_memory_and_only_those() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    let mut engine = Engine::new(vec![spec("changelog")], store.progress().unwrap());
+    for off in 0..12_000 {
+        engine.apply(&store, &rec(off, off % 50)).unwrap();
+    }
+    store.commit(&engine.take_checkpoint(), 0).unwrap();
+    let all: Vec<_> = store.outbox_from(0).map(Result::unwrap).collect();
+    assert_eq!(all.len(), 12_000);
+    let firsts: Vec<u64> = (store.outbox.iter().keys())
+        .map(|k| u64::from_be_bytes(k.unwrap().as_ref().try_into().unwrap()))
+        .collect();
+    let cached = super::outbox::CACHE_CHUNKS;
+    assert!(firsts.len() > cached + 10, "{} chunks", firsts.len());
+    // Behind the store's back, the tree loses every chunk: the newest are still read from
+    // memory, as they were written; the one before them is not there.
+    for f in &firsts {
+        store.outbox.remove(f.to_be_bytes()).unwrap();
+    }
+    let newest = firsts[firsts.len() - cached];
+    let from = all.partition_point(|(seq, _)| *seq < newest);
+    let read: Vec<_> = store.outbox_from(newest).map(Result::unwrap).collect();
+    assert_eq!(read, all[from..]);
+    let before = firsts[firsts.len() - cached - 1];
+    assert!(
+        store.outbox_from(before).next().unwrap().is_err(),
+        "not kept"
+    );
+}
