@@ -501,7 +501,7 @@ fn processor_main() {
         .filter_map(|c| c.trim().parse().ok())
         .collect();
     // The same `CAIRN_PIPELINES_CHECKPOINT` as the scale run reads: `max_keys` and
-    // `max_records`, the shipped 1,536 and 20,000 otherwise.
+    // `max_records`, the shipped 3,072 and 20,000 otherwise.
     let checkpoint: toml_edit::DocumentMut = std::env::var("CAIRN_PIPELINES_CHECKPOINT")
         .unwrap_or_default()
         .replace("\\n", "\n")
@@ -513,7 +513,7 @@ fn processor_main() {
             .and_then(|v| v.as_integer())
             .map_or(shipped, |v| v as u64)
     };
-    let (max_keys, max_records) = (bound("max_keys", 1_536), bound("max_records", 20_000));
+    let (max_keys, max_records) = (bound("max_keys", 3_072), bound("max_records", 20_000));
     let flush_every: u64 = std::env::var("CAIRN_PIPELINES_FLUSH")
         .ok()
         .and_then(|f| f.parse().ok())

@@ -89,7 +89,7 @@ pub(crate) fn footprint(outbox_max: Option<u64>) -> Foot {
     if let Some(max) = outbox_max {
         config.set("outbox", "max_entries", max);
     }
-    // `checkpoint.max_keys` (CAIRN_COMPARE_FOOT_KEYS; else the default, 1536).
+    // `checkpoint.max_keys` (CAIRN_COMPARE_FOOT_KEYS; else the default, 3072).
     if let Some(keys) = env_u64("CAIRN_COMPARE_FOOT_KEYS") {
         config.set("checkpoint", "max_keys", keys);
     }

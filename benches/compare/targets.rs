@@ -2,7 +2,7 @@
 //! pass/FAIL: `CAIRN_COMPARE_ONLY=relay,targets cargo bench --bench compare`.
 //!
 //! Every agent here runs at the shipped settings ([`Cairn::shipped`]: checkpoint every 5 s
-//! or 20,000 records, `max_keys` 1536, outbox 100,000, keep-alive 30 s, cache 4 MiB, ...;
+//! or 20,000 records, `max_keys` 3072, outbox 100,000, keep-alive 30 s, cache 4 MiB, ...;
 //! the bench sets only `client_id`, `data_dir`, the broker's port, the metrics listener and
 //! its pipeline), with a `changelog` sum (one result per input), and a subscriber reads the
 //! results topic throughout. The parts, in order:

@@ -515,11 +515,11 @@ pub static KEYS: &[Key] = &[
     ),
     key!(
         "checkpoint.max_keys",
-        Def::Int(1_536),
+        Def::Int(3_072),
         Range::Int(1, 1_000_000),
         "keys",
         Reload::Sighup(|c, n| c.checkpoint.max_keys = n.checkpoint.max_keys),
-        "each key a checkpoint writes holds a copy of a sled leaf until it commits: peak RSS 122 MiB at 20,000 records per checkpoint, 55.7-57.5 MiB bounded at 1,536 keys (issue 16); counted per stored row (a key's states of every pipeline; one per KiB of its states, at most one per state: 16 light pipelines over a key count once, as one does, issue 33), and held by records read back from the log (the replay at start, catch-up, backfill) as by live ones",
+        "each key a checkpoint writes holds a copy of a sled leaf until it commits: peak RSS 122 MiB at 20,000 records per checkpoint, 55.7-57.5 MiB bounded at 1,536 keys (issue 16); 3,072 since sketches are stored packed: 16 pipelines over 1,000 keys, six of them percentiles, then span their keys in one checkpoint (12-13x one pipeline's CPU, peak 62.8-63.8 MiB; at 1,536, 31x) while a backlog of 1M inputs over 100k keys peaks at 56.1-56.5 MiB (51.8-60.7 at 1,536) and rests lower (issue 33); counted per stored row (a key's states of every pipeline; one per KiB of its states, at most one per state: 16 light pipelines over a key count once, as one does, issue 33), and held by records read back from the log (the replay at start, catch-up, backfill) as by live ones",
         Get::Config(|c| Some(c.checkpoint.max_keys.to_string()))
     ),
     // [outbox]

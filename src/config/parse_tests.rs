@@ -151,7 +151,7 @@ fn a_minimal_config_gets_safe_default_limits() {
         CheckpointConfig {
             interval: Duration::from_secs(5),
             max_records: 20_000,
-            max_keys: 1_536
+            max_keys: 3_072
         }
     );
     assert_eq!(
@@ -1159,8 +1159,8 @@ fn the_checkpoint_record_default_follows_a_smaller_outbox_bound_but_a_written_on
 }
 
 #[test]
-fn checkpoint_max_keys_defaults_to_1536_and_must_be_at_least_one() {
-    assert_eq!(parse(MINIMAL).unwrap().checkpoint.max_keys, 1536);
+fn checkpoint_max_keys_defaults_to_3072_and_must_be_at_least_one() {
+    assert_eq!(parse(MINIMAL).unwrap().checkpoint.max_keys, 3072);
     let ok = format!("{MINIMAL}\n[checkpoint]\nmax_keys = 500\n");
     assert_eq!(parse(&ok).unwrap().checkpoint.max_keys, 500);
     let text = format!("{MINIMAL}\n[checkpoint]\nmax_keys = 0\n");
