@@ -37,7 +37,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 /// Mantissa bits kept: 2^7 = 128 buckets per power of two.
 pub(crate) const MANTISSA_BITS: u32 = 7;
 /// Most buckets one sketch holds. A bucket costs 2 to 13 bytes in the store (a varint
-/// distance from the bucket before, at most 3 bytes since buckets lie within ±2^20, and a
+/// distance from the bucket before, at most 3 bytes since buckets lie within ±2^19, and a
 /// varint count), typically 2 or 3, so a sketch stays near 1 KiB and below 6.5 KiB at
 /// worst. sled writes a leaf of up to ~17 values as one log item and moves items over
 /// ~128 KiB to blob files it never fsyncs, so even a leaf full of worst-case sketches
