@@ -444,7 +444,7 @@ impl Sketch {
         if !canonical || list.len() > MAX_BUCKETS {
             return Sketch::from_stored(list);
         }
-        let total = (list.iter()).try_fold(0u64, |t, &(_, n)| Some(t.saturating_add(n)))?;
+        let total = (list.iter()).fold(0u64, |t, &(_, n)| t.saturating_add(n));
         Some(Sketch {
             packed,
             len: list.len() as u32,
