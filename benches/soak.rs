@@ -36,9 +36,11 @@
 //! A live watcher (persistent session, QoS 1) checks every result as it arrives: no ID with
 //! two payloads, and per (pipeline, key, window, generation) the versions of first-seen IDs
 //! rise. At the end, the inputs drained, the agent stopped cleanly: `cairn inspect state`
-//! for `sums` (sum) and `tally` (count) against the fold (nothing lost, nothing doubled),
-//! the watcher's newest result per key against the state, and every `backN` key's count at
-//! most the fold's (a backfill sees only the retained log, never more).
+//! for `sums` (sum), `tally` (count) and `pct` (a count and three percentiles, whose
+//! sketches every checkpoint stores packed) against the fold (nothing lost, nothing
+//! doubled, each percentile the fold's within the sketch's stated error), the watcher's
+//! newest result per key against the state, and every `backN` key's count at most the
+//! fold's (a backfill sees only the retained log, never more).
 //!
 //! `SOAK_SECONDS` (120) sets the length, `SOAK_SEED` the schedule, `SOAK_BROKER_DEBUG` a
 //! broker log of every packet; a failed start ends the soak at once with the agent's
@@ -73,6 +75,11 @@ const PAD: usize = 400;
 const START_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long the end waits for the inputs to drain.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(600);
+/// `pct`'s aggregates, as the config lists them: a count and three percentiles, whose
+/// sketches the store keeps packed (format 6) and every checkpoint rewrites.
+const PCT_AGGREGATES: &str = r#""count", "p50", "p90", "p99""#;
+/// `pct`'s percentiles by name and rank in thousandths.
+const PCT_RANKS: [(&str, u64); 3] = [("p50", 500), ("p90", 900), ("p99", 990)];
 
 // ------------------------------------------------------------------- the schedule ----
 
@@ -285,6 +292,9 @@ impl Shape {
              [[pipeline]]\nname = \"tally\"\ntopics = [\"soak/in/#\"]\nevent_id = \"/id\"\n\
              key = \"/k\"\naggregate = \"count\"\noutput_topic = \"soak/out/tally/{{key}}\"\n\
              retain = false\n\n\
+             [[pipeline]]\nname = \"pct\"\ntopics = [\"soak/in/#\"]\nevent_id = \"/id\"\n\
+             key = \"/k\"\nvalue = \"/v\"\naggregate = [{PCT_AGGREGATES}]\n\
+             output_topic = \"soak/out/pct/{{key}}\"\nretain = false\nemit = \"upsert\"\n\n\
              [[pipeline]]\nname = \"win\"\ntopics = [\"soak/in/#\"]\nevent_id = \"/id\"\n\
              key = \"/k\"\nvalue = \"/v\"\nevent_time = \"/ts\"\naggregate = \"sum\"\n\
              window = {{ size = \"{}s\", allowed_lateness = \"5s\" }}\nstart = \"earliest\"\n\
@@ -345,6 +355,9 @@ struct Watch {
     versions: HashMap<(String, String, u64, u64), (u64, u64)>,
     /// Per (pipeline, key): the newest (generation, version, value) seen.
     newest: HashMap<(String, String), (u64, u64, f64)>,
+    /// Per key: the newest (generation, version, values) of `pct`, whose results carry
+    /// `values` (several aggregates) instead of `value`.
+    newest_pct: HashMap<String, (u64, u64, serde_json::Value)>,
     two_payloads: Vec<String>,
     regressions: Vec<String>,
     unreadable: u64,
@@ -416,6 +429,15 @@ impl Watch {
             .or_insert((0, 0, f64::NAN));
         if (generation, version) >= (newest.0, newest.1) {
             *newest = (generation, version, value);
+        }
+        if pipeline == "pct" {
+            let newest =
+                self.newest_pct
+                    .entry(key.to_string())
+                    .or_insert((0, 0, serde_json::Value::Null));
+            if (generation, version) >= (newest.0, newest.1) {
+                *newest = (generation, version, v["values"].clone());
+            }
         }
     }
 }
@@ -703,6 +725,33 @@ impl Soak {
     }
 }
 
+/// Whether `pct`'s stored values (`{"count": n, "p50": .., ..}`) agree with the accepted
+/// values of one key, `sorted`: the count exactly; each percentile is the value at rank
+/// ⌈q·n⌉, exact below 256 (the soak's values are integers) and otherwise at most 0.79% below
+/// it, never above (`docs/pipelines.md`, "exactness").
+fn pct_check(sorted: &[u64], got: &serde_json::Value) -> Result<(), String> {
+    let n = sorted.len() as u64;
+    if got["count"].as_u64() != Some(n) {
+        return Err(format!("count {}, fold {n}", got["count"]));
+    }
+    for (name, permille) in PCT_RANKS {
+        let rank = (permille * n).div_ceil(1000).max(1);
+        let exact = sorted[(rank - 1) as usize] as f64;
+        let Some(r) = got[name].as_f64() else {
+            return Err(format!("{name} is {}, fold {exact}", got[name]));
+        };
+        let within = if exact < 256.0 {
+            r == exact
+        } else {
+            r <= exact && r >= exact * (1.0 - 0.0079)
+        };
+        if !within {
+            return Err(format!("{name} {r}, fold {exact} (rank {rank} of {n})"));
+        }
+    }
+    Ok(())
+}
+
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())
 }
@@ -936,12 +985,18 @@ fn run() -> bool {
 
     // The end: every input drained (the tally counts reach the fold), then a clean stop.
     let mut oracle: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    // Per key, every accepted value once, for `pct`.
+    let mut values: BTreeMap<String, Vec<u64>> = BTreeMap::new();
     let mut ids = HashSet::new();
     for e in &accepted {
         if ids.insert(e.id.clone()) {
             let o = oracle.entry(format!("k{:02}", e.key)).or_default();
             o.0 += e.value;
             o.1 += 1;
+            values
+                .entry(format!("k{:02}", e.key))
+                .or_default()
+                .push(e.value);
         }
     }
     // Drained: every key's newest `tally` result reached the fold's count; given up after
@@ -989,10 +1044,16 @@ fn run() -> bool {
     let mut back_over = Vec::new();
     let mut stale = Vec::new();
     let mut stored: HashMap<(String, String), (f64, u64)> = HashMap::new();
+    let mut stored_pct: HashMap<String, (serde_json::Value, u64)> = HashMap::new();
     for s in &state {
         let (Some(p), Some(k)) = (s["pipeline"].as_str(), s["key"].as_str()) else {
             continue;
         };
+        if p == "pct" {
+            let count = s["count"].as_u64().unwrap_or(0);
+            stored_pct.insert(k.to_string(), (s["value"].clone(), count));
+            continue;
+        }
         let value = s["value"].as_f64().unwrap_or(f64::NAN);
         let count = s["count"].as_u64().unwrap_or(0);
         stored.insert((p.to_string(), k.to_string()), (value, count));
@@ -1018,6 +1079,24 @@ fn run() -> bool {
             if seen != Some(value) {
                 stale.push(format!("{p}/{k}: newest result {seen:?}, stored {value}"));
             }
+        }
+        // `pct`: its count is the fold's, each percentile is the fold's nearest-rank value
+        // within the sketch's documented error, and the newest result says what the state
+        // holds.
+        let (got, count) = stored_pct
+            .get(k)
+            .cloned()
+            .unwrap_or((serde_json::Value::Null, 0));
+        lost += n.saturating_sub(count);
+        doubled += count.saturating_sub(*n);
+        let mut sorted = values.get(k).cloned().unwrap_or_default();
+        sorted.sort_unstable();
+        if let Err(e) = pct_check(&sorted, &got) {
+            wrong.push(format!("pct/{k}: {e}"));
+        }
+        let seen = w.newest_pct.get(k).map(|t| &t.2);
+        if seen != Some(&got) {
+            stale.push(format!("pct/{k}: newest result {seen:?}, stored {got}"));
         }
     }
     let failed = !soak.tally.failed_starts.is_empty()
@@ -1075,7 +1154,7 @@ fn run() -> bool {
             .unwrap_or_default()
     );
     println!(
-        "sums and tally against the fold: lost {lost}, doubled {doubled}, wrong values {}",
+        "sums, tally and pct against the fold: lost {lost}, doubled {doubled}, wrong values {}",
         wrong.len()
     );
     println!(
