@@ -139,6 +139,31 @@ impl Config {
             let channel = (2 * (20 + inflight)).max(1024);
             c.set("mqtt", "channel_capacity", Setting::Int(channel));
         }
+        // Any other setting, to see what it does to the targets: CAIRN_TARGETS_SET holds
+        // `table.key = value` lines (TOML values; `\n` between lines), e.g.
+        // `checkpoint.interval = "1h"\ncheckpoint.max_records = 1000000\n
+        // outbox.max_entries = 1000000`: checkpoints out of the latency runs' way.
+        if let Ok(lines) = std::env::var("CAIRN_TARGETS_SET") {
+            for line in lines
+                .replace("\\n", "\n")
+                .lines()
+                .filter(|l| !l.trim().is_empty())
+            {
+                let (path, v) = line
+                    .split_once('=')
+                    .expect("CAIRN_TARGETS_SET: `table.key = value` lines");
+                let (table, key) = path
+                    .trim()
+                    .split_once('.')
+                    .expect("CAIRN_TARGETS_SET: a key is `table.key`");
+                let v: Value = v.trim().parse().expect("CAIRN_TARGETS_SET: a TOML value");
+                c.doc
+                    .entry(table)
+                    .or_insert_with(toml_edit::table)
+                    .as_table_mut()
+                    .unwrap_or_else(|| panic!("`{table}` is a table"))[key] = Item::Value(v);
+            }
+        }
         c.pipeline(emit);
         c
     }

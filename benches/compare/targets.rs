@@ -39,7 +39,9 @@
 //! `CAIRN_TARGETS_ONLY=latency,footprint,idle,steady` runs a subset (all when unset);
 //! `CAIRN_TARGETS_PEAK_EVENTS` sets the inputs per flat-out run (100,000);
 //! `CAIRN_TARGETS_INFLIGHT` gives every agent another `outbox.inflight` than the shipped 100,
-//! `CAIRN_COMPARE_CACHE` another `storage.cache_size` than the shipped one.
+//! `CAIRN_COMPARE_CACHE` another `storage.cache_size` than the shipped one, and
+//! `CAIRN_TARGETS_SET` any other setting (`table.key = value` lines, `\n` between them), to
+//! see what it does: the shipped settings are what the targets are read at.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
