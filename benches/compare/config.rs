@@ -157,11 +157,7 @@ impl Config {
                     .split_once('.')
                     .expect("CAIRN_TARGETS_SET: a key is `table.key`");
                 let v: Value = v.trim().parse().expect("CAIRN_TARGETS_SET: a TOML value");
-                c.doc
-                    .entry(table)
-                    .or_insert_with(toml_edit::table)
-                    .as_table_mut()
-                    .unwrap_or_else(|| panic!("`{table}` is a table"))[key] = Item::Value(v);
+                c.set_value(table, key, v);
             }
         }
         c.pipeline(emit);
@@ -196,13 +192,18 @@ impl Config {
 
     /// Sets `[table] key = v`, making the table if it is not there.
     pub(crate) fn set<'a>(&mut self, table: &str, key: &str, v: impl Into<Setting<'a>>) {
+        self.set_value(table, key, v.into().into());
+    }
+
+    /// [`Config::set`] for a TOML value of any type.
+    fn set_value(&mut self, table: &str, key: &str, v: Value) {
         let t = self
             .doc
             .entry(table)
             .or_insert_with(toml_edit::table)
             .as_table_mut()
             .unwrap_or_else(|| panic!("`{table}` is a table"));
-        t[key] = Item::Value(v.into().into());
+        t[key] = Item::Value(v);
     }
 
     pub(crate) fn text(&self) -> String {
