@@ -549,9 +549,13 @@ impl Agent {
                 .collect()
         });
         let outbox_end = self.proc.inflight().map(|cp| cp.progress.outbox_seq);
+        let outputs = self
+            .proc
+            .inflight()
+            .map_or(&[][..], |cp| &cp.batch.outputs[..]);
+        self.results.checkpointed(settled, &self.proc, outputs)?;
         self.proc.checkpoint_committed(&info);
         self.proc.synced(info.next_offset);
-        self.results.checkpointed(settled, &self.proc)?;
         for (seq, id) in acked {
             self.proc.store().outbox_delete(seq, &id)?;
         }

@@ -575,6 +575,10 @@ impl Store {
         out_bytes: Vec<u64>,
     ) -> Result<(), StoreError> {
         let mut emptied = Vec::new();
+        let seqs = out_chunks
+            .iter()
+            .flat_map(|(_, entries)| entries.iter().map(|e| e.0));
+        mem.outbox.note_added(seqs);
         // The cache keeps the newest chunks: those that would have pushed the others out.
         let cached_from = out_chunks.len().saturating_sub(outbox::CACHE_CHUNKS);
         for (i, ((first, entries), bytes)) in out_chunks.into_iter().zip(out_bytes).enumerate() {

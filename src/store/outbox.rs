@@ -138,6 +138,8 @@ pub(crate) struct OutboxMem {
     /// Entries commits superseded since the last [`OutboxMem::take_superseded`] (`None`:
     /// more than [`SUPERSEDED_MAX`]): the results room's per-sink figures follow them.
     superseded: Option<Vec<u64>>,
+    /// The entries the newest commit added (see [`OutboxMem::take_added`]).
+    added: Vec<u64>,
 }
 
 impl Default for OutboxMem {
@@ -150,6 +152,7 @@ impl Default for OutboxMem {
             bytes: 0,
             cache: Lru::new(CACHE_CHUNKS),
             superseded: Some(Vec::new()),
+            added: Vec::new(),
         }
     }
 }
@@ -258,6 +261,29 @@ impl OutboxMem {
     /// last call; `None` if there were too many to keep: count again from the outbox.
     pub(crate) fn take_superseded(&mut self) -> Option<Vec<u64>> {
         self.superseded.replace(Vec::new())
+    }
+
+    /// A commit is adding entries: these (in order) replace what the previous one added.
+    /// Only the newest commit's are kept, so a replay's many commits keep one list.
+    pub(crate) fn note_added(&mut self, seqs: impl Iterator<Item = u64>) {
+        self.added.clear();
+        self.added.extend(seqs);
+    }
+
+    /// The entries the newest commit added that still wait (in order), once: what the
+    /// results room's per-sink figures count from that commit, without reading back the
+    /// entries it already holds in memory (see `Results::checkpointed`).
+    pub(crate) fn take_added(&mut self) -> Vec<u64> {
+        let mut added = std::mem::take(&mut self.added);
+        let mut chunk: Option<(u64, &ChunkMeta)> = None;
+        added.retain(|&seq| {
+            let within = |(first, m): (u64, &ChunkMeta)| seq >= first && seq - first < m.n;
+            if !chunk.is_some_and(within) {
+                chunk = (self.chunks.range(..=seq).next_back()).map(|(&f, m)| (f, m));
+            }
+            chunk.is_some_and(|(first, m)| within((first, m)) && !m.is_done(seq - first))
+        });
+        added
     }
 
     /// An entry was acknowledged. Returns the chunk to delete from the tree when it was the

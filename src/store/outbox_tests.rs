@@ -271,3 +271,84 @@ fn a_commit_keeps_its_newest_chunks_in_memory_and_only_those() {
         "not kept"
     );
 }
+
+/// Issue 33: what a commit says it added is what a walk of the outbox past the previous
+/// commit's entries finds (the results room counts from it instead of that walk): no
+/// upsert superseded within the batch, nothing acknowledged since, and each once.
+#[test]
+fn the_entries_a_commit_added_are_those_still_waiting_that_a_walk_past_it_finds() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
+    let mut engine = Engine::new(
+        vec![spec("upsert"), {
+            let mut s = spec("changelog");
+            s.name = "c".into();
+            s
+        }],
+        store.progress().unwrap(),
+    );
+    let seqs = |from: u64| -> Vec<u64> {
+        (store.outbox_from(from))
+            .map(|r| r.unwrap().0)
+            .collect::<Vec<_>>()
+    };
+    let mut commit = |offsets: std::ops::Range<u64>| {
+        for off in offsets {
+            engine.apply(&store, &rec(off, off % 3)).unwrap();
+            engine.flush_upserts();
+        }
+        let cp = engine.take_checkpoint();
+        store.commit(&cp, 0).unwrap();
+        cp
+    };
+    let first = commit(0..6);
+    let added = store.outbox_take_added();
+    assert_eq!(added, seqs(0), "the first commit: everything in the outbox");
+    assert_eq!(
+        added.len(),
+        3 + 6,
+        "3 keys' newest upserts, 6 changelog outputs"
+    );
+    assert_eq!(store.outbox_take_added(), Vec::<u64>::new(), "once");
+    // Some of the first commit's entries acknowledged.
+    for (seq, out) in first
+        .batch
+        .outputs
+        .iter()
+        .filter(|(s, _)| added[..4].contains(s))
+    {
+        store.outbox_delete(*seq, &out.id).unwrap();
+    }
+    // The second commit supersedes the first's upserts, and within itself all but the
+    // newest upsert of each key; one of its entries is acknowledged before anyone asks.
+    let second = commit(6..15);
+    let end_of_first = added.last().unwrap() + 1;
+    let written = seqs(end_of_first);
+    assert_eq!(
+        written.len(),
+        3 + 9,
+        "3 keys' newest upserts, 9 changelog outputs"
+    );
+    let seq = written[written.len() / 2];
+    let out = &second
+        .batch
+        .outputs
+        .iter()
+        .find(|(s, _)| *s == seq)
+        .unwrap()
+        .1;
+    store.outbox_delete(seq, &out.id).unwrap();
+    let added = store.outbox_take_added();
+    assert_eq!(
+        added,
+        seqs(end_of_first),
+        "what a walk past the first finds"
+    );
+    assert_eq!(added.len(), 3 + 9 - 1);
+    assert!(!added.contains(&seq), "the acknowledged one does not wait");
+    assert!(
+        (added.iter()).all(|s| second.batch.outputs.iter().any(|(o, _)| o == s)),
+        "each one of the checkpoint's outputs"
+    );
+    assert!(added.windows(2).all(|w| w[0] < w[1]), "in order: {added:?}");
+}

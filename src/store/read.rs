@@ -133,6 +133,12 @@ impl Store {
         self.lock().outbox.take_superseded()
     }
 
+    /// The outbox entries the newest commit added that still wait, in order, once (see
+    /// `OutboxMem::take_added`).
+    pub(crate) fn outbox_take_added(&self) -> Vec<u64> {
+        self.lock().outbox.take_added()
+    }
+
     /// Entries waiting in the outbox (O(1)).
     pub(crate) fn outbox_len(&self) -> usize {
         self.lock().outbox.len()
