@@ -56,6 +56,8 @@ pub(crate) struct Figures {
     /// journal line a minute about a rise.
     broker_drops: DropTally,
     broker_drops_log: crate::logging::RateLimit,
+    /// The loop's turns, copied to `metrics` at each refresh (not locked every turn).
+    turns: crate::metrics::Histogram,
 }
 
 /// What the figures are copied from: the loop's parts, read-only, and the schedule (its
@@ -80,7 +82,15 @@ impl Figures {
             dead_letter_log: crate::logging::RateLimit::new(10, Duration::from_secs(60)),
             broker_drops: DropTally::default(),
             broker_drops_log: crate::logging::RateLimit::new(1, Duration::from_secs(60)),
+            turns: crate::metrics::Histogram::default(),
         }
+    }
+
+    /// One turn of the loop took `took` (`cairn_loop_turn_duration_seconds`). A walk of
+    /// the outbox after every commit made turns of 14-29 ms that no figure showed; it took a
+    /// throwaway build to find them (issue 33, `docs/performance.md`).
+    pub(crate) fn turn(&mut self, took: Duration) {
+        self.turns.observe(took);
     }
 
     /// What the broker says of the messages it dropped instead of queueing or delivering
@@ -195,7 +205,9 @@ impl Figures {
         let connected = v.results.input_connected();
         let backpressure = v.ingest.queue.backpressure();
         let behind = records_behind(log, v.proc);
+        let turns = &self.turns;
         self.metrics.update(|f| {
+            f.loop_turn.clone_from(turns);
             f.received = i.received;
             f.acked = i.acked;
             f.oversize_refused = i.oversize;

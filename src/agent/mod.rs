@@ -186,10 +186,9 @@ impl Agent {
     fn run_loop(mut self, shutdown: &Shutdown) -> Result<(), AgentError> {
         while shutdown.requested() == 0 {
             let timeout = self.next_deadline().saturating_duration_since(self.now());
-            match self
-                .events
-                .wait(self.want(), timeout.min(Duration::from_millis(100)))
-            {
+            let waited = (self.events).wait(self.want(), timeout.min(Duration::from_millis(100)));
+            let woke = self.now();
+            match waited {
                 Ok(()) => {
                     // Group commit: everything already waiting joins this fsync, up to one
                     // queue's worth per pass (so timed checkpoints and publishing still
@@ -224,6 +223,7 @@ impl Agent {
             self.figures
                 .heartbeat
                 .beat(now, || figures::status_line(log, proc, ingest, results));
+            self.figures.turn(now.saturating_duration_since(woke));
         }
         self.drain(shutdown)
     }

@@ -190,6 +190,8 @@ pub struct Figures {
     // Log.
     pub log_commits: u64,
     pub log_commit: Histogram,
+    /// Turns of the event loop, from a wake-up to the next wait.
+    pub loop_turn: Histogram,
     pub log_size_bytes: u64,
     /// `log.max_size`: at it, retention deletes processed segments, then input waits.
     pub log_max_bytes: u64,

@@ -302,6 +302,11 @@ fn log(o: &mut Out, f: &Figures) {
         "Duration of the last replay log group commit.",
         f.log_commit.last_seconds,
     );
+    o.histogram(
+        "cairn_loop_turn_duration_seconds",
+        "Duration of one turn of the event loop, from a wake-up to its next wait (a group commit, processing, publishing, timers). What a turn makes leaves no earlier than its end: turns of tens of ms are the latency tail. A checkpoint's commit runs beside the loop, not in a turn.",
+        &f.loop_turn,
+    );
     o.one(
         "cairn_log_size_bytes",
         GAUGE,

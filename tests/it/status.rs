@@ -127,6 +127,9 @@ fn metrics_and_status_report_a_known_stream_online_and_offline() {
     assert!(value(&text, "cairn_checkpoints_total").unwrap() >= 1.0);
     assert!(value(&text, "cairn_checkpoint_duration_seconds_count").unwrap() >= 1.0);
     assert!(value(&text, "cairn_log_commit_duration_seconds_count").unwrap() >= 1.0);
+    // The loop's turns are timed: it turned at least once for each of the inputs above.
+    assert!(value(&text, "cairn_loop_turn_duration_seconds_count").unwrap() >= 5.0);
+    assert!(value(&text, "cairn_loop_turn_duration_seconds_sum").unwrap() > 0.0);
     assert!(value(&text, "cairn_store_size_bytes").unwrap() > 0.0);
     assert!(value(&text, "cairn_pubacked_total").unwrap() >= 2.0);
     assert!(text.contains("# TYPE cairn_applied_total counter"));
