@@ -724,9 +724,14 @@ impl Processor {
     }
 
     /// The checkpoint in flight committed as `info` (visible in the store; durable once
-    /// [`Processor::synced`] says so): the layer goes.
-    pub(crate) fn checkpoint_committed(&mut self, info: &CheckpointInfo) {
-        if let Some(cp) = self.inflight.take() {
+    /// [`Processor::synced`] says so): the layer goes, and is returned for the caller to
+    /// free where it costs least (the agent: on the commit thread).
+    pub(crate) fn checkpoint_committed(
+        &mut self,
+        info: &CheckpointInfo,
+    ) -> Option<std::sync::Arc<Checkpoint>> {
+        let layer = self.inflight.take();
+        if let Some(cp) = &layer {
             self.durable_upsert_backfill = self.engine.upsert_backfilling(&cp.progress);
             let horizon = cp.batch.send_horizon.unwrap_or(0);
             self.durable_send_horizon = self.durable_send_horizon.max(horizon);
@@ -737,6 +742,7 @@ impl Processor {
         // The engine's progress is this checkpoint's now; it moves on before the fsync ends.
         let prune = self::settled_below(&self.engine, info.next_offset);
         self.unsynced_prunes.push_back((info.next_offset, prune));
+        layer
     }
 
     /// The checkpoint in flight, if one is.

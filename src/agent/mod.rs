@@ -554,7 +554,9 @@ impl Agent {
             .inflight()
             .map_or(&[][..], |cp| &cp.batch.outputs[..]);
         self.results.checkpointed(settled, &self.proc, outputs)?;
-        self.proc.checkpoint_committed(&info);
+        if let Some(cp) = self.proc.checkpoint_committed(&info) {
+            self.keeper.release(cp);
+        }
         self.proc.synced(info.next_offset);
         for (seq, id) in acked {
             self.proc.store().outbox_delete(seq, &id)?;

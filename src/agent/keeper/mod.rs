@@ -91,6 +91,11 @@ impl Keeper {
         Ok(Some((info, began, settled)))
     }
 
+    /// The loop is done with a committed, durable checkpoint: freed beside it.
+    pub(crate) fn release(&self, cp: std::sync::Arc<crate::pipeline::engine::Checkpoint>) {
+        self.commit.release(cp);
+    }
+
     /// Whether a checkpoint is being committed beside the loop.
     pub(crate) fn commit_in_flight(&self) -> bool {
         self.commit.in_flight()
