@@ -254,6 +254,7 @@ fn latency(port: u16, publisher: &Publisher, t0: Instant, secs: u64) -> (Loaded,
         let n = rate * secs;
         let cpu0 = ticks(sys);
         let ck0 = (i == 0).then(|| cairn.metric("cairn_checkpoints_total"));
+        let turns0 = (i == 0).then(|| loop_turns(&cairn)).flatten();
         let box0 = box_ticks();
         let (achieved, lat, all) =
             one_run(publisher, sink, sys.prefix(), "p", next[i], n, rate, t0);
@@ -267,6 +268,15 @@ fn latency(port: u16, publisher: &Publisher, t0: Instant, secs: u64) -> (Loaded,
             _ => f64::NAN,
         };
         let checkpoints = ck0.and_then(|a| Some(cairn.metric("cairn_checkpoints_total")? - a?));
+        // The loop's turns over 10 and 25 ms during the point: a long turn holds back every
+        // result made in it (`cairn_loop_turn_duration_seconds`).
+        let long_turns = turns0.zip(loop_turns(&cairn)).map(|(a, b)| {
+            format!(
+                ", loop turns over 10 / 25 ms: {:.0} / {:.0}",
+                b.0 - a.0,
+                b.1 - a.1
+            )
+        });
         let p = Point {
             lat: Latency {
                 rate,
@@ -284,12 +294,13 @@ fn latency(port: u16, publisher: &Publisher, t0: Instant, secs: u64) -> (Loaded,
         println!(
             "  {:<6} {label:>4} = {rate:>6}/s for {secs} s: got {achieved:.0}/s, p50 {:.2} ms  \
              p99 {:.2} ms  p999 {:.2} ms, CPU {cpu_us:.1} µs/event, box busy {box_busy:.0}% \
-             stolen {box_steal:.0}%{}{}",
+             stolen {box_steal:.0}%{}{}{}",
             sys.name(),
             p.lat.p50,
             p.lat.p99,
             p.lat.p999,
             checkpoints.map_or(String::new(), |c| format!(", {c:.0} checkpoints")),
+            long_turns.unwrap_or_default(),
             if all { "" } else { "  (INCOMPLETE)" }
         );
         p
@@ -340,6 +351,14 @@ fn latency(port: u16, publisher: &Publisher, t0: Instant, secs: u64) -> (Loaded,
             peak_rss: peak_rss[1],
         },
     )
+}
+
+/// Turns of the agent's loop so far over 10 ms and over 25 ms, from its histogram.
+fn loop_turns(cairn: &Cairn) -> Option<(f64, f64)> {
+    let name = "cairn_loop_turn_duration_seconds";
+    let all = cairn.metric(&format!("{name}_count"))?;
+    let within = |le: &str| cairn.metric(&format!("{name}_bucket{{le=\"{le}\"}}"));
+    Some((all - within("0.01")?, all - within("0.025")?))
 }
 
 /// A fresh agent, [`KEYS`] keys, `CAIRN_TARGETS_IDLE_EVENTS` inputs with a subscriber
