@@ -155,11 +155,18 @@ fn powercut_bin() -> PathBuf {
         if release {
             args.push("--release");
         }
-        let st = Command::new(env!("CARGO"))
-            .args(&args)
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .expect("run cargo to build powercut-fs");
+        let mut cargo = Command::new(env!("CARGO"));
+        cargo.args(&args).current_dir(env!("CARGO_MANIFEST_DIR"));
+        // Run outside cargo (a bench binary started by hand), rustup's proxies would honour
+        // the `rust-toolchain` file of the `fuser` crate (1.74, not installed here) while
+        // building it: pin the toolchain this binary was built with, as cargo does.
+        if let (None, Some(t)) = (
+            std::env::var_os("RUSTUP_TOOLCHAIN"),
+            option_env!("RUSTUP_TOOLCHAIN"),
+        ) {
+            cargo.env("RUSTUP_TOOLCHAIN", t);
+        }
+        let st = cargo.status().expect("run cargo to build powercut-fs");
         assert!(st.success(), "building powercut-fs failed");
     }
     bin
