@@ -45,6 +45,14 @@ fn outage(store: &Store, engine: &mut Engine, from: u64, events: u64, keys: u64)
     store.commit(&engine.take_checkpoint(), 0).unwrap();
 }
 
+/// An engine over `store` with two pipelines on the same inputs: `p` emits upserts, `c` a
+/// changelog.
+fn upsert_and_changelog(store: &Store) -> Engine {
+    let mut c = spec("changelog");
+    c.name = "c".into();
+    Engine::new(vec![spec("upsert"), c], store.progress().unwrap())
+}
+
 /// Keys and values of the outbox tree, as the byte count counts them.
 fn tree_bytes(store: &Store) -> u64 {
     super::tests::tree_bytes(&store.outbox)
@@ -109,14 +117,7 @@ fn changelog_results_all_wait_and_their_bytes_grow_with_the_events() {
 fn an_upsert_superseded_within_its_checkpoint_is_never_written_but_reported() {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
-    let mut engine = Engine::new(
-        vec![spec("upsert"), {
-            let mut s = spec("changelog");
-            s.name = "c".into();
-            s
-        }],
-        store.progress().unwrap(),
-    );
+    let mut engine = upsert_and_changelog(&store);
     for (off, key) in [(0, 1), (1, 2), (2, 1), (3, 1)] {
         engine.apply(&store, &rec(off, key)).unwrap();
         engine.flush_upserts(); // as the live loop does after each log commit
@@ -279,14 +280,7 @@ fn a_commit_keeps_its_newest_chunks_in_memory_and_only_those() {
 fn the_entries_a_commit_added_are_those_still_waiting_that_a_walk_past_it_finds() {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(dir.path(), 1 << 20, fsio::real()).unwrap();
-    let mut engine = Engine::new(
-        vec![spec("upsert"), {
-            let mut s = spec("changelog");
-            s.name = "c".into();
-            s
-        }],
-        store.progress().unwrap(),
-    );
+    let mut engine = upsert_and_changelog(&store);
     let seqs = |from: u64| -> Vec<u64> {
         (store.outbox_from(from))
             .map(|r| r.unwrap().0)
